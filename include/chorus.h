@@ -1,0 +1,479 @@
+/*
+ * chorus.h - the one public header of libchorus, a collective-communication
+ * library for CPU processes (what torch.distributed's Gloo backend offers, in
+ * C).
+ *
+ * A communicator ("process group") is created by rendezvous through a
+ * key-value store (env:// style: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+ * or split from a parent.  Every collective exists in one function that is
+ * blocking when its last argument `work` is NULL and asynchronous when it is
+ * not (torch's async_op=True): the call then returns at once and *work
+ * receives a handle to wait on, test and free.
+ *
+ * Conventions that hold for every function in this header:
+ *  - Every function that can fail returns chorus_result_t.  0 is success,
+ *    CHORUS_INPROGRESS (positive) means "not done yet", negative values are
+ *    errors.  The human-readable reason is kept on the communicator
+ *    (chorus_comm_last_error) and on the work handle (chorus_work_error).
+ *  - Counts are in elements of the given dtype, not bytes.  Zero counts are
+ *    legal everywhere.  Out-of-place buffers must not overlap; passing the same
+ *    pointer for send and receive buffers selects the in-place form.
+ *  - Collectives on one communicator complete in the order they were issued,
+ *    on every rank.  Several threads may issue calls on one communicator; the
+ *    order is the order in which calls enter the library, and the program
+ *    must make that order the same on every rank.
+ *  - Nothing blocks forever: every wait is bounded by the communicator's
+ *    timeout (CHORUS_TIMEOUT, default 300 s).  A dead peer, a timed-out peer or
+ *    a mismatched collective fails the communicator on every surviving rank;
+ *    after that every call returns the error until chorus_comm_destroy().
+ *  - The library never calls exit() or abort() and never installs signal
+ *    handlers.  It ignores SIGPIPE only for its own writes (MSG_NOSIGNAL).
+ */
+#ifndef CHORUS_H
+#define CHORUS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(CHORUS_BUILDING_LIBRARY) && defined(__GNUC__)
+#define CHORUS_API __attribute__((visibility("default")))
+#else
+#define CHORUS_API
+#endif
+
+#define CHORUS_VERSION_MAJOR 0
+#define CHORUS_VERSION_MINOR 1
+#define CHORUS_VERSION_PATCH 0
+#define CHORUS_VERSION                                                          \
+  (CHORUS_VERSION_MAJOR * 10000 + CHORUS_VERSION_MINOR * 100 +                 \
+   CHORUS_VERSION_PATCH)
+
+/* Returns CHORUS_VERSION of the library actually linked. */
+CHORUS_API int chorus_version(void);
+
+/* ---------------------------------------------------------------- status */
+
+/* X(name, value, description).  The description says where to look next. */
+#define CHORUS_RESULT_MAP(X)                                                    \
+  X(OK, 0, "success")                                                          \
+  X(INPROGRESS, 1, "operation still in progress")                              \
+  X(ERR_INVALID_ARG, -1, "invalid argument (see the communicator's last error)") \
+  X(ERR_NO_MEMORY, -2, "out of memory")                                        \
+  X(ERR_SYSTEM, -3, "system call failed (errno is in the message)")            \
+  X(ERR_TIMEOUT, -4, "timed out waiting for a peer or the store; "             \
+                     "raise CHORUS_TIMEOUT or check the named rank")           \
+  X(ERR_REMOTE, -5, "a peer died, closed its connection or reported an error") \
+  X(ERR_MISMATCH, -6, "ranks called different collectives or passed "          \
+                      "different arguments; compare the calls named")          \
+  X(ERR_NOT_SUPPORTED, -7, "operation not supported for these arguments")      \
+  X(ERR_INTERNAL, -8, "internal error in chorus; please report it with "       \
+                      "CHORUS_LOG_LEVEL=DEBUG output")                         \
+  X(ERR_ABORTED, -9, "communicator was aborted")                               \
+  X(ERR_PROTOCOL, -10, "malformed or unauthenticated message received")        \
+  X(ERR_STORE, -11, "key-value store error (see message for address)")
+
+typedef enum {
+#define CHORUS__RESULT_ENUM(name, value, desc) CHORUS_##name = value,
+  CHORUS_RESULT_MAP(CHORUS__RESULT_ENUM)
+#undef CHORUS__RESULT_ENUM
+} chorus_result_t;
+
+/* Static string describing a result code; never NULL. */
+CHORUS_API const char *chorus_strerror(chorus_result_t result);
+/* Static string with the code's symbolic name ("CHORUS_ERR_TIMEOUT"). */
+CHORUS_API const char *chorus_result_name(chorus_result_t result);
+
+/* ------------------------------------------------------- dtypes and ops */
+
+#define CHORUS_DTYPE_MAP(X)                                                     \
+  X(INT8, int8, 1)                                                             \
+  X(UINT8, uint8, 1)                                                           \
+  X(INT32, int32, 4)                                                           \
+  X(INT64, int64, 8)                                                           \
+  X(FLOAT16, float16, 2)                                                       \
+  X(BFLOAT16, bfloat16, 2)                                                     \
+  X(FLOAT32, float32, 4)                                                       \
+  X(FLOAT64, float64, 8)
+
+typedef enum {
+#define CHORUS__DTYPE_ENUM(NAME, name, size) CHORUS_##NAME,
+  CHORUS_DTYPE_MAP(CHORUS__DTYPE_ENUM)
+#undef CHORUS__DTYPE_ENUM
+  CHORUS_DTYPE_COUNT
+} chorus_dtype_t;
+
+/* AVG divides the sum by the group size (integer division for integers).
+ * BAND/BOR/BXOR are defined for integer dtypes only. */
+#define CHORUS_OP_MAP(X)                                                        \
+  X(SUM, sum)                                                                  \
+  X(PROD, prod)                                                                \
+  X(MIN, min)                                                                  \
+  X(MAX, max)                                                                  \
+  X(AVG, avg)                                                                  \
+  X(BAND, band)                                                                \
+  X(BOR, bor)                                                                  \
+  X(BXOR, bxor)
+
+typedef enum {
+#define CHORUS__OP_ENUM(NAME, name) CHORUS_##NAME,
+  CHORUS_OP_MAP(CHORUS__OP_ENUM)
+#undef CHORUS__OP_ENUM
+  CHORUS_OP_COUNT
+} chorus_op_t;
+
+/* Size in bytes of one element; 0 for an invalid dtype. */
+CHORUS_API size_t chorus_dtype_size(chorus_dtype_t dtype);
+/* "float32", "sum", ...; "invalid" for out-of-range values. */
+CHORUS_API const char *chorus_dtype_name(chorus_dtype_t dtype);
+CHORUS_API const char *chorus_op_name(chorus_op_t op);
+
+/* The collectives, used to name algorithms and in error messages. */
+#define CHORUS_COLL_MAP(X)                                                      \
+  X(BROADCAST, broadcast)                                                      \
+  X(REDUCE, reduce)                                                            \
+  X(ALL_REDUCE, all_reduce)                                                    \
+  X(SCATTER, scatter)                                                          \
+  X(GATHER, gather)                                                            \
+  X(ALL_GATHER, all_gather)                                                    \
+  X(REDUCE_SCATTER, reduce_scatter)                                            \
+  X(ALL_TO_ALL, all_to_all)                                                    \
+  X(ALL_TO_ALLV, all_to_allv)                                                  \
+  X(BARRIER, barrier)                                                          \
+  X(GATHERV, gatherv)                                                          \
+  X(ALL_GATHERV, all_gatherv)                                                  \
+  X(SEND, send)                                                                \
+  X(RECV, recv)
+
+typedef enum {
+#define CHORUS__COLL_ENUM(NAME, name) CHORUS_COLL_##NAME,
+  CHORUS_COLL_MAP(CHORUS__COLL_ENUM)
+#undef CHORUS__COLL_ENUM
+  CHORUS_COLL_COUNT
+} chorus_coll_t;
+
+CHORUS_API const char *chorus_coll_name(chorus_coll_t coll);
+
+/* ---------------------------------------------------------- communicator */
+
+typedef struct chorus_comm *chorus_comm_t;
+typedef struct chorus_work *chorus_work_t;
+
+#define CHORUS_CONFIG_MAGIC 0x43484f52u /* "CHOR" */
+#define CHORUS_CONFIG_VERSION 1u
+
+/*
+ * Explicit configuration for chorus_comm_init().  Always start from
+ * CHORUS_CONFIG_INITIALIZER so fields added later keep their defaults.
+ * Strings are copied; the struct may be freed after the call.
+ */
+typedef struct chorus_config {
+  size_t size;          /* sizeof(chorus_config_t), set by the initializer */
+  unsigned magic;       /* CHORUS_CONFIG_MAGIC */
+  unsigned version;     /* CHORUS_CONFIG_VERSION */
+  int rank;             /* 0 <= rank < world_size */
+  int world_size;       /* >= 1 */
+  const char *store_host; /* address of the store (MASTER_ADDR) */
+  int store_port;       /* port of the store (MASTER_PORT) */
+  int host_store;       /* 1: this rank serves the store at store_port;
+                           0: connect to an existing one; -1 (default):
+                           rank 0 serves it unless CHORUS_STORE_EXTERNAL=1 */
+  int timeout_ms;       /* <= 0: CHORUS_TIMEOUT from the environment */
+  int local_rank;       /* -1: unknown */
+  int local_world_size; /* -1: unknown */
+  const char *job_secret; /* NULL: CHORUS_JOB_SECRET or none */
+  const char *store_prefix; /* NULL: derived from CHORUS_RESTART_COUNT */
+} chorus_config_t;
+
+#define CHORUS_CONFIG_INITIALIZER                                               \
+  {sizeof(chorus_config_t), CHORUS_CONFIG_MAGIC, CHORUS_CONFIG_VERSION, -1, -1, \
+   NULL, -1, -1, 0, -1, -1, NULL, NULL}
+
+/*
+ * Creates the world communicator from the environment (torchrun's contract):
+ * RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and LOCAL_RANK and
+ * LOCAL_WORLD_SIZE when present.  Blocks until every rank has joined or the
+ * timeout expires.  Collective over all WORLD_SIZE processes.
+ * On failure *comm is NULL and the reason is logged at WARN level and
+ * available from chorus_last_init_error().
+ */
+CHORUS_API chorus_result_t chorus_comm_init_env(chorus_comm_t *comm);
+
+/* Same as chorus_comm_init_env() with explicit values (see chorus_config_t). */
+CHORUS_API chorus_result_t chorus_comm_init(const chorus_config_t *config,
+                                            chorus_comm_t *comm);
+
+/* Reason of the last failed chorus_comm_init*() in this thread. */
+CHORUS_API const char *chorus_last_init_error(void);
+
+/*
+ * Destroys a communicator.  Waits for its queued work to finish (bounded by
+ * the timeout), then releases everything.  For the world communicator this
+ * also closes the connections: it says goodbye to every peer and waits a
+ * bounded time for theirs, so peers still finishing their last collective do
+ * not see a failure.  Subgroups must be destroyed before their world
+ * communicator; destroying the world first fails them.  comm may be NULL.
+ */
+CHORUS_API chorus_result_t chorus_comm_destroy(chorus_comm_t comm);
+
+/*
+ * Aborts a communicator: pending and future calls fail with
+ * CHORUS_ERR_ABORTED, peers are told, blocked threads return.  Callable from
+ * any thread, including while another thread is blocked in a collective;
+ * returns in bounded time.  chorus_comm_destroy() must still be called.
+ */
+CHORUS_API chorus_result_t chorus_comm_abort(chorus_comm_t comm);
+
+CHORUS_API int chorus_comm_rank(chorus_comm_t comm);
+CHORUS_API int chorus_comm_size(chorus_comm_t comm);
+/* LOCAL_RANK / LOCAL_WORLD_SIZE when known, else -1. */
+CHORUS_API int chorus_comm_local_rank(chorus_comm_t comm);
+CHORUS_API int chorus_comm_local_size(chorus_comm_t comm);
+
+/* Human-readable reason for the communicator's last error ("" if none).
+ * Valid until the next failing call on this communicator. */
+CHORUS_API const char *chorus_comm_last_error(chorus_comm_t comm);
+
+/* Sticky state: CHORUS_OK, or the error that failed the communicator. */
+CHORUS_API chorus_result_t chorus_comm_status(chorus_comm_t comm);
+
+/* Timeout of waits on this communicator, in milliseconds. */
+CHORUS_API int chorus_comm_timeout_ms(chorus_comm_t comm);
+
+/*
+ * torch.distributed.new_group(ranks): every rank of `parent` calls it with
+ * the same list of distinct parent ranks (in that order they become ranks
+ * 0..n-1 of the new group).  Members get a new communicator; non-members get
+ * *out = NULL and CHORUS_OK.  Does not block on other ranks.  The new group is
+ * independent of its parent: both may be used concurrently from different
+ * threads.
+ */
+CHORUS_API chorus_result_t chorus_comm_new_group(chorus_comm_t parent,
+                                                 const int *ranks, int nranks,
+                                                 chorus_comm_t *out);
+
+/*
+ * MPI_Comm_split / ncclCommSplit: collective over `parent`.  Ranks with the
+ * same color form a group, ordered by key then parent rank.  A negative
+ * color yields *out = NULL (not a member of any group).
+ */
+CHORUS_API chorus_result_t chorus_comm_split(chorus_comm_t parent, int color,
+                                             int key, chorus_comm_t *out);
+
+/*
+ * Forces the algorithm used for `coll` on this communicator ("ring",
+ * "recursive_doubling", "binomial", "linear", ...; NULL or "auto" restores the
+ * automatic choice).  Every rank must make the same choice; a difference is
+ * reported as a mismatch.  Overrides CHORUS_<COLL>_ALGO.
+ */
+CHORUS_API chorus_result_t chorus_comm_set_algo(chorus_comm_t comm,
+                                                chorus_coll_t coll,
+                                                const char *name);
+
+/* Name of the idx-th algorithm registered for coll, or NULL past the end. */
+CHORUS_API const char *chorus_algo_name(chorus_coll_t coll, int idx);
+
+/* ------------------------------------------------------------ work handles */
+
+/*
+ * Waits until the operation completes, fails, or timeout_ms elapses
+ * (timeout_ms < 0: the communicator's timeout).  Returns the operation's
+ * result, or CHORUS_INPROGRESS if timeout_ms elapsed first (the operation
+ * continues).  Callable from any thread.
+ */
+CHORUS_API chorus_result_t chorus_work_wait(chorus_work_t work, int timeout_ms);
+
+/* CHORUS_INPROGRESS while running, else the operation's result. Never blocks. */
+CHORUS_API chorus_result_t chorus_work_test(chorus_work_t work);
+
+/* Reason for the operation's failure ("" if none). Valid until freed. */
+CHORUS_API const char *chorus_work_error(chorus_work_t work);
+
+/*
+ * Releases the handle.  Freeing a handle does not cancel the operation: the
+ * buffers it names must stay valid until it completes (wait first).
+ * work may be NULL.
+ */
+CHORUS_API void chorus_work_free(chorus_work_t work);
+
+/* --------------------------------------------------------------- collectives
+ *
+ * Every function below: `work` NULL -> blocking; the call returns when this
+ * rank's part is complete and the buffers may be reused.  `work` non-NULL ->
+ * asynchronous; the call returns CHORUS_OK once the operation is queued and
+ * *work must later be waited for and freed.  Buffers must stay untouched
+ * until then.  Argument errors are returned at once in both forms.
+ */
+
+/* Root's buf is sent to every rank's buf. */
+CHORUS_API chorus_result_t chorus_broadcast(chorus_comm_t comm, void *buf,
+                                            size_t count, chorus_dtype_t dtype,
+                                            int root, chorus_work_t *work);
+
+/* recvbuf on root receives op(sendbuf of all ranks); recvbuf is ignored
+ * elsewhere (may be NULL).  sendbuf == recvbuf on root is in-place. */
+CHORUS_API chorus_result_t chorus_reduce(chorus_comm_t comm, const void *sendbuf,
+                                         void *recvbuf, size_t count,
+                                         chorus_dtype_t dtype, chorus_op_t op,
+                                         int root, chorus_work_t *work);
+
+/* Every rank's recvbuf receives op(sendbuf of all ranks). */
+CHORUS_API chorus_result_t chorus_all_reduce(chorus_comm_t comm,
+                                             const void *sendbuf, void *recvbuf,
+                                             size_t count, chorus_dtype_t dtype,
+                                             chorus_op_t op, chorus_work_t *work);
+
+/* Root's sendbuf holds size*count elements; rank r receives elements
+ * [r*count, (r+1)*count) in recvbuf.  sendbuf is ignored on other ranks.
+ * In-place on root: recvbuf == sendbuf + root*count*elemsize. */
+CHORUS_API chorus_result_t chorus_scatter(chorus_comm_t comm, const void *sendbuf,
+                                          void *recvbuf, size_t count,
+                                          chorus_dtype_t dtype, int root,
+                                          chorus_work_t *work);
+
+/* Root's recvbuf (size*count elements) receives every rank's sendbuf in rank
+ * order.  In-place on root: sendbuf == recvbuf + root*count*elemsize. */
+CHORUS_API chorus_result_t chorus_gather(chorus_comm_t comm, const void *sendbuf,
+                                         void *recvbuf, size_t count,
+                                         chorus_dtype_t dtype, int root,
+                                         chorus_work_t *work);
+
+/* all_gather_into_tensor: recvbuf (size*count) receives every rank's sendbuf
+ * in rank order.  In-place: sendbuf == recvbuf + rank*count*elemsize. */
+CHORUS_API chorus_result_t chorus_all_gather(chorus_comm_t comm,
+                                             const void *sendbuf, void *recvbuf,
+                                             size_t count, chorus_dtype_t dtype,
+                                             chorus_work_t *work);
+
+/* all_gather into a list: recvbufs[r] (count elements each, size entries)
+ * receives rank r's sendbuf.  The array itself is copied by the call. */
+CHORUS_API chorus_result_t chorus_all_gather_list(chorus_comm_t comm,
+                                                  const void *sendbuf,
+                                                  void *const *recvbufs,
+                                                  size_t count,
+                                                  chorus_dtype_t dtype,
+                                                  chorus_work_t *work);
+
+/* sendbuf holds size*count elements; rank r's recvbuf (count elements)
+ * receives op over all ranks of block r.  In-place: recvbuf ==
+ * sendbuf + rank*count*elemsize. */
+CHORUS_API chorus_result_t chorus_reduce_scatter(chorus_comm_t comm,
+                                                 const void *sendbuf,
+                                                 void *recvbuf, size_t count,
+                                                 chorus_dtype_t dtype,
+                                                 chorus_op_t op,
+                                                 chorus_work_t *work);
+
+/* Block j (count elements) of rank i's sendbuf lands in block i of rank j's
+ * recvbuf.  sendbuf == recvbuf is in-place. */
+CHORUS_API chorus_result_t chorus_all_to_all(chorus_comm_t comm,
+                                             const void *sendbuf, void *recvbuf,
+                                             size_t count, chorus_dtype_t dtype,
+                                             chorus_work_t *work);
+
+/* Variable all_to_all: rank i sends sendcounts[j] elements starting at
+ * sdispls[j] to rank j, which receives them at rdispls[i] (recvcounts[i]
+ * elements; it must equal the sender's sendcounts[j]).  Displacements are in
+ * elements.  The count arrays are copied.  Not in-place. */
+CHORUS_API chorus_result_t chorus_all_to_allv(
+    chorus_comm_t comm, const void *sendbuf, const size_t *sendcounts,
+    const size_t *sdispls, void *recvbuf, const size_t *recvcounts,
+    const size_t *rdispls, chorus_dtype_t dtype, chorus_work_t *work);
+
+/* Returns when every rank has entered the barrier. */
+CHORUS_API chorus_result_t chorus_barrier(chorus_comm_t comm, chorus_work_t *work);
+
+/* Tagged point-to-point.  A send matches the first recv posted by `peer`
+ * with the same tag (tag >= 0), in order.  count must be equal on both ends. */
+CHORUS_API chorus_result_t chorus_send(chorus_comm_t comm, const void *buf,
+                                       size_t count, chorus_dtype_t dtype,
+                                       int peer, int tag, chorus_work_t *work);
+CHORUS_API chorus_result_t chorus_recv(chorus_comm_t comm, void *buf,
+                                       size_t count, chorus_dtype_t dtype,
+                                       int peer, int tag, chorus_work_t *work);
+
+/*
+ * Variable-size byte gathers (gather_object / all_gather_object): each rank
+ * contributes `len` bytes, lengths may differ.  The library exchanges the
+ * lengths itself and allocates the result: *out receives one buffer holding
+ * all contributions in rank order, and lens (an array of size() entries owned
+ * by the caller) receives each rank's length.  Free *out with chorus_free().
+ * For gather_bytes, *out and lens are only written on root (NULL elsewhere).
+ * Blocking only.
+ */
+CHORUS_API chorus_result_t chorus_gather_bytes(chorus_comm_t comm,
+                                               const void *data, size_t len,
+                                               int root, void **out,
+                                               size_t *lens);
+CHORUS_API chorus_result_t chorus_all_gather_bytes(chorus_comm_t comm,
+                                                   const void *data, size_t len,
+                                                   void **out, size_t *lens);
+
+/* Frees memory returned by the library (NULL is fine). */
+CHORUS_API void chorus_free(void *ptr);
+
+/* ---------------------------------------------------------------- the store
+ *
+ * The TCP key-value store used for rendezvous, also usable directly (like
+ * torch.distributed.TCPStore).  Values are byte strings.  Every blocking call
+ * is bounded by the store's timeout.
+ */
+typedef struct chorus_store chorus_store_t;               /* a client */
+typedef struct chorus_store_server chorus_store_server_t; /* a server */
+
+/* Starts a store server listening on host:port (port 0 picks a free port;
+ * host NULL: all interfaces).  The server runs on its own thread. */
+CHORUS_API chorus_result_t chorus_store_server_start(const char *host, int port,
+                                                     const char *secret,
+                                                     chorus_store_server_t **server);
+/* Port the server listens on. */
+CHORUS_API int chorus_store_server_port(const chorus_store_server_t *server);
+/* Stops the server thread, closes every connection and frees it. */
+CHORUS_API void chorus_store_server_stop(chorus_store_server_t *server);
+
+/* Connects a client, retrying until timeout_ms if the server is not up yet. */
+CHORUS_API chorus_result_t chorus_store_connect(const char *host, int port,
+                                                const char *secret,
+                                                int timeout_ms,
+                                                chorus_store_t **client);
+CHORUS_API void chorus_store_close(chorus_store_t *client);
+/* Last error message of this client ("" if none). */
+CHORUS_API const char *chorus_store_last_error(const chorus_store_t *client);
+
+CHORUS_API chorus_result_t chorus_store_set(chorus_store_t *c, const char *key,
+                                            const void *val, size_t len);
+/* Blocks until key exists (or timeout); *val is malloc'd, free with
+ * chorus_free(). */
+CHORUS_API chorus_result_t chorus_store_get(chorus_store_t *c, const char *key,
+                                            void **val, size_t *len);
+/* Atomically adds delta to the integer stored at key (0 if absent); returns
+ * the new value in *result. */
+CHORUS_API chorus_result_t chorus_store_add(chorus_store_t *c, const char *key,
+                                            int64_t delta, int64_t *result);
+/* If key's value equals expected (or key is absent and expected_len == 0
+ * with expected == NULL), sets it to desired.  *current receives the value
+ * after the call (malloc'd). */
+CHORUS_API chorus_result_t chorus_store_compare_set(
+    chorus_store_t *c, const char *key, const void *expected, size_t expected_len,
+    const void *desired, size_t desired_len, void **current, size_t *current_len);
+/* *exists = 1 if every key exists now.  Never blocks on keys. */
+CHORUS_API chorus_result_t chorus_store_check(chorus_store_t *c,
+                                              const char *const *keys, int nkeys,
+                                              int *exists);
+/* *deleted = 1 if the key existed. */
+CHORUS_API chorus_result_t chorus_store_delete(chorus_store_t *c, const char *key,
+                                               int *deleted);
+/* Blocks until every key exists; timeout_ms < 0: the client's timeout. */
+CHORUS_API chorus_result_t chorus_store_wait(chorus_store_t *c,
+                                             const char *const *keys, int nkeys,
+                                             int timeout_ms);
+CHORUS_API chorus_result_t chorus_store_num_keys(chorus_store_t *c,
+                                                 int64_t *num);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CHORUS_H */

@@ -1,0 +1,133 @@
+/*
+ * log.c - see log.h.  The configuration is a process-wide snapshot taken
+ * once from the environment table; the identity (rank/size) is set once the
+ * first communicator knows it.
+ */
+#include "log.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "env.h"
+
+int chorus__log_level = CHORUS__LOG_WARN;
+unsigned chorus__log_mask = CHORUS__SUB_ALL;
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_fd = 2;
+static char g_host[64] = "?";
+static volatile int g_rank = -1, g_size = -1;
+
+static const struct {
+  const char *name;
+  unsigned bit;
+} g_subs[] = {{"INIT", CHORUS__SUB_INIT},   {"STORE", CHORUS__SUB_STORE},
+              {"TCP", CHORUS__SUB_TCP},     {"COLL", CHORUS__SUB_COLL},
+              {"ALGO", CHORUS__SUB_ALGO},   {"LAUNCH", CHORUS__SUB_LAUNCH},
+              {"ALL", CHORUS__SUB_ALL}};
+
+static const char *sub_name(unsigned sub) {
+  for (size_t i = 0; i < sizeof g_subs / sizeof g_subs[0]; i++)
+    if (g_subs[i].bit == sub) return g_subs[i].name;
+  return "?";
+}
+
+static unsigned parse_mask(const char *s) {
+  unsigned mask = 0, excl = 0;
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", s);
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+       tok = strtok_r(NULL, ",", &save)) {
+    int neg = tok[0] == '^';
+    for (size_t i = 0; i < sizeof g_subs / sizeof g_subs[0]; i++)
+      if (!strcasecmp(tok + neg, g_subs[i].name)) *(neg ? &excl : &mask) |= g_subs[i].bit;
+  }
+  if (!mask) mask = CHORUS__SUB_ALL;
+  return mask & ~excl;
+}
+
+static void expand_path(const char *pat, char *out, size_t cap) {
+  size_t o = 0;
+  for (const char *p = pat; *p && o + 1 < cap; p++) {
+    if (p[0] == '%' && p[1]) {
+      char tmp[80];
+      p++;
+      if (*p == 'h') snprintf(tmp, sizeof tmp, "%s", g_host);
+      else if (*p == 'p') snprintf(tmp, sizeof tmp, "%d", (int)getpid());
+      else if (*p == 'r') snprintf(tmp, sizeof tmp, "%d", g_rank);
+      else snprintf(tmp, sizeof tmp, "%%%c", *p);
+      o += (size_t)snprintf(out + o, cap - o, "%s", tmp);
+      if (o >= cap) o = cap - 1;
+    } else {
+      out[o++] = *p;
+    }
+  }
+  out[o] = '\0';
+}
+
+static void log_init_once(void) {
+  const chorus__env_t *env = chorus__env();
+  gethostname(g_host, sizeof g_host - 1);
+  const char *lv = env->LOG_LEVEL;
+  if (!strcasecmp(lv, "NONE")) chorus__log_level = CHORUS__LOG_NONE;
+  else if (!strcasecmp(lv, "INFO")) chorus__log_level = CHORUS__LOG_INFO;
+  else if (!strcasecmp(lv, "DEBUG")) chorus__log_level = CHORUS__LOG_DEBUG;
+  else if (!strcasecmp(lv, "TRACE")) chorus__log_level = CHORUS__LOG_TRACE;
+  else chorus__log_level = CHORUS__LOG_WARN;
+  chorus__log_mask = parse_mask(env->LOG_SUBSYS);
+  if (env->LOG_FILE && *env->LOG_FILE) {
+    char path[512];
+    expand_path(env->LOG_FILE, path, sizeof path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) g_fd = fd;
+  }
+  const char *errs = chorus__env_errors();
+  if (*errs && chorus__log_level >= CHORUS__LOG_WARN) {
+    char line[2300];
+    int n = snprintf(line, sizeof line, "%s:%d chorus WARN %s\n", g_host,
+                     (int)getpid(), errs);
+    if (n > 0) (void)!write(g_fd, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+  }
+}
+
+void chorus__log_init(void) { pthread_once(&g_once, log_init_once); }
+
+void chorus__log_set_identity(int rank, int size) {
+  g_rank = rank;
+  g_size = size;
+}
+
+void chorus__log(int level, unsigned sub, const char *file, int line,
+                 const char *fmt, ...) {
+  static const char *names[] = {"NONE", "WARN", "INFO", "DEBUG", "TRACE"};
+  char buf[2048];
+  int n;
+  if (g_rank >= 0)
+    n = snprintf(buf, sizeof buf, "%s:%d %d/%d [%s] %s ", g_host, (int)getpid(),
+                 g_rank, g_size, sub_name(sub), names[level]);
+  else
+    n = snprintf(buf, sizeof buf, "%s:%d [%s] %s ", g_host, (int)getpid(),
+                 sub_name(sub), names[level]);
+  if (n < 0) return;
+  va_list ap;
+  va_start(ap, fmt);
+  int m = vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
+  va_end(ap);
+  if (m < 0) return;
+  size_t len = (size_t)n + (size_t)m;
+  if (len > sizeof buf - 2) len = sizeof buf - 2;
+  if (chorus__log_level >= CHORUS__LOG_DEBUG) {
+    const char *base = strrchr(file, '/');
+    len += (size_t)snprintf(buf + len, sizeof buf - len, " (%s:%d)",
+                            base ? base + 1 : file, line);
+    if (len > sizeof buf - 2) len = sizeof buf - 2;
+  }
+  buf[len++] = '\n';
+  (void)!write(g_fd, buf, len);
+}

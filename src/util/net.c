@@ -1,0 +1,241 @@
+/*
+ * net.c - see net.h.  Name resolution uses getaddrinfo (IPv4 and IPv6);
+ * everything that waits goes through poll() with the remaining time of the
+ * caller's deadline, so no call here can block past it.
+ */
+
+#include "net.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "clock.h"
+
+int chorus__net_set_nonblock(int fd, int on) {
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0) return -errno;
+  fl = on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK);
+  return fcntl(fd, F_SETFL, fl) < 0 ? -errno : 0;
+}
+
+int chorus__net_set_nodelay(int fd) {
+  int one = 1;
+  return setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0 ? -errno : 0;
+}
+
+static int resolve(const char *host, int port, int passive, struct addrinfo **res) {
+  struct addrinfo hints;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  char svc[16];
+  snprintf(svc, sizeof svc, "%d", port);
+  int rc = getaddrinfo(host && *host ? host : NULL, svc, &hints, res);
+  if (rc != 0) return rc == EAI_SYSTEM ? -errno : -EHOSTUNREACH;
+  return 0;
+}
+
+int chorus__net_listen(const char *host, int port, int backlog, int *bound_port) {
+  if (port < 0 || port > 65535) return -EINVAL;
+  struct addrinfo *res = NULL;
+  int rc = resolve(host, port, 1, &res);
+  if (rc < 0) return rc;
+  int fd = -1;
+  rc = -EADDRNOTAVAIL;
+  /* Prefer IPv4 when listening on all interfaces: peers usually resolve
+   * MASTER_ADDR to an IPv4 address. */
+  for (int pass = 0; pass < 2 && fd < 0; pass++) {
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+      if ((pass == 0) != (ai->ai_family == AF_INET)) continue;
+      fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+      if (fd < 0) {
+        rc = -errno;
+        continue;
+      }
+      int one = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, backlog) == 0) break;
+      rc = -errno;
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(res);
+  if (fd < 0) return rc;
+  if (bound_port) {
+    char tmp[64];
+    rc = chorus__net_local_addr(fd, tmp, sizeof tmp, bound_port);
+    if (rc < 0) {
+      close(fd);
+      return rc;
+    }
+  }
+  return fd;
+}
+
+static int wait_fd(int fd, short events, int64_t deadline) {
+  for (;;) {
+    struct pollfd p = {.fd = fd, .events = events};
+    int ms = chorus__ms_left(deadline);
+    if (ms == 0 && deadline != CHORUS__NO_DEADLINE) return -ETIMEDOUT;
+    int rc = poll(&p, 1, ms > 1000 ? 1000 : ms);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (rc > 0) return 0;
+  }
+}
+
+static int connect_once(const struct addrinfo *ai, int64_t deadline) {
+  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                  ai->ai_protocol);
+  if (fd < 0) return -errno;
+  int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+  if (rc < 0 && errno != EINPROGRESS) {
+    rc = -errno;
+    close(fd);
+    return rc;
+  }
+  if (rc < 0) {
+    rc = wait_fd(fd, POLLOUT, deadline);
+    if (rc == 0) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      rc = err ? -err : 0;
+    }
+    if (rc < 0) {
+      close(fd);
+      return rc;
+    }
+  }
+  if ((rc = chorus__net_set_nonblock(fd, 0)) < 0 || (rc = chorus__net_set_nodelay(fd)) < 0) {
+    close(fd);
+    return rc;
+  }
+  return fd;
+}
+
+int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_ms) {
+  if (port <= 0 || port > 65535) return -EINVAL;
+  if (retry_ms <= 0) retry_ms = 50;
+  for (;;) {
+    struct addrinfo *res = NULL;
+    int rc = resolve(host, port, 0, &res);
+    if (rc == 0) {
+      rc = -ECONNREFUSED;
+      for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        rc = connect_once(ai, deadline);
+        if (rc >= 0) break;
+      }
+      freeaddrinfo(res);
+      if (rc >= 0) return rc;
+    }
+    /* Refused / unreachable / not resolvable yet: the peer may still be
+     * starting.  Anything else is final. */
+    if (rc != -ECONNREFUSED && rc != -EHOSTUNREACH && rc != -ENETUNREACH &&
+        rc != -ETIMEDOUT && rc != -ECONNRESET && rc != -EAGAIN)
+      return rc;
+    int left = chorus__ms_left(deadline);
+    if (left == 0) return rc == -ETIMEDOUT ? rc : rc;
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)(left < retry_ms ? left : retry_ms) * 1000000};
+    nanosleep(&ts, NULL);
+    if (chorus__ms_left(deadline) == 0) return rc;
+  }
+}
+
+int chorus__net_accept(int listen_fd, int64_t deadline) {
+  for (;;) {
+    int rc = wait_fd(listen_fd, POLLIN, deadline);
+    if (rc < 0) return rc;
+    int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      chorus__net_set_nonblock(fd, 0);
+      chorus__net_set_nodelay(fd);
+      return fd;
+    }
+    if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
+    return -errno;
+  }
+}
+
+int chorus__net_write_full(int fd, const void *buf, size_t len, int64_t deadline) {
+  const char *p = buf;
+  while (len > 0) {
+    ssize_t n = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      len -= (size_t)n;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      int rc = wait_fd(fd, POLLOUT, deadline);
+      if (rc < 0) return rc;
+      continue;
+    }
+    return n < 0 ? -errno : -EIO;
+  }
+  return 0;
+}
+
+int chorus__net_read_full(int fd, void *buf, size_t len, int64_t deadline) {
+  char *p = buf;
+  while (len > 0) {
+    ssize_t n = recv(fd, p, len, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      len -= (size_t)n;
+      continue;
+    }
+    if (n == 0) return -ECONNRESET;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      int rc = wait_fd(fd, POLLIN, deadline);
+      if (rc < 0) return rc;
+      continue;
+    }
+    return -errno;
+  }
+  return 0;
+}
+
+static int sockaddr_str(const struct sockaddr_storage *ss, char *host, size_t cap, int *port) {
+  if (ss->ss_family == AF_INET) {
+    const struct sockaddr_in *in = (const void *)ss;
+    if (!inet_ntop(AF_INET, &in->sin_addr, host, (socklen_t)cap)) return -errno;
+    if (port) *port = ntohs(in->sin_port);
+  } else if (ss->ss_family == AF_INET6) {
+    const struct sockaddr_in6 *in6 = (const void *)ss;
+    if (!inet_ntop(AF_INET6, &in6->sin6_addr, host, (socklen_t)cap)) return -errno;
+    if (port) *port = ntohs(in6->sin6_port);
+  } else {
+    return -EAFNOSUPPORT;
+  }
+  return 0;
+}
+
+int chorus__net_local_addr(int fd, char *host, size_t cap, int *port) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof ss;
+  if (getsockname(fd, (struct sockaddr *)&ss, &len) < 0) return -errno;
+  return sockaddr_str(&ss, host, cap, port);
+}
+
+int chorus__net_peer_addr(int fd, char *host, size_t cap, int *port) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof ss;
+  if (getpeername(fd, (struct sockaddr *)&ss, &len) < 0) return -errno;
+  return sockaddr_str(&ss, host, cap, port);
+}

@@ -1,0 +1,37 @@
+/*
+ * net.h - TCP socket helpers with deadlines, shared by the store and the TCP
+ * transport.  Every function returns >= 0 on success or a negative errno
+ * (-ETIMEDOUT when the deadline passed, -ECONNRESET when the peer closed the
+ * connection before all bytes arrived).  Sockets are created close-on-exec;
+ * writes use MSG_NOSIGNAL so a closed peer never raises SIGPIPE.
+ */
+#ifndef CHORUS_UTIL_NET_H
+#define CHORUS_UTIL_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Listens on host:port (host NULL or "" -> all interfaces; port 0 -> any free
+ * port).  Returns the fd; *bound_port receives the actual port. */
+int chorus__net_listen(const char *host, int port, int backlog, int *bound_port);
+
+/* Connects to host:port, retrying refused/unreachable attempts every retry_ms
+ * until deadline.  Returns a blocking fd with TCP_NODELAY set. */
+int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_ms);
+
+/* Accepts one connection, waiting until deadline.  Returns the fd. */
+int chorus__net_accept(int listen_fd, int64_t deadline);
+
+int chorus__net_set_nonblock(int fd, int on);
+int chorus__net_set_nodelay(int fd);
+
+/* Writes/reads exactly len bytes (handles partial transfers, EINTR and
+ * EAGAIN through poll) unless the deadline passes or the peer goes away. */
+int chorus__net_write_full(int fd, const void *buf, size_t len, int64_t deadline);
+int chorus__net_read_full(int fd, void *buf, size_t len, int64_t deadline);
+
+/* Numeric address of the local / remote end ("127.0.0.1"), port separately. */
+int chorus__net_local_addr(int fd, char *host, size_t cap, int *port);
+int chorus__net_peer_addr(int fd, char *host, size_t cap, int *port);
+
+#endif

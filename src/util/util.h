@@ -1,0 +1,68 @@
+/*
+ * util.h - small helpers shared by every layer: error-propagation macros,
+ * checked arithmetic and a monotonic condition variable.
+ */
+#ifndef CHORUS_UTIL_UTIL_H
+#define CHORUS_UTIL_UTIL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "log.h"
+#include "clock.h"
+
+#define CHORUS__MIN(a, b) ((a) < (b) ? (a) : (b))
+#define CHORUS__MAX(a, b) ((a) > (b) ? (a) : (b))
+#define CHORUS__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* Returns on error (negative result), leaving a DEBUG trace of where. */
+#define CHORUS_CHECK(call)                                                      \
+  do {                                                                         \
+    int chorus__rc = (call);                                                   \
+    if (chorus__rc < 0) {                                                      \
+      CHORUS_DEBUG(CHORUS__SUB_ALL, "%s -> %d", #call, chorus__rc);            \
+      return chorus__rc;                                                       \
+    }                                                                          \
+  } while (0)
+
+/* Stores the result in rc and jumps to label on error. */
+#define CHORUS_CHECK_GOTO(call, rc, label)                                      \
+  do {                                                                         \
+    (rc) = (call);                                                             \
+    if ((rc) < 0) {                                                            \
+      CHORUS_DEBUG(CHORUS__SUB_ALL, "%s -> %d", #call, (int)(rc));             \
+      goto label;                                                              \
+    }                                                                          \
+  } while (0)
+
+/* a * b into *out; returns 0, or -1 on overflow. */
+static inline int chorus__mul_overflow(size_t a, size_t b, size_t *out) {
+  return __builtin_mul_overflow(a, b, out) ? -1 : 0;
+}
+
+/* pthread_cond_t whose timedwait takes CLOCK_MONOTONIC deadlines. */
+static inline int chorus__cond_init_monotonic(pthread_cond_t *cond) {
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  int rc = pthread_cond_init(cond, &attr);
+  pthread_condattr_destroy(&attr);
+  return rc;
+}
+
+/* Fills buf with n bytes from getrandom(2) (falls back to /dev/urandom);
+ * returns 0 or -errno. */
+int chorus__random_bytes(void *buf, size_t n);
+
+/* SipHash-2-4 of data under a 16-byte key: used to authenticate connections
+ * with a challenge (nonce) and the job secret without sending the secret. */
+uint64_t chorus__siphash(const uint8_t key[16], const void *data, size_t len);
+
+/* Derives a 16-byte key from a secret string (empty/NULL -> fixed key). */
+void chorus__secret_key(const char *secret, uint8_t key[16]);
+
+/* Constant-time comparison of n bytes; 0 when equal. */
+int chorus__memcmp_ct(const void *a, const void *b, size_t n);
+
+#endif
