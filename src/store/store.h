@@ -3,16 +3,25 @@
  * in chorus.h: chorus_store_*).
  *
  * Wire protocol (all integers little-endian):
- *   every frame:   u32 length of what follows, then that many bytes
+ *   every frame:   u32 length of what follows, then that many bytes; the
+ *                  three handshake messages are frames too
  *   handshake:     server -> client  "CHST" u32 version, 16-byte nonce
  *                  client -> server  "CHST" u32 version, u64 siphash(key, nonce)
- *                  server -> client  u8 status (0 ok; else the connection closes)
+ *                  server -> client  u8 status (0 ok, 1 wrong secret, 2 bad
+ *                  magic/version; anything but 0 closes the connection)
+ *                  where key = chorus__secret_key(job secret).
  *   request body:  u8 command, then command fields; strings and values are
- *                  u32 length + bytes.  Responses: u8 status (0 ok, 1 timeout,
- *                  2 bad request) then result fields.
+ *                  u32 length + bytes.  Responses: u8 status (0 ok, 1 timeout
+ *                  (reserved, never sent: clients apply their own deadline),
+ *                  2 bad request, followed by a reason string) then result
+ *                  fields.  store_proto.h lists each command's fields.
+ * One request is answered at a time per connection, in order; GET and WAIT
+ * on missing keys park the request on the server until the keys exist.
  * Frames longer than CHORUS__STORE_MAX_FRAME, keys longer than
  * CHORUS__STORE_MAX_KEY and malformed bodies close the connection (the
  * server logs the peer's address:port) without disturbing other clients.
+ * Before the handshake completes no frame may exceed the client's 16-byte
+ * answer, and a connection that has not answered within 5 s is closed.
  */
 #ifndef CHORUS_STORE_STORE_H
 #define CHORUS_STORE_STORE_H
@@ -34,7 +43,17 @@ chorus_result_t chorus__store_get_timeout(chorus_store_t *c, const char *key,
 /* "host:port" the client is connected to. */
 const char *chorus__store_address(const chorus_store_t *client);
 
-/* The file descriptor of the client's connection (for getsockname). */
+/* The file descriptor of the client's connection (for getsockname); -1
+ * while it is disconnected (after a timeout, until the next call). */
 int chorus__store_fd(const chorus_store_t *client);
+
+/* Reason the last failed chorus_store_connect() of this thread failed ("" if
+ * none): chorus_store_connect() has no client to keep it on. */
+const char *chorus__store_connect_error(void);
+
+/* How long a new connection may take to authenticate (default 5000 ms);
+ * applies to connections accepted afterwards.  For tests. */
+void chorus__store_server_set_handshake_timeout(chorus_store_server_t *server,
+                                                int timeout_ms);
 
 #endif

@@ -1,0 +1,127 @@
+/*
+ * algo.h - the algorithm layer: one description of a collective call
+ * (chorus__coll_t), a registry of named algorithms per collective, and the
+ * message helpers every algorithm is written with.
+ *
+ * An algorithm is straight-line code run by one thread (the caller's, or the
+ * communicator's worker for asynchronous calls).  It posts sends and receives
+ * through the transport endpoint and waits for them; every wait is bounded by
+ * the communicator's timeout, and any failure of the endpoint (peer died,
+ * mismatch, abort) makes the wait return the error at once.  Algorithms send
+ * the same messages whatever the count (zero-length ones included), so a
+ * mismatched call is always seen by some receiver.
+ *
+ * Steps: every message of one collective has a step number, unique per
+ * (sender, receiver) pair within that collective; (sequence number, step)
+ * is the match key.
+ */
+#ifndef CHORUS_ALGO_ALGO_H
+#define CHORUS_ALGO_ALGO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chorus.h"
+#include "transport/transport.h"
+
+typedef struct chorus__coll {
+  chorus_coll_t coll;
+  const void *sendbuf;
+  void *recvbuf;
+  size_t count;
+  chorus_dtype_t dtype;
+  chorus_op_t op; /* CHORUS_OP_COUNT when none */
+  int root;       /* -1 when none */
+  void **recvbufs;                   /* all_gather_list (copied array) */
+  size_t *scounts, *sdispls;         /* all_to_allv (copied arrays) */
+  size_t *rcounts, *rdispls;
+  int peer, tag;                     /* send / recv */
+  void **out;                        /* gatherv / all_gatherv results */
+  size_t *lens;
+  /* Execution context, filled by the core. */
+  chorus__ep_t *ep;
+  int rank, size;
+  int timeout_ms;
+  size_t esize;
+  int algo;
+  char err[256]; /* local failure reason (e.g. out of memory) */
+} chorus__coll_t;
+
+typedef chorus_result_t (*chorus__algo_fn_t)(chorus__coll_t *c);
+
+typedef struct chorus__algo {
+  const char *name;
+  chorus__algo_fn_t run;
+  const char *desc;
+} chorus__algo_t;
+
+/* The algorithms registered for coll (*n receives their number). */
+const chorus__algo_t *chorus__algos(chorus_coll_t coll, int *n);
+
+/* Index of the algorithm named name for coll, or -1. */
+int chorus__algo_find(chorus_coll_t coll, const char *name);
+
+/* The automatic choice for c (depends only on arguments every rank shares). */
+int chorus__algo_select(const chorus__coll_t *c);
+
+/* Formats a fingerprint with the algorithm's name (for the transport). */
+void chorus__fp_format(const chorus__fp_t *fp, char *buf, size_t cap);
+
+/* ------------------------------------------------------------- helpers */
+
+/* Posts a receive of rlen bytes from rpeer (if rpeer >= 0) and a send of
+ * slen bytes to speer (if speer >= 0), both with the given step, and waits
+ * for both. */
+chorus_result_t chorus__xchg(chorus__coll_t *c, int speer, const void *sbuf, size_t slen,
+                             int rpeer, void *rbuf, size_t rlen, uint32_t step);
+
+static inline chorus_result_t chorus__send(chorus__coll_t *c, int peer, const void *buf,
+                                           size_t len, uint32_t step) {
+  return chorus__xchg(c, peer, buf, len, -1, NULL, 0, step);
+}
+static inline chorus_result_t chorus__recv(chorus__coll_t *c, int peer, void *buf, size_t len,
+                                           uint32_t step) {
+  return chorus__xchg(c, -1, NULL, 0, peer, buf, len, step);
+}
+
+/* malloc that records a failure message on c (returns NULL then). n may be
+ * 0 (returns a valid 1-byte allocation). */
+void *chorus__scratch(chorus__coll_t *c, size_t n);
+
+/* dst = a op b over n elements of c's dtype (dst may alias a or b). */
+void chorus__combine(const chorus__coll_t *c, void *dst, const void *a, const void *b, size_t n);
+
+/* Block b of n equal-as-possible blocks of count elements: the first
+ * count % n blocks get one element more. */
+static inline size_t chorus__blk_count(size_t count, int n, int b) {
+  return count / (size_t)n + ((size_t)b < count % (size_t)n ? 1 : 0);
+}
+static inline size_t chorus__blk_offset(size_t count, int n, int b) {
+  size_t q = count / (size_t)n, r = count % (size_t)n;
+  return q * (size_t)b + ((size_t)b < r ? (size_t)b : r);
+}
+
+/* Per-family entry points, registered in registry.c. */
+#define CHORUS__ALGO_DECL(fn) chorus_result_t fn(chorus__coll_t *c)
+CHORUS__ALGO_DECL(chorus__bcast_binomial);
+CHORUS__ALGO_DECL(chorus__bcast_linear);
+CHORUS__ALGO_DECL(chorus__reduce_binomial);
+CHORUS__ALGO_DECL(chorus__reduce_linear);
+CHORUS__ALGO_DECL(chorus__allreduce_ring);
+CHORUS__ALGO_DECL(chorus__allreduce_rd);
+CHORUS__ALGO_DECL(chorus__allreduce_reduce_bcast);
+CHORUS__ALGO_DECL(chorus__scatter_binomial);
+CHORUS__ALGO_DECL(chorus__scatter_linear);
+CHORUS__ALGO_DECL(chorus__gather_binomial);
+CHORUS__ALGO_DECL(chorus__gather_linear);
+CHORUS__ALGO_DECL(chorus__allgather_ring);
+CHORUS__ALGO_DECL(chorus__allgather_bruck);
+CHORUS__ALGO_DECL(chorus__reduce_scatter_ring);
+CHORUS__ALGO_DECL(chorus__reduce_scatter_pairwise);
+CHORUS__ALGO_DECL(chorus__alltoall_pairwise);
+CHORUS__ALGO_DECL(chorus__alltoallv_pairwise);
+CHORUS__ALGO_DECL(chorus__barrier_dissemination);
+CHORUS__ALGO_DECL(chorus__gatherv_linear);
+CHORUS__ALGO_DECL(chorus__allgatherv_ring);
+
+#endif

@@ -1,0 +1,159 @@
+/*
+ * exchange.c - all-to-all (equal and variable counts), the barrier, and the
+ * variable-size byte gathers behind gather_object / all_gather_object.
+ *
+ * Pairwise exchange: at step s (1..n-1) rank r sends to r+s and receives
+ * from r-s, so every pair meets exactly once and no rank receives from two
+ * senders at once.  Dissemination barrier (Hensgen, Finkel and Manber): in
+ * round k rank r signals r+2^k and waits for r-2^k; after ceil(log2 n)
+ * rounds every rank has transitively heard from every other.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "algo/algo.h"
+
+static inline int mod(int a, int n) { return ((a % n) + n) % n; }
+
+chorus_result_t chorus__alltoall_pairwise(chorus__coll_t *c) {
+  int n = c->size, r = c->rank;
+  size_t blk = c->count * c->esize;
+  const char *send = c->sendbuf;
+  char *recv = c->recvbuf, *copy = NULL;
+  if (send == recv && n > 1) {
+    copy = chorus__scratch(c, blk * (size_t)n);
+    if (!copy) return CHORUS_ERR_NO_MEMORY;
+    if (blk) memcpy(copy, send, blk * (size_t)n);
+    send = copy;
+  }
+  if (recv + blk * (size_t)r != send + blk * (size_t)r && blk)
+    memmove(recv + blk * (size_t)r, send + blk * (size_t)r, blk);
+  chorus_result_t st = CHORUS_OK;
+  for (int s = 1; s < n && st == CHORUS_OK; s++) {
+    int to = mod(r + s, n), from = mod(r - s, n);
+    st = chorus__xchg(c, to, send + blk * (size_t)to, blk, from, recv + blk * (size_t)from, blk,
+                      (uint32_t)s);
+  }
+  free(copy);
+  return st;
+}
+
+chorus_result_t chorus__alltoallv_pairwise(chorus__coll_t *c) {
+  int n = c->size, r = c->rank;
+  size_t es = c->esize;
+  const char *send = c->sendbuf;
+  char *recv = c->recvbuf;
+  if (c->rcounts[r] != c->scounts[r]) {
+    snprintf(c->err, sizeof c->err,
+             "all_to_allv: sendcounts[%d]=%zu but recvcounts[%d]=%zu on the same rank", r,
+             c->scounts[r], r, c->rcounts[r]);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  if (c->scounts[r]) memmove(recv + c->rdispls[r] * es, send + c->sdispls[r] * es, c->scounts[r] * es);
+  for (int s = 1; s < n; s++) {
+    int to = mod(r + s, n), from = mod(r - s, n);
+    chorus_result_t st =
+        chorus__xchg(c, to, send + c->sdispls[to] * es, c->scounts[to] * es, from,
+                     recv + c->rdispls[from] * es, c->rcounts[from] * es, (uint32_t)s);
+    if (st != CHORUS_OK) return st;
+  }
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__barrier_dissemination(chorus__coll_t *c) {
+  int n = c->size, r = c->rank;
+  uint32_t step = 0;
+  for (int k = 1; k < n; k <<= 1, step++) {
+    chorus_result_t st = chorus__xchg(c, mod(r + k, n), NULL, 0, mod(r - k, n), NULL, 0, step);
+    if (st != CHORUS_OK) return st;
+  }
+  return CHORUS_OK;
+}
+
+/* gather_bytes: sizes first (step 0), then the data (step 1), linear. */
+chorus_result_t chorus__gatherv_linear(chorus__coll_t *c) {
+  int n = c->size, r = c->rank, root = c->root;
+  uint64_t mylen = c->count;
+  if (r != root) {
+    chorus_result_t st = chorus__send(c, root, &mylen, sizeof mylen, 0);
+    if (st == CHORUS_OK) st = chorus__send(c, root, c->sendbuf, c->count, 1);
+    return st;
+  }
+  uint64_t *lens = chorus__scratch(c, sizeof(uint64_t) * (size_t)n);
+  if (!lens) return CHORUS_ERR_NO_MEMORY;
+  chorus_result_t st = CHORUS_OK;
+  size_t total = 0;
+  for (int q = 0; q < n && st == CHORUS_OK; q++) {
+    if (q == root) lens[q] = mylen;
+    else st = chorus__recv(c, q, &lens[q], sizeof lens[q], 0);
+    if (st == CHORUS_OK && __builtin_add_overflow(total, lens[q], &total)) {
+      snprintf(c->err, sizeof c->err, "gather_bytes: rank %d announced an impossible length", q);
+      st = CHORUS_ERR_PROTOCOL;
+    }
+  }
+  char *out = st == CHORUS_OK ? chorus__scratch(c, total) : NULL;
+  if (st == CHORUS_OK && !out) st = CHORUS_ERR_NO_MEMORY;
+  size_t off = 0;
+  for (int q = 0; q < n && st == CHORUS_OK; q++) {
+    if (q == root) {
+      if (lens[q]) memcpy(out + off, c->sendbuf, lens[q]);
+    } else {
+      st = chorus__recv(c, q, out + off, lens[q], 1);
+    }
+    c->lens[q] = lens[q];
+    off += lens[q];
+  }
+  if (st == CHORUS_OK) *c->out = out;
+  else free(out);
+  free(lens);
+  return st;
+}
+
+/* all_gather_bytes: ring all-gather of the sizes (steps 0..n-2), then a ring
+ * all-gather of variable blocks (steps n..2n-2). */
+chorus_result_t chorus__allgatherv_ring(chorus__coll_t *c) {
+  int n = c->size, r = c->rank;
+  uint64_t *lens = chorus__scratch(c, sizeof(uint64_t) * (size_t)n);
+  size_t *offs = chorus__scratch(c, sizeof(size_t) * (size_t)(n + 1));
+  char *out = NULL;
+  chorus_result_t st = CHORUS_OK;
+  if (!lens || !offs) {
+    st = CHORUS_ERR_NO_MEMORY;
+    goto done;
+  }
+  lens[r] = c->count;
+  for (int s = 0; s < n - 1 && st == CHORUS_OK; s++)
+    st = chorus__xchg(c, mod(r + 1, n), &lens[mod(r - s, n)], sizeof(uint64_t), mod(r - 1, n),
+                      &lens[mod(r - s - 1, n)], sizeof(uint64_t), (uint32_t)s);
+  if (st != CHORUS_OK) goto done;
+  offs[0] = 0;
+  for (int q = 0; q < n; q++) {
+    if (__builtin_add_overflow(offs[q], lens[q], &offs[q + 1])) {
+      snprintf(c->err, sizeof c->err, "all_gather_bytes: rank %d announced an impossible length", q);
+      st = CHORUS_ERR_PROTOCOL;
+      goto done;
+    }
+  }
+  out = chorus__scratch(c, offs[n]);
+  if (!out) {
+    st = CHORUS_ERR_NO_MEMORY;
+    goto done;
+  }
+  if (c->count) memcpy(out + offs[r], c->sendbuf, c->count);
+  for (int s = 0; s < n - 1 && st == CHORUS_OK; s++) {
+    int sb = mod(r - s, n), rb = mod(r - s - 1, n);
+    st = chorus__xchg(c, mod(r + 1, n), out + offs[sb], lens[sb], mod(r - 1, n), out + offs[rb],
+                      lens[rb], (uint32_t)(n + s));
+  }
+  if (st == CHORUS_OK) {
+    for (int q = 0; q < n; q++) c->lens[q] = lens[q];
+    *c->out = out;
+    out = NULL;
+  }
+done:
+  free(out);
+  free(lens);
+  free(offs);
+  return st;
+}

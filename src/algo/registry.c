@@ -1,0 +1,192 @@
+/*
+ * registry.c - the table of algorithms per collective, the automatic choice,
+ * and the helpers algorithms are written with (exchange, scratch, combine).
+ *
+ * The automatic choice depends only on values every rank of a correct
+ * program shares (count, dtype, group size), so all ranks pick the same
+ * algorithm; the choice is part of the call's fingerprint, so ranks that were
+ * told to use different ones (different CHORUS_*_ALGO) fail with a mismatch
+ * instead of exchanging garbage.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "algo/algo.h"
+#include "reduce/reduce.h"
+#include "util/env.h"
+#include "util/log.h"
+
+#define A(name, fn, desc) {name, fn, desc}
+
+static const chorus__algo_t g_bcast[] = {
+    A("binomial", chorus__bcast_binomial, "binomial tree, log2(n) rounds"),
+    A("linear", chorus__bcast_linear, "root sends to every rank"),
+};
+static const chorus__algo_t g_reduce[] = {
+    A("binomial", chorus__reduce_binomial, "binomial tree, log2(n) rounds"),
+    A("linear", chorus__reduce_linear, "root receives from every rank"),
+};
+static const chorus__algo_t g_allreduce[] = {
+    A("ring", chorus__allreduce_ring, "ring reduce-scatter + ring all-gather, 2(n-1) steps"),
+    A("recursive_doubling", chorus__allreduce_rd,
+      "recursive doubling, log2(n) rounds (+2 for non-powers of two)"),
+    A("reduce_broadcast", chorus__allreduce_reduce_bcast, "binomial reduce + binomial broadcast"),
+};
+static const chorus__algo_t g_scatter[] = {
+    A("binomial", chorus__scatter_binomial, "binomial tree"),
+    A("linear", chorus__scatter_linear, "root sends each block directly"),
+};
+static const chorus__algo_t g_gather[] = {
+    A("binomial", chorus__gather_binomial, "binomial tree"),
+    A("linear", chorus__gather_linear, "root receives each block directly"),
+};
+static const chorus__algo_t g_allgather[] = {
+    A("ring", chorus__allgather_ring, "ring, n-1 steps"),
+    A("bruck", chorus__allgather_bruck, "Bruck, ceil(log2(n)) rounds"),
+};
+static const chorus__algo_t g_reduce_scatter[] = {
+    A("ring", chorus__reduce_scatter_ring, "ring, n-1 steps"),
+    A("pairwise", chorus__reduce_scatter_pairwise, "every rank sends block j to rank j"),
+};
+static const chorus__algo_t g_alltoall[] = {
+    A("pairwise", chorus__alltoall_pairwise, "n-1 pairwise exchanges"),
+};
+static const chorus__algo_t g_alltoallv[] = {
+    A("pairwise", chorus__alltoallv_pairwise, "n-1 pairwise exchanges"),
+};
+static const chorus__algo_t g_barrier[] = {
+    A("dissemination", chorus__barrier_dissemination, "ceil(log2(n)) rounds"),
+};
+static const chorus__algo_t g_gatherv[] = {
+    A("linear", chorus__gatherv_linear, "sizes then data, root receives directly"),
+};
+static const chorus__algo_t g_allgatherv[] = {
+    A("ring", chorus__allgatherv_ring, "ring all-gather of sizes, then of data"),
+};
+static const chorus__algo_t g_p2p[] = {
+    A("direct", NULL, "one message"),
+};
+
+const chorus__algo_t *chorus__algos(chorus_coll_t coll, int *n) {
+#define CASE(c, t)                                                              \
+  case c:                                                                      \
+    *n = (int)(sizeof t / sizeof t[0]);                                        \
+    return t;
+  switch (coll) {
+    CASE(CHORUS_COLL_BROADCAST, g_bcast)
+    CASE(CHORUS_COLL_REDUCE, g_reduce)
+    CASE(CHORUS_COLL_ALL_REDUCE, g_allreduce)
+    CASE(CHORUS_COLL_SCATTER, g_scatter)
+    CASE(CHORUS_COLL_GATHER, g_gather)
+    CASE(CHORUS_COLL_ALL_GATHER, g_allgather)
+    CASE(CHORUS_COLL_REDUCE_SCATTER, g_reduce_scatter)
+    CASE(CHORUS_COLL_ALL_TO_ALL, g_alltoall)
+    CASE(CHORUS_COLL_ALL_TO_ALLV, g_alltoallv)
+    CASE(CHORUS_COLL_BARRIER, g_barrier)
+    CASE(CHORUS_COLL_GATHERV, g_gatherv)
+    CASE(CHORUS_COLL_ALL_GATHERV, g_allgatherv)
+    CASE(CHORUS_COLL_SEND, g_p2p)
+    CASE(CHORUS_COLL_RECV, g_p2p)
+    default:
+      *n = 0;
+      return NULL;
+  }
+#undef CASE
+}
+
+const char *chorus_algo_name(chorus_coll_t coll, int idx) {
+  int n;
+  const chorus__algo_t *t = chorus__algos(coll, &n);
+  return t && idx >= 0 && idx < n ? t[idx].name : NULL;
+}
+
+int chorus__algo_find(chorus_coll_t coll, const char *name) {
+  int n;
+  const chorus__algo_t *t = chorus__algos(coll, &n);
+  for (int i = 0; t && i < n; i++)
+    if (!strcmp(t[i].name, name)) return i;
+  return -1;
+}
+
+int chorus__algo_select(const chorus__coll_t *c) {
+  size_t bytes = c->count * c->esize;
+  switch (c->coll) {
+    case CHORUS_COLL_ALL_REDUCE:
+      return bytes >= (size_t)chorus__env()->RING_THRESHOLD && c->count >= (size_t)c->size
+                 ? 0 /* ring */
+                 : 1 /* recursive doubling */;
+    case CHORUS_COLL_ALL_GATHER:
+      return bytes * (size_t)c->size < 65536 ? 1 /* bruck */ : 0 /* ring */;
+    default:
+      return 0;
+  }
+}
+
+void chorus__fp_format(const chorus__fp_t *fp, char *buf, size_t cap) {
+  const char *algo = chorus_algo_name((chorus_coll_t)fp->coll, fp->algo);
+  int n = snprintf(buf, cap, "%s(count=%" PRIu64 ", %s", chorus_coll_name((chorus_coll_t)fp->coll),
+                   fp->count, chorus_dtype_name((chorus_dtype_t)fp->dtype));
+  if (n < 0 || (size_t)n >= cap) return;
+  if (fp->op < CHORUS_OP_COUNT)
+    n += snprintf(buf + n, cap - (size_t)n, ", %s", chorus_op_name((chorus_op_t)fp->op));
+  if ((size_t)n >= cap) return;
+  if (fp->root >= 0) n += snprintf(buf + n, cap - (size_t)n, ", root=%d", (int)fp->root);
+  if ((size_t)n >= cap) return;
+  snprintf(buf + n, cap - (size_t)n, ", algo %s)", algo ? algo : "?");
+}
+
+/* ------------------------------------------------------------- helpers */
+
+chorus_result_t chorus__xchg(chorus__coll_t *c, int speer, const void *sbuf, size_t slen,
+                             int rpeer, void *rbuf, size_t rlen, uint32_t step) {
+  chorus__req_t rr, sr;
+  chorus__req_t *reqs[2] = {NULL, NULL};
+  chorus_result_t st;
+  if (rpeer >= 0) {
+    memset(&rr, 0, sizeof rr);
+    rr.type = CHORUS__REQ_RECV;
+    rr.peer = rpeer;
+    rr.kind = CHORUS__KIND_COLL;
+    rr.step = step;
+    rr.tag = -1;
+    rr.buf = rbuf;
+    rr.len = rlen;
+    st = chorus__ep_post(c->ep, &rr);
+    if (st != CHORUS_OK) return st;
+    reqs[0] = &rr;
+  }
+  if (speer >= 0) {
+    memset(&sr, 0, sizeof sr);
+    sr.type = CHORUS__REQ_SEND;
+    sr.peer = speer;
+    sr.kind = CHORUS__KIND_COLL;
+    sr.step = step;
+    sr.tag = -1;
+    sr.buf = (void *)sbuf;
+    sr.len = slen;
+    st = chorus__ep_post(c->ep, &sr);
+    if (st != CHORUS_OK) {
+      /* The receive may be posted: failing the endpoint detaches it. */
+      if (chorus__ep_status(c->ep, NULL, 0) == CHORUS_OK)
+        chorus__ep_fail(c->ep, st, 1, "chorus rank %d/%d: cannot post a send: %s", c->rank,
+                        c->size, chorus_strerror(st));
+      return st;
+    }
+    reqs[1] = &sr;
+  }
+  return chorus__ep_wait(c->ep, reqs, 2, c->timeout_ms);
+}
+
+void *chorus__scratch(chorus__coll_t *c, size_t n) {
+  void *p = malloc(n ? n : 1);
+  if (!p)
+    snprintf(c->err, sizeof c->err, "out of memory allocating %zu bytes of scratch space", n);
+  return p;
+}
+
+void chorus__combine(const chorus__coll_t *c, void *dst, const void *a, const void *b, size_t n) {
+  chorus__reduce_fn_t fn = chorus__reduce_fn(c->dtype, c->op);
+  if (fn && n) fn(dst, a, b, n);
+}

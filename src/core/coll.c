@@ -1,0 +1,524 @@
+/*
+ * coll.c - the entry point of every collective: argument validation, the
+ * operation record and its fingerprint, the sequence number, execution
+ * (inline or on the worker thread, see comm.h) and the work handles.
+ */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/comm.h"
+#include "reduce/reduce.h"
+#include "util/clock.h"
+#include "util/util.h"
+
+#define DEBUG_CHECK_STEP 0x40000000u
+
+/* ----------------------------------------------------------- execution */
+
+/* CHORUS_DEBUG_CHECKS: every rank sends its call's fingerprint to its right
+ * neighbour.  The transport compares the header with this rank's own call,
+ * so if any two ranks differ, some neighbour pair differs and fails (and
+ * tells everyone), even for calls that would move no data. */
+static chorus_result_t debug_check(chorus__coll_t *c, const chorus__fp_t *fp) {
+  if (c->size < 2) return CHORUS_OK;
+  chorus__fp_t theirs;
+  chorus_result_t st = chorus__xchg(c, (c->rank + 1) % c->size, fp, sizeof *fp,
+                                    (c->rank + c->size - 1) % c->size, &theirs, sizeof theirs,
+                                    DEBUG_CHECK_STEP);
+  if (st == CHORUS_OK && !chorus__fp_equal(fp, &theirs)) {
+    snprintf(c->err, sizeof c->err, "debug check: the left neighbour's call differs");
+    return CHORUS_ERR_MISMATCH;
+  }
+  return st;
+}
+
+static void run_op(struct chorus_work *w) {
+  chorus_comm_t comm = w->comm;
+  chorus__coll_t *c = &w->c;
+  char name[300], fpbuf[200];
+  chorus_result_t st = chorus__ep_status(comm->ep, w->err, sizeof w->err);
+  if (st != CHORUS_OK) {
+    char prev[sizeof w->err];
+    memcpy(prev, w->err, sizeof prev);
+    snprintf(w->err, sizeof w->err, "the communicator failed earlier: %.900s", prev);
+    w->result = st;
+    return;
+  }
+  chorus__fp_format(&w->fp, fpbuf, sizeof fpbuf);
+  if (w->seq)
+    snprintf(name, sizeof name, "%s (call #%" PRIu64 ")", fpbuf, w->seq);
+  else
+    snprintf(name, sizeof name, "%s with rank %d, tag %d", fpbuf, c->peer, c->tag);
+  chorus__ep_set_name(comm->ep, name);
+  if (!w->seq) {
+    chorus__req_t req;
+    memset(&req, 0, sizeof req);
+    req.type = c->coll == CHORUS_COLL_SEND ? CHORUS__REQ_SEND : CHORUS__REQ_RECV;
+    req.peer = c->peer;
+    req.kind = CHORUS__KIND_P2P;
+    req.tag = c->tag;
+    req.buf = c->coll == CHORUS_COLL_SEND ? (void *)c->sendbuf : c->recvbuf;
+    req.len = c->count * c->esize;
+    req.fp = w->fp;
+    req.fp.coll = CHORUS_COLL_SEND; /* both ends describe the message alike */
+    chorus__req_t *reqs[1] = {&req};
+    st = chorus__ep_post(comm->ep, &req);
+    if (st == CHORUS_OK) st = chorus__ep_wait(comm->ep, reqs, 1, comm->timeout_ms);
+  } else {
+    CHORUS_DEBUG(CHORUS__SUB_ALGO, "%s", name);
+    st = chorus__ep_begin(comm->ep, w->seq, &w->fp);
+    if (st == CHORUS_OK && comm->debug_checks) st = debug_check(c, &w->fp);
+    if (st == CHORUS_OK) {
+      int n;
+      const chorus__algo_t *algos = chorus__algos(c->coll, &n);
+      st = algos[c->algo].run(c);
+    }
+    chorus__ep_end(comm->ep, w->seq);
+  }
+  if (st != CHORUS_OK) {
+    /* A local failure (no memory, bad argument found late) leaves the other
+     * ranks waiting for us: fail the communicator everywhere. */
+    if (chorus__ep_status(comm->ep, NULL, 0) == CHORUS_OK)
+      chorus__ep_fail(comm->ep, st, 1, "chorus rank %d/%d: %s failed: %s", comm->rank, comm->size,
+                      name, c->err[0] ? c->err : chorus_strerror(st));
+    chorus__ep_status(comm->ep, w->err, sizeof w->err);
+    if (!w->err[0]) snprintf(w->err, sizeof w->err, "%s", chorus_strerror(st));
+  }
+  chorus__ep_set_name(comm->ep, "");
+  w->result = st;
+}
+
+static void work_release_locked(struct chorus_work *w) {
+  if (--w->refs > 0) return;
+  free(w->c.recvbufs);
+  free(w->c.scounts);
+  free(w);
+}
+
+static void finish_locked(chorus_comm_t comm, struct chorus_work *w) {
+  w->state = CHORUS__WORK_DONE;
+  if (w->result != CHORUS_OK) memcpy(comm->last_error, w->err, sizeof comm->last_error);
+  pthread_cond_broadcast(&comm->cond);
+}
+
+static void *worker_main(void *arg) {
+  chorus_comm_t comm = arg;
+  pthread_mutex_lock(&comm->lock);
+  for (;;) {
+    while (!comm->stopping && (!comm->q_head || comm->executing))
+      pthread_cond_wait(&comm->cond, &comm->lock);
+    if (!comm->q_head) break; /* stopping and drained */
+    if (comm->executing) {    /* stopping, but a caller runs one inline */
+      pthread_cond_wait(&comm->cond, &comm->lock);
+      continue;
+    }
+    struct chorus_work *w = comm->q_head;
+    comm->q_head = w->next;
+    if (!comm->q_head) comm->q_tail = NULL;
+    comm->executing = 1;
+    w->state = CHORUS__WORK_RUNNING;
+    pthread_mutex_unlock(&comm->lock);
+    run_op(w);
+    pthread_mutex_lock(&comm->lock);
+    comm->executing = 0;
+    finish_locked(comm, w);
+    work_release_locked(w);
+  }
+  pthread_mutex_unlock(&comm->lock);
+  return NULL;
+}
+
+/* Takes ownership of w.  Blocking (out == NULL): runs or waits for it and
+ * returns its result.  Async: queues it and hands a reference to *out. */
+static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_work_t *out) {
+  pthread_mutex_lock(&comm->lock);
+  if (comm->stopping) {
+    pthread_mutex_unlock(&comm->lock);
+    work_release_locked(w);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  if (w->c.coll != CHORUS_COLL_SEND && w->c.coll != CHORUS_COLL_RECV) w->seq = ++comm->next_seq;
+  if (!out && !comm->executing && !comm->q_head) {
+    /* Idle communicator: run on this thread, no hand-off. */
+    comm->executing = 1;
+    w->state = CHORUS__WORK_RUNNING;
+    pthread_mutex_unlock(&comm->lock);
+    run_op(w);
+    pthread_mutex_lock(&comm->lock);
+    comm->executing = 0;
+    finish_locked(comm, w);
+    chorus_result_t st = w->result;
+    work_release_locked(w);
+    pthread_mutex_unlock(&comm->lock);
+    return st;
+  }
+  if (!comm->worker_started) {
+    if (pthread_create(&comm->worker, NULL, worker_main, comm) != 0) {
+      pthread_mutex_unlock(&comm->lock);
+      work_release_locked(w);
+      chorus__comm_set_error(comm, "chorus: cannot start the communicator's worker thread");
+      return CHORUS_ERR_SYSTEM;
+    }
+    comm->worker_started = 1;
+  }
+  w->refs = 2;
+  w->state = CHORUS__WORK_QUEUED;
+  if (comm->q_tail) comm->q_tail->next = w;
+  else comm->q_head = w;
+  comm->q_tail = w;
+  pthread_cond_broadcast(&comm->cond);
+  if (out) {
+    *out = w;
+    pthread_mutex_unlock(&comm->lock);
+    return CHORUS_OK;
+  }
+  while (w->state != CHORUS__WORK_DONE) pthread_cond_wait(&comm->cond, &comm->lock);
+  chorus_result_t st = w->result;
+  work_release_locked(w);
+  pthread_mutex_unlock(&comm->lock);
+  return st;
+}
+
+/* ---------------------------------------------------------- work handles */
+
+chorus_result_t chorus_work_wait(chorus_work_t w, int timeout_ms) {
+  if (!w) return CHORUS_ERR_INVALID_ARG;
+  chorus_comm_t comm = w->comm;
+  int64_t deadline = chorus__deadline_ms(timeout_ms < 0 ? -1 : timeout_ms);
+  pthread_mutex_lock(&comm->lock);
+  while (w->state != CHORUS__WORK_DONE) {
+    if (timeout_ms >= 0 && chorus__ms_left(deadline) == 0) break;
+    if (timeout_ms < 0) {
+      pthread_cond_wait(&comm->cond, &comm->lock);
+    } else {
+      struct timespec ts = chorus__deadline_timespec(deadline);
+      pthread_cond_timedwait(&comm->cond, &comm->lock, &ts);
+    }
+  }
+  chorus_result_t st = w->state == CHORUS__WORK_DONE ? w->result : CHORUS_INPROGRESS;
+  pthread_mutex_unlock(&comm->lock);
+  return st;
+}
+
+chorus_result_t chorus_work_test(chorus_work_t w) {
+  if (!w) return CHORUS_ERR_INVALID_ARG;
+  pthread_mutex_lock(&w->comm->lock);
+  chorus_result_t st = w->state == CHORUS__WORK_DONE ? w->result : CHORUS_INPROGRESS;
+  pthread_mutex_unlock(&w->comm->lock);
+  return st;
+}
+
+const char *chorus_work_error(chorus_work_t w) {
+  if (!w) return "";
+  pthread_mutex_lock(&w->comm->lock);
+  const char *e = w->state == CHORUS__WORK_DONE ? w->err : "";
+  pthread_mutex_unlock(&w->comm->lock);
+  return e;
+}
+
+void chorus_work_free(chorus_work_t w) {
+  if (!w) return;
+  chorus_comm_t comm = w->comm;
+  pthread_mutex_lock(&comm->lock);
+  work_release_locked(w);
+  pthread_mutex_unlock(&comm->lock);
+}
+
+/* ------------------------------------------------------------ validation */
+
+static chorus_result_t bad(chorus_comm_t comm, const char *coll, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static chorus_result_t bad(chorus_comm_t comm, const char *coll, const char *fmt, ...) {
+  char msg[600];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  chorus__comm_set_error(comm, "chorus rank %d/%d: %s: %s", comm->rank, comm->size, coll, msg);
+  return CHORUS_ERR_INVALID_ARG;
+}
+
+/* Allocates and fills the common part of an operation; NULL on bad args
+ * (*st says why). */
+static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const void *sendbuf,
+                                  void *recvbuf, size_t count, chorus_dtype_t dtype,
+                                  chorus_op_t op, int root, chorus_result_t *st) {
+  const char *name = chorus_coll_name(coll);
+  *st = CHORUS_ERR_INVALID_ARG;
+  if (dtype < 0 || dtype >= CHORUS_DTYPE_COUNT) {
+    bad(comm, name, "invalid dtype %d", (int)dtype);
+    return NULL;
+  }
+  if (op != CHORUS_OP_COUNT && !chorus__reduce_supported(dtype, op)) {
+    bad(comm, name, "reduce op %s is not defined for %s (bitwise ops need integer dtypes)",
+        chorus_op_name(op), chorus_dtype_name(dtype));
+    return NULL;
+  }
+  if (root != -1 && (root < 0 || root >= comm->size)) {
+    bad(comm, name, "root %d is not a rank of this group of %d", root, comm->size);
+    return NULL;
+  }
+  size_t bytes;
+  if (chorus__mul_overflow(count, chorus_dtype_size(dtype), &bytes) ||
+      chorus__mul_overflow(bytes, (size_t)comm->size, &bytes)) {
+    bad(comm, name, "count %zu overflows the address space", count);
+    return NULL;
+  }
+  struct chorus_work *w = calloc(1, sizeof *w);
+  if (!w) {
+    *st = CHORUS_ERR_NO_MEMORY;
+    return NULL;
+  }
+  w->comm = comm;
+  w->refs = 1;
+  chorus__coll_t *c = &w->c;
+  c->coll = coll;
+  c->sendbuf = sendbuf;
+  c->recvbuf = recvbuf;
+  c->count = count;
+  c->dtype = dtype;
+  c->op = op;
+  c->root = root;
+  c->ep = comm->ep;
+  c->rank = comm->rank;
+  c->size = comm->size;
+  c->timeout_ms = comm->timeout_ms;
+  c->esize = chorus_dtype_size(dtype);
+  c->peer = c->tag = -1;
+  pthread_mutex_lock(&comm->lock);
+  int forced = comm->forced_algo[coll];
+  pthread_mutex_unlock(&comm->lock);
+  c->algo = forced >= 0 ? forced : chorus__algo_select(c);
+  w->fp.coll = (uint8_t)coll;
+  w->fp.dtype = (uint8_t)dtype;
+  w->fp.op = op == CHORUS_OP_COUNT ? 0xff : (uint8_t)op;
+  w->fp.algo = (uint8_t)c->algo;
+  w->fp.root = root;
+  w->fp.count = count;
+  *st = CHORUS_OK;
+  return w;
+}
+
+#define NEED_BUF(ptr, what)                                                     \
+  do {                                                                         \
+    if (!(ptr) && count) return bad(comm, name, "%s is NULL", what);           \
+  } while (0)
+
+#define START(coll_id)                                                          \
+  const char *name = chorus_coll_name(coll_id);                                \
+  if (!comm) return CHORUS_ERR_INVALID_ARG;                                    \
+  if (work) *work = NULL;
+
+#define SUBMIT(w)                                                               \
+  do {                                                                         \
+    chorus_result_t st_;                                                       \
+    if (!(w)) return CHORUS_ERR_INVALID_ARG;                                   \
+    st_ = submit(comm, (w), work);                                             \
+    return st_;                                                                \
+  } while (0)
+
+#define MAKE(w, coll_id, sb, rb, op_, root_)                                    \
+  chorus_result_t st;                                                          \
+  struct chorus_work *w = new_op(comm, coll_id, sb, rb, count, dtype, op_, root_, &st); \
+  if (!w) return st;
+
+chorus_result_t chorus_broadcast(chorus_comm_t comm, void *buf, size_t count, chorus_dtype_t dtype,
+                                 int root, chorus_work_t *work) {
+  START(CHORUS_COLL_BROADCAST);
+  NEED_BUF(buf, "buf");
+  MAKE(w, CHORUS_COLL_BROADCAST, buf, buf, CHORUS_OP_COUNT, root);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_reduce(chorus_comm_t comm, const void *sendbuf, void *recvbuf, size_t count,
+                              chorus_dtype_t dtype, chorus_op_t op, int root, chorus_work_t *work) {
+  START(CHORUS_COLL_REDUCE);
+  NEED_BUF(sendbuf, "sendbuf");
+  if (comm->rank == root) NEED_BUF(recvbuf, "recvbuf (on root)");
+  if (op < 0 || op >= CHORUS_OP_COUNT) return bad(comm, name, "invalid reduce op %d", (int)op);
+  MAKE(w, CHORUS_COLL_REDUCE, sendbuf, recvbuf, op, root);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_all_reduce(chorus_comm_t comm, const void *sendbuf, void *recvbuf,
+                                  size_t count, chorus_dtype_t dtype, chorus_op_t op,
+                                  chorus_work_t *work) {
+  START(CHORUS_COLL_ALL_REDUCE);
+  NEED_BUF(sendbuf, "sendbuf");
+  NEED_BUF(recvbuf, "recvbuf");
+  if (op < 0 || op >= CHORUS_OP_COUNT) return bad(comm, name, "invalid reduce op %d", (int)op);
+  MAKE(w, CHORUS_COLL_ALL_REDUCE, sendbuf, recvbuf, op, -1);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_scatter(chorus_comm_t comm, const void *sendbuf, void *recvbuf, size_t count,
+                               chorus_dtype_t dtype, int root, chorus_work_t *work) {
+  START(CHORUS_COLL_SCATTER);
+  if (comm->rank == root) NEED_BUF(sendbuf, "sendbuf (on root)");
+  NEED_BUF(recvbuf, "recvbuf");
+  MAKE(w, CHORUS_COLL_SCATTER, sendbuf, recvbuf, CHORUS_OP_COUNT, root);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_gather(chorus_comm_t comm, const void *sendbuf, void *recvbuf, size_t count,
+                              chorus_dtype_t dtype, int root, chorus_work_t *work) {
+  START(CHORUS_COLL_GATHER);
+  NEED_BUF(sendbuf, "sendbuf");
+  if (comm->rank == root) NEED_BUF(recvbuf, "recvbuf (on root)");
+  MAKE(w, CHORUS_COLL_GATHER, sendbuf, recvbuf, CHORUS_OP_COUNT, root);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_all_gather(chorus_comm_t comm, const void *sendbuf, void *recvbuf,
+                                  size_t count, chorus_dtype_t dtype, chorus_work_t *work) {
+  START(CHORUS_COLL_ALL_GATHER);
+  NEED_BUF(sendbuf, "sendbuf");
+  NEED_BUF(recvbuf, "recvbuf");
+  MAKE(w, CHORUS_COLL_ALL_GATHER, sendbuf, recvbuf, CHORUS_OP_COUNT, -1);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_all_gather_list(chorus_comm_t comm, const void *sendbuf,
+                                       void *const *recvbufs, size_t count, chorus_dtype_t dtype,
+                                       chorus_work_t *work) {
+  START(CHORUS_COLL_ALL_GATHER);
+  NEED_BUF(sendbuf, "sendbuf");
+  if (!recvbufs) return bad(comm, name, "recvbufs is NULL");
+  for (int r = 0; r < comm->size; r++)
+    if (!recvbufs[r] && count) return bad(comm, name, "recvbufs[%d] is NULL", r);
+  MAKE(w, CHORUS_COLL_ALL_GATHER, sendbuf, NULL, CHORUS_OP_COUNT, -1);
+  w->c.recvbufs = malloc(sizeof(void *) * (size_t)comm->size);
+  if (!w->c.recvbufs) {
+    free(w);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  memcpy(w->c.recvbufs, recvbufs, sizeof(void *) * (size_t)comm->size);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_reduce_scatter(chorus_comm_t comm, const void *sendbuf, void *recvbuf,
+                                      size_t count, chorus_dtype_t dtype, chorus_op_t op,
+                                      chorus_work_t *work) {
+  START(CHORUS_COLL_REDUCE_SCATTER);
+  NEED_BUF(sendbuf, "sendbuf");
+  NEED_BUF(recvbuf, "recvbuf");
+  if (op < 0 || op >= CHORUS_OP_COUNT) return bad(comm, name, "invalid reduce op %d", (int)op);
+  MAKE(w, CHORUS_COLL_REDUCE_SCATTER, sendbuf, recvbuf, op, -1);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_all_to_all(chorus_comm_t comm, const void *sendbuf, void *recvbuf,
+                                  size_t count, chorus_dtype_t dtype, chorus_work_t *work) {
+  START(CHORUS_COLL_ALL_TO_ALL);
+  NEED_BUF(sendbuf, "sendbuf");
+  NEED_BUF(recvbuf, "recvbuf");
+  MAKE(w, CHORUS_COLL_ALL_TO_ALL, sendbuf, recvbuf, CHORUS_OP_COUNT, -1);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_all_to_allv(chorus_comm_t comm, const void *sendbuf,
+                                   const size_t *sendcounts, const size_t *sdispls, void *recvbuf,
+                                   const size_t *recvcounts, const size_t *rdispls,
+                                   chorus_dtype_t dtype, chorus_work_t *work) {
+  START(CHORUS_COLL_ALL_TO_ALLV);
+  size_t count = 0;
+  if (!sendcounts || !sdispls || !recvcounts || !rdispls)
+    return bad(comm, name, "count or displacement array is NULL");
+  size_t es = chorus_dtype_size(dtype);
+  for (int r = 0; r < comm->size; r++) {
+    size_t end;
+    if (__builtin_add_overflow(sdispls[r], sendcounts[r], &end) ||
+        __builtin_add_overflow(rdispls[r], recvcounts[r], &end) ||
+        chorus__mul_overflow(end, es ? es : 1, &end))
+      return bad(comm, name, "counts/displacements for rank %d overflow", r);
+    if ((sendcounts[r] && !sendbuf) || (recvcounts[r] && !recvbuf))
+      return bad(comm, name, "buffer is NULL but counts for rank %d are not zero", r);
+  }
+  if (sendbuf && sendbuf == recvbuf) return bad(comm, name, "in-place all_to_allv is not supported");
+  MAKE(w, CHORUS_COLL_ALL_TO_ALLV, sendbuf, recvbuf, CHORUS_OP_COUNT, -1);
+  size_t n = (size_t)comm->size;
+  w->c.scounts = malloc(sizeof(size_t) * n * 4);
+  if (!w->c.scounts) {
+    free(w);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  w->c.sdispls = w->c.scounts + n;
+  w->c.rcounts = w->c.scounts + 2 * n;
+  w->c.rdispls = w->c.scounts + 3 * n;
+  memcpy(w->c.scounts, sendcounts, sizeof(size_t) * n);
+  memcpy(w->c.sdispls, sdispls, sizeof(size_t) * n);
+  memcpy(w->c.rcounts, recvcounts, sizeof(size_t) * n);
+  memcpy(w->c.rdispls, rdispls, sizeof(size_t) * n);
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_barrier(chorus_comm_t comm, chorus_work_t *work) {
+  START(CHORUS_COLL_BARRIER);
+  (void)name;
+  size_t count = 0;
+  chorus_dtype_t dtype = CHORUS_UINT8;
+  MAKE(w, CHORUS_COLL_BARRIER, NULL, NULL, CHORUS_OP_COUNT, -1);
+  SUBMIT(w);
+}
+
+static chorus_result_t p2p(chorus_comm_t comm, chorus_coll_t coll, const void *sbuf, void *rbuf,
+                           size_t count, chorus_dtype_t dtype, int peer, int tag,
+                           chorus_work_t *work) {
+  START(coll);
+  if (peer < 0 || peer >= comm->size || peer == comm->rank)
+    return bad(comm, name, "peer %d is not another rank of this group of %d", peer, comm->size);
+  if (tag < 0) return bad(comm, name, "tag %d is negative", tag);
+  NEED_BUF(coll == CHORUS_COLL_SEND ? sbuf : rbuf, "buf");
+  MAKE(w, coll, sbuf, rbuf, CHORUS_OP_COUNT, -1);
+  w->c.peer = peer;
+  w->c.tag = tag;
+  SUBMIT(w);
+}
+
+chorus_result_t chorus_send(chorus_comm_t comm, const void *buf, size_t count, chorus_dtype_t dtype,
+                            int peer, int tag, chorus_work_t *work) {
+  return p2p(comm, CHORUS_COLL_SEND, buf, NULL, count, dtype, peer, tag, work);
+}
+
+chorus_result_t chorus_recv(chorus_comm_t comm, void *buf, size_t count, chorus_dtype_t dtype,
+                            int peer, int tag, chorus_work_t *work) {
+  return p2p(comm, CHORUS_COLL_RECV, NULL, buf, count, dtype, peer, tag, work);
+}
+
+/* Variable-size byte gathers: count is this rank's length; the fingerprint's
+ * count is 0 because lengths legitimately differ between ranks. */
+static chorus_result_t bytes_gather(chorus_comm_t comm, chorus_coll_t coll, const void *data,
+                                    size_t len, int root, void **out, size_t *lens) {
+  chorus_work_t *work = NULL;
+  START(coll);
+  size_t count = len;
+  chorus_dtype_t dtype = CHORUS_UINT8;
+  NEED_BUF(data, "data");
+  int receives = coll == CHORUS_COLL_ALL_GATHERV || comm->rank == root;
+  if (receives && (!out || !lens)) return bad(comm, name, "out or lens is NULL");
+  if (out) *out = NULL;
+  MAKE(w, coll, data, NULL, CHORUS_OP_COUNT, root);
+  w->fp.count = 0;
+  void *result = NULL;
+  w->c.out = &result;
+  w->c.lens = lens;
+  st = submit(comm, w, NULL);
+  if (st == CHORUS_OK && receives) *out = result;
+  else free(result);
+  return st;
+}
+
+chorus_result_t chorus_gather_bytes(chorus_comm_t comm, const void *data, size_t len, int root,
+                                    void **out, size_t *lens) {
+  if (comm && (root < 0 || root >= comm->size))
+    return bad(comm, "gather_bytes", "root %d is not a rank of this group of %d", root, comm->size);
+  return bytes_gather(comm, CHORUS_COLL_GATHERV, data, len, root, out, lens);
+}
+
+chorus_result_t chorus_all_gather_bytes(chorus_comm_t comm, const void *data, size_t len,
+                                        void **out, size_t *lens) {
+  return bytes_gather(comm, CHORUS_COLL_ALL_GATHERV, data, len, -1, out, lens);
+}

@@ -1,0 +1,494 @@
+/*
+ * comm.c - communicator lifecycle: creation from the environment or a
+ * config (store, rendezvous, transport), subgroups (new_group, split),
+ * algorithm overrides, abort and destroy.
+ *
+ * World creation, step by step:
+ *   1. rank 0 starts the store server unless it already runs (chorusrun);
+ *   2. every rank connects to the store and agrees on a random world id
+ *      (rank 0 publishes it) so connections of another job or of an earlier
+ *      generation of this one are refused;
+ *   3. every rank listens on a fresh port on the interface it uses to reach
+ *      the store and publishes "address port";
+ *   4. the transport connects the full mesh and starts its progress thread.
+ * Every step is bounded by the timeout, and each error names the address,
+ * rank or variable involved.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "store/rendezvous.h"
+#include "store/store.h"
+#include "util/clock.h"
+#include "util/env.h"
+#include "util/net.h"
+#include "util/util.h"
+
+static __thread char g_init_error[1024];
+
+const char *chorus_last_init_error(void) { return g_init_error; }
+
+static chorus_result_t init_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static chorus_result_t init_fail(chorus_result_t st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_init_error, sizeof g_init_error, fmt, ap);
+  va_end(ap);
+  CHORUS_WARN(CHORUS__SUB_INIT, "%s", g_init_error);
+  return st;
+}
+
+void chorus__comm_set_error(chorus_comm_t comm, const char *fmt, ...) {
+  char buf[sizeof comm->last_error];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&comm->lock);
+  memcpy(comm->last_error, buf, sizeof buf);
+  pthread_mutex_unlock(&comm->lock);
+}
+
+/* ------------------------------------------------------ algorithm choice */
+
+static const char *coll_env_value(const chorus__env_t *env, chorus_coll_t coll) {
+  switch (coll) {
+    case CHORUS_COLL_BROADCAST: return env->BROADCAST_ALGO;
+    case CHORUS_COLL_REDUCE: return env->REDUCE_ALGO;
+    case CHORUS_COLL_ALL_REDUCE: return env->ALL_REDUCE_ALGO;
+    case CHORUS_COLL_SCATTER: return env->SCATTER_ALGO;
+    case CHORUS_COLL_GATHER: return env->GATHER_ALGO;
+    case CHORUS_COLL_ALL_GATHER: return env->ALL_GATHER_ALGO;
+    case CHORUS_COLL_REDUCE_SCATTER: return env->REDUCE_SCATTER_ALGO;
+    case CHORUS_COLL_ALL_TO_ALL: return env->ALL_TO_ALL_ALGO;
+    case CHORUS_COLL_BARRIER: return env->BARRIER_ALGO;
+    default: return "auto";
+  }
+}
+
+/* Applies CHORUS_ALGO and CHORUS_<COLL>_ALGO; unknown names are errors. */
+static chorus_result_t apply_env_algos(chorus_comm_t comm) {
+  const chorus__env_t *env = chorus__env();
+  for (int k = 0; k < CHORUS_COLL_COUNT; k++) {
+    const char *v = coll_env_value(env, (chorus_coll_t)k);
+    if (!v || !*v || !strcasecmp(v, "auto")) continue;
+    int idx = chorus__algo_find((chorus_coll_t)k, v);
+    if (idx < 0)
+      return init_fail(CHORUS_ERR_INVALID_ARG, "chorus: CHORUS_%s_ALGO='%s' is not an algorithm "
+                       "of %s (see docs/algorithms.md)", chorus_coll_name((chorus_coll_t)k), v,
+                       chorus_coll_name((chorus_coll_t)k));
+    comm->forced_algo[k] = idx;
+  }
+  if (env->ALGO && *env->ALGO) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", env->ALGO);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+      char *colon = strchr(tok, ':');
+      int found = 0;
+      if (colon) {
+        *colon = '\0';
+        for (int k = 0; k < CHORUS_COLL_COUNT && !found; k++) {
+          if (strcmp(tok, chorus_coll_name((chorus_coll_t)k))) continue;
+          int idx = chorus__algo_find((chorus_coll_t)k, colon + 1);
+          if (idx >= 0) {
+            comm->forced_algo[k] = idx;
+            found = 1;
+          }
+        }
+      }
+      if (!found)
+        return init_fail(CHORUS_ERR_INVALID_ARG, "chorus: CHORUS_ALGO entry '%s%s%s' is not "
+                         "'collective:algorithm' with known names", tok, colon ? ":" : "",
+                         colon ? colon + 1 : "");
+    }
+  }
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus_comm_set_algo(chorus_comm_t comm, chorus_coll_t coll, const char *name) {
+  if (!comm || coll < 0 || coll >= CHORUS_COLL_COUNT) return CHORUS_ERR_INVALID_ARG;
+  int idx = -1;
+  if (name && strcmp(name, "auto")) {
+    idx = chorus__algo_find(coll, name);
+    if (idx < 0) {
+      chorus__comm_set_error(comm, "chorus_comm_set_algo: %s has no algorithm named '%s'",
+                             chorus_coll_name(coll), name);
+      return CHORUS_ERR_INVALID_ARG;
+    }
+  }
+  pthread_mutex_lock(&comm->lock);
+  comm->forced_algo[coll] = idx;
+  pthread_mutex_unlock(&comm->lock);
+  return CHORUS_OK;
+}
+
+/* --------------------------------------------------------- construction */
+
+static void ctx_unref(chorus__ctx_t *ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  int left = --ctx->refs;
+  pthread_mutex_unlock(&ctx->lock);
+  if (left > 0) return;
+  chorus__tp_destroy(ctx->tp, chorus__deadline_ms(chorus__env()->BYE_TIMEOUT_MS));
+  chorus_store_close(ctx->store);
+  chorus_store_server_stop(ctx->server);
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+}
+
+chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *world_ranks, int n,
+                                    int my_rank, int timeout_ms, chorus_comm_t *out) {
+  chorus_comm_t comm = calloc(1, sizeof *comm);
+  if (!comm) return CHORUS_ERR_NO_MEMORY;
+  comm->world_ranks = malloc(sizeof(int) * (size_t)n);
+  if (!comm->world_ranks) {
+    free(comm);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  memcpy(comm->world_ranks, world_ranks, sizeof(int) * (size_t)n);
+  chorus_result_t st = chorus__ep_create(ctx->tp, id, world_ranks, n, my_rank, &comm->ep);
+  if (st != CHORUS_OK) {
+    free(comm->world_ranks);
+    free(comm);
+    return st;
+  }
+  comm->ctx = ctx;
+  comm->id = id;
+  comm->rank = my_rank;
+  comm->size = n;
+  comm->local_rank = comm->local_size = -1;
+  comm->timeout_ms = timeout_ms;
+  comm->debug_checks = chorus__env()->DEBUG_CHECKS;
+  for (int k = 0; k < CHORUS_COLL_COUNT; k++) comm->forced_algo[k] = -1;
+  pthread_mutex_init(&comm->lock, NULL);
+  chorus__cond_init_monotonic(&comm->cond);
+  pthread_mutex_lock(&ctx->lock);
+  ctx->refs++;
+  pthread_mutex_unlock(&ctx->lock);
+  *out = comm;
+  return CHORUS_OK;
+}
+
+static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out) {
+  const chorus__env_t *env = chorus__env();
+  chorus__log_init();
+  if (!out) return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: comm is NULL");
+  *out = NULL;
+  if (!cfg || cfg->magic != CHORUS_CONFIG_MAGIC || cfg->size < sizeof(size_t))
+    return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: config not initialised with "
+                     "CHORUS_CONFIG_INITIALIZER");
+  if (cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size)
+    return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: rank %d is not in [0, %d)",
+                     cfg->rank, cfg->world_size);
+  if (!cfg->store_host || !*cfg->store_host)
+    return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: no store address (MASTER_ADDR)");
+  if (cfg->store_port < 0 || cfg->store_port > 65535)
+    return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of range",
+                     cfg->store_port);
+  int rank = cfg->rank, size = cfg->world_size;
+  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : (int)(env->TIMEOUT * 1000);
+  if (timeout_ms <= 0) timeout_ms = 300000;
+  const char *secret = cfg->job_secret ? cfg->job_secret : env->JOB_SECRET;
+  char prefix[256];
+  if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
+  else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
+  int host = cfg->host_store >= 0 ? cfg->host_store : (rank == 0 && !env->STORE_EXTERNAL);
+  int64_t deadline = chorus__deadline_ms(timeout_ms);
+  chorus_result_t st;
+
+  chorus__ctx_t *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  pthread_mutex_init(&ctx->lock, NULL);
+  ctx->rank = rank;
+  ctx->size = size;
+  int port = cfg->store_port;
+  char **addrs = NULL;
+  if (host) {
+    st = chorus_store_server_start(NULL, port, secret, &ctx->server);
+    if (st != CHORUS_OK) {
+      init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another job "
+                "using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
+      goto fail;
+    }
+    port = chorus_store_server_port(ctx->server);
+  }
+  if (port <= 0) {
+    st = init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: store port 0 is only valid for the "
+                   "rank that serves the store", rank);
+    goto fail;
+  }
+  st = chorus_store_connect(cfg->store_host, port, secret, timeout_ms, &ctx->store);
+  if (st != CHORUS_OK) {
+    init_fail(st, "chorus rank %d/%d: cannot reach the store at %s:%d within %d ms; is rank 0 "
+              "(or chorusrun) running and MASTER_ADDR/MASTER_PORT right?", rank, size,
+              cfg->store_host, port, timeout_ms);
+    goto fail;
+  }
+  /* The world id: fresh per world, so stale peers cannot join. */
+  char key[300], idbuf[40];
+  uint64_t world_id = 0;
+  snprintf(key, sizeof key, "%sworld_id", prefix);
+  if (rank == 0) {
+    chorus__random_bytes(&world_id, sizeof world_id);
+    snprintf(idbuf, sizeof idbuf, "%016" PRIx64, world_id);
+    st = chorus_store_set(ctx->store, key, idbuf, strlen(idbuf));
+  } else {
+    void *val = NULL;
+    size_t len = 0;
+    st = chorus_store_get(ctx->store, key, &val, &len);
+    if (st == CHORUS_OK) {
+      snprintf(idbuf, sizeof idbuf, "%.*s", (int)CHORUS__MIN(len, 32), (char *)val);
+      world_id = strtoull(idbuf, NULL, 16);
+      free(val);
+    }
+  }
+  if (st != CHORUS_OK) {
+    init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size,
+              chorus_store_last_error(ctx->store));
+    goto fail;
+  }
+  /* Listen where peers can reach us: the interface toward the store. */
+  char ifaddr[80];
+  int ignored;
+  if (env->SOCKET_IFADDR && *env->SOCKET_IFADDR)
+    snprintf(ifaddr, sizeof ifaddr, "%s", env->SOCKET_IFADDR);
+  else if (chorus__net_local_addr(chorus__store_fd(ctx->store), ifaddr, sizeof ifaddr, &ignored) < 0)
+    snprintf(ifaddr, sizeof ifaddr, "127.0.0.1");
+  int data_port = 0;
+  int lfd = chorus__net_listen(ifaddr, 0, size + 64, &data_port);
+  if (lfd < 0) {
+    st = init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot listen on %s: %s", rank, ifaddr,
+                   strerror(-lfd));
+    goto fail;
+  }
+  char mine[128];
+  snprintf(mine, sizeof mine, "%s %d", ifaddr, data_port);
+  char err[512];
+  st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
+  if (st != CHORUS_OK) {
+    close(lfd);
+    init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
+    goto fail;
+  }
+  chorus__tp_config_t tcfg = {.rank = rank, .size = size, .secret = secret, .world_id = world_id,
+                              .listen_fd = lfd, .addrs = (const char *const *)addrs,
+                              .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
+                              .fp_format = chorus__fp_format};
+  st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
+  if (st != CHORUS_OK) {
+    init_fail(st, "chorus rank %d/%d: connecting to the other ranks failed: %s", rank, size, err);
+    goto fail;
+  }
+  chorus__rdzv_free(addrs, size);
+  addrs = NULL;
+  int *world = malloc(sizeof(int) * (size_t)size);
+  if (!world) {
+    st = init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+    goto fail;
+  }
+  for (int r = 0; r < size; r++) world[r] = r;
+  chorus_comm_t comm;
+  st = chorus__comm_create(ctx, 1, world, size, rank, timeout_ms, &comm);
+  free(world);
+  if (st != CHORUS_OK) {
+    init_fail(st, "chorus_comm_init: cannot create the communicator");
+    goto fail;
+  }
+  comm->local_rank = cfg->local_rank;
+  comm->local_size = cfg->local_world_size;
+  st = apply_env_algos(comm);
+  if (st != CHORUS_OK) {
+    chorus_comm_destroy(comm);
+    return st;
+  }
+  chorus__log_set_identity(rank, size);
+  CHORUS_INFO(CHORUS__SUB_INIT, "communicator ready: rank %d/%d, store %s, listening on %s",
+              rank, size, chorus__store_address(ctx->store), mine);
+  g_init_error[0] = '\0';
+  *out = comm;
+  return CHORUS_OK;
+fail:
+  chorus__rdzv_free(addrs, size);
+  if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
+  chorus_store_close(ctx->store);
+  chorus_store_server_stop(ctx->server);
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+  return st;
+}
+
+chorus_result_t chorus_comm_init(const chorus_config_t *config, chorus_comm_t *comm) {
+  return world_init(config, comm);
+}
+
+static int env_int(const char *name, int *out, int required) {
+  const char *v = getenv(name);
+  long x;
+  if (!v || !*v) return required ? -1 : 0;
+  if (chorus__parse_long(v, &x) < 0 || x < 0 || x > 1 << 30) return -2;
+  *out = (int)x;
+  return 0;
+}
+
+chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
+  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
+  static const char *required[] = {"RANK", "WORLD_SIZE", "MASTER_PORT"};
+  int *fields[] = {&cfg.rank, &cfg.world_size, &cfg.store_port};
+  if (comm) *comm = NULL;
+  for (int i = 0; i < 3; i++) {
+    int rc = env_int(required[i], fields[i], 1);
+    if (rc == -1)
+      return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s is not set; launch "
+                       "with chorusrun (or torchrun/srun/mpirun) or set RANK, WORLD_SIZE, "
+                       "MASTER_ADDR and MASTER_PORT", required[i]);
+    if (rc == -2)
+      return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s='%s' is not a "
+                       "non-negative integer", required[i], getenv(required[i]));
+  }
+  if (env_int("LOCAL_RANK", &cfg.local_rank, 0) < 0 ||
+      env_int("LOCAL_WORLD_SIZE", &cfg.local_world_size, 0) < 0)
+    return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: LOCAL_RANK or "
+                     "LOCAL_WORLD_SIZE is not a non-negative integer");
+  cfg.store_host = getenv("MASTER_ADDR");
+  if (!cfg.store_host || !*cfg.store_host) cfg.store_host = "127.0.0.1";
+  return world_init(&cfg, comm);
+}
+
+/* ----------------------------------------------------------- subgroups */
+
+static uint64_t child_id(chorus_comm_t parent, uint64_t counter, int64_t color) {
+  static const uint8_t key[16] = "chorus-groupids";
+  uint64_t m[3] = {parent->id, counter, (uint64_t)color};
+  uint64_t id = chorus__siphash(key, m, sizeof m);
+  return id < 2 ? id + 2 : id; /* 1 is the world */
+}
+
+static chorus_result_t make_group(chorus_comm_t parent, const int *ranks, int n, uint64_t id,
+                                  chorus_comm_t *out) {
+  int me = -1;
+  for (int i = 0; i < n; i++)
+    if (ranks[i] == parent->rank) me = i;
+  if (me < 0) return CHORUS_OK;
+  int *world = malloc(sizeof(int) * (size_t)n);
+  if (!world) return CHORUS_ERR_NO_MEMORY;
+  for (int i = 0; i < n; i++) world[i] = parent->world_ranks[ranks[i]];
+  chorus_result_t st = chorus__comm_create(parent->ctx, id, world, n, me, parent->timeout_ms, out);
+  free(world);
+  if (st == CHORUS_OK) {
+    memcpy((*out)->forced_algo, parent->forced_algo, sizeof parent->forced_algo);
+    (*out)->debug_checks = parent->debug_checks;
+  }
+  return st;
+}
+
+chorus_result_t chorus_comm_new_group(chorus_comm_t parent, const int *ranks, int n,
+                                      chorus_comm_t *out) {
+  if (!parent || !out) return CHORUS_ERR_INVALID_ARG;
+  *out = NULL;
+  if (n < 1 || n > parent->size || !ranks) {
+    chorus__comm_set_error(parent, "chorus_comm_new_group: %d ranks requested from a group of %d",
+                           n, parent->size);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  for (int i = 0; i < n; i++) {
+    if (ranks[i] < 0 || ranks[i] >= parent->size) {
+      chorus__comm_set_error(parent, "chorus_comm_new_group: rank %d is not in [0, %d)", ranks[i],
+                             parent->size);
+      return CHORUS_ERR_INVALID_ARG;
+    }
+    for (int j = 0; j < i; j++)
+      if (ranks[j] == ranks[i]) {
+        chorus__comm_set_error(parent, "chorus_comm_new_group: rank %d is listed twice", ranks[i]);
+        return CHORUS_ERR_INVALID_ARG;
+      }
+  }
+  pthread_mutex_lock(&parent->lock);
+  uint64_t counter = ++parent->children;
+  pthread_mutex_unlock(&parent->lock);
+  return make_group(parent, ranks, n, child_id(parent, counter, -1), out);
+}
+
+chorus_result_t chorus_comm_split(chorus_comm_t parent, int color, int key, chorus_comm_t *out) {
+  if (!parent || !out) return CHORUS_ERR_INVALID_ARG;
+  *out = NULL;
+  int n = parent->size;
+  int32_t mine[2] = {color, key};
+  int32_t *all = malloc(sizeof(int32_t) * 2 * (size_t)n);
+  int *ranks = malloc(sizeof(int) * (size_t)n);
+  if (!all || !ranks) {
+    free(all);
+    free(ranks);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  chorus_result_t st = chorus_all_gather(parent, mine, all, 2, CHORUS_INT32, NULL);
+  pthread_mutex_lock(&parent->lock);
+  uint64_t counter = ++parent->children;
+  pthread_mutex_unlock(&parent->lock);
+  if (st == CHORUS_OK && color >= 0) {
+    /* Members in (key, parent rank) order: insertion sort, n is small. */
+    int m = 0;
+    for (int r = 0; r < n; r++) {
+      if (all[2 * r] != color) continue;
+      int i = m++;
+      while (i > 0 && all[2 * ranks[i - 1] + 1] > all[2 * r + 1]) {
+        ranks[i] = ranks[i - 1];
+        i--;
+      }
+      ranks[i] = r;
+    }
+    st = make_group(parent, ranks, m, child_id(parent, counter, color), out);
+  }
+  free(all);
+  free(ranks);
+  return st;
+}
+
+/* ----------------------------------------------------------- accessors */
+
+int chorus_comm_rank(chorus_comm_t comm) { return comm ? comm->rank : -1; }
+int chorus_comm_size(chorus_comm_t comm) { return comm ? comm->size : -1; }
+int chorus_comm_local_rank(chorus_comm_t comm) { return comm ? comm->local_rank : -1; }
+int chorus_comm_local_size(chorus_comm_t comm) { return comm ? comm->local_size : -1; }
+int chorus_comm_timeout_ms(chorus_comm_t comm) { return comm ? comm->timeout_ms : -1; }
+
+const char *chorus_comm_last_error(chorus_comm_t comm) { return comm ? comm->last_error : ""; }
+
+chorus_result_t chorus_comm_status(chorus_comm_t comm) {
+  if (!comm) return CHORUS_ERR_INVALID_ARG;
+  return chorus__ep_status(comm->ep, NULL, 0);
+}
+
+chorus_result_t chorus_comm_abort(chorus_comm_t comm) {
+  if (!comm) return CHORUS_ERR_INVALID_ARG;
+  chorus__ep_fail(comm->ep, CHORUS_ERR_ABORTED, 1,
+                  "chorus rank %d/%d: the communicator was aborted by the application "
+                  "(chorus_comm_abort)", comm->rank, comm->size);
+  pthread_mutex_lock(&comm->lock);
+  pthread_cond_broadcast(&comm->cond);
+  pthread_mutex_unlock(&comm->lock);
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
+  if (!comm) return CHORUS_OK;
+  pthread_mutex_lock(&comm->lock);
+  comm->stopping = 1;
+  pthread_cond_broadcast(&comm->cond);
+  pthread_mutex_unlock(&comm->lock);
+  if (comm->worker_started) pthread_join(comm->worker, NULL);
+  chorus__ep_destroy(comm->ep);
+  ctx_unref(comm->ctx);
+  pthread_mutex_destroy(&comm->lock);
+  pthread_cond_destroy(&comm->cond);
+  free(comm->world_ranks);
+  free(comm);
+  return CHORUS_OK;
+}

@@ -1,0 +1,80 @@
+/*
+ * comm.h - the communicator and its work handles (private to core/).
+ *
+ * A world communicator owns a context (chorus__ctx_t): the transport with its
+ * connections and progress thread, the store client, and the store server if
+ * this rank hosts it.  Subgroups share their world's context (reference
+ * counted), so a subgroup may outlive a destroyed world handle.
+ *
+ * Execution: every call becomes an operation (struct chorus_work) with a
+ * sequence number taken, under the communicator's lock, in the order calls
+ * enter the library.  A blocking call on an idle communicator runs its
+ * operation on the calling thread; otherwise operations are queued and the
+ * communicator's worker thread (started on first need) runs them in order.
+ * Only one operation of a communicator executes at a time.
+ */
+#ifndef CHORUS_CORE_COMM_H
+#define CHORUS_CORE_COMM_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "algo/algo.h"
+#include "chorus.h"
+#include "transport/transport.h"
+
+typedef struct chorus__ctx {
+  chorus__tp_t *tp;
+  chorus_store_t *store;
+  chorus_store_server_t *server;
+  int refs; /* communicators using it */
+  pthread_mutex_t lock;
+  int rank, size;
+} chorus__ctx_t;
+
+enum { CHORUS__WORK_QUEUED, CHORUS__WORK_RUNNING, CHORUS__WORK_DONE };
+
+struct chorus_work {
+  struct chorus_work *next;
+  chorus_comm_t comm;
+  chorus__coll_t c;
+  chorus__fp_t fp;
+  uint64_t seq; /* 0 for point-to-point */
+  int state;
+  int refs; /* the caller's handle + the queue */
+  chorus_result_t result;
+  char err[1024];
+};
+
+struct chorus_comm {
+  chorus__ctx_t *ctx;
+  chorus__ep_t *ep;
+  uint64_t id;
+  int rank, size;
+  int *world_ranks; /* group rank -> world rank */
+  int local_rank, local_size;
+  int timeout_ms;
+  int debug_checks;
+  int forced_algo[CHORUS_COLL_COUNT]; /* -1: automatic */
+  uint64_t next_seq;
+  uint64_t children; /* subgroups created so far (for their ids) */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  struct chorus_work *q_head, *q_tail;
+  int executing;
+  int stopping;
+  pthread_t worker;
+  int worker_started;
+  char last_error[1024];
+};
+
+/* Records msg as the communicator's last error (thread-safe). */
+void chorus__comm_set_error(chorus_comm_t comm, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Creates a communicator over ctx for the given world ranks (ctx gains a
+ * reference).  Called for the world and for subgroups. */
+chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *world_ranks,
+                                    int n, int my_rank, int timeout_ms, chorus_comm_t *out);
+
+#endif

@@ -1,0 +1,1210 @@
+/*
+ * tcp.c - the TCP transport: a full mesh of authenticated connections, one
+ * epoll progress thread, matching of messages to receives, and the failure
+ * machinery described in transport.h.
+ *
+ * Wire format of every message: a 56-byte header (encoded explicitly,
+ * little-endian) followed by `len` payload bytes.
+ *
+ *   off size field
+ *     0    4 magic "CHRM"
+ *     4    2 type    DATA=1, ABORT=2, BYE=3
+ *     6    2 kind    COLL=1, P2P=2
+ *     8    8 endpoint id
+ *    16    8 sequence number of the collective (0 for p2p)
+ *    24    4 step within the collective
+ *    28    4 p2p tag (-1 for collectives)
+ *    32    4 coll, dtype, op, algo (one byte each)   } fingerprint
+ *    36    4 root                                    }
+ *    40    8 count                                   }
+ *    48    8 payload length
+ *
+ * Sends are written zero-copy from the caller's buffer: the calling thread
+ * writes what the socket accepts right away, the progress thread writes the
+ * rest when the socket becomes writable.  Receives land directly in the
+ * posted buffer when the receive was posted first, otherwise in a malloc'd
+ * "unexpected" buffer that the receive copies from later.
+ *
+ * Every received header is validated before anything is done with it: the
+ * magic, the type, the length (bounded), the endpoint membership of the
+ * sender, the sequence number (not from the past) and the fingerprint.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "transport/transport.h"
+#include "util/clock.h"
+#include "util/env.h"
+#include "util/net.h"
+#include "util/util.h"
+
+#define HDR_SIZE 56
+#define MSG_MAGIC 0x4d524843u   /* "CHRM" */
+#define HS_ACCEPT 0x41524843u   /* "CHRA" */
+#define HS_CONNECT 0x43524843u  /* "CHRC" */
+#define HS_OK 0x4b524843u       /* "CHRK" */
+#define HS_VERSION 1u
+#define MAX_PAYLOAD ((uint64_t)1 << 40)
+#define MAX_ABORT_TEXT 4096u
+#define DISCARD_BUF 65536
+
+enum { T_DATA = 1, T_ABORT = 2, T_BYE = 3 };
+
+typedef struct hdr {
+  uint32_t magic;
+  uint16_t type, kind;
+  uint64_t ep_id, seq;
+  uint32_t step;
+  int32_t tag;
+  chorus__fp_t fp;
+  uint64_t len;
+} hdr_t;
+
+/* A message waiting to be written (or being written) on a connection. */
+typedef struct txitem {
+  struct txitem *next;
+  uint8_t hdr[HDR_SIZE];
+  const char *payload;
+  size_t len; /* payload bytes */
+  size_t off; /* bytes of hdr+payload written */
+  chorus__req_t *req; /* completed when written; NULL for control */
+  chorus__ep_t *ep;   /* owner, for detaching on failure; NULL for control */
+  char *owned;        /* payload copy owned by the item */
+} txitem_t;
+
+/* A message that arrived before its receive was posted. */
+typedef struct unexp {
+  struct unexp *next;
+  hdr_t h;
+  int src; /* world rank */
+  char *buf;
+  size_t got;
+  int complete;
+  chorus__req_t *req; /* receive waiting for the rest, if any */
+} unexp_t;
+
+typedef struct conn {
+  int fd;
+  int rank; /* world rank of the peer */
+  char addr[80];
+  int dead;
+  int bye_received;
+  int epoll_out;
+  /* Receive state. */
+  uint8_t hbuf[HDR_SIZE];
+  size_t hgot;
+  int in_payload;
+  hdr_t h;
+  char *dst;       /* NULL: discard */
+  size_t left;
+  chorus__req_t *rx_req;
+  unexp_t *rx_unexp;
+  char *rx_abort;  /* ABORT text being received */
+  size_t rx_abort_len;
+  /* Send queue. */
+  txitem_t *tx_head, *tx_tail;
+} conn_t;
+
+struct chorus__ep {
+  chorus__tp_t *tp;
+  struct chorus__ep *next;
+  uint64_t id;
+  int n, me;
+  int *members;  /* group rank -> world rank */
+  int *w2g;      /* world rank -> group rank, -1 if not a member */
+  uint64_t cur_seq, done_seq;
+  int in_coll;
+  chorus__fp_t cur_fp;
+  chorus_result_t status;
+  char msg[1024];
+  char name[256];
+  chorus__req_t *recvs; /* posted, unmatched receives (FIFO) */
+};
+
+struct chorus__tp {
+  int rank, size;
+  uint8_t key[16];
+  uint64_t world_id;
+  conn_t *conns; /* indexed by world rank; conns[rank] unused */
+  int epfd, evfd;
+  pthread_t thread;
+  int thread_started;
+  volatile int stopping;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  chorus__ep_t *eps;
+  unexp_t *unexp_head, *unexp_tail;
+  chorus__fp_format_fn fp_format;
+  char discard[DISCARD_BUF];
+};
+
+/* ------------------------------------------------------------ encoding */
+
+static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static void hdr_encode(const hdr_t *h, uint8_t *p) {
+  put32(p + 0, h->magic);
+  put16(p + 4, h->type);
+  put16(p + 6, h->kind);
+  put64(p + 8, h->ep_id);
+  put64(p + 16, h->seq);
+  put32(p + 24, h->step);
+  put32(p + 28, (uint32_t)h->tag);
+  p[32] = h->fp.coll;
+  p[33] = h->fp.dtype;
+  p[34] = h->fp.op;
+  p[35] = h->fp.algo;
+  put32(p + 36, (uint32_t)h->fp.root);
+  put64(p + 40, h->fp.count);
+  put64(p + 48, h->len);
+}
+
+static void hdr_decode(const uint8_t *p, hdr_t *h) {
+  h->magic = get32(p + 0);
+  h->type = get16(p + 4);
+  h->kind = get16(p + 6);
+  h->ep_id = get64(p + 8);
+  h->seq = get64(p + 16);
+  h->step = get32(p + 24);
+  h->tag = (int32_t)get32(p + 28);
+  h->fp.coll = p[32];
+  h->fp.dtype = p[33];
+  h->fp.op = p[34];
+  h->fp.algo = p[35];
+  h->fp.root = (int32_t)get32(p + 36);
+  h->fp.count = get64(p + 40);
+  h->len = get64(p + 48);
+}
+
+int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
+  return a->coll == b->coll && a->dtype == b->dtype && a->op == b->op &&
+         a->algo == b->algo && a->root == b->root && a->count == b->count;
+}
+
+/* ----------------------------------------------------------- failures */
+
+static void wake_all(chorus__tp_t *tp) { pthread_cond_broadcast(&tp->cond); }
+
+static void queue_tx(chorus__tp_t *tp, conn_t *c, txitem_t *it);
+
+static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
+                         const char *text) {
+  if (c->dead || c->fd < 0) return;
+  txitem_t *it = calloc(1, sizeof *it);
+  if (!it) return;
+  size_t len = text ? strlen(text) : 0;
+  if (len > MAX_ABORT_TEXT) len = MAX_ABORT_TEXT;
+  if (len) {
+    it->owned = malloc(len);
+    if (!it->owned) {
+      free(it);
+      return;
+    }
+    memcpy(it->owned, text, len);
+  }
+  hdr_t h = {.magic = MSG_MAGIC, .type = (uint16_t)type, .ep_id = ep_id, .tag = -1, .len = len};
+  h.fp.root = -1;
+  hdr_encode(&h, it->hdr);
+  it->payload = it->owned;
+  it->len = len;
+  queue_tx(tp, c, it);
+}
+
+/* Removes every trace of ep's requests from the connections' queues so the
+ * callers may free them: unstarted sends are dropped, half-written ones get a
+ * private copy of their remaining bytes (the stream must stay well-formed),
+ * receives in flight are switched to discard. */
+static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
+  for (int r = 0; r < tp->size; r++) {
+    conn_t *c = &tp->conns[r];
+    if (r == tp->rank) continue;
+    txitem_t **pp = &c->tx_head, *prev = NULL;
+    while (*pp) {
+      txitem_t *it = *pp;
+      if (it->ep == ep && it->req) {
+        if (it->off == 0 && it != c->tx_head) {
+          *pp = it->next;
+          if (c->tx_tail == it) c->tx_tail = prev;
+          free(it->owned);
+          free(it);
+          continue;
+        }
+        /* Started (or first in line, which the writer may be using): keep it,
+         * but own the payload. */
+        if (!it->owned && it->len) {
+          it->owned = malloc(it->len);
+          if (it->owned) {
+            memcpy(it->owned, it->payload, it->len);
+            it->payload = it->owned;
+          } else {
+            /* Cannot keep the stream consistent: drop the connection. */
+            c->dead = 1;
+          }
+        }
+        it->req = NULL;
+        it->ep = NULL;
+      }
+      prev = it;
+      pp = &it->next;
+    }
+    if (c->rx_req && c->rx_req->ep == ep) {
+      c->rx_req = NULL;
+      c->dst = NULL; /* discard the rest of this payload */
+    }
+  }
+  for (unexp_t *u = tp->unexp_head; u; u = u->next)
+    if (u->req && u->req->ep == ep) u->req = NULL;
+  ep->recvs = NULL;
+}
+
+static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
+                            const char *fmt, va_list ap) {
+  if (ep->status != CHORUS_OK) return;
+  ep->status = code;
+  vsnprintf(ep->msg, sizeof ep->msg, fmt, ap);
+  CHORUS_WARN(CHORUS__SUB_TCP, "%s", ep->msg);
+  detach_requests(ep->tp, ep);
+  if (notify) {
+    for (int g = 0; g < ep->n; g++) {
+      if (g == ep->me) continue;
+      send_control(ep->tp, &ep->tp->conns[ep->members[g]], T_ABORT, ep->id, ep->msg);
+    }
+  }
+  wake_all(ep->tp);
+}
+
+static void ep_fail_locked(chorus__ep_t *ep, chorus_result_t code, int notify, const char *fmt,
+                           ...) __attribute__((format(printf, 4, 5)));
+static void ep_fail_locked(chorus__ep_t *ep, chorus_result_t code, int notify, const char *fmt,
+                           ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  ep_vfail_locked(ep, code, notify, fmt, ap);
+  va_end(ap);
+}
+
+void chorus__ep_fail(chorus__ep_t *ep, chorus_result_t code, int notify, const char *fmt, ...) {
+  pthread_mutex_lock(&ep->tp->lock);
+  va_list ap;
+  va_start(ap, fmt);
+  ep_vfail_locked(ep, code, notify, fmt, ap);
+  va_end(ap);
+  pthread_mutex_unlock(&ep->tp->lock);
+}
+
+chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap) {
+  pthread_mutex_lock(&ep->tp->lock);
+  chorus_result_t st = ep->status;
+  if (msg && cap) snprintf(msg, cap, "%s", ep->msg);
+  pthread_mutex_unlock(&ep->tp->lock);
+  return st;
+}
+
+void chorus__ep_set_name(chorus__ep_t *ep, const char *name) {
+  pthread_mutex_lock(&ep->tp->lock);
+  snprintf(ep->name, sizeof ep->name, "%s", name);
+  pthread_mutex_unlock(&ep->tp->lock);
+}
+
+/* "rank 2 of comm 0x... (world rank 5, 127.0.0.1:4000)" style peer name. */
+static void peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
+  int g = ep->w2g[world];
+  if (ep->n == ep->tp->size)
+    snprintf(buf, cap, "rank %d (%s)", g, ep->tp->conns[world].addr);
+  else
+    snprintf(buf, cap, "rank %d (world rank %d, %s)", g, world, ep->tp->conns[world].addr);
+}
+
+static const char *ep_doing(chorus__ep_t *ep) { return ep->name[0] ? ep->name : "no collective"; }
+
+/* A peer's connection ended.  Members of every endpoint containing it fail,
+ * unless it said goodbye first and nothing is pending with it. */
+static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
+  if (c->dead) return;
+  c->dead = 1;
+  if (c->fd >= 0) epoll_ctl(tp->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+  int clean = c->bye_received && !c->in_payload && c->hgot == 0;
+  for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
+    int g = ep->w2g[c->rank];
+    if (g < 0 || ep->status != CHORUS_OK) continue;
+    int pending = 0;
+    for (chorus__req_t *r = ep->recvs; r; r = r->next)
+      if (r->peer == g) pending = 1;
+    for (txitem_t *it = c->tx_head; it; it = it->next)
+      if (it->ep == ep) pending = 1;
+    if (clean && !pending) continue;
+    char pd[160];
+    peer_desc(ep, c->rank, pd, sizeof pd);
+    if (clean)
+      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+                     "chorus rank %d/%d: %s destroyed its communicator while this rank "
+                     "still exchanges data with it in %s",
+                     ep->me, ep->n, pd, ep_doing(ep));
+    else
+      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+                     "chorus rank %d/%d: %s %s during %s; the process probably died "
+                     "(check its output); every other rank fails too",
+                     ep->me, ep->n, pd, why, ep_doing(ep));
+  }
+  /* Sends queued to a dead peer can never complete. */
+  while (c->tx_head) {
+    txitem_t *it = c->tx_head;
+    c->tx_head = it->next;
+    if (it->req && it->ep && it->ep->status == CHORUS_OK)
+      ep_fail_locked(it->ep, CHORUS_ERR_REMOTE, 0, "chorus: send to world rank %d failed: %s",
+                     c->rank, why);
+    free(it->owned);
+    free(it);
+  }
+  c->tx_tail = NULL;
+  wake_all(tp);
+}
+
+/* ------------------------------------------------------------ sending */
+
+static void set_epoll_out(chorus__tp_t *tp, conn_t *c, int on) {
+  if (c->epoll_out == on || c->dead) return;
+  struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.u32 = (uint32_t)c->rank};
+  if (epoll_ctl(tp->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0) c->epoll_out = on;
+}
+
+/* Writes as much of the queue as the socket takes. */
+static void flush_tx(chorus__tp_t *tp, conn_t *c) {
+  while (c->tx_head && !c->dead) {
+    txitem_t *it = c->tx_head;
+    struct iovec iov[2];
+    int niov = 0;
+    if (it->off < HDR_SIZE) {
+      iov[niov].iov_base = it->hdr + it->off;
+      iov[niov++].iov_len = HDR_SIZE - it->off;
+      if (it->len) {
+        iov[niov].iov_base = (void *)it->payload;
+        iov[niov++].iov_len = it->len;
+      }
+    } else {
+      size_t poff = it->off - HDR_SIZE;
+      iov[niov].iov_base = (void *)(it->payload + poff);
+      iov[niov++].iov_len = it->len - poff;
+    }
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+    ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        set_epoll_out(tp, c, 1);
+        return;
+      }
+      char why[128];
+      snprintf(why, sizeof why, "write failed (%s)", strerror(errno));
+      conn_dead_locked(tp, c, why);
+      return;
+    }
+    it->off += (size_t)n;
+    if (it->off < HDR_SIZE + it->len) continue;
+    c->tx_head = it->next;
+    if (!c->tx_head) c->tx_tail = NULL;
+    if (it->req) {
+      it->req->done = 1;
+      wake_all(tp);
+    }
+    free(it->owned);
+    free(it);
+  }
+  if (!c->tx_head) set_epoll_out(tp, c, 0);
+}
+
+static void queue_tx(chorus__tp_t *tp, conn_t *c, txitem_t *it) {
+  it->next = NULL;
+  if (c->tx_tail) c->tx_tail->next = it;
+  else c->tx_head = it;
+  c->tx_tail = it;
+  if (c->tx_head == it) flush_tx(tp, c);
+}
+
+/* ---------------------------------------------------------- receiving */
+
+static int req_matches(const chorus__req_t *r, const hdr_t *h, int src_group) {
+  if (r->peer != src_group || r->kind != h->kind) return 0;
+  if (h->kind == CHORUS__KIND_COLL) return r->seq == h->seq && r->step == h->step;
+  return r->tag == h->tag;
+}
+
+/* Checks a data header against what ep executes; fails ep and returns -1 if
+ * the sender is in a different call. */
+static int check_data_header(chorus__ep_t *ep, const hdr_t *h, int src_world) {
+  char pd[160], theirs[200], mine[200];
+  if (h->kind != CHORUS__KIND_COLL) return 0;
+  peer_desc(ep, src_world, pd, sizeof pd);
+  ep->tp->fp_format(&h->fp, theirs, sizeof theirs);
+  if (h->seq <= ep->done_seq) {
+    ep_fail_locked(ep, CHORUS_ERR_MISMATCH, 1,
+                   "chorus rank %d/%d: collective mismatch: %s sent data for its collective "
+                   "#%" PRIu64 " %s, which this rank already completed without it; the ranks "
+                   "called different collectives or with different arguments",
+                   ep->me, ep->n, pd, h->seq, theirs);
+    return -1;
+  }
+  if (ep->in_coll && h->seq == ep->cur_seq && !chorus__fp_equal(&h->fp, &ep->cur_fp)) {
+    ep->tp->fp_format(&ep->cur_fp, mine, sizeof mine);
+    ep_fail_locked(ep, CHORUS_ERR_MISMATCH, 1,
+                   "chorus rank %d/%d: collective mismatch at call #%" PRIu64 ": %s called %s "
+                   "but rank %d called %s",
+                   ep->me, ep->n, h->seq, pd, theirs, ep->me, mine);
+    return -1;
+  }
+  return 0;
+}
+
+static int check_length(chorus__ep_t *ep, const chorus__req_t *r, const hdr_t *h, int src_world) {
+  if (h->len == r->len &&
+      (r->kind != CHORUS__KIND_P2P || (h->fp.dtype == r->fp.dtype && h->fp.count == r->fp.count)))
+    return 0;
+  char pd[160], theirs[200];
+  peer_desc(ep, src_world, pd, sizeof pd);
+  ep->tp->fp_format(&h->fp, theirs, sizeof theirs);
+  ep_fail_locked(ep, CHORUS_ERR_MISMATCH, 1,
+                 "chorus rank %d/%d: %s sent %" PRIu64 " bytes for %s step %u but this rank "
+                 "expected %zu bytes in %s; the ranks passed different counts",
+                 ep->me, ep->n, pd, h->len, theirs, h->step, r->len, ep_doing(ep));
+  return -1;
+}
+
+static chorus__ep_t *find_ep(chorus__tp_t *tp, uint64_t id) {
+  for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next)
+    if (ep->id == id) return ep;
+  return NULL;
+}
+
+static void protocol_error(chorus__tp_t *tp, conn_t *c, const char *what) {
+  CHORUS_WARN(CHORUS__SUB_TCP, "chorus: protocol violation from world rank %d (%s): %s; "
+              "closing the connection", c->rank, c->addr, what);
+  char why[200];
+  snprintf(why, sizeof why, "sent a malformed message (%s)", what);
+  conn_dead_locked(tp, c, why);
+}
+
+static unexp_t *new_unexp(chorus__tp_t *tp, const hdr_t *h, int src) {
+  unexp_t *u = calloc(1, sizeof *u);
+  if (!u) return NULL;
+  u->h = *h;
+  u->src = src;
+  if (h->len) {
+    u->buf = malloc(h->len);
+    if (!u->buf) {
+      free(u);
+      return NULL;
+    }
+  }
+  if (tp->unexp_tail) tp->unexp_tail->next = u;
+  else tp->unexp_head = u;
+  tp->unexp_tail = u;
+  return u;
+}
+
+static void unlink_unexp(chorus__tp_t *tp, unexp_t *u) {
+  unexp_t **pp = &tp->unexp_head, *prev = NULL;
+  while (*pp && *pp != u) {
+    prev = *pp;
+    pp = &(*pp)->next;
+  }
+  if (!*pp) return;
+  *pp = u->next;
+  if (tp->unexp_tail == u) tp->unexp_tail = prev;
+}
+
+/* A complete header arrived on c: decide where its payload goes. */
+static void on_header(chorus__tp_t *tp, conn_t *c) {
+  hdr_t *h = &c->h;
+  hdr_decode(c->hbuf, h);
+  c->dst = NULL;
+  c->rx_req = NULL;
+  c->rx_unexp = NULL;
+  c->rx_abort = NULL;
+  if (h->magic != MSG_MAGIC) return protocol_error(tp, c, "bad magic");
+  if (h->len > MAX_PAYLOAD) return protocol_error(tp, c, "payload length out of range");
+  switch (h->type) {
+    case T_BYE:
+      if (h->len) return protocol_error(tp, c, "goodbye with payload");
+      c->bye_received = 1;
+      wake_all(tp);
+      break;
+    case T_ABORT:
+      if (h->len > MAX_ABORT_TEXT) return protocol_error(tp, c, "abort text too long");
+      c->rx_abort = calloc(1, h->len + 1);
+      c->rx_abort_len = h->len;
+      c->dst = c->rx_abort;
+      break;
+    case T_DATA: {
+      if (h->kind != CHORUS__KIND_COLL && h->kind != CHORUS__KIND_P2P)
+        return protocol_error(tp, c, "unknown message kind");
+      if (h->fp.coll >= CHORUS_COLL_COUNT || h->fp.dtype >= CHORUS_DTYPE_COUNT)
+        return protocol_error(tp, c, "fingerprint out of range");
+      chorus__ep_t *ep = find_ep(tp, h->ep_id);
+      if (ep) {
+        int g = ep->w2g[c->rank];
+        if (g < 0) return protocol_error(tp, c, "data for a communicator the sender is not in");
+        if (ep->status != CHORUS_OK) break; /* discard */
+        if (check_data_header(ep, h, c->rank) < 0) break;
+        for (chorus__req_t **pp = &ep->recvs; *pp; pp = &(*pp)->next) {
+          chorus__req_t *r = *pp;
+          if (!req_matches(r, h, g)) continue;
+          *pp = r->next;
+          if (check_length(ep, r, h, c->rank) < 0) goto payload;
+          c->rx_req = r;
+          c->dst = r->buf;
+          goto payload;
+        }
+      }
+      c->rx_unexp = new_unexp(tp, h, c->rank);
+      if (!c->rx_unexp) {
+        if (ep)
+          ep_fail_locked(ep, CHORUS_ERR_NO_MEMORY, 1,
+                         "chorus: out of memory buffering a %" PRIu64 "-byte message from "
+                         "world rank %d", h->len, c->rank);
+        break;
+      }
+      c->dst = c->rx_unexp->buf;
+      break;
+    }
+    default:
+      return protocol_error(tp, c, "unknown message type");
+  }
+payload:
+  c->in_payload = 1;
+  c->left = h->len;
+}
+
+static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
+  c->in_payload = 0;
+  c->hgot = 0;
+  if (c->rx_req) {
+    c->rx_req->done = 1;
+    c->rx_req = NULL;
+    wake_all(tp);
+  } else if (c->rx_unexp) {
+    unexp_t *u = c->rx_unexp;
+    c->rx_unexp = NULL;
+    u->complete = 1;
+    if (u->req) {
+      if (u->h.len) memcpy(u->req->buf, u->buf, u->h.len);
+      u->req->done = 1;
+      unlink_unexp(tp, u);
+      free(u->buf);
+      free(u);
+      wake_all(tp);
+    }
+  } else if (c->rx_abort) {
+    chorus__ep_t *ep = find_ep(tp, c->h.ep_id);
+    if (ep) {
+      if (ep->w2g[c->rank] >= 0)
+        ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: rank %d reported an error: %s",
+                       ep->me, ep->n, ep->w2g[c->rank], c->rx_abort);
+      free(c->rx_abort);
+    } else {
+      /* For an endpoint not created yet: keep it; ep_create will see it. */
+      unexp_t *u = new_unexp(tp, &c->h, c->rank);
+      if (u) {
+        free(u->buf);
+        u->buf = c->rx_abort;
+        u->complete = 1;
+      } else {
+        free(c->rx_abort);
+      }
+    }
+    c->rx_abort = NULL;
+  }
+}
+
+static void read_conn(chorus__tp_t *tp, conn_t *c) {
+  while (!c->dead) {
+    ssize_t n;
+    if (!c->in_payload) {
+      n = recv(c->fd, c->hbuf + c->hgot, HDR_SIZE - c->hgot, MSG_DONTWAIT);
+      if (n > 0) {
+        c->hgot += (size_t)n;
+        if (c->hgot == HDR_SIZE) {
+          on_header(tp, c);
+          if (c->in_payload && c->left == 0) on_payload_done(tp, c);
+        }
+        continue;
+      }
+    } else {
+      char *dst = c->dst ? c->dst + (c->h.len - c->left) : tp->discard;
+      size_t want = c->dst ? c->left : CHORUS__MIN(c->left, (size_t)DISCARD_BUF);
+      n = recv(c->fd, dst, want, MSG_DONTWAIT);
+      if (n > 0) {
+        c->left -= (size_t)n;
+        if (c->rx_unexp) c->rx_unexp->got += (size_t)n;
+        if (c->left == 0) on_payload_done(tp, c);
+        continue;
+      }
+    }
+    if (n == 0) {
+      conn_dead_locked(tp, c, c->in_payload || c->hgot ? "closed its connection in the middle "
+                                                        "of a message"
+                                                      : "closed its connection");
+      return;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+    char why[128];
+    snprintf(why, sizeof why, "connection failed (%s)", strerror(errno));
+    conn_dead_locked(tp, c, why);
+    return;
+  }
+}
+
+static void *progress_main(void *arg) {
+  chorus__tp_t *tp = arg;
+  struct epoll_event evs[64];
+  while (!tp->stopping) {
+    int n = epoll_wait(tp->epfd, evs, 64, 1000);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      CHORUS_WARN(CHORUS__SUB_TCP, "chorus: epoll_wait failed: %s", strerror(errno));
+      struct timespec ts = {0, 10000000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    pthread_mutex_lock(&tp->lock);
+    for (int i = 0; i < n; i++) {
+      uint32_t id = evs[i].data.u32;
+      if (id == UINT32_MAX) {
+        uint64_t v;
+        (void)!read(tp->evfd, &v, sizeof v);
+        continue;
+      }
+      if (id >= (uint32_t)tp->size) continue;
+      conn_t *c = &tp->conns[id];
+      if (c->dead) continue;
+      if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) read_conn(tp, c);
+      if (!c->dead && (evs[i].events & EPOLLOUT)) flush_tx(tp, c);
+    }
+    pthread_mutex_unlock(&tp->lock);
+  }
+  return NULL;
+}
+
+/* ---------------------------------------------------------- endpoints */
+
+chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *members, int n,
+                                  int me, chorus__ep_t **out) {
+  chorus__ep_t *ep = calloc(1, sizeof *ep);
+  if (!ep) return CHORUS_ERR_NO_MEMORY;
+  ep->members = malloc(sizeof(int) * (size_t)n);
+  ep->w2g = malloc(sizeof(int) * (size_t)tp->size);
+  if (!ep->members || !ep->w2g) {
+    free(ep->members);
+    free(ep->w2g);
+    free(ep);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  for (int w = 0; w < tp->size; w++) ep->w2g[w] = -1;
+  for (int g = 0; g < n; g++) {
+    ep->members[g] = members[g];
+    ep->w2g[members[g]] = g;
+  }
+  ep->tp = tp;
+  ep->id = id;
+  ep->n = n;
+  ep->me = me;
+  ep->status = CHORUS_OK;
+  pthread_mutex_lock(&tp->lock);
+  if (find_ep(tp, id)) {
+    pthread_mutex_unlock(&tp->lock);
+    free(ep->members);
+    free(ep->w2g);
+    free(ep);
+    return CHORUS_ERR_INTERNAL;
+  }
+  ep->next = tp->eps;
+  tp->eps = ep;
+  /* A member may have died, or reported an error, before we got here. */
+  for (int g = 0; g < n; g++) {
+    conn_t *c = &tp->conns[members[g]];
+    if (g != me && c->dead && !c->bye_received)
+      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+                     "chorus rank %d/%d: rank %d (world rank %d, %s) is gone (its connection "
+                     "closed earlier)", me, n, g, members[g], c->addr);
+  }
+  for (unexp_t *u = tp->unexp_head; u; u = u->next) {
+    if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {
+      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: rank %d reported an error: %s",
+                     me, n, ep->w2g[u->src], u->buf ? u->buf : "");
+      break;
+    }
+  }
+  pthread_mutex_unlock(&tp->lock);
+  *out = ep;
+  return CHORUS_OK;
+}
+
+void chorus__ep_destroy(chorus__ep_t *ep) {
+  if (!ep) return;
+  chorus__tp_t *tp = ep->tp;
+  pthread_mutex_lock(&tp->lock);
+  detach_requests(tp, ep);
+  for (chorus__ep_t **pp = &tp->eps; *pp; pp = &(*pp)->next) {
+    if (*pp == ep) {
+      *pp = ep->next;
+      break;
+    }
+  }
+  /* Messages for it that can no longer be received. */
+  unexp_t **pp = &tp->unexp_head, *prev = NULL;
+  while (*pp) {
+    unexp_t *u = *pp;
+    if (u->h.ep_id == ep->id && u->complete) {
+      *pp = u->next;
+      if (tp->unexp_tail == u) tp->unexp_tail = prev;
+      free(u->buf);
+      free(u);
+      continue;
+    }
+    prev = u;
+    pp = &u->next;
+  }
+  pthread_mutex_unlock(&tp->lock);
+  free(ep->members);
+  free(ep->w2g);
+  free(ep);
+}
+
+chorus_result_t chorus__ep_begin(chorus__ep_t *ep, uint64_t seq, const chorus__fp_t *fp) {
+  chorus__tp_t *tp = ep->tp;
+  pthread_mutex_lock(&tp->lock);
+  ep->in_coll = 1;
+  ep->cur_seq = seq;
+  ep->cur_fp = *fp;
+  for (unexp_t *u = tp->unexp_head; u && ep->status == CHORUS_OK; u = u->next) {
+    if (u->h.type == T_DATA && u->h.ep_id == ep->id && u->h.kind == CHORUS__KIND_COLL &&
+        u->h.seq <= seq)
+      check_data_header(ep, &u->h, u->src);
+  }
+  chorus_result_t st = ep->status;
+  pthread_mutex_unlock(&tp->lock);
+  return st;
+}
+
+void chorus__ep_end(chorus__ep_t *ep, uint64_t seq) {
+  pthread_mutex_lock(&ep->tp->lock);
+  ep->in_coll = 0;
+  if (seq > ep->done_seq) ep->done_seq = seq;
+  pthread_mutex_unlock(&ep->tp->lock);
+}
+
+chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
+  chorus__tp_t *tp = ep->tp;
+  req->done = 0;
+  req->ep = ep;
+  req->next = NULL;
+  if (req->peer < 0 || req->peer >= ep->n || req->peer == ep->me) return CHORUS_ERR_INTERNAL;
+  int world = ep->members[req->peer];
+  conn_t *c = &tp->conns[world];
+  pthread_mutex_lock(&tp->lock);
+  req->seq = req->kind == CHORUS__KIND_COLL ? ep->cur_seq : 0;
+  chorus_result_t st = ep->status;
+  if (st != CHORUS_OK) goto out;
+  if (c->dead || (req->type == CHORUS__REQ_SEND && c->bye_received)) {
+    char pd[160];
+    peer_desc(ep, world, pd, sizeof pd);
+    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+                   "chorus rank %d/%d: %s is gone (%s) but %s needs it", ep->me, ep->n, pd,
+                   c->dead ? "its connection closed" : "it destroyed its communicator",
+                   ep_doing(ep));
+    st = ep->status;
+    goto out;
+  }
+  if (req->type == CHORUS__REQ_SEND) {
+    txitem_t *it = calloc(1, sizeof *it);
+    if (!it) {
+      st = CHORUS_ERR_NO_MEMORY;
+      goto out;
+    }
+    hdr_t h = {.magic = MSG_MAGIC, .type = T_DATA, .kind = (uint16_t)req->kind, .ep_id = ep->id,
+               .seq = req->seq, .step = req->step, .tag = req->tag, .len = req->len};
+    h.fp = ep->cur_fp;
+    if (req->kind == CHORUS__KIND_P2P) h.fp = req->fp; /* its own description */
+    hdr_encode(&h, it->hdr);
+    it->payload = req->buf;
+    it->len = req->len;
+    it->req = req;
+    it->ep = ep;
+    queue_tx(tp, c, it);
+    st = ep->status;
+    goto out;
+  }
+  /* Receive: look for a message that already arrived. */
+  for (unexp_t *u = tp->unexp_head; u; u = u->next) {
+    if (u->h.type != T_DATA || u->h.ep_id != ep->id || u->src != world || u->req) continue;
+    if (!req_matches(req, &u->h, req->peer)) continue;
+    if (check_length(ep, req, &u->h, world) < 0) {
+      st = ep->status;
+      goto out;
+    }
+    if (req->kind == CHORUS__KIND_COLL && check_data_header(ep, &u->h, world) < 0) {
+      st = ep->status;
+      goto out;
+    }
+    if (u->complete) {
+      if (u->h.len) memcpy(req->buf, u->buf, u->h.len);
+      req->done = 1;
+      unlink_unexp(tp, u);
+      free(u->buf);
+      free(u);
+    } else {
+      u->req = req;
+    }
+    goto out;
+  }
+  chorus__req_t **pp = &ep->recvs;
+  while (*pp) pp = &(*pp)->next;
+  *pp = req;
+out:
+  pthread_mutex_unlock(&tp->lock);
+  return st;
+}
+
+chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms) {
+  chorus__tp_t *tp = ep->tp;
+  int64_t deadline = chorus__deadline_ms(timeout_ms);
+  pthread_mutex_lock(&tp->lock);
+  for (;;) {
+    if (ep->status != CHORUS_OK) break;
+    int all = 1;
+    for (int i = 0; i < n && all; i++)
+      if (reqs[i] && !reqs[i]->done) all = 0;
+    if (all) break;
+    if (chorus__ms_left(deadline) == 0) {
+      char who[512];
+      size_t off = 0;
+      who[0] = '\0';
+      for (int i = 0; i < n; i++) {
+        if (!reqs[i] || reqs[i]->done) continue;
+        off += (size_t)snprintf(who + off, sizeof who - CHORUS__MIN(off, sizeof who),
+                                "%s%s rank %d", off ? ", " : "",
+                                reqs[i]->type == CHORUS__REQ_SEND ? "sending to" : "receiving from",
+                                reqs[i]->peer);
+        if (off >= sizeof who) break;
+      }
+      ep_fail_locked(ep, CHORUS_ERR_TIMEOUT, 1,
+                     "chorus rank %d/%d: %s timed out after %d ms %s; that rank is stuck, "
+                     "stopped or much slower (raise CHORUS_TIMEOUT if it is just slow)",
+                     ep->me, ep->n, ep_doing(ep), timeout_ms, who);
+      break;
+    }
+    struct timespec ts = chorus__deadline_timespec(deadline);
+    pthread_cond_timedwait(&tp->cond, &tp->lock, &ts);
+  }
+  chorus_result_t st = ep->status;
+  pthread_mutex_unlock(&tp->lock);
+  return st;
+}
+
+/* ---------------------------------------------------------- handshake */
+
+typedef struct {
+  uint8_t b[64];
+} hsbuf_t;
+
+static uint64_t hs_mac(const uint8_t key[16], const uint8_t nonce[16], uint64_t world_id,
+                       uint32_t a, uint32_t b, uint32_t what) {
+  uint8_t m[16 + 8 + 12];
+  memcpy(m, nonce, 16);
+  put64(m + 16, world_id);
+  put32(m + 24, a);
+  put32(m + 28, b);
+  put32(m + 32, what);
+  return chorus__siphash(key, m, sizeof m);
+}
+
+/* Acceptor side: returns the authenticated peer rank or a negative errno;
+ * why receives the reason for a rejection. */
+static int hs_accept(chorus__tp_t *tp, int fd, int64_t deadline, char *why, size_t cap) {
+  uint8_t nonce[16], out[32], in[28];
+  if (chorus__random_bytes(nonce, 16) < 0) memset(nonce, 0x5a, 16);
+  put32(out, HS_ACCEPT);
+  put32(out + 4, HS_VERSION);
+  memcpy(out + 8, nonce, 16);
+  put64(out + 24, tp->world_id);
+  int rc = chorus__net_write_full(fd, out, 32, deadline);
+  if (rc == 0) rc = chorus__net_read_full(fd, in, sizeof in, deadline);
+  if (rc < 0) {
+    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
+    return rc;
+  }
+  uint32_t magic = get32(in), version = get32(in + 4), peer = get32(in + 16);
+  uint64_t wid = get64(in + 8), mac = get64(in + 20);
+  if (magic != HS_CONNECT || version != HS_VERSION) {
+    snprintf(why, cap, "not a chorus peer (bad magic/version)");
+    return -EPROTO;
+  }
+  if (wid != tp->world_id) {
+    snprintf(why, cap, "peer belongs to another job or generation (world id differs)");
+    return -EPROTO;
+  }
+  if (peer >= (uint32_t)tp->size || (int)peer <= tp->rank) {
+    snprintf(why, cap, "peer claims impossible rank %u", peer);
+    return -EPROTO;
+  }
+  uint64_t want = hs_mac(tp->key, nonce, tp->world_id, peer, (uint32_t)tp->rank, 1);
+  if (chorus__memcmp_ct(&want, &mac, 8)) {
+    snprintf(why, cap, "authentication failed (wrong job secret)");
+    return -EACCES;
+  }
+  uint8_t ok[16];
+  put32(ok, HS_OK);
+  put32(ok + 4, (uint32_t)tp->rank);
+  put64(ok + 8, hs_mac(tp->key, nonce, tp->world_id, (uint32_t)tp->rank, peer, 2));
+  rc = chorus__net_write_full(fd, ok, sizeof ok, deadline);
+  if (rc < 0) {
+    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
+    return rc;
+  }
+  return (int)peer;
+}
+
+static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char *why,
+                      size_t cap) {
+  uint8_t in[32], out[28], ok[16];
+  int rc = chorus__net_read_full(fd, in, sizeof in, deadline);
+  if (rc < 0) {
+    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
+    return rc;
+  }
+  if (get32(in) != HS_ACCEPT || get32(in + 4) != HS_VERSION) {
+    snprintf(why, cap, "not a chorus peer (bad magic/version)");
+    return -EPROTO;
+  }
+  if (get64(in + 24) != tp->world_id) {
+    snprintf(why, cap, "that address belongs to another job or generation");
+    return -EPROTO;
+  }
+  const uint8_t *nonce = in + 8;
+  put32(out, HS_CONNECT);
+  put32(out + 4, HS_VERSION);
+  put64(out + 8, tp->world_id);
+  put32(out + 16, (uint32_t)tp->rank);
+  put64(out + 20, hs_mac(tp->key, nonce, tp->world_id, (uint32_t)tp->rank, (uint32_t)peer, 1));
+  rc = chorus__net_write_full(fd, out, sizeof out, deadline);
+  if (rc == 0) rc = chorus__net_read_full(fd, ok, sizeof ok, deadline);
+  if (rc < 0) {
+    snprintf(why, cap, rc == -ECONNRESET ? "peer rejected the handshake (job secret differs?)"
+                                         : "handshake I/O failed: %s",
+             strerror(-rc));
+    return rc;
+  }
+  uint64_t want = hs_mac(tp->key, nonce, tp->world_id, (uint32_t)peer, (uint32_t)tp->rank, 2);
+  uint64_t got = get64(ok + 8);
+  if (get32(ok) != HS_OK || get32(ok + 4) != (uint32_t)peer || chorus__memcmp_ct(&want, &got, 8)) {
+    snprintf(why, cap, "peer failed to authenticate (wrong rank or job secret)");
+    return -EACCES;
+  }
+  return 0;
+}
+
+static int parse_addr(const char *s, char *host, size_t cap, int *port) {
+  const char *sp = strrchr(s, ' ');
+  if (!sp || (size_t)(sp - s) >= cap) return -1;
+  memcpy(host, s, (size_t)(sp - s));
+  host[sp - s] = '\0';
+  long p;
+  if (chorus__parse_long(sp + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
+  *port = (int)p;
+  return 0;
+}
+
+/* ---------------------------------------------------------- lifecycle */
+
+static void tp_free(chorus__tp_t *tp) {
+  if (tp->conns) {
+    for (int r = 0; r < tp->size; r++) {
+      conn_t *c = &tp->conns[r];
+      if (c->fd >= 0) close(c->fd);
+      while (c->tx_head) {
+        txitem_t *it = c->tx_head;
+        c->tx_head = it->next;
+        free(it->owned);
+        free(it);
+      }
+      free(c->rx_abort);
+    }
+  }
+  while (tp->unexp_head) {
+    unexp_t *u = tp->unexp_head;
+    tp->unexp_head = u->next;
+    free(u->buf);
+    free(u);
+  }
+  if (tp->epfd >= 0) close(tp->epfd);
+  if (tp->evfd >= 0) close(tp->evfd);
+  pthread_mutex_destroy(&tp->lock);
+  pthread_cond_destroy(&tp->cond);
+  free(tp->conns);
+  free(tp);
+}
+
+chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t **out,
+                                  char *errmsg, size_t errcap) {
+  chorus__tp_t *tp = calloc(1, sizeof *tp);
+  if (!tp) {
+    close(cfg->listen_fd);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  tp->rank = cfg->rank;
+  tp->size = cfg->size;
+  tp->world_id = cfg->world_id;
+  tp->fp_format = cfg->fp_format;
+  tp->epfd = tp->evfd = -1;
+  chorus__secret_key(cfg->secret, tp->key);
+  pthread_mutex_init(&tp->lock, NULL);
+  chorus__cond_init_monotonic(&tp->cond);
+  chorus_result_t st = CHORUS_OK;
+  tp->conns = calloc((size_t)cfg->size, sizeof(conn_t));
+  if (!tp->conns) {
+    close(cfg->listen_fd);
+    tp_free(tp);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  for (int r = 0; r < cfg->size; r++) {
+    tp->conns[r].fd = -1;
+    tp->conns[r].rank = r;
+    char host[64];
+    int port;
+    if (parse_addr(cfg->addrs[r], host, sizeof host, &port) == 0)
+      snprintf(tp->conns[r].addr, sizeof tp->conns[r].addr, "%s:%d", host, port);
+    else
+      snprintf(tp->conns[r].addr, sizeof tp->conns[r].addr, "?");
+  }
+  char why[256];
+  /* Connect to every lower rank. */
+  for (int r = 0; r < cfg->rank && st == CHORUS_OK; r++) {
+    char host[64];
+    int port;
+    if (parse_addr(cfg->addrs[r], host, sizeof host, &port) < 0) {
+      snprintf(errmsg, errcap, "rank %d published an unparsable address '%s'", r, cfg->addrs[r]);
+      st = CHORUS_ERR_PROTOCOL;
+      break;
+    }
+    int fd = chorus__net_connect(host, port, cfg->deadline, cfg->retry_ms);
+    if (fd < 0) {
+      snprintf(errmsg, errcap, "cannot connect to rank %d at %s:%d: %s", r, host, port,
+               strerror(-fd));
+      st = fd == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_SYSTEM;
+      break;
+    }
+    if (hs_connect(tp, fd, r, cfg->deadline, why, sizeof why) < 0) {
+      close(fd);
+      snprintf(errmsg, errcap, "handshake with rank %d at %s:%d failed: %s", r, host, port, why);
+      st = CHORUS_ERR_PROTOCOL;
+      break;
+    }
+    tp->conns[r].fd = fd;
+  }
+  /* Accept every higher rank; strangers are logged and dropped. */
+  int need = cfg->size - 1 - cfg->rank;
+  while (st == CHORUS_OK && need > 0) {
+    int fd = chorus__net_accept(cfg->listen_fd, cfg->deadline);
+    if (fd < 0) {
+      char missing[256];
+      size_t off = 0;
+      missing[0] = '\0';
+      for (int r = cfg->rank + 1; r < cfg->size && off < sizeof missing; r++)
+        if (tp->conns[r].fd < 0)
+          off += (size_t)snprintf(missing + off, sizeof missing - off, "%s%d", off ? ", " : "", r);
+      snprintf(errmsg, errcap, "timed out waiting for rank(s) %s to connect: %s", missing,
+               strerror(-fd));
+      st = fd == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_SYSTEM;
+      break;
+    }
+    char paddr[64] = "?";
+    int pport = 0;
+    chorus__net_peer_addr(fd, paddr, sizeof paddr, &pport);
+    int64_t hs_deadline = CHORUS__MIN(cfg->deadline, chorus__deadline_ms(5000));
+    int peer = hs_accept(tp, fd, hs_deadline, why, sizeof why);
+    if (peer < 0 || tp->conns[peer].fd >= 0) {
+      CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: rejected a connection from %s:%d: %s",
+                  cfg->rank, paddr, pport, peer < 0 ? why : "rank already connected");
+      close(fd);
+      continue;
+    }
+    tp->conns[peer].fd = fd;
+    need--;
+  }
+  close(cfg->listen_fd);
+  if (st != CHORUS_OK) {
+    tp_free(tp);
+    return st;
+  }
+  tp->epfd = epoll_create1(EPOLL_CLOEXEC);
+  tp->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (tp->epfd < 0 || tp->evfd < 0) {
+    snprintf(errmsg, errcap, "epoll/eventfd: %s", strerror(errno));
+    tp_free(tp);
+    return CHORUS_ERR_SYSTEM;
+  }
+  struct epoll_event ev = {.events = EPOLLIN, .data.u32 = UINT32_MAX};
+  epoll_ctl(tp->epfd, EPOLL_CTL_ADD, tp->evfd, &ev);
+  for (int r = 0; r < cfg->size; r++) {
+    conn_t *c = &tp->conns[r];
+    if (r == cfg->rank) continue;
+    chorus__net_set_nonblock(c->fd, 1);
+    int sz = 4 << 20;
+    setsockopt(c->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+    ev.events = EPOLLIN;
+    ev.data.u32 = (uint32_t)r;
+    if (epoll_ctl(tp->epfd, EPOLL_CTL_ADD, c->fd, &ev) < 0) {
+      snprintf(errmsg, errcap, "epoll_ctl: %s", strerror(errno));
+      tp_free(tp);
+      return CHORUS_ERR_SYSTEM;
+    }
+  }
+  if (pthread_create(&tp->thread, NULL, progress_main, tp) != 0) {
+    snprintf(errmsg, errcap, "cannot start the progress thread");
+    tp_free(tp);
+    return CHORUS_ERR_SYSTEM;
+  }
+  tp->thread_started = 1;
+  *out = tp;
+  return CHORUS_OK;
+}
+
+void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
+  if (!tp) return;
+  pthread_mutex_lock(&tp->lock);
+  for (int r = 0; r < tp->size; r++)
+    if (r != tp->rank) send_control(tp, &tp->conns[r], T_BYE, 0, NULL);
+  for (;;) {
+    int waiting = 0;
+    for (int r = 0; r < tp->size; r++) {
+      conn_t *c = &tp->conns[r];
+      if (r == tp->rank || c->dead) continue;
+      if (!c->bye_received || c->tx_head) waiting = 1;
+    }
+    if (!waiting || chorus__ms_left(bye_deadline) == 0) break;
+    struct timespec ts = chorus__deadline_timespec(bye_deadline);
+    pthread_cond_timedwait(&tp->cond, &tp->lock, &ts);
+  }
+  tp->stopping = 1;
+  pthread_mutex_unlock(&tp->lock);
+  uint64_t one = 1;
+  (void)!write(tp->evfd, &one, sizeof one);
+  if (tp->thread_started) pthread_join(tp->thread, NULL);
+  tp_free(tp);
+}

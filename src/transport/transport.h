@@ -1,0 +1,139 @@
+/*
+ * transport.h - moving tagged messages between the ranks of one job.
+ *
+ * A transport context (chorus__tp_t) holds one connection to every other
+ * rank of the world, one progress thread, and the matching tables.  Every
+ * communicator (world or subgroup) registers an endpoint (chorus__ep_t): its
+ * id, its members (world ranks) and its failure state.  Messages carry the
+ * endpoint id, so all communicators share the connections.
+ *
+ * A message is matched to a receive by (endpoint id, source, kind, sequence
+ * number and step) for collectives, or by (endpoint id, source, tag) in FIFO
+ * order for point-to-point.  A message that arrives before its receive is
+ * posted is buffered ("unexpected"), also for endpoints that do not exist yet
+ * on this rank (a subgroup created later).
+ *
+ * Every message header carries the fingerprint of the call that sent it
+ * (collective, dtype, op, root, count, algorithm).  The transport compares it
+ * with the call this rank is executing at that sequence number (set by
+ * chorus__ep_begin) and fails the endpoint on any difference, so mismatched
+ * collectives are caught when their first byte arrives, at no extra cost.
+ *
+ * Failure model: an endpoint fails on the first error (peer died, timeout,
+ * mismatch, protocol violation, abort).  Failing completes all its pending
+ * requests with the error, wakes every waiter, and tells the other members
+ * (an ABORT message carrying the reason), so every surviving rank learns of
+ * it promptly.  A failed endpoint stays failed.
+ *
+ * Locking: one mutex per context protects every table; waiters sleep on one
+ * condition variable that is broadcast on every completion.
+ */
+#ifndef CHORUS_TRANSPORT_TRANSPORT_H
+#define CHORUS_TRANSPORT_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chorus.h"
+
+typedef struct chorus__tp chorus__tp_t;
+typedef struct chorus__ep chorus__ep_t;
+
+/* What a call looks like on the wire; equal on every rank for a correct
+ * program.  count is 0 for calls whose counts legitimately differ per rank. */
+typedef struct chorus__fp {
+  uint8_t coll;  /* chorus_coll_t */
+  uint8_t dtype; /* chorus_dtype_t */
+  uint8_t op;    /* chorus_op_t, 0xff when none */
+  uint8_t algo;  /* index in the algorithm registry */
+  int32_t root;  /* -1 when none */
+  uint64_t count;
+} chorus__fp_t;
+
+/* Formats "all_reduce(count=10, float32, sum, algo ring)" into buf.  Lives
+ * above the transport (it knows algorithm names); passed in the config. */
+typedef void (*chorus__fp_format_fn)(const chorus__fp_t *fp, char *buf, size_t cap);
+int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b);
+
+enum { CHORUS__REQ_SEND = 1, CHORUS__REQ_RECV = 2 };
+enum { CHORUS__KIND_COLL = 1, CHORUS__KIND_P2P = 2 };
+
+/* One posted send or receive.  Owned by the caller (usually on its stack);
+ * must stay alive until chorus__tp_wait() returned for it.  After a wait that
+ * failed, requests are inert and may be discarded. */
+typedef struct chorus__req {
+  int type;         /* CHORUS__REQ_SEND / RECV */
+  int peer;         /* rank in the endpoint's group */
+  int kind;         /* CHORUS__KIND_COLL / P2P */
+  uint32_t step;    /* collective step number, or 0 */
+  int32_t tag;      /* p2p tag, or -1 */
+  void *buf;        /* data to send / where to receive */
+  size_t len;       /* bytes; a receive requires exactly this many */
+  chorus__fp_t fp;  /* p2p only: the call's description (sent / expected) */
+  /* Internal state. */
+  int done;
+  int posted;
+  chorus__ep_t *ep;
+  uint64_t seq;
+  size_t sent;      /* bytes of header+payload written (sends) */
+  struct chorus__req *next;
+} chorus__req_t;
+
+typedef struct chorus__tp_config {
+  int rank, size;           /* world rank and size */
+  const char *secret;       /* job secret ("" or NULL: none) */
+  uint64_t world_id;        /* random id every rank of this world agreed on */
+  int listen_fd;            /* already listening socket (ownership passes) */
+  const char *const *addrs; /* "host port" of every rank's listener */
+  int64_t deadline;         /* for establishing every connection */
+  int retry_ms;
+  chorus__fp_format_fn fp_format;
+} chorus__tp_config_t;
+
+/* Connects the full mesh (connects to lower ranks, accepts from higher ones,
+ * authenticating both ways with the secret) and starts the progress thread.
+ * Blocking until every connection is made or the deadline passes; on failure
+ * errmsg receives a reason naming the peer and its address. */
+chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t **tp,
+                                  char *errmsg, size_t errcap);
+
+/* Says goodbye to every live peer, waits until every peer said goodbye (or
+ * died, or bye_deadline passed), then stops the progress thread, closes the
+ * connections and frees everything.  Endpoints must be destroyed first. */
+void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline);
+
+/* Registers an endpoint: id must be unique within the world and agreed by
+ * every member; members[i] is the world rank of group rank i; my_rank is this
+ * process's group rank.  Never blocks on peers. */
+chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *members,
+                                  int nmembers, int my_rank, chorus__ep_t **ep);
+void chorus__ep_destroy(chorus__ep_t *ep);
+
+/* Marks the start and end of collective number seq (1, 2, ...) described by
+ * fp.  begin checks messages that already arrived for seq. */
+chorus_result_t chorus__ep_begin(chorus__ep_t *ep, uint64_t seq, const chorus__fp_t *fp);
+void chorus__ep_end(chorus__ep_t *ep, uint64_t seq);
+
+/* Posts a request for the current collective (seq given to begin) or a p2p
+ * message.  Returns at once; fails if the endpoint already failed. */
+chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req);
+
+/* Waits until every request completed, the endpoint failed, or timeout_ms
+ * passed without all of them completing (which fails the endpoint with a
+ * timeout naming the ranks still being waited for). */
+chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n,
+                                int timeout_ms);
+
+/* Fails the endpoint (first failure wins): records code and message, fails
+ * pending requests, wakes waiters and, if notify_peers, sends ABORT with the
+ * message to every member.  Safe from any thread. */
+void chorus__ep_fail(chorus__ep_t *ep, chorus_result_t code, int notify_peers,
+                     const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+/* CHORUS_OK or the endpoint's failure; msg (may be NULL) receives the text. */
+chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap);
+
+/* Sets the "what is this rank doing" text used in failure messages. */
+void chorus__ep_set_name(chorus__ep_t *ep, const char *name);
+
+#endif

@@ -1,0 +1,229 @@
+/*
+ * launch_worker.c - a worker program for test_launcher.sh: chorusrun starts
+ * it N times and the script checks what comes out.  The mode is argv[1]:
+ *
+ *   env                     print the launcher contract variables, NAME=value
+ *   lines N                 print N long pattern lines to stdout and to stderr,
+ *                           each written in several pieces (tests that lines
+ *                           are never mixed)
+ *   mixed                   a stdout line, a stderr line, a 100000-byte line,
+ *                           then a last line without newline
+ *   exit R CODE [sleep]     rank R prints a line and exits with CODE; the
+ *                           others exit 0 (or sleep forever with "sleep")
+ *   signal R SIG            rank R kills itself with signal SIG; the others
+ *                           sleep forever
+ *   sleep                   sleep forever
+ *   sleep-ignore-term       ignore SIGTERM and sleep forever
+ *   fork-sleep              fork a child that sleeps forever, then sleep too
+ *   trap                    print "rankN got SIGxxx" on SIGINT/SIGTERM/SIGHUP
+ *                           and exit 0
+ *   restart-fail R CODE     rank R exits CODE while CHORUS_RESTART_COUNT is 0;
+ *                           every rank succeeds on later restarts
+ *   store                   connect to the store (MASTER_ADDR, MASTER_PORT,
+ *                           CHORUS_JOB_SECRET), set a key, read every rank's
+ *                           key (the only mode that uses libchorus)
+ *
+ * Sleeping workers print "rankN ready" first so the script can wait for
+ * them.  Output is written with write(2), never buffered.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "chorus.h"
+
+static int g_rank;
+
+static void put(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(int fd, const char *fmt, ...) {
+  char buf[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  if (n > (int)sizeof buf - 1) n = (int)sizeof buf - 1;
+  if (n > 0) (void)!write(fd, buf, (size_t)n);
+}
+
+static void write_all(int fd, const char *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w <= 0) return;
+    p += w;
+    n -= (size_t)w;
+  }
+}
+
+static void sleep_forever(void) {
+  put(1, "rank%d ready\n", g_rank);
+  for (;;) pause();
+}
+
+static void on_trap(int sig) {
+  const char *name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP";
+  char buf[64];
+  int n = snprintf(buf, sizeof buf, "rank%d got %s\n", g_rank, name);
+  (void)!write(1, buf, (size_t)n);
+  _exit(0);
+}
+
+/* One pattern line: "LINE-<rank>-<i>-" + 20 x "abcdefghij" + "-END\n",
+ * written in three pieces with a yield between them. */
+static void pattern_lines(int fd, int count) {
+  char line[512];
+  for (int i = 0; i < count; i++) {
+    int n = snprintf(line, sizeof line, "LINE-%d-%d-", g_rank, i);
+    for (int k = 0; k < 20; k++) n += snprintf(line + n, sizeof line - (size_t)n, "abcdefghij");
+    n += snprintf(line + n, sizeof line - (size_t)n, "-END\n");
+    int a = n / 3, b = 2 * n / 3;
+    write_all(fd, line, (size_t)a);
+    if (i % 7 == 0) sched_yield();
+    write_all(fd, line + a, (size_t)(b - a));
+    write_all(fd, line + b, (size_t)(n - b));
+  }
+}
+
+static int store_mode(void) {
+  const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
+  const char *secret = getenv("CHORUS_JOB_SECRET"), *ws = getenv("WORLD_SIZE");
+  const char *restart = getenv("CHORUS_RESTART_COUNT");
+  if (!addr || !port || !ws) {
+    put(2, "rank%d: MASTER_ADDR/MASTER_PORT/WORLD_SIZE missing\n", g_rank);
+    return 1;
+  }
+  chorus_store_t *st = NULL;
+  chorus_result_t rc = chorus_store_connect(addr, atoi(port), secret, 20000, &st);
+  if (rc != CHORUS_OK) {
+    put(2, "rank%d: store connect to %s:%s failed: %s\n", g_rank, addr, port,
+        chorus_strerror(rc));
+    return 1;
+  }
+  char key[128], val[64];
+  snprintf(key, sizeof key, "launch_test/%s/rank%d", restart ? restart : "0", g_rank);
+  snprintf(val, sizeof val, "value-of-rank%d", g_rank);
+  rc = chorus_store_set(st, key, val, strlen(val));
+  if (rc != CHORUS_OK) {
+    put(2, "rank%d: store set failed: %s %s\n", g_rank, chorus_strerror(rc),
+        chorus_store_last_error(st));
+    chorus_store_close(st);
+    return 1;
+  }
+  int n = atoi(ws), seen = 0;
+  for (int r = 0; r < n; r++) {
+    snprintf(key, sizeof key, "launch_test/%s/rank%d", restart ? restart : "0", r);
+    void *got = NULL;
+    size_t len = 0;
+    rc = chorus_store_get(st, key, &got, &len);
+    if (rc != CHORUS_OK) {
+      put(2, "rank%d: store get %s failed: %s %s\n", g_rank, key, chorus_strerror(rc),
+          chorus_store_last_error(st));
+      chorus_store_close(st);
+      return 1;
+    }
+    snprintf(val, sizeof val, "value-of-rank%d", r);
+    if (len == strlen(val) && !memcmp(got, val, len)) seen++;
+    chorus_free(got);
+  }
+  chorus_store_close(st);
+  put(1, "rank%d store ok: %d of %d keys\n", g_rank, seen, n);
+  return seen == n ? 0 : 1;
+}
+
+int main(int argc, char **argv) {
+  const char *r = getenv("RANK");
+  g_rank = r ? atoi(r) : -1;
+  if (argc < 2) {
+    put(2, "usage: launch_worker MODE [args]\n");
+    return 2;
+  }
+  const char *mode = argv[1];
+
+  if (!strcmp(mode, "env")) {
+    static const char *const vars[] = {
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "CHORUS_JOB_ID", "CHORUS_JOB_SECRET", "CHORUS_STORE_EXTERNAL",
+        "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+      const char *v = getenv(vars[i]);
+      put(1, "%s=%s\n", vars[i], v ? v : "<unset>");
+    }
+    return 0;
+  }
+  if (!strcmp(mode, "lines") && argc >= 3) {
+    int n = atoi(argv[2]);
+    pattern_lines(1, n);
+    pattern_lines(2, n);
+    return 0;
+  }
+  if (!strcmp(mode, "mixed")) {
+    put(1, "hello from stdout\n");
+    put(2, "hello from stderr\n");
+    size_t big = 100000;
+    char *line = malloc(big + 1);
+    if (!line) return 1;
+    memset(line, 'x', big);
+    line[big] = '\n';
+    write_all(1, line, big + 1);
+    free(line);
+    put(1, "tail-no-newline");
+    return 0;
+  }
+  if (!strcmp(mode, "exit") && argc >= 4) {
+    if (g_rank == atoi(argv[2])) {
+      put(2, "rank%d exiting with code %s\n", g_rank, argv[3]);
+      return atoi(argv[3]);
+    }
+    if (argc >= 5 && !strcmp(argv[4], "sleep")) sleep_forever();
+    return 0;
+  }
+  if (!strcmp(mode, "signal") && argc >= 4) {
+    if (g_rank == atoi(argv[2])) {
+      put(2, "rank%d raising signal %s\n", g_rank, argv[3]);
+      signal(atoi(argv[3]), SIG_DFL);
+      raise(atoi(argv[3]));
+      return 99; /* not reached for deadly signals */
+    }
+    sleep_forever();
+  }
+  if (!strcmp(mode, "sleep")) sleep_forever();
+  if (!strcmp(mode, "sleep-ignore-term")) {
+    signal(SIGTERM, SIG_IGN);
+    sleep_forever();
+  }
+  if (!strcmp(mode, "fork-sleep")) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      for (;;) pause();
+    }
+    put(1, "rank%d forked child %d\n", g_rank, (int)pid);
+    sleep_forever();
+  }
+  if (!strcmp(mode, "trap")) {
+    signal(SIGINT, on_trap);
+    signal(SIGTERM, on_trap);
+    signal(SIGHUP, on_trap);
+    sleep_forever();
+  }
+  if (!strcmp(mode, "restart-fail") && argc >= 4) {
+    const char *rc = getenv("CHORUS_RESTART_COUNT");
+    int restart = rc ? atoi(rc) : -1;
+    put(1, "rank%d restart %d\n", g_rank, restart);
+    if (restart == 0 && g_rank == atoi(argv[2])) {
+      put(2, "rank%d failing on restart 0\n", g_rank);
+      return atoi(argv[3]);
+    }
+    return restart >= 0 ? 0 : 1;
+  }
+  if (!strcmp(mode, "store")) return store_mode();
+
+  put(2, "launch_worker: unknown mode or missing arguments: %s\n", mode);
+  return 2;
+}
