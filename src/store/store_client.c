@@ -103,8 +103,7 @@ static void append_key(char *out, size_t cap, const char *key) {
   }
   char shown[KEY_SHOWN + 4];
   size_t n = 0;
-  for (; key[n] && n < KEY_SHOWN; n++)
-    shown[n] = (key[n] >= 0x20 && key[n] < 0x7f) ? key[n] : '?';
+  for (; key[n] && n < KEY_SHOWN; n++) shown[n] = (key[n] >= 0x20 && key[n] < 0x7f) ? key[n] : '?';
   shown[n] = '\0';
   append(out, cap, "'%s%s'", shown, key[n] ? "..." : "");
 }
@@ -142,8 +141,7 @@ static int handshake(const uint8_t key[16], int fd, int64_t deadline, uint32_t *
   int rc = chorus__net_read_full(fd, hello, 4, deadline);
   if (rc < 0) return rc;
   if (chorus__le32_get(hello) != CHORUS__STORE_HELLO_LEN) return -EPROTO;
-  if ((rc = chorus__net_read_full(fd, hello + 4, CHORUS__STORE_HELLO_LEN, deadline)) < 0)
-    return rc;
+  if ((rc = chorus__net_read_full(fd, hello + 4, CHORUS__STORE_HELLO_LEN, deadline)) < 0) return rc;
   if (memcmp(hello + 4, CHORUS__STORE_MAGIC, 4) != 0) return -EPROTO;
   uint32_t version = chorus__le32_get(hello + 8);
   if (version != CHORUS__STORE_VERSION) {
@@ -161,10 +159,15 @@ static int handshake(const uint8_t key[16], int fd, int64_t deadline, uint32_t *
   if ((rc = chorus__net_read_full(fd, verdict, sizeof verdict, deadline)) < 0) return rc;
   if (chorus__le32_get(verdict) != 1) return -EPROTO;
   switch (verdict[4]) {
-  case CHORUS__STORE_HS_OK: return 0;
-  case CHORUS__STORE_HS_DENIED: return -EACCES;
-  case CHORUS__STORE_HS_VERSION: *server_version = 0; return -EPROTONOSUPPORT;
-  default: return -EPROTO;
+    case CHORUS__STORE_HS_OK:
+      return 0;
+    case CHORUS__STORE_HS_DENIED:
+      return -EACCES;
+    case CHORUS__STORE_HS_VERSION:
+      *server_version = 0;
+      return -EPROTONOSUPPORT;
+    default:
+      return -EPROTO;
   }
 }
 
@@ -193,25 +196,26 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
     }
     close(fd);
     switch (rc) {
-    case -EACCES:
-      set_err(err, c->addr,
-              "%s: authentication failed: the store rejected this job secret "
-              "(check CHORUS_JOB_SECRET)", what);
-      return CHORUS_ERR_PROTOCOL;
-    case -EPROTONOSUPPORT:
-      set_err(err, c->addr, "%s: store protocol version mismatch (store %" PRIu32 ", client %u)",
-              what, server_version, CHORUS__STORE_VERSION);
-      return CHORUS_ERR_PROTOCOL;
-    case -EPROTO:
-      set_err(err, c->addr, "%s: unexpected handshake; is a chorus store listening there?", what);
-      return CHORUS_ERR_PROTOCOL;
-    case -ETIMEDOUT:
-      set_err(err, c->addr,
-              "%s: no handshake from the store within %d ms; is a chorus store listening there?",
-              what, timeout_ms);
-      return CHORUS_ERR_TIMEOUT;
-    default:
-      break;
+      case -EACCES:
+        set_err(err, c->addr,
+                "%s: authentication failed: the store rejected this job secret "
+                "(check CHORUS_JOB_SECRET)",
+                what);
+        return CHORUS_ERR_PROTOCOL;
+      case -EPROTONOSUPPORT:
+        set_err(err, c->addr, "%s: store protocol version mismatch (store %" PRIu32 ", client %u)",
+                what, server_version, CHORUS__STORE_VERSION);
+        return CHORUS_ERR_PROTOCOL;
+      case -EPROTO:
+        set_err(err, c->addr, "%s: unexpected handshake; is a chorus store listening there?", what);
+        return CHORUS_ERR_PROTOCOL;
+      case -ETIMEDOUT:
+        set_err(err, c->addr,
+                "%s: no handshake from the store within %d ms; is a chorus store listening there?",
+                what, timeout_ms);
+        return CHORUS_ERR_TIMEOUT;
+      default:
+        break;
     }
     int left = chorus__ms_left(deadline);
     if (left == 0) {
@@ -265,8 +269,8 @@ static chorus_result_t call(chorus_store_t *c, const char *what, chorus__sbuf_t 
   }
   chorus__sbuf_frame_end(req, 0);
   if (req->len - 4 > CHORUS__STORE_MAX_FRAME) {
-    set_err(c->err, c->addr, "%s: request of %zu bytes exceeds the store's limit of %u bytes",
-            what, req->len - 4, CHORUS__STORE_MAX_FRAME);
+    set_err(c->err, c->addr, "%s: request of %zu bytes exceeds the store's limit of %u bytes", what,
+            req->len - 4, CHORUS__STORE_MAX_FRAME);
     return CHORUS_ERR_INVALID_ARG;
   }
   int64_t deadline = chorus__deadline_ms(timeout_ms);
@@ -295,30 +299,31 @@ static chorus_result_t call(chorus_store_t *c, const char *what, chorus__sbuf_t 
   b[len] = '\0';
   chorus_result_t res;
   switch (b[0]) {
-  case CHORUS__STORE_ST_OK:
-    *body = b;
-    *blen = len;
-    return CHORUS_OK;
-  case CHORUS__STORE_ST_BAD_REQUEST: {
-    chorus__srd_t r = chorus__srd_make(b + 1, len - 1);
-    const uint8_t *why;
-    size_t wlen;
-    chorus__srd_str(&r, CHORUS__STORE_MAX_REASON, &why, &wlen);
-    if (r.bad || r.left) {
-      res = bad_response(c, what);
-    } else {
-      set_err(c->err, c->addr, "%s: the store declined: %.*s", what, (int)wlen, (const char *)why);
-      res = CHORUS_ERR_INVALID_ARG;
+    case CHORUS__STORE_ST_OK:
+      *body = b;
+      *blen = len;
+      return CHORUS_OK;
+    case CHORUS__STORE_ST_BAD_REQUEST: {
+      chorus__srd_t r = chorus__srd_make(b + 1, len - 1);
+      const uint8_t *why;
+      size_t wlen;
+      chorus__srd_str(&r, CHORUS__STORE_MAX_REASON, &why, &wlen);
+      if (r.bad || r.left) {
+        res = bad_response(c, what);
+      } else {
+        set_err(c->err, c->addr, "%s: the store declined: %.*s", what, (int)wlen,
+                (const char *)why);
+        res = CHORUS_ERR_INVALID_ARG;
+      }
+      break;
     }
-    break;
-  }
-  case CHORUS__STORE_ST_TIMEOUT:
-    set_err(c->err, c->addr, "%s timed out on the store", what);
-    res = CHORUS_ERR_TIMEOUT;
-    break;
-  default:
-    res = bad_response(c, what);
-    break;
+    case CHORUS__STORE_ST_TIMEOUT:
+      set_err(c->err, c->addr, "%s timed out on the store", what);
+      res = CHORUS_ERR_TIMEOUT;
+      break;
+    default:
+      res = bad_response(c, what);
+      break;
   }
   free(b);
   return res;
@@ -327,8 +332,8 @@ static chorus_result_t call(chorus_store_t *c, const char *what, chorus__sbuf_t 
 /* Turns an OK response holding one value into the value itself: moves the
  * bytes to the front of the block, NUL-terminates them and hands the block
  * to the caller (*val, *len).  Frees body on failure. */
-static chorus_result_t take_value(chorus_store_t *c, const char *what, uint8_t *body,
-                                  size_t blen, void **val, size_t *len) {
+static chorus_result_t take_value(chorus_store_t *c, const char *what, uint8_t *body, size_t blen,
+                                  void **val, size_t *len) {
   chorus__srd_t r = chorus__srd_make(body + 1, blen - 1);
   uint32_t vlen = chorus__srd_u32(&r);
   if (r.bad || r.left != vlen) {
@@ -346,8 +351,10 @@ static chorus_result_t take_value(chorus_store_t *c, const char *what, uint8_t *
 static chorus_result_t take_u8(chorus_store_t *c, const char *what, uint8_t *body, size_t blen,
                                int *out) {
   chorus_result_t res = CHORUS_OK;
-  if (blen != 2 || body[1] > 1) res = bad_response(c, what);
-  else if (out) *out = body[1];
+  if (blen != 2 || body[1] > 1)
+    res = bad_response(c, what);
+  else if (out)
+    *out = body[1];
   free(body);
   return res;
 }
@@ -355,8 +362,10 @@ static chorus_result_t take_u8(chorus_store_t *c, const char *what, uint8_t *bod
 static chorus_result_t take_i64(chorus_store_t *c, const char *what, uint8_t *body, size_t blen,
                                 int64_t *out) {
   chorus_result_t res = CHORUS_OK;
-  if (blen != 9) res = bad_response(c, what);
-  else if (out) *out = (int64_t)chorus__le64_get(body + 1);
+  if (blen != 9)
+    res = bad_response(c, what);
+  else if (out)
+    *out = (int64_t)chorus__le64_get(body + 1);
   free(body);
   return res;
 }
@@ -411,13 +420,13 @@ static int default_timeout_ms(void) {
 
 /* ---------------------------------------------------------- connection */
 
-chorus_result_t chorus_store_connect(const char *host, int port, const char *secret,
-                                     int timeout_ms, chorus_store_t **client) {
+chorus_result_t chorus_store_connect(const char *host, int port, const char *secret, int timeout_ms,
+                                     chorus_store_t **client) {
   g_connect_err[0] = '\0';
   if (!client) return CHORUS_ERR_INVALID_ARG;
   *client = NULL;
   if (!host || !*host) host = "127.0.0.1";
-  if (strlen(host) >= sizeof ((chorus_store_t *)0)->host || port <= 0 || port > 65535) {
+  if (strlen(host) >= sizeof((chorus_store_t *)0)->host || port <= 0 || port > 65535) {
     snprintf(g_connect_err, sizeof g_connect_err, "store %.64s:%d: invalid address", host, port);
     CHORUS_WARN(CHORUS__SUB_STORE, "%s", g_connect_err);
     return CHORUS_ERR_INVALID_ARG;
@@ -459,7 +468,9 @@ const char *chorus_store_last_error(const chorus_store_t *client) {
   return client ? client->err : "";
 }
 
-const char *chorus__store_connect_error(void) { return g_connect_err; }
+const char *chorus__store_connect_error(void) {
+  return g_connect_err;
+}
 
 void chorus__store_set_timeout(chorus_store_t *client, int timeout_ms) {
   if (!client) return;
@@ -487,8 +498,7 @@ int chorus__store_fd(const chorus_store_t *client) {
  * Each public call validates its arguments, then runs its *_locked body under
  * the client's mutex. */
 
-static chorus_result_t set_locked(chorus_store_t *c, const char *key, const void *val,
-                                  size_t len) {
+static chorus_result_t set_locked(chorus_store_t *c, const char *key, const void *val, size_t len) {
   char what[WHAT_CAP];
   describe(what, "set", &key, 1);
   chorus_result_t res = check_key(c, what, key);
@@ -580,10 +590,9 @@ chorus_result_t chorus_store_add(chorus_store_t *c, const char *key, int64_t del
   return res;
 }
 
-static chorus_result_t compare_set_locked(chorus_store_t *c, const char *key,
-                                          const void *expected, size_t expected_len,
-                                          const void *desired, size_t desired_len,
-                                          void **current, size_t *current_len) {
+static chorus_result_t compare_set_locked(chorus_store_t *c, const char *key, const void *expected,
+                                          size_t expected_len, const void *desired,
+                                          size_t desired_len, void **current, size_t *current_len) {
   char what[WHAT_CAP];
   describe(what, "compare_set", &key, 1);
   chorus_result_t res = check_key(c, what, key);
@@ -604,16 +613,17 @@ static chorus_result_t compare_set_locked(chorus_store_t *c, const char *key,
   size_t len = 0;
   res = take_value(c, what, body, blen, &val, &len);
   if (res != CHORUS_OK) return res;
-  if (current) *current = val;
-  else free(val);
+  if (current)
+    *current = val;
+  else
+    free(val);
   if (current_len) *current_len = len;
   return CHORUS_OK;
 }
 
 chorus_result_t chorus_store_compare_set(chorus_store_t *c, const char *key, const void *expected,
                                          size_t expected_len, const void *desired,
-                                         size_t desired_len, void **current,
-                                         size_t *current_len) {
+                                         size_t desired_len, void **current, size_t *current_len) {
   if (!c) return CHORUS_ERR_INVALID_ARG;
   if (current) *current = NULL;
   if (current_len) *current_len = 0;

@@ -84,8 +84,7 @@ static inline void chorus__le32_put(uint8_t *p, uint32_t v) {
 }
 
 static inline uint32_t chorus__le32_get(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-         (uint32_t)p[3] << 24;
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
 static inline void chorus__le64_put(uint8_t *p, uint64_t v) {
@@ -249,15 +248,24 @@ static inline const uint8_t *chorus__srd_raw(chorus__srd_t *r, size_t n) {
 /* Name of a command for logs and error messages. */
 static inline const char *chorus__store_cmd_name(int cmd) {
   switch (cmd) {
-  case CHORUS__STORE_CMD_SET: return "set";
-  case CHORUS__STORE_CMD_GET: return "get";
-  case CHORUS__STORE_CMD_ADD: return "add";
-  case CHORUS__STORE_CMD_COMPARE_SET: return "compare_set";
-  case CHORUS__STORE_CMD_CHECK: return "check";
-  case CHORUS__STORE_CMD_DELETE: return "delete";
-  case CHORUS__STORE_CMD_WAIT: return "wait";
-  case CHORUS__STORE_CMD_NUM_KEYS: return "num_keys";
-  default: return "unknown";
+    case CHORUS__STORE_CMD_SET:
+      return "set";
+    case CHORUS__STORE_CMD_GET:
+      return "get";
+    case CHORUS__STORE_CMD_ADD:
+      return "add";
+    case CHORUS__STORE_CMD_COMPARE_SET:
+      return "compare_set";
+    case CHORUS__STORE_CMD_CHECK:
+      return "check";
+    case CHORUS__STORE_CMD_DELETE:
+      return "delete";
+    case CHORUS__STORE_CMD_WAIT:
+      return "wait";
+    case CHORUS__STORE_CMD_NUM_KEYS:
+      return "num_keys";
+    default:
+      return "unknown";
   }
 }
 

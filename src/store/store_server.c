@@ -22,6 +22,14 @@
  * request out: the client applies its own deadline and, when it gives up,
  * closes its connection, which drops the waiter.
  *
+ * Fairness.  Epoll is level-triggered and a connection's turn is bounded (a
+ * few reads, a few dozen requests); one with complete requests left goes on
+ * the "again" list and the next epoll_wait does not sleep.  Every way a turn
+ * can end leaves something that brings the connection back (a key being set,
+ * EPOLLIN, EPOLLOUT or the again list), so no buffered request is stranded.
+ * Closed connections are unlinked at once but freed only at the end of the
+ * loop iteration, so an event of the same batch never touches freed memory.
+ *
  * Untrusted input.  A new connection first receives a random nonce and must
  * answer with siphash(secret key, nonce) within the handshake timeout (5 s by
  * default); until then its frames may not exceed the answer's 16 bytes, so a
@@ -64,8 +72,9 @@
 #define BUF_KEEP ((size_t)64 << 10)
 /* Initial input buffer of an authenticated connection. */
 #define IN_CHUNK ((size_t)4096)
-/* recv() calls per connection per event before others get a turn. */
-#define READS_PER_EVENT 16
+/* recv() calls and requests per connection per turn before others get one. */
+#define READS_PER_TURN 16
+#define FRAMES_PER_TURN 64
 #define INITIAL_BUCKETS 64
 #define LISTEN_BACKLOG 1024
 #define ACCEPT_PAUSE_MS 100
@@ -76,11 +85,14 @@ typedef struct link {
   struct link *prev, *next;
 } link_t;
 
-#define CONTAINER_OF(ptr, type, member)                                         \
-  ((type *)(void *)((char *)(ptr)-offsetof(type, member)))
+#define CONTAINER_OF(ptr, type, member) ((type *)(void *)((char *)(ptr)-offsetof(type, member)))
 
-static void list_init(link_t *l) { l->prev = l->next = l; }
-static int list_empty(const link_t *head) { return head->next == head; }
+static void list_init(link_t *l) {
+  l->prev = l->next = l;
+}
+static int list_empty(const link_t *head) {
+  return head->next == head;
+}
 
 static void list_insert_after(link_t *pos, link_t *n) {
   n->prev = pos;
@@ -89,7 +101,19 @@ static void list_insert_after(link_t *pos, link_t *n) {
   pos->next = n;
 }
 
-static void list_push_back(link_t *head, link_t *n) { list_insert_after(head->prev, n); }
+static void list_push_back(link_t *head, link_t *n) {
+  list_insert_after(head->prev, n);
+}
+
+/* Moves every element of src to the end of dst. */
+static void list_splice(link_t *dst, link_t *src) {
+  if (list_empty(src)) return;
+  src->next->prev = dst->prev;
+  dst->prev->next = src->next;
+  src->prev->next = dst;
+  dst->prev = src->prev;
+  list_init(src);
+}
 
 /* Unlinks n (a no-op when it is not in a list) and leaves it self-linked. */
 static void list_remove(link_t *n) {
@@ -105,8 +129,8 @@ typedef struct entry {
   uint64_t hash;
   uint8_t *val; /* owned; NULL while absent */
   size_t vlen;
-  int present;     /* 0: a placeholder that only holds waiters */
-  link_t waiters;  /* conn_t.wait_link of connections blocked on this key */
+  int present;    /* 0: a placeholder that only holds waiters */
+  link_t waiters; /* conn_t.wait_link of connections blocked on this key */
   size_t klen;
   uint8_t key[];
 } entry_t;
@@ -121,13 +145,13 @@ enum {
 typedef struct conn {
   int fd;
   int state;
-  uint32_t events;   /* epoll mask currently registered */
-  int64_t deadline;  /* end of the handshake (HELLO and CLOSING) */
-  link_t all_link;   /* server's conns list, or its dead list once closed */
-  link_t timer_link; /* server's handshaking list while HELLO or CLOSING */
-  link_t wait_link;  /* an entry's waiters, or the server's ready list */
+  uint32_t events;     /* epoll mask currently registered */
+  int64_t deadline;    /* end of the handshake (HELLO and CLOSING) */
+  link_t all_link;     /* server's conns list, or its dead list once closed */
+  link_t timer_link;   /* server's handshaking list while HELLO or CLOSING */
+  link_t wait_link;    /* an entry's waiters, or the ready or again list */
   entry_t *waiting_on; /* entry whose waiters hold wait_link, or NULL */
-  int ready;           /* wait_link is on the ready list */
+  int ready;           /* wait_link is on the ready or again list */
   int eof;             /* the peer closed its side */
   uint32_t resume_idx; /* WAIT: keys [0, resume_idx) were seen present */
   size_t resume_off;   /* WAIT: body offset of key resume_idx; 0: fresh */
@@ -149,7 +173,9 @@ struct chorus_store_server {
   entry_t **buckets;
   size_t nbuckets, nentries;
   int64_t npresent;
-  link_t conns, handshaking, ready, dead;
+  link_t conns, handshaking, dead;
+  link_t ready; /* connections to run after the current batch of events */
+  link_t again; /* connections that used up their turn with work left */
   size_t nconns;
   atomic_int handshake_ms;
   int listen_paused;
@@ -161,7 +187,7 @@ struct chorus_store_server {
 /* Results of one request or handshake frame. */
 enum { RQ_DONE, RQ_WAIT, RQ_CLOSED };
 /* Results of processing a connection's buffered frames. */
-enum { PF_NEED_MORE, PF_STALLED, PF_CLOSED };
+enum { PF_NEED_MORE, PF_STALLED, PF_BUDGET, PF_CLOSED };
 
 /* The epoll data pointers of the two non-connection descriptors. */
 static char g_listen_tag, g_stop_tag;
@@ -202,8 +228,7 @@ static void table_grow(chorus_store_server_t *srv) {
 
 /* Returns the entry for key, adding an absent one if needed; NULL when memory
  * is short. */
-static entry_t *table_find_or_add(chorus_store_server_t *srv, const uint8_t *key,
-                                  size_t klen) {
+static entry_t *table_find_or_add(chorus_store_server_t *srv, const uint8_t *key, size_t klen) {
   entry_t *e = table_find(srv, key, klen);
   if (e) return e;
   e = calloc(1, sizeof *e + klen);
@@ -240,8 +265,7 @@ static void entry_maybe_drop(chorus_store_server_t *srv, entry_t *e) {
 
 /* Stores a copy of val at e and wakes every connection waiting for it.
  * Returns 0, or -1 when memory is short (e is then unchanged). */
-static int entry_store(chorus_store_server_t *srv, entry_t *e, const void *val,
-                       size_t vlen) {
+static int entry_store(chorus_store_server_t *srv, entry_t *e, const void *val, size_t vlen) {
   uint8_t *copy = malloc(vlen ? vlen : 1);
   if (!copy) return -1;
   if (vlen) memcpy(copy, val, vlen);
@@ -361,7 +385,9 @@ static void conn_lost(chorus_store_server_t *srv, conn_t *c, int err) {
             strerror(err));
 }
 
-static size_t conn_unsent(const conn_t *c) { return c->out.len - c->out_off; }
+static size_t conn_unsent(const conn_t *c) {
+  return c->out.len - c->out_off;
+}
 
 /* Whether the connection should be read from now. */
 static int conn_can_read(const conn_t *c) {
@@ -501,8 +527,7 @@ static int wait_on(chorus_store_server_t *srv, conn_t *c, const uint8_t *key, si
 /* Handles the frame of a connection in CONN_HELLO: the client's answer to
  * the nonce.  Any outcome consumes the frame; a failure sends the verdict
  * and moves the connection to CONN_CLOSING. */
-static int conn_handshake(chorus_store_server_t *srv, conn_t *c, const uint8_t *body,
-                          size_t len) {
+static int conn_handshake(chorus_store_server_t *srv, conn_t *c, const uint8_t *body, size_t len) {
   chorus__srd_t r = chorus__srd_make(body, len);
   const uint8_t *magic = chorus__srd_raw(&r, 4);
   uint32_t version = chorus__srd_u32(&r);
@@ -521,8 +546,8 @@ static int conn_handshake(chorus_store_server_t *srv, conn_t *c, const uint8_t *
     chorus__le64_put(want, chorus__siphash(srv->auth_key, c->nonce, sizeof c->nonce));
     if (chorus__memcmp_ct(got, want, sizeof got) != 0) {
       CHORUS_WARN(CHORUS__SUB_STORE,
-                  "%s: authentication failed for %s (wrong job secret?); closing",
-                  srv->name, c->peer);
+                  "%s: authentication failed for %s (wrong job secret?); closing", srv->name,
+                  c->peer);
       verdict = CHORUS__STORE_HS_DENIED;
     }
   }
@@ -584,110 +609,112 @@ static int conn_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *bo
   const uint8_t *key = NULL, *val = NULL, *val2 = NULL;
   size_t klen = 0, vlen = 0, vlen2 = 0;
   switch (cmd) {
-  case CHORUS__STORE_CMD_SET: {
-    chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
-    chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val, &vlen);
-    if (r.bad || r.left) return malformed(srv, c, cmd);
-    entry_t *e = table_find_or_add(srv, key, klen);
-    if (!e) return out_of_memory(srv, c);
-    if (entry_store(srv, e, val, vlen) < 0) {
-      entry_maybe_drop(srv, e);
-      return out_of_memory(srv, c);
+    case CHORUS__STORE_CMD_SET: {
+      chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
+      chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val, &vlen);
+      if (r.bad || r.left) return malformed(srv, c, cmd);
+      entry_t *e = table_find_or_add(srv, key, klen);
+      if (!e) return out_of_memory(srv, c);
+      if (entry_store(srv, e, val, vlen) < 0) {
+        entry_maybe_drop(srv, e);
+        return out_of_memory(srv, c);
+      }
+      return reply_status(srv, c);
     }
-    return reply_status(srv, c);
-  }
-  case CHORUS__STORE_CMD_GET: {
-    chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
-    if (r.bad || r.left) return malformed(srv, c, cmd);
-    entry_t *e = table_find(srv, key, klen);
-    if (e && e->present) return reply_value(srv, c, e->val, e->vlen);
-    return wait_on(srv, c, key, klen);
-  }
-  case CHORUS__STORE_CMD_ADD: {
-    chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
-    int64_t delta = (int64_t)chorus__srd_u64(&r);
-    if (r.bad || r.left) return malformed(srv, c, cmd);
-    entry_t *e = table_find(srv, key, klen);
-    int64_t cur = 0, sum;
-    if (e && e->present && parse_i64(e->val, e->vlen, &cur) < 0)
-      return reply_bad_request(srv, c, "the value of '%.*s' is not a decimal integer",
-                               (int)CHORUS__MIN(klen, 200), (const char *)key);
-    if (__builtin_add_overflow(cur, delta, &sum))
-      return reply_bad_request(srv, c, "adding %" PRId64 " to %" PRId64 " overflows int64",
-                               delta, cur);
-    char text[32];
-    int tlen = snprintf(text, sizeof text, "%" PRId64, sum);
-    if (!e) e = table_find_or_add(srv, key, klen);
-    if (!e) return out_of_memory(srv, c);
-    if (entry_store(srv, e, text, (size_t)tlen) < 0) {
-      entry_maybe_drop(srv, e);
-      return out_of_memory(srv, c);
+    case CHORUS__STORE_CMD_GET: {
+      chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
+      if (r.bad || r.left) return malformed(srv, c, cmd);
+      entry_t *e = table_find(srv, key, klen);
+      if (e && e->present) return reply_value(srv, c, e->val, e->vlen);
+      return wait_on(srv, c, key, klen);
     }
-    return reply_i64(srv, c, sum);
-  }
-  case CHORUS__STORE_CMD_COMPARE_SET: {
-    chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
-    chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val, &vlen);   /* expected */
-    chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val2, &vlen2); /* desired */
-    if (r.bad || r.left) return malformed(srv, c, cmd);
-    entry_t *e = table_find(srv, key, klen);
-    if (!e || !e->present) {
-      /* torch semantics: an absent key is set only when expected is empty;
-       * otherwise the key stays absent and the reply echoes expected. */
-      if (vlen != 0) return reply_value(srv, c, val, vlen);
-    } else if (e->vlen != vlen || (vlen && memcmp(e->val, val, vlen) != 0)) {
+    case CHORUS__STORE_CMD_ADD: {
+      chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
+      int64_t delta = (int64_t)chorus__srd_u64(&r);
+      if (r.bad || r.left) return malformed(srv, c, cmd);
+      entry_t *e = table_find(srv, key, klen);
+      int64_t cur = 0, sum;
+      if (e && e->present && parse_i64(e->val, e->vlen, &cur) < 0)
+        return reply_bad_request(srv, c, "the value of '%.*s' is not a decimal integer",
+                                 (int)CHORUS__MIN(klen, 200), (const char *)key);
+      if (__builtin_add_overflow(cur, delta, &sum))
+        return reply_bad_request(srv, c, "adding %" PRId64 " to %" PRId64 " overflows int64", delta,
+                                 cur);
+      char text[32];
+      int tlen = snprintf(text, sizeof text, "%" PRId64, sum);
+      if (!e) e = table_find_or_add(srv, key, klen);
+      if (!e) return out_of_memory(srv, c);
+      if (entry_store(srv, e, text, (size_t)tlen) < 0) {
+        entry_maybe_drop(srv, e);
+        return out_of_memory(srv, c);
+      }
+      return reply_i64(srv, c, sum);
+    }
+    case CHORUS__STORE_CMD_COMPARE_SET: {
+      chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
+      chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val, &vlen);   /* expected */
+      chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val2, &vlen2); /* desired */
+      if (r.bad || r.left) return malformed(srv, c, cmd);
+      entry_t *e = table_find(srv, key, klen);
+      if (!e || !e->present) {
+        /* torch semantics: an absent key is set only when expected is empty;
+         * otherwise the key stays absent and the reply echoes expected. */
+        if (vlen != 0) return reply_value(srv, c, val, vlen);
+      } else if (e->vlen != vlen || (vlen && memcmp(e->val, val, vlen) != 0)) {
+        return reply_value(srv, c, e->val, e->vlen);
+      }
+      if (!e) e = table_find_or_add(srv, key, klen);
+      if (!e) return out_of_memory(srv, c);
+      if (entry_store(srv, e, val2, vlen2) < 0) {
+        entry_maybe_drop(srv, e);
+        return out_of_memory(srv, c);
+      }
       return reply_value(srv, c, e->val, e->vlen);
     }
-    if (!e) e = table_find_or_add(srv, key, klen);
-    if (!e) return out_of_memory(srv, c);
-    if (entry_store(srv, e, val2, vlen2) < 0) {
-      entry_maybe_drop(srv, e);
-      return out_of_memory(srv, c);
+    case CHORUS__STORE_CMD_CHECK: {
+      uint32_t n = chorus__srd_u32(&r);
+      if (r.bad || n > CHORUS__STORE_MAX_KEYS) return malformed(srv, c, cmd);
+      int all = 1;
+      for (uint32_t i = 0; i < n && !r.bad; i++) {
+        chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
+        if (r.bad) break;
+        entry_t *e = table_find(srv, key, klen);
+        if (!e || !e->present) all = 0;
+      }
+      if (r.bad || r.left) return malformed(srv, c, cmd);
+      return reply_u8(srv, c, (uint8_t)all);
     }
-    return reply_value(srv, c, e->val, e->vlen);
-  }
-  case CHORUS__STORE_CMD_CHECK: {
-    uint32_t n = chorus__srd_u32(&r);
-    if (r.bad || n > CHORUS__STORE_MAX_KEYS) return malformed(srv, c, cmd);
-    int all = 1;
-    for (uint32_t i = 0; i < n && !r.bad; i++) {
+    case CHORUS__STORE_CMD_DELETE: {
       chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
-      if (r.bad) break;
+      if (r.bad || r.left) return malformed(srv, c, cmd);
       entry_t *e = table_find(srv, key, klen);
-      if (!e || !e->present) all = 0;
+      int existed = e && e->present;
+      if (existed) {
+        free(e->val);
+        e->val = NULL;
+        e->vlen = 0;
+        e->present = 0;
+        srv->npresent--;
+        entry_maybe_drop(srv, e);
+      }
+      return reply_u8(srv, c, (uint8_t)existed);
     }
-    if (r.bad || r.left) return malformed(srv, c, cmd);
-    return reply_u8(srv, c, (uint8_t)all);
-  }
-  case CHORUS__STORE_CMD_DELETE: {
-    chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
-    if (r.bad || r.left) return malformed(srv, c, cmd);
-    entry_t *e = table_find(srv, key, klen);
-    int existed = e && e->present;
-    if (existed) {
-      free(e->val);
-      e->val = NULL;
-      e->vlen = 0;
-      e->present = 0;
-      srv->npresent--;
-      entry_maybe_drop(srv, e);
-    }
-    return reply_u8(srv, c, (uint8_t)existed);
-  }
-  case CHORUS__STORE_CMD_WAIT:
-    return do_wait(srv, c, body, len);
-  case CHORUS__STORE_CMD_NUM_KEYS:
-    if (r.left) return malformed(srv, c, cmd);
-    return reply_i64(srv, c, srv->npresent);
-  default:
-    return malformed(srv, c, cmd);
+    case CHORUS__STORE_CMD_WAIT:
+      return do_wait(srv, c, body, len);
+    case CHORUS__STORE_CMD_NUM_KEYS:
+      if (r.left) return malformed(srv, c, cmd);
+      return reply_i64(srv, c, srv->npresent);
+    default:
+      return malformed(srv, c, cmd);
   }
 }
 
-/* Handles every complete frame at the head of the input buffer, in order.
- * Returns PF_NEED_MORE (the next frame is incomplete), PF_STALLED (parked on
- * a key, too much unsent output, or closing) or PF_CLOSED. */
-static int conn_process(chorus_store_server_t *srv, conn_t *c) {
+/* Handles the complete frames at the head of the input buffer, in order, at
+ * most *budget of them.  Returns PF_NEED_MORE (the next frame is incomplete),
+ * PF_STALLED (parked on a key, too much unsent output, or closing),
+ * PF_BUDGET (complete frames are left but the budget is spent) or
+ * PF_CLOSED. */
+static int conn_process(chorus_store_server_t *srv, conn_t *c, int *budget) {
   for (;;) {
     if (!conn_can_read(c)) return PF_STALLED;
     size_t avail = c->in_len - c->in_off;
@@ -695,8 +722,9 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c) {
     uint32_t len = chorus__le32_get(c->in + c->in_off);
     uint32_t limit = c->state == CONN_HELLO ? CHORUS__STORE_AUTH_LEN : CHORUS__STORE_MAX_FRAME;
     if (len > limit) {
-      conn_drop(srv, c, CHORUS__LOG_WARN, "frame of %" PRIu32 " bytes exceeds the limit of %" PRIu32 "%s",
-                len, limit, c->state == CONN_HELLO ? " before authentication" : "");
+      conn_drop(srv, c, CHORUS__LOG_WARN,
+                "frame of %" PRIu32 " bytes exceeds the limit of %" PRIu32 "%s", len, limit,
+                c->state == CONN_HELLO ? " before authentication" : "");
       return PF_CLOSED;
     }
     if (len == 0) {
@@ -704,6 +732,8 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c) {
       return PF_CLOSED;
     }
     if (avail - 4 < len) return PF_NEED_MORE;
+    if (*budget == 0) return PF_BUDGET;
+    --*budget;
     const uint8_t *body = c->in + c->in_off + 4;
     int rc = c->state == CONN_HELLO ? conn_handshake(srv, c, body, len)
                                     : conn_request(srv, c, body, len);
@@ -764,16 +794,26 @@ static ssize_t conn_read(chorus_store_server_t *srv, conn_t *c) {
   }
 }
 
-/* Runs a connection: handles buffered frames, reads more while that makes
- * progress, flushes responses and updates its epoll interest. */
+/* Gives a connection a turn: handles buffered frames, reads more while that
+ * makes progress, flushes responses and updates its epoll interest.  A turn
+ * is bounded (READS_PER_TURN, FRAMES_PER_TURN); a connection with complete
+ * frames left goes on the again list for the next loop iteration.  Whenever
+ * a turn ends, whatever is left is sure to bring the connection back: a key
+ * being set, EPOLLOUT, EPOLLIN (data still unread), or the again list. */
 static void conn_service(chorus_store_server_t *srv, conn_t *c) {
   if (c->ready) {
     list_remove(&c->wait_link);
     c->ready = 0;
   }
-  for (int round = 0;; round++) {
-    int rc = conn_process(srv, c);
+  int budget = FRAMES_PER_TURN;
+  for (int reads = 0;;) {
+    int rc = conn_process(srv, c, &budget);
     if (rc == PF_CLOSED) return;
+    if (rc == PF_BUDGET) {
+      c->ready = 1;
+      list_push_back(&srv->again, &c->wait_link);
+      break;
+    }
     if (c->eof) {
       /* Frames that arrived before the goodbye have been handled. */
       size_t partial = c->in_len - c->in_off;
@@ -786,7 +826,16 @@ static void conn_service(chorus_store_server_t *srv, conn_t *c) {
         conn_drop(srv, c, CHORUS__LOG_DEBUG, "peer closed the connection");
       return;
     }
-    if (rc == PF_STALLED || round >= READS_PER_EVENT) break;
+    if (rc == PF_STALLED) {
+      if (c->waiting_on || c->state != CONN_READY) break;
+      /* Too much unsent output: send what the socket takes now and go on
+       * if that was enough; otherwise EPOLLOUT resumes the connection. */
+      if (conn_flush(srv, c) < 0) return;
+      if (conn_unsent(c) > OUT_HIGH_WATER) break;
+      continue;
+    }
+    /* PF_NEED_MORE: no complete frame is buffered. */
+    if (reads++ >= READS_PER_TURN) break;
     ssize_t n = conn_read(srv, c);
     if (n < 0) return;
     if (n == 0 && !c->eof) break;
@@ -844,7 +893,8 @@ static void conn_accept(chorus_store_server_t *srv, int fd) {
   chorus__net_set_nodelay(fd);
   int rc = chorus__random_bytes(c->nonce, sizeof c->nonce);
   if (rc < 0) {
-    CHORUS_WARN(CHORUS__SUB_STORE, "%s: no randomness for %s: %s", srv->name, c->peer, strerror(-rc));
+    CHORUS_WARN(CHORUS__SUB_STORE, "%s: no randomness for %s: %s", srv->name, c->peer,
+                strerror(-rc));
     close(fd);
     conn_free(c);
     return;
@@ -921,7 +971,8 @@ static int64_t expire_handshakes(chorus_store_server_t *srv) {
     conn_t *c = CONTAINER_OF(srv->handshaking.next, conn_t, timer_link);
     if (c->deadline > now) return c->deadline;
     if (c->state == CONN_HELLO)
-      conn_drop(srv, c, CHORUS__LOG_WARN, "no handshake within %d ms", atomic_load(&srv->handshake_ms));
+      conn_drop(srv, c, CHORUS__LOG_WARN, "no handshake within %d ms",
+                atomic_load(&srv->handshake_ms));
     else
       conn_drop(srv, c, CHORUS__LOG_DEBUG, "verdict not collected in time");
   }
@@ -943,7 +994,9 @@ static void *server_main(void *arg) {
     int64_t next = expire_handshakes(srv);
     if (srv->listen_paused && srv->listen_resume_at < next) next = srv->listen_resume_at;
     free_dead(srv);
-    int timeout = next == CHORUS__NO_DEADLINE ? -1 : chorus__ms_left(next);
+    int timeout = !list_empty(&srv->again)      ? 0
+                  : next == CHORUS__NO_DEADLINE ? -1
+                                                : chorus__ms_left(next);
     int n = epoll_wait(srv->epoll_fd, evs, (int)CHORUS__ARRAY_LEN(evs), timeout);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -953,11 +1006,16 @@ static void *server_main(void *arg) {
     }
     for (int i = 0; i < n; i++) {
       void *p = evs[i].data.ptr;
-      if (p == &g_stop_tag) srv->stopping = 1;
-      else if (p == &g_listen_tag) accept_ready(srv);
-      else conn_event(srv, p, evs[i].events);
+      if (p == &g_stop_tag)
+        srv->stopping = 1;
+      else if (p == &g_listen_tag)
+        accept_ready(srv);
+      else
+        conn_event(srv, p, evs[i].events);
     }
-    /* Requests woken by keys set in this batch (and by those they set). */
+    /* Connections with work left from the last iteration, then requests
+     * woken by keys set in this batch (and by those they set). */
+    list_splice(&srv->ready, &srv->again);
     while (!list_empty(&srv->ready)) {
       conn_t *c = CONTAINER_OF(srv->ready.next, conn_t, wait_link);
       conn_service(srv, c);
@@ -994,6 +1052,7 @@ chorus_result_t chorus_store_server_start(const char *host, int port, const char
   list_init(&srv->conns);
   list_init(&srv->handshaking);
   list_init(&srv->ready);
+  list_init(&srv->again);
   list_init(&srv->dead);
   atomic_init(&srv->handshake_ms, HANDSHAKE_MS_DEFAULT);
   chorus__secret_key(secret, srv->auth_key);
@@ -1018,8 +1077,8 @@ chorus_result_t chorus_store_server_start(const char *host, int port, const char
     what = "listen";
     goto fail;
   }
-  snprintf(srv->name, sizeof srv->name, strchr(shown, ':') ? "store server [%s]:%d" : "store server %s:%d",
-           shown, srv->port);
+  snprintf(srv->name, sizeof srv->name,
+           strchr(shown, ':') ? "store server [%s]:%d" : "store server %s:%d", shown, srv->port);
   if ((rc = chorus__net_set_nonblock(srv->listen_fd, 1)) < 0) {
     what = "fcntl";
     goto fail;

@@ -58,7 +58,12 @@
 #define MAX_ABORT_TEXT 4096u
 #define DISCARD_BUF 65536
 
-enum { T_DATA = 1, T_ABORT = 2, T_BYE = 3 };
+enum { T_DATA = 1, T_ABORT = 2, T_BYE = 3, T_PING = 4 };
+
+/* Every live connection carries a heartbeat at least this often, so a
+ * timeout can tell a silent (stopped, hung) rank from one that is merely
+ * waiting for someone else. */
+#define HEARTBEAT_MS 250
 
 typedef struct hdr {
   uint32_t magic;
@@ -99,6 +104,7 @@ typedef struct conn {
   char addr[80];
   int dead;
   int bye_received;
+  int64_t last_heard; /* monotonic ns of the last byte received */
   int epoll_out;
   /* Receive state. */
   uint8_t hbuf[HDR_SIZE];
@@ -145,6 +151,7 @@ struct chorus__tp {
   chorus__ep_t *eps;
   unexp_t *unexp_head, *unexp_tail;
   chorus__fp_format_fn fp_format;
+  int64_t last_ping;
   char discard[DISCARD_BUF];
 };
 
@@ -356,7 +363,7 @@ static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
                      "still exchanges data with it in %s",
                      ep->me, ep->n, pd, ep_doing(ep));
     else
-      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
                      "chorus rank %d/%d: %s %s during %s; the process probably died "
                      "(check its output); every other rank fails too",
                      ep->me, ep->n, pd, why, ep_doing(ep));
@@ -538,9 +545,27 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
   if (h->magic != MSG_MAGIC) return protocol_error(tp, c, "bad magic");
   if (h->len > MAX_PAYLOAD) return protocol_error(tp, c, "payload length out of range");
   switch (h->type) {
+    case T_PING:
+      if (h->len) return protocol_error(tp, c, "heartbeat with payload");
+      break;
     case T_BYE:
       if (h->len) return protocol_error(tp, c, "goodbye with payload");
       c->bye_received = 1;
+      /* Nothing more will come from it: receives still waiting for it fail. */
+      for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
+        int g = ep->w2g[c->rank];
+        if (g < 0 || ep->status != CHORUS_OK) continue;
+        for (chorus__req_t *r = ep->recvs; r; r = r->next) {
+          if (r->peer != g) continue;
+          char pd[160];
+          peer_desc(ep, c->rank, pd, sizeof pd);
+          ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
+                         "chorus rank %d/%d: %s destroyed its communicator while this rank "
+                         "waits for its data in %s",
+                         ep->me, ep->n, pd, ep_doing(ep));
+          break;
+        }
+      }
       wake_all(tp);
       break;
     case T_ABORT:
@@ -612,7 +637,9 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
     chorus__ep_t *ep = find_ep(tp, c->h.ep_id);
     if (ep) {
       if (ep->w2g[c->rank] >= 0)
-        ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: rank %d reported an error: %s",
+        /* Forward it: whatever this rank sends later (a goodbye, say) must
+         * not reach a peer before the cause does. */
+        ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: rank %d reported an error: %s",
                        ep->me, ep->n, ep->w2g[c->rank], c->rx_abort);
       free(c->rx_abort);
     } else {
@@ -635,6 +662,7 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
     ssize_t n;
     if (!c->in_payload) {
       n = recv(c->fd, c->hbuf + c->hgot, HDR_SIZE - c->hgot, MSG_DONTWAIT);
+      if (n > 0) c->last_heard = chorus__now_ns();
       if (n > 0) {
         c->hgot += (size_t)n;
         if (c->hgot == HDR_SIZE) {
@@ -648,6 +676,7 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
       size_t want = c->dst ? c->left : CHORUS__MIN(c->left, (size_t)DISCARD_BUF);
       n = recv(c->fd, dst, want, MSG_DONTWAIT);
       if (n > 0) {
+        c->last_heard = chorus__now_ns();
         c->left -= (size_t)n;
         if (c->rx_unexp) c->rx_unexp->got += (size_t)n;
         if (c->left == 0) on_payload_done(tp, c);
@@ -673,7 +702,7 @@ static void *progress_main(void *arg) {
   chorus__tp_t *tp = arg;
   struct epoll_event evs[64];
   while (!tp->stopping) {
-    int n = epoll_wait(tp->epfd, evs, 64, 1000);
+    int n = epoll_wait(tp->epfd, evs, 64, HEARTBEAT_MS / 2);
     if (n < 0) {
       if (errno == EINTR) continue;
       CHORUS_WARN(CHORUS__SUB_TCP, "chorus: epoll_wait failed: %s", strerror(errno));
@@ -694,6 +723,14 @@ static void *progress_main(void *arg) {
       if (c->dead) continue;
       if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) read_conn(tp, c);
       if (!c->dead && (evs[i].events & EPOLLOUT)) flush_tx(tp, c);
+    }
+    int64_t now = chorus__now_ns();
+    if (now - tp->last_ping >= (int64_t)HEARTBEAT_MS * 1000000) {
+      tp->last_ping = now;
+      for (int r = 0; r < tp->size; r++) {
+        conn_t *c = &tp->conns[r];
+        if (r != tp->rank && !c->dead && !c->tx_head) send_control(tp, c, T_PING, 0, NULL);
+      }
     }
     pthread_mutex_unlock(&tp->lock);
   }
@@ -823,7 +860,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   if (c->dead || (req->type == CHORUS__REQ_SEND && c->bye_received)) {
     char pd[160];
     peer_desc(ep, world, pd, sizeof pd);
-    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
                    "chorus rank %d/%d: %s is gone (%s) but %s needs it", ep->me, ep->n, pd,
                    c->dead ? "its connection closed" : "it destroyed its communicator",
                    ep_doing(ep));
@@ -872,6 +909,15 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
     }
     goto out;
   }
+  if (c->bye_received) {
+    char pd[160];
+    peer_desc(ep, world, pd, sizeof pd);
+    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
+                   "chorus rank %d/%d: %s destroyed its communicator, but %s waits for its data",
+                   ep->me, ep->n, pd, ep_doing(ep));
+    st = ep->status;
+    goto out;
+  }
   chorus__req_t **pp = &ep->recvs;
   while (*pp) pp = &(*pp)->next;
   *pp = req;
@@ -902,10 +948,27 @@ chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, i
                                 reqs[i]->peer);
         if (off >= sizeof who) break;
       }
+      /* Which members stopped talking altogether?  Those are the culprits;
+       * the ranks we wait for may just be waiting for them. */
+      char silent[512];
+      size_t so = 0;
+      silent[0] = '\0';
+      int64_t now = chorus__now_ns();
+      for (int g = 0; g < ep->n && so < sizeof silent; g++) {
+        conn_t *pc = &tp->conns[ep->members[g]];
+        if (g == ep->me || pc->dead) continue;
+        int64_t quiet_ms = (now - pc->last_heard) / 1000000;
+        if (quiet_ms > 4 * HEARTBEAT_MS)
+          so += (size_t)snprintf(silent + so, sizeof silent - so, "%srank %d (silent for %lld ms)",
+                                 so ? ", " : "", g, (long long)quiet_ms);
+      }
       ep_fail_locked(ep, CHORUS_ERR_TIMEOUT, 1,
-                     "chorus rank %d/%d: %s timed out after %d ms %s; that rank is stuck, "
-                     "stopped or much slower (raise CHORUS_TIMEOUT if it is just slow)",
-                     ep->me, ep->n, ep_doing(ep), timeout_ms, who);
+                     "chorus rank %d/%d: %s timed out after %d ms %s; %s%s%s",
+                     ep->me, ep->n, ep_doing(ep), timeout_ms, who,
+                     so ? "not responding at all: " : "",
+                     so ? silent : "no rank is silent, so a rank is slow or stuck in user code",
+                     so ? " (stopped, hung or overloaded; raise CHORUS_TIMEOUT if merely slow)"
+                        : " (raise CHORUS_TIMEOUT if it is just slow)");
       break;
     }
     struct timespec ts = chorus__deadline_timespec(deadline);
@@ -1084,6 +1147,7 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   for (int r = 0; r < cfg->size; r++) {
     tp->conns[r].fd = -1;
     tp->conns[r].rank = r;
+    tp->conns[r].last_heard = chorus__now_ns();
     char host[64];
     int port;
     if (parse_addr(cfg->addrs[r], host, sizeof host, &port) == 0)

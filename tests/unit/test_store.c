@@ -26,7 +26,9 @@
 #include "util/net.h"
 #include "util/util.h"
 
-static int64_t now_ms(void) { return chorus__now_ns() / 1000000; }
+static int64_t now_ms(void) {
+  return chorus__now_ns() / 1000000;
+}
 
 static void sleep_ms(int ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
@@ -652,6 +654,56 @@ TEST(strangers_do_not_disturb) {
   chorus_store_server_stop(s);
 }
 
+/* A client that pipelines requests for large values and reads the answers
+ * only later: the server stops working for it while too much output is
+ * unsent and must resume every buffered request once the client reads. */
+TEST(pipelined_large_responses) {
+  int port = 0;
+  chorus_store_server_t *s = start_server(NULL, &port);
+  ASSERT_TRUE(s != NULL);
+  chorus_store_t *c = connect_to(port, NULL, 3000);
+  ASSERT_TRUE(c != NULL);
+  size_t vlen = 300 << 10;
+  uint8_t *val = malloc(vlen);
+  for (size_t i = 0; i < vlen; i++) val[i] = (uint8_t)(i % 251);
+  ASSERT_EQ(chorus_store_set(c, "big", val, vlen), CHORUS_OK);
+
+  int fd = raw_connect(port);
+  ASSERT_TRUE(fd >= 0);
+  ASSERT_EQ(raw_auth(fd, NULL), 0);
+  enum { NREQ = 24 };
+  chorus__sbuf_t req = {0};
+  for (int i = 0; i < NREQ; i++) {
+    size_t at = chorus__sbuf_frame_begin(&req);
+    chorus__sbuf_u8(&req, CHORUS__STORE_CMD_GET);
+    chorus__sbuf_str(&req, "big", 3);
+    chorus__sbuf_frame_end(&req, at);
+  }
+  ASSERT_EQ(raw_send(fd, req.data, req.len), 0);
+  chorus__sbuf_free(&req);
+  sleep_ms(100);
+  ASSERT_EQ(chorus_store_set(c, "other", "x", 1), CHORUS_OK); /* not held up */
+
+  uint8_t *resp = malloc(vlen + 16);
+  for (int i = 0; i < NREQ; i++) {
+    int n = raw_response(fd, resp, vlen + 16);
+    if (n != (int)(vlen + 5)) {
+      HARNESS_FAIL("response %d: length %d", i, n);
+      break;
+    }
+    if (resp[0] != CHORUS__STORE_ST_OK || memcmp(resp + 5, val, vlen) != 0) {
+      HARNESS_FAIL("response %d differs", i);
+      break;
+    }
+  }
+  free(resp);
+  free(val);
+  close(fd);
+  ASSERT_EQ(get_is(c, "other", "x"), 0);
+  chorus_store_close(c);
+  chorus_store_server_stop(s);
+}
+
 typedef struct {
   chorus_store_t *c;
   chorus_result_t rc;
@@ -741,6 +793,7 @@ int main(void) {
   RUN(add_counters);
   RUN(job_secret);
   RUN(strangers_do_not_disturb);
+  RUN(pipelined_large_responses);
   RUN(stop_with_blocked_client);
   RUN(connect_errors);
   return HARNESS_DONE();

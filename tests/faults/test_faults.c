@@ -1,0 +1,432 @@
+/*
+ * test_faults.c - failure behaviour: dead peers, stopped peers, mismatched
+ * calls, aborts, early exits and strangers.  "Nothing may hang, and every
+ * surviving rank gets an error that names the culprit."
+ *
+ * The driver serves a store itself, forks the ranks of each scenario (they
+ * join with chorus_comm_init and a per-scenario key prefix), injects the
+ * fault from outside (SIGKILL, SIGSTOP, a raw socket) or lets a rank
+ * misbehave, and reads one report line per rank through a pipe:
+ *     <status> <ms> <message>
+ * where ms is the time the rank's failing call took.  It checks the status,
+ * the message and how long detection took, and kills and reaps every child
+ * whatever happens (also on the way out, via atexit), so no process is left
+ * behind.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chorus.h"
+#include "harness.h"
+
+#define MAXR 8
+
+static chorus_store_server_t *g_server;
+static int g_port;
+static pid_t g_pids[MAXR];
+static int g_fds[MAXR];
+static int g_n;
+static int g_scenario;
+static char g_bufs[MAXR][4096];
+static size_t g_lens[MAXR];
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void kill_all(void) {
+  for (int r = 0; r < g_n; r++) {
+    if (g_pids[r] > 0) {
+      kill(g_pids[r], SIGCONT);
+      kill(g_pids[r], SIGKILL);
+      waitpid(g_pids[r], NULL, 0);
+      g_pids[r] = 0;
+    }
+    if (g_fds[r] > 0) close(g_fds[r]);
+    g_fds[r] = 0;
+    g_lens[r] = 0;
+  }
+}
+
+/* ------------------------------------------------------------ the child */
+
+static int g_wfd; /* child's report pipe */
+
+static void report(chorus_result_t st, double ms, const char *msg) {
+  char line[1400];
+  int n = snprintf(line, sizeof line, "%d %.0f %s\n", (int)st, ms, msg);
+  for (char *p = line; p < line + n - 1; p++)
+    if (*p == '\n') *p = ' ';
+  (void)!write(g_wfd, line, (size_t)n < sizeof line ? (size_t)n : sizeof line);
+}
+
+static chorus_comm_t join(int rank, int n, int timeout_ms) {
+  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
+  char prefix[32];
+  snprintf(prefix, sizeof prefix, "s%d/", g_scenario);
+  cfg.rank = rank;
+  cfg.world_size = n;
+  cfg.store_host = "127.0.0.1";
+  cfg.store_port = g_port;
+  cfg.host_store = 0;
+  cfg.timeout_ms = timeout_ms;
+  cfg.store_prefix = prefix;
+  cfg.job_secret = "fault-test-secret";
+  chorus_comm_t comm = NULL;
+  chorus_result_t st = chorus_comm_init(&cfg, &comm);
+  if (st != CHORUS_OK) {
+    report(st, 0, chorus_last_init_error());
+    _exit(1);
+  }
+  return comm;
+}
+
+typedef void (*scenario_fn)(int rank, int n);
+
+static void spawn(int n, scenario_fn fn) {
+  g_n = n;
+  g_scenario++;
+  for (int r = 0; r < n; r++) {
+    int p[2];
+    if (pipe(p) < 0) abort();
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(p[0]);
+      g_wfd = p[1];
+      fn(r, n);
+      _exit(0);
+    }
+    close(p[1]);
+    g_pids[r] = pid;
+    g_fds[r] = p[0];
+  }
+}
+
+/* Reads one report line from each rank in `which` (bitmask) until deadline.
+ * Returns the number of reports; status/ms/msg/arrival filled per rank. */
+typedef struct {
+  int got;
+  int status;
+  double ms;
+  double arrival;
+  char msg[1300];
+} rep_t;
+
+/* Takes one complete line of rank r out of its buffer, if there is one. */
+static int take_line(int r, rep_t *rep) {
+  char *nl = memchr(g_bufs[r], '\n', g_lens[r]);
+  if (!nl) return 0;
+  *nl = '\0';
+  rep->got = 1;
+  rep->arrival = now_ms();
+  sscanf(g_bufs[r], "%d %lf", &rep->status, &rep->ms);
+  char *m = strchr(g_bufs[r], ' ');
+  m = m ? strchr(m + 1, ' ') : NULL;
+  snprintf(rep->msg, sizeof rep->msg, "%s", m ? m + 1 : "");
+  size_t used = (size_t)(nl - g_bufs[r]) + 1;
+  memmove(g_bufs[r], nl + 1, g_lens[r] - used);
+  g_lens[r] -= used;
+  return 1;
+}
+
+static int collect(unsigned which, rep_t *reps, double timeout_ms) {
+  double deadline = now_ms() + timeout_ms;
+  int count = 0;
+  for (int r = 0; r < g_n; r++)
+    if ((which >> r & 1) && take_line(r, &reps[r])) count++;
+  for (;;) {
+    struct pollfd pf[MAXR];
+    int np = 0, idx[MAXR];
+    for (int r = 0; r < g_n; r++)
+      if ((which >> r & 1) && !reps[r].got && g_fds[r] > 0) {
+        pf[np].fd = g_fds[r];
+        pf[np].events = POLLIN;
+        idx[np++] = r;
+      }
+    if (!np) break;
+    double left = deadline - now_ms();
+    if (left <= 0) break;
+    if (poll(pf, (nfds_t)np, (int)left + 1) <= 0) continue;
+    for (int i = 0; i < np; i++) {
+      if (!(pf[i].revents & (POLLIN | POLLHUP))) continue;
+      int r = idx[i];
+      ssize_t k = read(g_fds[r], g_bufs[r] + g_lens[r], sizeof g_bufs[r] - 1 - g_lens[r]);
+      if (k <= 0) {
+        close(g_fds[r]);
+        g_fds[r] = -1;
+        continue;
+      }
+      g_lens[r] += (size_t)k;
+      if (take_line(r, &reps[r])) count++;
+    }
+  }
+  return count;
+}
+
+/* ------------------------------------------------------------ scenarios */
+
+/* Ranks all_reduce 4 MiB in a loop and report the first error. */
+static void loop_allreduce(int rank, int n) {
+  chorus_comm_t comm = join(rank, n, 3000);
+  size_t count = 1 << 20;
+  float *buf = calloc(count, sizeof(float));
+  report(CHORUS_OK, 0, "ready");
+  for (;;) {
+    double t0 = now_ms();
+    chorus_result_t st = chorus_all_reduce(comm, buf, buf, count, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+    if (st != CHORUS_OK) {
+      report(st, now_ms() - t0, chorus_comm_last_error(comm));
+      /* Sticky: the next call fails at once with the same kind of error. */
+      double t1 = now_ms();
+      chorus_result_t again = chorus_barrier(comm, NULL);
+      char line[200];
+      snprintf(line, sizeof line, "after: %d in %.0f ms", (int)again, now_ms() - t1);
+      report(again, now_ms() - t1, line);
+      chorus_comm_destroy(comm);
+      _exit(0);
+    }
+  }
+}
+
+TEST(sigkill_during_allreduce) {
+  spawn(4, loop_allreduce);
+  rep_t ready[MAXR] = {0};
+  ASSERT_EQ(collect(0xf, ready, 20000), 4);
+  usleep(300 * 1000);
+  double t_kill = now_ms();
+  kill(g_pids[2], SIGKILL);
+  rep_t reps[MAXR] = {0}, after[MAXR] = {0};
+  ASSERT_EQ(collect(0xb, reps, 10000), 3);
+  collect(0xb, after, 5000);
+  for (int r = 0; r < 4; r++) {
+    if (r == 2) continue;
+    double latency = reps[r].arrival - t_kill;
+    printf("  rank %d: detected in %.0f ms: %s\n", r, latency, reps[r].msg);
+    ASSERT_TRUE(reps[r].status == CHORUS_ERR_REMOTE);
+    ASSERT_CONTAINS(reps[r].msg, "rank 2");
+    ASSERT_TRUE(latency < 2000);
+    ASSERT_TRUE(after[r].got && after[r].status != CHORUS_OK && after[r].ms < 100);
+  }
+}
+
+TEST(sigstop_times_out) {
+  spawn(3, loop_allreduce);
+  rep_t ready[MAXR] = {0};
+  ASSERT_EQ(collect(0x7, ready, 20000), 3);
+  usleep(200 * 1000);
+  double t_stop = now_ms();
+  kill(g_pids[1], SIGSTOP);
+  rep_t reps[MAXR] = {0};
+  ASSERT_EQ(collect(0x5, reps, 15000), 2);
+  for (int r = 0; r < 3; r += 2) {
+    double latency = reps[r].arrival - t_stop;
+    printf("  rank %d: failed after %.0f ms: %s\n", r, latency, reps[r].msg);
+    ASSERT_TRUE(reps[r].status == CHORUS_ERR_TIMEOUT || reps[r].status == CHORUS_ERR_REMOTE);
+    ASSERT_CONTAINS(reps[r].msg, "timed out");
+    ASSERT_CONTAINS(reps[r].msg, "not responding at all: rank 1 (silent");
+    ASSERT_TRUE(latency > 2500 && latency < 8000);
+  }
+}
+
+/* Mismatch scenarios: rank `bad` deviates in one argument. */
+static int g_variant;
+
+static void mismatch_rank(int rank, int n) {
+  chorus_comm_t comm = join(rank, n, 20000);
+  float buf[64] = {0}, out[64 * 8];
+  int64_t lbuf[64] = {0};
+  chorus_result_t st = chorus_all_reduce(comm, buf, buf, 8, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+  if (st != CHORUS_OK) {
+    report(st, 0, chorus_comm_last_error(comm));
+    _exit(1);
+  }
+  int bad = rank == 2;
+  double t0 = now_ms();
+  switch (g_variant) {
+    case 0: /* count */
+      st = chorus_all_reduce(comm, buf, buf, bad ? 9 : 8, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+      break;
+    case 1: /* dtype */
+      st = bad ? chorus_all_reduce(comm, lbuf, lbuf, 8, CHORUS_INT64, CHORUS_SUM, NULL)
+               : chorus_all_reduce(comm, buf, buf, 8, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+      break;
+    case 2: /* root */
+      st = chorus_broadcast(comm, buf, 8, CHORUS_FLOAT32, bad ? 1 : 0, NULL);
+      break;
+    case 3: /* op */
+      st = chorus_all_reduce(comm, buf, buf, 8, CHORUS_FLOAT32, bad ? CHORUS_MAX : CHORUS_SUM, NULL);
+      break;
+    case 4: /* collective */
+      st = bad ? chorus_broadcast(comm, buf, 8, CHORUS_FLOAT32, 0, NULL)
+               : chorus_all_reduce(comm, buf, buf, 8, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+      break;
+    case 5: /* all_gather sizes (the example users see) */
+      st = chorus_all_gather(comm, buf, out, bad ? 3 : 2, CHORUS_FLOAT32, NULL);
+      break;
+    case 6: /* zero-length versus data */
+      st = chorus_all_reduce(comm, buf, buf, bad ? 0 : 5, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+      break;
+  }
+  /* A rank that only sends may finish before the mismatch is seen; it
+   * learns of it (at the latest) on its next call. */
+  if (st == CHORUS_OK) st = chorus_barrier(comm, NULL);
+  report(st, now_ms() - t0, chorus_comm_last_error(comm));
+  chorus_comm_destroy(comm);
+}
+
+TEST(mismatches) {
+  static const char *names[] = {"count", "dtype", "root", "op", "collective", "all_gather size",
+                                "zero-length"};
+  for (g_variant = 0; g_variant < 7; g_variant++) {
+    spawn(4, mismatch_rank);
+    rep_t reps[MAXR] = {0};
+    int got = collect(0xf, reps, 15000);
+    kill_all();
+    printf("  %s mismatch:\n", names[g_variant]);
+    ASSERT_EQ(got, 4);
+    for (int r = 0; r < 4; r++) {
+      printf("    rank %d (%.0f ms): %s\n", r, reps[r].ms, reps[r].msg);
+      ASSERT_TRUE(reps[r].status == CHORUS_ERR_MISMATCH || reps[r].status == CHORUS_ERR_REMOTE);
+      ASSERT_TRUE(reps[r].ms < 2000);
+      ASSERT_TRUE(strstr(reps[r].msg, "mismatch") || strstr(reps[r].msg, "different"));
+    }
+  }
+}
+
+/* Abort from another thread while the main thread is blocked. */
+static chorus_comm_t g_abort_comm;
+static void *aborter(void *arg) {
+  usleep(300 * 1000);
+  chorus_comm_abort(g_abort_comm);
+  return arg;
+}
+
+static void abort_rank(int rank, int n) {
+  chorus_comm_t comm = join(rank, n, 20000);
+  float x = 0;
+  pthread_t t;
+  if (rank == 0) {
+    g_abort_comm = comm;
+    pthread_create(&t, NULL, aborter, NULL);
+  }
+  double t0 = now_ms();
+  /* Nobody sends: only the abort can end this. */
+  chorus_result_t st = chorus_recv(comm, &x, 1, CHORUS_FLOAT32, (rank + 1) % n, 7, NULL);
+  report(st, now_ms() - t0, chorus_comm_last_error(comm));
+  if (rank == 0) pthread_join(t, NULL);
+  chorus_comm_destroy(comm);
+}
+
+TEST(abort_from_other_thread) {
+  spawn(2, abort_rank);
+  rep_t reps[MAXR] = {0};
+  ASSERT_EQ(collect(0x3, reps, 15000), 2);
+  for (int r = 0; r < 2; r++) {
+    printf("  rank %d (%.0f ms): %s\n", r, reps[r].ms, reps[r].msg);
+    ASSERT_TRUE(reps[r].ms < 3000);
+    ASSERT_CONTAINS(reps[r].msg, "abort");
+  }
+  ASSERT_EQ(reps[0].status, CHORUS_ERR_ABORTED);
+  ASSERT_EQ(reps[1].status, CHORUS_ERR_REMOTE);
+}
+
+/* A rank leaves (destroys and exits) while the others still want it. */
+static void early_exit_rank(int rank, int n) {
+  chorus_comm_t comm = join(rank, n, 20000);
+  float x = 1;
+  if (rank == n - 1) {
+    chorus_comm_destroy(comm);
+    _exit(0);
+  }
+  usleep(200 * 1000);
+  double t0 = now_ms();
+  chorus_result_t st = chorus_all_reduce(comm, &x, &x, 1, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+  report(st, now_ms() - t0, chorus_comm_last_error(comm));
+  chorus_comm_destroy(comm);
+}
+
+TEST(peer_left_early) {
+  spawn(3, early_exit_rank);
+  rep_t reps[MAXR] = {0};
+  ASSERT_EQ(collect(0x3, reps, 15000), 2);
+  for (int r = 0; r < 2; r++) {
+    printf("  rank %d (%.0f ms): %s\n", r, reps[r].ms, reps[r].msg);
+    ASSERT_TRUE(reps[r].status == CHORUS_ERR_REMOTE);
+    ASSERT_TRUE(reps[r].ms < 2000);
+    ASSERT_CONTAINS(reps[r].msg, "rank 2");
+  }
+}
+
+/* A stranger talks garbage to the store while a job uses it. */
+static void busy_rank(int rank, int n) {
+  chorus_comm_t comm = join(rank, n, 20000);
+  double t0 = now_ms();
+  chorus_result_t st = CHORUS_OK;
+  for (int i = 0; i < 200 && st == CHORUS_OK; i++) {
+    int64_t v = rank;
+    st = chorus_all_reduce(comm, &v, &v, 1, CHORUS_INT64, CHORUS_SUM, NULL);
+    if (st == CHORUS_OK && v != (int64_t)n * (n - 1) / 2) st = CHORUS_ERR_INTERNAL;
+    usleep(1000);
+  }
+  report(st, now_ms() - t0, st == CHORUS_OK ? "fine" : chorus_comm_last_error(comm));
+  chorus_comm_destroy(comm);
+}
+
+TEST(stranger_on_store) {
+  spawn(3, busy_rank);
+  for (int k = 0; k < 20; k++) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)g_port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+      char junk[256];
+      for (size_t i = 0; i < sizeof junk; i++) junk[i] = (char)(i * 37 + k);
+      (void)!send(fd, junk, (size_t)(k * 13) % sizeof junk, MSG_NOSIGNAL);
+    }
+    close(fd);
+    usleep(5000);
+  }
+  rep_t reps[MAXR] = {0};
+  ASSERT_EQ(collect(0x7, reps, 20000), 3);
+  for (int r = 0; r < 3; r++) {
+    if (reps[r].status != CHORUS_OK) printf("  rank %d: %s\n", r, reps[r].msg);
+    ASSERT_EQ(reps[r].status, CHORUS_OK);
+  }
+}
+
+int main(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  atexit(kill_all);
+  if (chorus_store_server_start("127.0.0.1", 0, "fault-test-secret", &g_server) != CHORUS_OK) {
+    fprintf(stderr, "cannot start the store\n");
+    return 1;
+  }
+  g_port = chorus_store_server_port(g_server);
+#define RUN_SCENARIO(name)                                                      \
+  do {                                                                         \
+    RUN(name);                                                                 \
+    kill_all();                                                                \
+  } while (0)
+  RUN_SCENARIO(sigkill_during_allreduce);
+  RUN_SCENARIO(sigstop_times_out);
+  RUN_SCENARIO(mismatches);
+  RUN_SCENARIO(abort_from_other_thread);
+  RUN_SCENARIO(peer_left_early);
+  RUN_SCENARIO(stranger_on_store);
+  chorus_store_server_stop(g_server);
+  return HARNESS_DONE();
+}
