@@ -6,15 +6,16 @@
  * from r-s, so every pair meets exactly once and no rank receives from two
  * senders at once.  Dissemination barrier (Hensgen, Finkel and Manber): in
  * round k rank r signals r+2^k and waits for r-2^k; after ceil(log2 n)
- * rounds every rank has transitively heard from every other.
+ * rounds every rank has transitively heard from every other.  The peer math
+ * of both, and of the ring all-gather behind all_gather_bytes, lives in
+ * pattern.h (chorus__pairwise_*, chorus__dissem_*, chorus__ring_*).
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "algo/algo.h"
-
-static inline int mod(int a, int n) { return ((a % n) + n) % n; }
+#include "algo/pattern.h"
 
 chorus_result_t chorus__alltoall_pairwise(chorus__coll_t *c) {
   int n = c->size, r = c->rank;
@@ -31,7 +32,7 @@ chorus_result_t chorus__alltoall_pairwise(chorus__coll_t *c) {
     memmove(recv + blk * (size_t)r, send + blk * (size_t)r, blk);
   chorus_result_t st = CHORUS_OK;
   for (int s = 1; s < n && st == CHORUS_OK; s++) {
-    int to = mod(r + s, n), from = mod(r - s, n);
+    int to = chorus__pairwise_to(r, s, n), from = chorus__pairwise_from(r, s, n);
     st = chorus__xchg(c, to, send + blk * (size_t)to, blk, from, recv + blk * (size_t)from, blk,
                       (uint32_t)s);
   }
@@ -52,7 +53,7 @@ chorus_result_t chorus__alltoallv_pairwise(chorus__coll_t *c) {
   }
   if (c->scounts[r]) memmove(recv + c->rdispls[r] * es, send + c->sdispls[r] * es, c->scounts[r] * es);
   for (int s = 1; s < n; s++) {
-    int to = mod(r + s, n), from = mod(r - s, n);
+    int to = chorus__pairwise_to(r, s, n), from = chorus__pairwise_from(r, s, n);
     chorus_result_t st =
         chorus__xchg(c, to, send + c->sdispls[to] * es, c->scounts[to] * es, from,
                      recv + c->rdispls[from] * es, c->rcounts[from] * es, (uint32_t)s);
@@ -63,9 +64,10 @@ chorus_result_t chorus__alltoallv_pairwise(chorus__coll_t *c) {
 
 chorus_result_t chorus__barrier_dissemination(chorus__coll_t *c) {
   int n = c->size, r = c->rank;
-  uint32_t step = 0;
-  for (int k = 1; k < n; k <<= 1, step++) {
-    chorus_result_t st = chorus__xchg(c, mod(r + k, n), NULL, 0, mod(r - k, n), NULL, 0, step);
+  int rounds = chorus__dissem_rounds(n);
+  for (int k = 0; k < rounds; k++) {
+    chorus_result_t st = chorus__xchg(c, chorus__dissem_to(r, k, n), NULL, 0,
+                                      chorus__dissem_from(r, k, n), NULL, 0, (uint32_t)k);
     if (st != CHORUS_OK) return st;
   }
   return CHORUS_OK;
@@ -124,8 +126,9 @@ chorus_result_t chorus__allgatherv_ring(chorus__coll_t *c) {
   }
   lens[r] = c->count;
   for (int s = 0; s < n - 1 && st == CHORUS_OK; s++)
-    st = chorus__xchg(c, mod(r + 1, n), &lens[mod(r - s, n)], sizeof(uint64_t), mod(r - 1, n),
-                      &lens[mod(r - s - 1, n)], sizeof(uint64_t), (uint32_t)s);
+    st = chorus__xchg(c, chorus__ring_right(r, n), &lens[chorus__ring_ag_send_block(r, s, n)],
+                      sizeof(uint64_t), chorus__ring_left(r, n),
+                      &lens[chorus__ring_ag_recv_block(r, s, n)], sizeof(uint64_t), (uint32_t)s);
   if (st != CHORUS_OK) goto done;
   offs[0] = 0;
   for (int q = 0; q < n; q++) {
@@ -142,9 +145,9 @@ chorus_result_t chorus__allgatherv_ring(chorus__coll_t *c) {
   }
   if (c->count) memcpy(out + offs[r], c->sendbuf, c->count);
   for (int s = 0; s < n - 1 && st == CHORUS_OK; s++) {
-    int sb = mod(r - s, n), rb = mod(r - s - 1, n);
-    st = chorus__xchg(c, mod(r + 1, n), out + offs[sb], lens[sb], mod(r - 1, n), out + offs[rb],
-                      lens[rb], (uint32_t)(n + s));
+    int sb = chorus__ring_ag_send_block(r, s, n), rb = chorus__ring_ag_recv_block(r, s, n);
+    st = chorus__xchg(c, chorus__ring_right(r, n), out + offs[sb], lens[sb],
+                      chorus__ring_left(r, n), out + offs[rb], lens[rb], (uint32_t)(n + s));
   }
   if (st == CHORUS_OK) {
     for (int q = 0; q < n; q++) c->lens[q] = lens[q];

@@ -18,14 +18,16 @@
  * Bruck all-gather: rounds k = 1, 2, 4, ... send the first min(k, n-k) blocks
  * gathered so far to rank r-k and receive as many from rank r+k; a final
  * rotation puts blocks in rank order.  ceil(log2 n) rounds for any n.
+ *
+ * The peer and block math of all three lives in pattern.h (chorus__ring_*,
+ * chorus__rd_*, chorus__bruck_*), where it is unit-tested.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "algo/algo.h"
+#include "algo/pattern.h"
 #include "reduce/reduce.h"
-
-static inline int mod(int a, int n) { return ((a % n) + n) % n; }
 
 /* Ring reduce-scatter over buf (count elements, blocks as chorus__blk_*),
  * in place; steps 0..n-2.  On return block rank of buf is fully reduced. */
@@ -36,11 +38,11 @@ static chorus_result_t ring_reduce_scatter(chorus__coll_t *c, char *buf, size_t 
   if (!tmp) return CHORUS_ERR_NO_MEMORY;
   chorus_result_t st = CHORUS_OK;
   for (int s = 0; s < n - 1 && st == CHORUS_OK; s++) {
-    int sb = mod(r - s - 1, n), rb = mod(r - s - 2, n);
+    int sb = chorus__ring_rs_send_block(r, s, n), rb = chorus__ring_rs_recv_block(r, s, n);
     size_t rcnt = chorus__blk_count(count, n, rb);
-    st = chorus__xchg(c, mod(r + 1, n), buf + chorus__blk_offset(count, n, sb) * es,
-                      chorus__blk_count(count, n, sb) * es, mod(r - 1, n), tmp, rcnt * es,
-                      (uint32_t)s);
+    st = chorus__xchg(c, chorus__ring_right(r, n), buf + chorus__blk_offset(count, n, sb) * es,
+                      chorus__blk_count(count, n, sb) * es, chorus__ring_left(r, n), tmp,
+                      rcnt * es, (uint32_t)s);
     if (st == CHORUS_OK) {
       char *dst = buf + chorus__blk_offset(count, n, rb) * es;
       chorus__combine(c, dst, dst, tmp, rcnt);
@@ -57,10 +59,10 @@ static chorus_result_t ring_all_gather_blocks(chorus__coll_t *c, char *buf, size
   int n = c->size, r = c->rank;
   size_t es = c->esize;
   for (int s = 0; s < n - 1; s++) {
-    int sb = mod(r - s, n), rb = mod(r - s - 1, n);
+    int sb = chorus__ring_ag_send_block(r, s, n), rb = chorus__ring_ag_recv_block(r, s, n);
     chorus_result_t st = chorus__xchg(
-        c, mod(r + 1, n), buf + chorus__blk_offset(count, n, sb) * es,
-        chorus__blk_count(count, n, sb) * es, mod(r - 1, n),
+        c, chorus__ring_right(r, n), buf + chorus__blk_offset(count, n, sb) * es,
+        chorus__blk_count(count, n, sb) * es, chorus__ring_left(r, n),
         buf + chorus__blk_offset(count, n, rb) * es, chorus__blk_count(count, n, rb) * es,
         step0 + (uint32_t)s);
     if (st != CHORUS_OK) return st;
@@ -87,28 +89,25 @@ chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
   if (buf != c->sendbuf && bytes) memcpy(buf, c->sendbuf, bytes);
   char *tmp = chorus__scratch(c, bytes);
   if (!tmp) return CHORUS_ERR_NO_MEMORY;
-  int p = 1;
-  while (p * 2 <= n) p *= 2;
-  int rem = n - p, newr;
   chorus_result_t st = CHORUS_OK;
   uint32_t step = 0;
-  if (r < 2 * rem) {
-    if (r % 2 == 0) {
-      st = chorus__send(c, r + 1, buf, bytes, step);
-      newr = -1;
+  /* Fold (step 0): the even rank of each of the first rem pairs hands its
+   * vector to the odd one, which combines (lower rank first). */
+  int fold = chorus__rd_fold_peer(r, n);
+  if (fold >= 0) {
+    if (chorus__rd_folded_out(r, n)) {
+      st = chorus__send(c, fold, buf, bytes, step);
     } else {
-      st = chorus__recv(c, r - 1, tmp, bytes, step);
+      st = chorus__recv(c, fold, tmp, bytes, step);
       if (st == CHORUS_OK) chorus__combine(c, buf, tmp, buf, c->count);
-      newr = r / 2;
     }
-  } else {
-    newr = r - rem;
   }
   step++;
-  if (newr >= 0) {
-    for (int mask = 1; mask < p && st == CHORUS_OK; mask <<= 1, step++) {
-      int pn = newr ^ mask;
-      int partner = pn < rem ? pn * 2 + 1 : pn + rem;
+  /* Doubling (steps 1..rounds) among the pow2(n) ranks still in. */
+  if (!chorus__rd_folded_out(r, n)) {
+    int rounds = chorus__rd_rounds(n);
+    for (int k = 0; k < rounds && st == CHORUS_OK; k++, step++) {
+      int partner = chorus__rd_partner(r, k, n);
       st = chorus__xchg(c, partner, buf, bytes, partner, tmp, bytes, step);
       if (st != CHORUS_OK) break;
       if (partner < r) chorus__combine(c, buf, tmp, buf, c->count);
@@ -117,11 +116,12 @@ chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
     if (st == CHORUS_OK && c->op == CHORUS_AVG)
       chorus__reduce_finalize_avg(buf, c->count, c->dtype, n);
   }
-  /* Hand the result to the ranks folded out at the start. */
+  /* Hand the result to the ranks folded out at the start (step 64, above
+   * any doubling round). */
   step = 64;
-  if (st == CHORUS_OK && r < 2 * rem) {
-    if (r % 2 == 1) st = chorus__send(c, r - 1, buf, bytes, step);
-    else st = chorus__recv(c, r + 1, buf, bytes, step);
+  if (st == CHORUS_OK && fold >= 0) {
+    if (!chorus__rd_folded_out(r, n)) st = chorus__send(c, fold, buf, bytes, step);
+    else st = chorus__recv(c, fold, buf, bytes, step);
   }
   free(tmp);
   return st;
@@ -140,9 +140,10 @@ chorus_result_t chorus__allgather_ring(chorus__coll_t *c) {
   char *mine = gather_block(c, r);
   if (mine != c->sendbuf && blk) memmove(mine, c->sendbuf, blk);
   for (int s = 0; s < n - 1; s++) {
-    chorus_result_t st = chorus__xchg(c, mod(r + 1, n), gather_block(c, mod(r - s, n)), blk,
-                                      mod(r - 1, n), gather_block(c, mod(r - s - 1, n)), blk,
-                                      (uint32_t)s);
+    chorus_result_t st = chorus__xchg(
+        c, chorus__ring_right(r, n), gather_block(c, chorus__ring_ag_send_block(r, s, n)), blk,
+        chorus__ring_left(r, n), gather_block(c, chorus__ring_ag_recv_block(r, s, n)), blk,
+        (uint32_t)s);
     if (st != CHORUS_OK) return st;
   }
   return CHORUS_OK;
@@ -154,16 +155,19 @@ chorus_result_t chorus__allgather_bruck(chorus__coll_t *c) {
   char *tmp = chorus__scratch(c, blk * (size_t)n);
   if (!tmp) return CHORUS_ERR_NO_MEMORY;
   if (blk) memcpy(tmp, c->sendbuf, blk);
+  /* tmp slot i holds block (r + i) mod n; round k appends nblocks slots at
+   * slot 2^k. */
   chorus_result_t st = CHORUS_OK;
-  uint32_t step = 0;
-  for (int k = 1; k < n && st == CHORUS_OK; k <<= 1, step++) {
-    int cnt = k < n - k ? k : n - k;
-    st = chorus__xchg(c, mod(r - k, n), tmp, blk * (size_t)cnt, mod(r + k, n),
-                      tmp + blk * (size_t)k, blk * (size_t)cnt, step);
+  int rounds = chorus__bruck_rounds(n);
+  for (int k = 0; k < rounds && st == CHORUS_OK; k++) {
+    size_t cnt = (size_t)chorus__bruck_nblocks(k, n);
+    st = chorus__xchg(c, chorus__bruck_send_to(r, k, n), tmp, blk * cnt,
+                      chorus__bruck_recv_from(r, k, n),
+                      tmp + blk * (size_t)chorus__bruck_dist(k), blk * cnt, (uint32_t)k);
   }
   if (st == CHORUS_OK)
     for (int i = 0; i < n; i++)
-      if (blk) memcpy(gather_block(c, mod(r + i, n)), tmp + blk * (size_t)i, blk);
+      if (blk) memcpy(gather_block(c, chorus__mod(r + i, n)), tmp + blk * (size_t)i, blk);
   free(tmp);
   return st;
 }
@@ -196,7 +200,7 @@ chorus_result_t chorus__reduce_scatter_pairwise(chorus__coll_t *c) {
   if (acc != send + blk * (size_t)r && blk) memcpy(acc, send + blk * (size_t)r, blk);
   chorus_result_t st = CHORUS_OK;
   for (int s = 1; s < n && st == CHORUS_OK; s++) {
-    int to = mod(r + s, n), from = mod(r - s, n);
+    int to = chorus__pairwise_to(r, s, n), from = chorus__pairwise_from(r, s, n);
     st = chorus__xchg(c, to, send + blk * (size_t)to, blk, from, tmp, blk, (uint32_t)s);
     if (st == CHORUS_OK) chorus__combine(c, acc, acc, tmp, c->count);
   }

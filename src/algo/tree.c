@@ -1,14 +1,17 @@
 /*
  * tree.c - rooted collectives: broadcast, reduce, scatter, gather.
  *
- * Binomial trees work on ranks relative to the root, v = (rank - root) mod n.
- * Node v's parent is v minus its lowest set bit; its children are v + m for
- * every power of two m below that bit (below the smallest power of two >= n
- * for the root) with v + m < n.  Node v's subtree is the contiguous range of
- * relative ranks [v, v + min(lowbit(v), n - v)), which is what lets scatter
- * and gather move whole subtrees as one message.  Each (parent, child) pair
- * exchanges exactly one message, so every message uses step 0 (gather and
- * reduce flow up, broadcast and scatter down).
+ * Binomial trees work on ranks relative to the root, v = (rank - root) mod n
+ * (the peer math is in pattern.h, chorus__tree_*).  Node v's parent is v
+ * minus its lowest set bit; its children are v + 2^i for every power of two
+ * below that bit (below the smallest power of two >= n for the root) with
+ * v + 2^i < n.  Node v's subtree is the contiguous range of relative ranks
+ * [v, v + min(lowbit(v), n - v)), and child v + 2^i's subtree starts 2^i
+ * slots after v's, which is what lets scatter and gather move whole subtrees
+ * as one message.  Each (parent, child) pair exchanges exactly one message,
+ * so every message uses step 0 (gather and reduce flow up, broadcast and
+ * scatter down).  Downward, a node serves its biggest subtree first;
+ * upward, it collects its smallest first.
  *
  * The linear variants (root talks to everyone) exist for testing and small
  * groups.
@@ -17,29 +20,19 @@
 #include <string.h>
 
 #include "algo/algo.h"
+#include "algo/pattern.h"
 #include "reduce/reduce.h"
 
-static inline int real_rank(int v, int root, int n) { return (v + root) % n; }
-
-/* Lowest set bit of v, or the smallest power of two >= n for the root. */
-static int subtree_bit(int v, int n) {
-  if (v) return v & -v;
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
-
 static chorus_result_t bcast_binomial(chorus__coll_t *c, void *buf, size_t bytes, int root) {
-  int n = c->size, v = (c->rank - root + n) % n;
-  int bit = subtree_bit(v, n);
+  int n = c->size, v = chorus__tree_rel(c->rank, root, n);
   chorus_result_t st;
   if (v) {
-    st = chorus__recv(c, real_rank(v - bit, root, n), buf, bytes, 0);
+    st = chorus__recv(c, chorus__tree_real(chorus__tree_parent(v), root, n), buf, bytes, 0);
     if (st != CHORUS_OK) return st;
   }
-  for (int m = bit >> 1; m > 0; m >>= 1) {
-    if (v + m >= n) continue;
-    st = chorus__send(c, real_rank(v + m, root, n), buf, bytes, 0);
+  /* Biggest subtree first: it has the longest way to go. */
+  for (int i = chorus__tree_nchildren(v, n) - 1; i >= 0; i--) {
+    st = chorus__send(c, chorus__tree_real(chorus__tree_child(v, i), root, n), buf, bytes, 0);
     if (st != CHORUS_OK) return st;
   }
   return CHORUS_OK;
@@ -64,7 +57,7 @@ chorus_result_t chorus__bcast_linear(chorus__coll_t *c) {
  * written on root; elsewhere scratch is used). */
 static chorus_result_t reduce_binomial(chorus__coll_t *c, const void *send, void *recv,
                                        int root) {
-  int n = c->size, v = (c->rank - root + n) % n;
+  int n = c->size, v = chorus__tree_rel(c->rank, root, n);
   size_t bytes = c->count * c->esize;
   chorus_result_t st = CHORUS_OK;
   char *acc = c->rank == root ? recv : chorus__scratch(c, bytes);
@@ -74,17 +67,15 @@ static chorus_result_t reduce_binomial(chorus__coll_t *c, const void *send, void
     goto out;
   }
   if (acc != send && bytes) memcpy(acc, send, bytes);
-  for (int m = 1; m < n; m <<= 1) {
-    if (v & m) {
-      st = chorus__send(c, real_rank(v - m, root, n), acc, bytes, 0);
-      break;
-    }
-    if (v + m < n) {
-      st = chorus__recv(c, real_rank(v + m, root, n), tmp, bytes, 0);
-      if (st != CHORUS_OK) break;
-      chorus__combine(c, acc, acc, tmp, c->count);
-    }
+  /* Combine the children's partial results (smallest subtree first, it is
+   * ready first), then pass ours up. */
+  int nch = chorus__tree_nchildren(v, n);
+  for (int i = 0; i < nch && st == CHORUS_OK; i++) {
+    st = chorus__recv(c, chorus__tree_real(chorus__tree_child(v, i), root, n), tmp, bytes, 0);
+    if (st == CHORUS_OK) chorus__combine(c, acc, acc, tmp, c->count);
   }
+  if (st == CHORUS_OK && v)
+    st = chorus__send(c, chorus__tree_real(chorus__tree_parent(v), root, n), acc, bytes, 0);
   if (st == CHORUS_OK && c->rank == root && c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(acc, c->count, c->dtype, n);
 out:
@@ -124,10 +115,9 @@ chorus_result_t chorus__allreduce_reduce_bcast(chorus__coll_t *c) {
 /* --------------------------------------------------------------- scatter */
 
 chorus_result_t chorus__scatter_binomial(chorus__coll_t *c) {
-  int n = c->size, root = c->root, v = (c->rank - root + n) % n;
+  int n = c->size, root = c->root, v = chorus__tree_rel(c->rank, root, n);
   size_t blk = c->count * c->esize;
-  int bit = subtree_bit(v, n);
-  int sub = v ? (bit < n - v ? bit : n - v) : n;
+  int sub = chorus__tree_subtree(v, n);
   chorus_result_t st = CHORUS_OK;
   char *buf = NULL, *own = NULL;
   if (v == 0) {
@@ -138,7 +128,9 @@ chorus_result_t chorus__scatter_binomial(chorus__coll_t *c) {
       own = chorus__scratch(c, blk * (size_t)n);
       if (!own) return CHORUS_ERR_NO_MEMORY;
       for (int w = 0; w < n; w++)
-        if (blk) memcpy(own + blk * (size_t)w, (const char *)c->sendbuf + blk * (size_t)real_rank(w, root, n), blk);
+        if (blk)
+          memcpy(own + blk * (size_t)w,
+                 (const char *)c->sendbuf + blk * (size_t)chorus__tree_real(w, root, n), blk);
       buf = own;
     }
   } else if (sub == 1) {
@@ -148,14 +140,17 @@ chorus_result_t chorus__scatter_binomial(chorus__coll_t *c) {
     if (!own) return CHORUS_ERR_NO_MEMORY;
     buf = own;
   }
+  /* buf holds the blocks of v's subtree in relative order: v's own block
+   * first, then child i's subtree at slot 2^i. */
   if (v) {
-    st = chorus__recv(c, real_rank(v - bit, root, n), buf, blk * (size_t)sub, 0);
+    st = chorus__recv(c, chorus__tree_real(chorus__tree_parent(v), root, n), buf,
+                      blk * (size_t)sub, 0);
     if (st != CHORUS_OK) goto out;
   }
-  for (int m = bit >> 1; m > 0; m >>= 1) {
-    if (v + m >= n) continue;
-    int child_sub = m < n - (v + m) ? m : n - (v + m);
-    st = chorus__send(c, real_rank(v + m, root, n), buf + blk * (size_t)m, blk * (size_t)child_sub, 0);
+  for (int i = chorus__tree_nchildren(v, n) - 1; i >= 0; i--) {
+    int child = chorus__tree_child(v, i);
+    st = chorus__send(c, chorus__tree_real(child, root, n), buf + blk * (size_t)(child - v),
+                      blk * (size_t)chorus__tree_subtree(child, n), 0);
     if (st != CHORUS_OK) goto out;
   }
   if (buf != c->recvbuf && blk) memmove(c->recvbuf, buf, blk);
@@ -182,10 +177,9 @@ chorus_result_t chorus__scatter_linear(chorus__coll_t *c) {
 /* ---------------------------------------------------------------- gather */
 
 chorus_result_t chorus__gather_binomial(chorus__coll_t *c) {
-  int n = c->size, root = c->root, v = (c->rank - root + n) % n;
+  int n = c->size, root = c->root, v = chorus__tree_rel(c->rank, root, n);
   size_t blk = c->count * c->esize;
-  int bit = subtree_bit(v, n);
-  int sub = v ? (bit < n - v ? bit : n - v) : n;
+  int sub = chorus__tree_subtree(v, n);
   chorus_result_t st = CHORUS_OK;
   char *buf, *own = NULL;
   if (v == 0 && root == 0) {
@@ -198,16 +192,23 @@ chorus_result_t chorus__gather_binomial(chorus__coll_t *c) {
     buf = own;
   }
   if (buf != c->sendbuf && blk) memmove(buf, c->sendbuf, blk);
-  for (int m = 1; m < bit && v + m < n; m <<= 1) {
-    int child_sub = m < n - (v + m) ? m : n - (v + m);
-    st = chorus__recv(c, real_rank(v + m, root, n), buf + blk * (size_t)m, blk * (size_t)child_sub, 0);
+  /* Assemble v's subtree in relative order (child i's subtree at slot 2^i),
+   * then send it up whole. */
+  int nch = chorus__tree_nchildren(v, n);
+  for (int i = 0; i < nch; i++) {
+    int child = chorus__tree_child(v, i);
+    st = chorus__recv(c, chorus__tree_real(child, root, n), buf + blk * (size_t)(child - v),
+                      blk * (size_t)chorus__tree_subtree(child, n), 0);
     if (st != CHORUS_OK) goto out;
   }
   if (v) {
-    st = chorus__send(c, real_rank(v - bit, root, n), buf, blk * (size_t)sub, 0);
+    st = chorus__send(c, chorus__tree_real(chorus__tree_parent(v), root, n), buf,
+                      blk * (size_t)sub, 0);
   } else if (root != 0) {
     for (int w = 0; w < n; w++)
-      if (blk) memcpy((char *)c->recvbuf + blk * (size_t)real_rank(w, root, n), buf + blk * (size_t)w, blk);
+      if (blk)
+        memcpy((char *)c->recvbuf + blk * (size_t)chorus__tree_real(w, root, n),
+               buf + blk * (size_t)w, blk);
   }
 out:
   free(own);

@@ -48,26 +48,9 @@ static void run_op(struct chorus_work *w) {
     return;
   }
   chorus__fp_format(&w->fp, fpbuf, sizeof fpbuf);
-  if (w->seq)
-    snprintf(name, sizeof name, "%s (call #%" PRIu64 ")", fpbuf, w->seq);
-  else
-    snprintf(name, sizeof name, "%s with rank %d, tag %d", fpbuf, c->peer, c->tag);
+  snprintf(name, sizeof name, "%s (call #%" PRIu64 ")", fpbuf, w->seq);
   chorus__ep_set_name(comm->ep, name);
-  if (!w->seq) {
-    chorus__req_t req;
-    memset(&req, 0, sizeof req);
-    req.type = c->coll == CHORUS_COLL_SEND ? CHORUS__REQ_SEND : CHORUS__REQ_RECV;
-    req.peer = c->peer;
-    req.kind = CHORUS__KIND_P2P;
-    req.tag = c->tag;
-    req.buf = c->coll == CHORUS_COLL_SEND ? (void *)c->sendbuf : c->recvbuf;
-    req.len = c->count * c->esize;
-    req.fp = w->fp;
-    req.fp.coll = CHORUS_COLL_SEND; /* both ends describe the message alike */
-    chorus__req_t *reqs[1] = {&req};
-    st = chorus__ep_post(comm->ep, &req);
-    if (st == CHORUS_OK) st = chorus__ep_wait(comm->ep, reqs, 1, comm->timeout_ms);
-  } else {
+  {
     CHORUS_DEBUG(CHORUS__SUB_ALGO, "%s", name);
     st = chorus__ep_begin(comm->ep, w->seq, &w->fp);
     if (st == CHORUS_OK && comm->debug_checks) st = debug_check(c, &w->fp);
@@ -184,8 +167,33 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
 
 /* ---------------------------------------------------------- work handles */
 
+/* Completes a point-to-point handle: waits (timeout_ms < 0: the
+ * communicator's timeout, which fails the communicator when it passes) and
+ * records the result.  Returns CHORUS_INPROGRESS if still pending. */
+static chorus_result_t p2p_progress(struct chorus_work *w, int timeout_ms) {
+  chorus_comm_t comm = w->comm;
+  pthread_mutex_lock(&comm->lock);
+  int done = w->state == CHORUS__WORK_DONE;
+  pthread_mutex_unlock(&comm->lock);
+  if (done) return w->result;
+  chorus__req_t *reqs[1] = {&w->req};
+  chorus_result_t st = timeout_ms < 0 ? chorus__ep_wait(comm->ep, reqs, 1, comm->timeout_ms)
+                                      : chorus__ep_wait_soft(comm->ep, reqs, 1, timeout_ms);
+  if (st == CHORUS_INPROGRESS) return st;
+  pthread_mutex_lock(&comm->lock);
+  if (w->state != CHORUS__WORK_DONE) {
+    w->result = st;
+    if (st != CHORUS_OK) chorus__ep_status(comm->ep, w->err, sizeof w->err);
+    finish_locked(comm, w);
+  }
+  st = w->result;
+  pthread_mutex_unlock(&comm->lock);
+  return st;
+}
+
 chorus_result_t chorus_work_wait(chorus_work_t w, int timeout_ms) {
   if (!w) return CHORUS_ERR_INVALID_ARG;
+  if (w->p2p) return p2p_progress(w, timeout_ms);
   chorus_comm_t comm = w->comm;
   int64_t deadline = chorus__deadline_ms(timeout_ms < 0 ? -1 : timeout_ms);
   pthread_mutex_lock(&comm->lock);
@@ -205,6 +213,7 @@ chorus_result_t chorus_work_wait(chorus_work_t w, int timeout_ms) {
 
 chorus_result_t chorus_work_test(chorus_work_t w) {
   if (!w) return CHORUS_ERR_INVALID_ARG;
+  if (w->p2p) return p2p_progress(w, 0);
   pthread_mutex_lock(&w->comm->lock);
   chorus_result_t st = w->state == CHORUS__WORK_DONE ? w->result : CHORUS_INPROGRESS;
   pthread_mutex_unlock(&w->comm->lock);
@@ -222,6 +231,9 @@ const char *chorus_work_error(chorus_work_t w) {
 void chorus_work_free(chorus_work_t w) {
   if (!w) return;
   chorus_comm_t comm = w->comm;
+  /* The transport still points at a pending request: finish it first
+   * (bounded by the timeout; a failure detaches it). */
+  if (w->p2p) p2p_progress(w, -1);
   pthread_mutex_lock(&comm->lock);
   work_release_locked(w);
   pthread_mutex_unlock(&comm->lock);
@@ -473,9 +485,33 @@ static chorus_result_t p2p(chorus_comm_t comm, chorus_coll_t coll, const void *s
   if (tag < 0) return bad(comm, name, "tag %d is negative", tag);
   NEED_BUF(coll == CHORUS_COLL_SEND ? sbuf : rbuf, "buf");
   MAKE(w, coll, sbuf, rbuf, CHORUS_OP_COUNT, -1);
-  w->c.peer = peer;
-  w->c.tag = tag;
-  SUBMIT(w);
+  w->p2p = 1;
+  w->req.type = coll == CHORUS_COLL_SEND ? CHORUS__REQ_SEND : CHORUS__REQ_RECV;
+  w->req.peer = peer;
+  w->req.kind = CHORUS__KIND_P2P;
+  w->req.tag = tag;
+  w->req.buf = coll == CHORUS_COLL_SEND ? (void *)sbuf : rbuf;
+  w->req.len = count * chorus_dtype_size(dtype);
+  w->req.fp = w->fp;
+  w->req.fp.coll = CHORUS_COLL_SEND; /* both ends describe the message alike */
+  w->req.fp.algo = 0;
+  st = chorus__ep_post(comm->ep, &w->req);
+  if (st != CHORUS_OK) {
+    chorus__ep_status(comm->ep, w->err, sizeof w->err);
+    chorus__comm_set_error(comm, "%s", w->err[0] ? w->err : chorus_strerror(st));
+    free(w);
+    return st;
+  }
+  w->state = CHORUS__WORK_RUNNING;
+  if (work) {
+    *work = w;
+    return CHORUS_OK;
+  }
+  st = p2p_progress(w, -1);
+  pthread_mutex_lock(&comm->lock);
+  work_release_locked(w);
+  pthread_mutex_unlock(&comm->lock);
+  return st;
 }
 
 chorus_result_t chorus_send(chorus_comm_t comm, const void *buf, size_t count, chorus_dtype_t dtype,

@@ -11,7 +11,13 @@
  * enter the library.  A blocking call on an idle communicator runs its
  * operation on the calling thread; otherwise operations are queued and the
  * communicator's worker thread (started on first need) runs them in order.
- * Only one operation of a communicator executes at a time.
+ * Only one collective of a communicator executes at a time.
+ *
+ * Point-to-point calls bypass the queue: they are posted to the transport
+ * when called (so the order of sends and receives between two ranks is the
+ * order of the calls) and complete independently of collectives, which is
+ * what torch's isend/irecv/send/recv patterns need (irecv; send; wait must
+ * not deadlock).
  */
 #ifndef CHORUS_CORE_COMM_H
 #define CHORUS_CORE_COMM_H
@@ -40,6 +46,8 @@ struct chorus_work {
   chorus__coll_t c;
   chorus__fp_t fp;
   uint64_t seq; /* 0 for point-to-point */
+  int p2p;      /* posted straight to the transport, never queued */
+  chorus__req_t req;
   int state;
   int refs; /* the caller's handle + the queue */
   chorus_result_t result;

@@ -4,14 +4,13 @@
  * their output, and stops (or restarts) the whole group when one fails.
  *
  * Design
- *  - One process, one thread of our own (plus the store server's thread).
- *    Everything happens in a single poll() loop over the workers' output
- *    pipes and a self-pipe.  Signal handlers only write the signal number
- *    into the self-pipe; the loop does the real work (reaping, forwarding,
- *    stopping), so nothing unsafe ever runs in a handler.  The signals are
- *    blocked while the store thread starts, so they are always delivered to
- *    the main thread's handlers, and around fork() so that a child never runs
- *    our handler.
+ *  - One process, one thread of our own (plus the store server's thread,
+ *    which blocks every signal).  Everything happens in one poll() loop
+ *    over the workers' output pipes and a self-pipe.  Signal handlers only
+ *    write the signal number into the self-pipe; the loop does the real work
+ *    (reaping, forwarding, stopping), so nothing unsafe runs in a handler.
+ *    All signals are blocked around fork() so a child never runs our
+ *    handler before it resets them.
  *  - chorusrun hosts the store (chorus_store_server_start) for the whole
  *    job and tells workers CHORUS_STORE_EXTERNAL=1, so rank 0 does not serve
  *    one.  The store outlives restarts: it is never reset.  Each generation
@@ -28,16 +27,20 @@
  *    worker outlives a chorusrun that was killed with SIGKILL.  chorusrun is
  *    also a child subreaper: descendants orphaned by a worker are reparented
  *    to it, so at the end of every generation it can kill and reap whatever
- *    the workers left behind, even outside their process groups.
+ *    the workers left behind, even outside their process groups.  Finally a
+ *    small guard process (see "the guard" below) SIGKILLs the workers'
+ *    process groups if chorusrun itself is SIGKILLed, so the workers'
+ *    children do not survive that either.
  *  - Output: each worker's stdout and stderr are pipes read with poll(); a
  *    stream's partial line stays in its buffer until the newline arrives, so
  *    only whole lines are written, each with one writev() to our stdout or
  *    stderr behind a "[rankN]:" prefix.  A line longer than 64 KiB is split.
  *    A final unterminated line is flushed at EOF.  The last TAIL_LINES lines
  *    of each rank are kept for the failure report.
- *  - Stopping a generation (a worker failed, or we got SIGINT/SIGTERM/SIGHUP):
- *    send SIGTERM (or the signal received) to every live worker's group, wait
- *    up to the grace period, then SIGKILL the groups.  When a worker is
+ *  - Stopping a generation (a worker failed, or we got SIGINT, SIGTERM,
+ *    SIGHUP or SIGQUIT): send SIGTERM (or the signal received, forwarded)
+ *    to every live worker's group, wait up to the grace period (a second
+ *    signal cuts it short), then SIGKILL the groups.  When a worker is
  *    reaped its group is SIGKILLed too (its leftovers die with it).  Once all
  *    workers are reaped, the pipes are drained until EOF (at most DRAIN_MS,
  *    in case an escaped descendant still holds one).  Every wait is bounded:
@@ -47,8 +50,11 @@
  *    running is the one blamed; workers that die because we stopped them are
  *    not.  Exit status: 0 if all succeeded, else the blamed worker's exit
  *    code (128+signal if killed by a signal), 128+signal when chorusrun was
- *    itself interrupted, 2 for usage errors, 1 for other launcher errors,
- *    127 when the program cannot be found.
+ *    itself interrupted (no restart then), 2 for usage errors, 1 for other
+ *    launcher errors, 127 when the program cannot be found.
+ *  - --max-restarts K: after a failure the group is stopped as above, the
+ *    report printed, and all N workers start again with the next
+ *    CHORUS_RESTART_COUNT (same store, same job id and secret, same port).
  *
  * Single machine only for now: --nnodes other than 1 and --node-rank other
  * than 0 are refused.
@@ -69,6 +75,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -131,7 +138,7 @@ typedef struct {
   char secret[33];
   worker_t *w;
   int out_broken[3];  /* our stdout/stderr gave EPIPE: drop their output */
-  int got_sig;        /* first SIGINT/SIGTERM/SIGHUP received, else 0 */
+  int got_sig;        /* first SIGINT/SIGTERM/SIGHUP/SIGQUIT, else 0 */
 } job_t;
 
 typedef enum { GEN_OK, GEN_FAILED, GEN_SIGNALED, GEN_ERROR } gen_outcome_t;
@@ -139,9 +146,13 @@ typedef enum { GEN_OK, GEN_FAILED, GEN_SIGNALED, GEN_ERROR } gen_outcome_t;
 /* ------------------------------------------------------------- signals */
 
 static int g_selfpipe[2] = {-1, -1};
-static const int g_sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+/* Handled signals.  The first four stop the job and are forwarded to the
+ * workers; SIGCHLD only wakes the loop up. */
+static const int g_sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD};
 static struct sigaction g_old_act[CHORUS__ARRAY_LEN(g_sigs)];
 static struct sigaction g_old_pipe;
+static struct rlimit g_old_nofile; /* restored in the workers */
+static int g_nofile_raised;
 
 /* Async-signal-safe: only write(2), errno preserved. */
 static void on_signal(int sig) {
@@ -160,9 +171,11 @@ static int install_signals(void) {
   sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) {
     sigaction(g_sigs[i], NULL, &g_old_act[i]);
-    /* Like a shell: a signal we were started with ignored (nohup) stays
-     * ignored, for us and for the workers. */
-    if (g_sigs[i] != SIGCHLD && g_old_act[i].sa_handler == SIG_IGN) continue;
+    /* Like nohup expects: a SIGHUP ignored at start stays ignored, for us
+     * and the workers.  SIGINT/SIGQUIT are handled even when a
+     * non-interactive shell started us in the background with them
+     * ignored: `chorusrun ... & kill -INT $!` must stop the job. */
+    if (g_sigs[i] == SIGHUP && g_old_act[i].sa_handler == SIG_IGN) continue;
     if (sigaction(g_sigs[i], &sa, NULL) != 0) return -1;
   }
   /* A closed stdout must not kill us (and with us the workers). */
@@ -171,6 +184,143 @@ static int install_signals(void) {
   ign.sa_handler = SIG_IGN;
   sigaction(SIGPIPE, &ign, &g_old_pipe);
   return 0;
+}
+
+/* In a freshly forked worker (async-signal-safe): the signals we forward get
+ * their default action, so a forwarded SIGINT/SIGTERM works even where we
+ * were started with them ignored; the others get back what we inherited. */
+static void child_reset_signals(void) {
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) {
+    int sig = g_sigs[i];
+    if (sig == SIGINT || sig == SIGTERM || sig == SIGQUIT) sigaction(sig, &dfl, NULL);
+    else sigaction(sig, &g_old_act[i], NULL);
+  }
+  sigaction(SIGPIPE, &g_old_pipe, NULL);
+  if (g_nofile_raised) setrlimit(RLIMIT_NOFILE, &g_old_nofile);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* ----------------------------------------------------------- the guard
+ *
+ * PR_SET_PDEATHSIG kills a worker when chorusrun dies, but not the worker's
+ * own children.  The guard is a small process forked before anything else
+ * (in its own session, so terminal signals do not reach it) that learns
+ * every worker's process group through a pipe.  When that pipe reaches EOF
+ * while the guard still lives, chorusrun died abruptly (SIGKILL, crash, or
+ * an exit() on a path that did not stop the workers) and the guard SIGKILLs
+ * every group still listed, then exits.  Messages are 8 bytes
+ * (atomic on a pipe): op '+' (group started) or '-' (group gone), then the
+ * pid.  On a normal exit chorusrun kills and reaps the guard itself.
+ */
+static int g_guard_fd = -1;
+static pid_t g_guard_pid = -1;
+
+typedef struct {
+  char op;
+  char pad[3];
+  int32_t pid;
+} guard_msg_t;
+
+static void guard_main(int rfd) {
+  pid_t *pids = NULL;
+  size_t n = 0, cap = 0;
+  guard_msg_t m;
+  for (;;) {
+    ssize_t got = read(rfd, &m, sizeof m);
+    if (got < 0 && errno == EINTR) continue;
+    if (got != (ssize_t)sizeof m) break; /* EOF: chorusrun is gone */
+    if (m.op == '+') {
+      if (n == cap) {
+        cap = cap ? 2 * cap : 64;
+        pid_t *np = realloc(pids, cap * sizeof *np);
+        if (!np) continue;
+        pids = np;
+      }
+      pids[n++] = m.pid;
+    } else if (m.op == '-') {
+      for (size_t i = 0; i < n; i++)
+        if (pids[i] == m.pid) {
+          pids[i] = pids[--n];
+          break;
+        }
+    }
+  }
+  for (size_t i = 0; i < n; i++) kill(-pids[i], SIGKILL);
+  _exit(0);
+}
+
+/* Forks the guard; failure only loses this safety net. */
+static void guard_start(void) {
+  int p[2];
+  if (pipe2(p, O_CLOEXEC) != 0) return;
+  pid_t pid = fork();
+  if (pid == 0) {
+    /* Single-threaded here (before the store starts). */
+    setsid();
+    prctl(PR_SET_NAME, "chorusrun-guard");
+    int null = open("/dev/null", O_RDWR);
+    if (null >= 0) {
+      dup2(null, 0);
+      dup2(null, 1);
+      dup2(null, 2);
+    }
+    struct sigaction ign;
+    memset(&ign, 0, sizeof ign);
+    ign.sa_handler = SIG_IGN;
+    sigaction(SIGINT, &ign, NULL);
+    sigaction(SIGTERM, &ign, NULL);
+    sigaction(SIGHUP, &ign, NULL);
+    sigaction(SIGQUIT, &ign, NULL);
+    sigaction(SIGPIPE, &ign, NULL);
+    /* Keep only the read end: close everything else we might hold. */
+    for (int fd = 3; fd < 1024; fd++)
+      if (fd != p[0]) close(fd);
+    guard_main(p[0]);
+  }
+  close(p[0]);
+  if (pid < 0) {
+    close(p[1]);
+    return;
+  }
+  fcntl(p[1], F_SETFL, O_NONBLOCK);
+  g_guard_fd = p[1];
+  g_guard_pid = pid;
+}
+
+/* Called for every child we reap: if it was the guard, stop using it. */
+static void guard_reaped(pid_t pid) {
+  if (pid != g_guard_pid || pid <= 0) return;
+  g_guard_pid = -1;
+  if (g_guard_fd >= 0) close(g_guard_fd);
+  g_guard_fd = -1;
+}
+
+/* Reaps every exited child that is not a worker (called when no worker is
+ * left unreaped). */
+static void reap_others(void) {
+  pid_t pid;
+  while ((pid = waitpid(-1, NULL, WNOHANG)) > 0 || (pid < 0 && errno == EINTR)) guard_reaped(pid);
+}
+
+/* Ends the guard on a normal exit (SIGKILL, so the wait is short). */
+static void guard_stop(void) {
+  if (g_guard_pid <= 0) return;
+  kill(g_guard_pid, SIGKILL);
+  while (waitpid(g_guard_pid, NULL, 0) < 0 && errno == EINTR) {}
+  guard_reaped(g_guard_pid);
+}
+
+static void guard_send(char op, pid_t pid) {
+  if (g_guard_fd < 0) return;
+  guard_msg_t m = {.op = op, .pid = (int32_t)pid};
+  ssize_t w;
+  do w = write(g_guard_fd, &m, sizeof m);
+  while (w < 0 && errno == EINTR);
 }
 
 static const char *signal_name(int sig) {
@@ -233,6 +383,17 @@ static int random_hex(char *out, size_t n) {
   if (n > sizeof raw || chorus__random_bytes(raw, n) != 0) return -1;
   for (size_t i = 0; i < n; i++) snprintf(out + 2 * i, 3, "%02x", raw[i]);
   return 0;
+}
+
+/* Two pipes per worker need descriptors: raise the soft limit towards the
+ * hard one if the default (often 1024) is too small for nproc workers. */
+static void raise_nofile(int nproc) {
+  if (getrlimit(RLIMIT_NOFILE, &g_old_nofile) != 0) return;
+  rlim_t want = (rlim_t)nproc * 4 + 64;
+  if (g_old_nofile.rlim_cur == RLIM_INFINITY || g_old_nofile.rlim_cur >= want) return;
+  struct rlimit r = g_old_nofile;
+  r.rlim_cur = g_old_nofile.rlim_max == RLIM_INFINITY ? want : CHORUS__MIN(want, g_old_nofile.rlim_max);
+  if (setrlimit(RLIMIT_NOFILE, &r) == 0) g_nofile_raised = 1;
 }
 
 /* Makes sure fds 0-2 exist, so pipes never land on them. */
@@ -632,12 +793,8 @@ static int spawn_worker(job_t *job, worker_t *w, int restart) {
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(128 + SIGKILL); /* chorusrun already gone */
-    for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) sigaction(g_sigs[i], &g_old_act[i], NULL);
-    sigaction(SIGPIPE, &g_old_pipe, NULL);
     if (dup2(outp[1], 1) < 0 || dup2(errp[1], 2) < 0) _exit(127);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
+    child_reset_signals();
     execve(job->prog, job->argv, env);
     int err = errno;
     child_exec_failed(job->prog, err);
@@ -656,6 +813,7 @@ static int spawn_worker(job_t *job, worker_t *w, int restart) {
   /* Also here, so the group exists before we might signal it (EACCES once
    * the child has exec'd is fine: it did it itself). */
   setpgid(pid, pid);
+  guard_send('+', pid);
   fcntl(outp[0], F_SETFL, O_NONBLOCK);
   fcntl(errp[0], F_SETFL, O_NONBLOCK);
   w->pid = pid;
@@ -678,10 +836,14 @@ static int status_exit_code(int st) {
   return EXIT_LAUNCHER;
 }
 
-/* Sends sig to the process group of every worker still running. */
+/* Sends sig to the process group of every worker still running, followed
+ * by SIGCONT so that a stopped (SIGSTOP, Ctrl-Z) worker can act on it. */
 static void signal_groups(job_t *job, int sig) {
   for (int r = 0; r < job->nproc; r++)
-    if (job->w[r].running) kill(-job->w[r].pid, sig);
+    if (job->w[r].running) {
+      kill(-job->w[r].pid, sig);
+      if (sig != SIGKILL) kill(-job->w[r].pid, SIGCONT);
+    }
 }
 
 /* Reaps every exited child without blocking.  Returns the number of workers
@@ -697,13 +859,17 @@ static int reap(job_t *job, int *first_failed, int blame_open) {
     worker_t *w = NULL;
     for (int r = 0; r < job->nproc && !w; r++)
       if (job->w[r].running && job->w[r].pid == pid) w = &job->w[r];
-    if (!w) continue; /* a descendant reparented to us (subreaper) */
+    if (!w) { /* the guard, or a descendant reparented to us (subreaper) */
+      guard_reaped(pid);
+      continue;
+    }
     w->running = 0;
     w->status = st;
     reaped++;
     /* Whatever is left in its group dies with it.  The pid cannot have been
      * reused while that group still has members. */
     kill(-pid, SIGKILL);
+    guard_send('-', pid);
     CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d (pid %d) exited with status 0x%x", w->rank,
                 (int)pid, st);
     if (failed_status(st) && blame_open && *first_failed < 0) *first_failed = w->rank;
@@ -716,7 +882,7 @@ static int reap(job_t *job, int *first_failed, int blame_open) {
 static void sweep_children(void) {
   int64_t deadline = chorus__deadline_ms(ABANDON_MS);
   for (;;) {
-    while (waitpid(-1, NULL, WNOHANG) > 0) {}
+    reap_others();
     int found = 0;
     DIR *d = opendir("/proc/self/task");
     if (d) {
@@ -729,6 +895,7 @@ static void sweep_children(void) {
         if (!f) continue;
         long pid;
         while (fscanf(f, "%ld", &pid) == 1) {
+          if ((pid_t)pid == g_guard_pid) continue;
           /* A child's pid stays ours until we reap it: no reuse race. */
           kill((pid_t)pid, SIGKILL);
           found = 1;
@@ -739,7 +906,7 @@ static void sweep_children(void) {
     }
     if (!found) {
       /* No /proc children file (or nothing left): reap what is ready. */
-      while (waitpid(-1, NULL, WNOHANG) > 0) {}
+      reap_others();
       return;
     }
     if (chorus__now_ns() >= deadline) {
@@ -752,7 +919,7 @@ static void sweep_children(void) {
 }
 
 /* Drains the self-pipe; returns the first terminating signal (SIGINT,
- * SIGTERM, SIGHUP) it held, or 0.  SIGCHLD bytes only wake the loop up. */
+ * SIGTERM, SIGHUP, SIGQUIT) it held, or 0.  SIGCHLD bytes only wake the loop up. */
 static int drain_selfpipe(void) {
   unsigned char buf[64];
   int term = 0;
@@ -959,6 +1126,7 @@ int main(int argc, char **argv) {
       break;
   }
   ensure_std_fds();
+  raise_nofile(job.nproc);
 
   job.prog = resolve_program(job.argv[0]);
   if (!job.prog) {
@@ -970,31 +1138,31 @@ int main(int argc, char **argv) {
     fprintf(stderr, "chorusrun: cannot get random bytes for the job secret\n");
     return EXIT_LAUNCHER;
   }
+  guard_start(); /* before any handler or thread exists */
   if (install_signals() != 0) {
     fprintf(stderr, "chorusrun: cannot set up signal handling: %s\n", strerror(errno));
+    guard_stop();
     return EXIT_LAUNCHER;
   }
   /* Descendants orphaned by a worker come to us, so we can clean them up. */
   prctl(PR_SET_CHILD_SUBREAPER, 1);
 
-  /* The store thread starts with our signals blocked, so they always reach
-   * the main thread (poll() is then interrupted, and the self-pipe has the
-   * byte anyway). */
+  /* The store thread must never take our signals (it blocks them itself
+   * too): they go to the main thread, whose poll() the self-pipe wakes. */
   sigset_t sigs, old;
   sigemptyset(&sigs);
   for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) sigaddset(&sigs, g_sigs[i]);
   pthread_sigmask(SIG_BLOCK, &sigs, &old);
   chorus_store_server_t *srv = NULL;
-  errno = 0;
   chorus_result_t src = chorus_store_server_start(job.master_addr, job.master_port, job.secret, &srv);
-  int start_errno = errno;
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (src != CHORUS_OK) {
-    fprintf(stderr, "chorusrun: cannot start the store on %s:%d: %s (%s%s%s)%s\n",
-            job.master_addr, job.master_port, chorus_strerror(src), chorus_result_name(src),
-            start_errno ? ", " : "", start_errno ? strerror(start_errno) : "",
+    /* The store has logged the system error (WARN) just before. */
+    fprintf(stderr, "chorusrun: cannot start the store on %s:%d: %s%s\n", job.master_addr,
+            job.master_port, chorus_strerror(src),
             job.master_port ? "; is the port in use? try --standalone or another --master-port"
                             : "");
+    guard_stop();
     return EXIT_LAUNCHER;
   }
   job.port = chorus_store_server_port(srv);
@@ -1039,6 +1207,7 @@ int main(int argc, char **argv) {
   }
 
   chorus_store_server_stop(srv);
+  guard_stop();
   for (int r = 0; r < job.nproc; r++) {
     tail_clear(&job.w[r]);
     free(job.w[r].st[0].buf);

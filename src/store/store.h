@@ -33,7 +33,9 @@
 #define CHORUS__STORE_MAX_FRAME (64u << 20)
 #define CHORUS__STORE_MAX_KEY 4096u
 
-/* Changes the default timeout of a client's blocking calls. */
+/* Changes the default timeout of a client's blocking calls (<= 0: the
+ * CHORUS_TIMEOUT default).  chorus_store_connect()'s timeout_ms is the
+ * initial default (<= 0 there too: CHORUS_TIMEOUT). */
 void chorus__store_set_timeout(chorus_store_t *client, int timeout_ms);
 
 /* get with an explicit timeout (ms, < 0: the client's). */

@@ -3,21 +3,9 @@
  * epoll progress thread, matching of messages to receives, and the failure
  * machinery described in transport.h.
  *
- * Wire format of every message: a 56-byte header (encoded explicitly,
- * little-endian) followed by `len` payload bytes.
- *
- *   off size field
- *     0    4 magic "CHRM"
- *     4    2 type    DATA=1, ABORT=2, BYE=3
- *     6    2 kind    COLL=1, P2P=2
- *     8    8 endpoint id
- *    16    8 sequence number of the collective (0 for p2p)
- *    24    4 step within the collective
- *    28    4 p2p tag (-1 for collectives)
- *    32    4 coll, dtype, op, algo (one byte each)   } fingerprint
- *    36    4 root                                    }
- *    40    8 count                                   }
- *    48    8 payload length
+ * Wire format of every message: a 56-byte header followed by `len` payload
+ * bytes.  The header's layout, its encoding and the checks that need nothing
+ * but the header are in wire.h / wire.c.
  *
  * Sends are written zero-copy from the caller's buffer: the calling thread
  * writes what the socket accepts right away, the progress thread writes the
@@ -26,8 +14,9 @@
  * "unexpected" buffer that the receive copies from later.
  *
  * Every received header is validated before anything is done with it: the
- * magic, the type, the length (bounded), the endpoint membership of the
- * sender, the sequence number (not from the past) and the fingerprint.
+ * magic, the type, the length (bounded), the kind and fingerprint ranges
+ * (chorus__wire_check), then the endpoint membership of the sender, the
+ * sequence number (not from the past) and the fingerprint.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -43,37 +32,34 @@
 #include <unistd.h>
 
 #include "transport/transport.h"
+#include "transport/wire.h"
 #include "util/clock.h"
 #include "util/env.h"
 #include "util/net.h"
 #include "util/util.h"
 
-#define HDR_SIZE 56
-#define MSG_MAGIC 0x4d524843u   /* "CHRM" */
+/* Short names for wire.h's header constants. */
+#define HDR_SIZE CHORUS__WIRE_HDR_SIZE
+#define MSG_MAGIC CHORUS__WIRE_MAGIC
+#define MAX_ABORT_TEXT CHORUS__WIRE_MAX_ABORT_TEXT
+enum {
+  T_DATA = CHORUS__WIRE_DATA,
+  T_ABORT = CHORUS__WIRE_ABORT,
+  T_BYE = CHORUS__WIRE_BYE,
+  T_PING = CHORUS__WIRE_PING
+};
+typedef chorus__wire_hdr_t hdr_t;
+
 #define HS_ACCEPT 0x41524843u   /* "CHRA" */
 #define HS_CONNECT 0x43524843u  /* "CHRC" */
 #define HS_OK 0x4b524843u       /* "CHRK" */
 #define HS_VERSION 1u
-#define MAX_PAYLOAD ((uint64_t)1 << 40)
-#define MAX_ABORT_TEXT 4096u
 #define DISCARD_BUF 65536
-
-enum { T_DATA = 1, T_ABORT = 2, T_BYE = 3, T_PING = 4 };
 
 /* Every live connection carries a heartbeat at least this often, so a
  * timeout can tell a silent (stopped, hung) rank from one that is merely
  * waiting for someone else. */
 #define HEARTBEAT_MS 250
-
-typedef struct hdr {
-  uint32_t magic;
-  uint16_t type, kind;
-  uint64_t ep_id, seq;
-  uint32_t step;
-  int32_t tag;
-  chorus__fp_t fp;
-  uint64_t len;
-} hdr_t;
 
 /* A message waiting to be written (or being written) on a connection. */
 typedef struct txitem {
@@ -157,46 +143,12 @@ struct chorus__tp {
 
 /* ------------------------------------------------------------ encoding */
 
-static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
-static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
-static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
-static uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
-static void hdr_encode(const hdr_t *h, uint8_t *p) {
-  put32(p + 0, h->magic);
-  put16(p + 4, h->type);
-  put16(p + 6, h->kind);
-  put64(p + 8, h->ep_id);
-  put64(p + 16, h->seq);
-  put32(p + 24, h->step);
-  put32(p + 28, (uint32_t)h->tag);
-  p[32] = h->fp.coll;
-  p[33] = h->fp.dtype;
-  p[34] = h->fp.op;
-  p[35] = h->fp.algo;
-  put32(p + 36, (uint32_t)h->fp.root);
-  put64(p + 40, h->fp.count);
-  put64(p + 48, h->len);
-}
-
-static void hdr_decode(const uint8_t *p, hdr_t *h) {
-  h->magic = get32(p + 0);
-  h->type = get16(p + 4);
-  h->kind = get16(p + 6);
-  h->ep_id = get64(p + 8);
-  h->seq = get64(p + 16);
-  h->step = get32(p + 24);
-  h->tag = (int32_t)get32(p + 28);
-  h->fp.coll = p[32];
-  h->fp.dtype = p[33];
-  h->fp.op = p[34];
-  h->fp.algo = p[35];
-  h->fp.root = (int32_t)get32(p + 36);
-  h->fp.count = get64(p + 40);
-  h->len = get64(p + 48);
-}
+/* The message header is encoded by wire.c; the handshake below uses the same
+ * little-endian helpers. */
+static void put32(uint8_t *p, uint32_t v) { chorus__wire_put32(p, v); }
+static void put64(uint8_t *p, uint64_t v) { chorus__wire_put64(p, v); }
+static uint32_t get32(const uint8_t *p) { return chorus__wire_get32(p); }
+static uint64_t get64(const uint8_t *p) { return chorus__wire_get64(p); }
 
 int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
   return a->coll == b->coll && a->dtype == b->dtype && a->op == b->op &&
@@ -226,7 +178,7 @@ static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
   }
   hdr_t h = {.magic = MSG_MAGIC, .type = (uint16_t)type, .ep_id = ep_id, .tag = -1, .len = len};
   h.fp.root = -1;
-  hdr_encode(&h, it->hdr);
+  chorus__wire_encode(&h, it->hdr);
   it->payload = it->owned;
   it->len = len;
   queue_tx(tp, c, it);
@@ -537,19 +489,18 @@ static void unlink_unexp(chorus__tp_t *tp, unexp_t *u) {
 /* A complete header arrived on c: decide where its payload goes. */
 static void on_header(chorus__tp_t *tp, conn_t *c) {
   hdr_t *h = &c->h;
-  hdr_decode(c->hbuf, h);
+  chorus__wire_decode(c->hbuf, h);
   c->dst = NULL;
   c->rx_req = NULL;
   c->rx_unexp = NULL;
   c->rx_abort = NULL;
-  if (h->magic != MSG_MAGIC) return protocol_error(tp, c, "bad magic");
-  if (h->len > MAX_PAYLOAD) return protocol_error(tp, c, "payload length out of range");
+  /* Magic, type, length bounds, kind and fingerprint ranges. */
+  const char *bad = chorus__wire_check(h);
+  if (bad) return protocol_error(tp, c, bad);
   switch (h->type) {
     case T_PING:
-      if (h->len) return protocol_error(tp, c, "heartbeat with payload");
       break;
     case T_BYE:
-      if (h->len) return protocol_error(tp, c, "goodbye with payload");
       c->bye_received = 1;
       /* Nothing more will come from it: receives still waiting for it fail. */
       for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
@@ -569,16 +520,11 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
       wake_all(tp);
       break;
     case T_ABORT:
-      if (h->len > MAX_ABORT_TEXT) return protocol_error(tp, c, "abort text too long");
       c->rx_abort = calloc(1, h->len + 1);
       c->rx_abort_len = h->len;
       c->dst = c->rx_abort;
       break;
     case T_DATA: {
-      if (h->kind != CHORUS__KIND_COLL && h->kind != CHORUS__KIND_P2P)
-        return protocol_error(tp, c, "unknown message kind");
-      if (h->fp.coll >= CHORUS_COLL_COUNT || h->fp.dtype >= CHORUS_DTYPE_COUNT)
-        return protocol_error(tp, c, "fingerprint out of range");
       chorus__ep_t *ep = find_ep(tp, h->ep_id);
       if (ep) {
         int g = ep->w2g[c->rank];
@@ -606,7 +552,7 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
       c->dst = c->rx_unexp->buf;
       break;
     }
-    default:
+    default: /* rejected by chorus__wire_check */
       return protocol_error(tp, c, "unknown message type");
   }
 payload:
@@ -877,7 +823,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
                .seq = req->seq, .step = req->step, .tag = req->tag, .len = req->len};
     h.fp = ep->cur_fp;
     if (req->kind == CHORUS__KIND_P2P) h.fp = req->fp; /* its own description */
-    hdr_encode(&h, it->hdr);
+    chorus__wire_encode(&h, it->hdr);
     it->payload = req->buf;
     it->len = req->len;
     it->req = req;
@@ -926,7 +872,20 @@ out:
   return st;
 }
 
+static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms,
+                               int fatal);
+
 chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms) {
+  return ep_wait(ep, reqs, n, timeout_ms, 1);
+}
+
+chorus_result_t chorus__ep_wait_soft(chorus__ep_t *ep, chorus__req_t **reqs, int n,
+                                     int timeout_ms) {
+  return ep_wait(ep, reqs, n, timeout_ms, 0);
+}
+
+static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms,
+                               int fatal) {
   chorus__tp_t *tp = ep->tp;
   int64_t deadline = chorus__deadline_ms(timeout_ms);
   pthread_mutex_lock(&tp->lock);
@@ -936,6 +895,10 @@ chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, i
     for (int i = 0; i < n && all; i++)
       if (reqs[i] && !reqs[i]->done) all = 0;
     if (all) break;
+    if (chorus__ms_left(deadline) == 0 && !fatal) {
+      pthread_mutex_unlock(&tp->lock);
+      return CHORUS_INPROGRESS;
+    }
     if (chorus__ms_left(deadline) == 0) {
       char who[512];
       size_t off = 0;

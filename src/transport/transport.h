@@ -124,6 +124,11 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req);
 chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n,
                                 int timeout_ms);
 
+/* Same, but when timeout_ms passes it returns CHORUS_INPROGRESS and leaves
+ * the endpoint alone (for polling a work handle; timeout_ms >= 0). */
+chorus_result_t chorus__ep_wait_soft(chorus__ep_t *ep, chorus__req_t **reqs, int n,
+                                     int timeout_ms);
+
 /* Fails the endpoint (first failure wins): records code and message, fails
  * pending requests, wakes waiters and, if notify_peers, sends ABORT with the
  * message to every member.  Safe from any thread. */

@@ -8,8 +8,10 @@
  *                           are never mixed)
  *   mixed                   a stdout line, a stderr line, a 100000-byte line,
  *                           then a last line without newline
- *   exit R CODE [sleep]     rank R prints a line and exits with CODE; the
- *                           others exit 0 (or sleep forever with "sleep")
+ *   exit R CODE [sleep|sleep-ignore-term]
+ *                           rank R prints a line and exits with CODE; the
+ *                           others exit 0 (or sleep forever, possibly
+ *                           ignoring SIGTERM)
  *   signal R SIG            rank R kills itself with signal SIG; the others
  *                           sleep forever
  *   sleep                   sleep forever
@@ -181,7 +183,8 @@ int main(int argc, char **argv) {
       put(2, "rank%d exiting with code %s\n", g_rank, argv[3]);
       return atoi(argv[3]);
     }
-    if (argc >= 5 && !strcmp(argv[4], "sleep")) sleep_forever();
+    if (argc >= 5 && !strcmp(argv[4], "sleep-ignore-term")) signal(SIGTERM, SIG_IGN);
+    if (argc >= 5) sleep_forever();
     return 0;
   }
   if (!strcmp(mode, "signal") && argc >= 4) {

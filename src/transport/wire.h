@@ -1,0 +1,100 @@
+/*
+ * wire.h - the message header of the TCP transport: its byte layout, its
+ * encoding and decoding, and the checks every received header must pass
+ * before the transport acts on it.  Pure code (no I/O, no state), shared by
+ * tcp.c and tests/unit/test_wire.c.
+ *
+ * Wire format of every message: a 56-byte header followed by `len` payload
+ * bytes.  Every field is little-endian, whatever the host.
+ *
+ *   off size field
+ *     0    4 magic "CHRM" (0x4d524843)
+ *     4    2 type    DATA=1, ABORT=2, BYE=3, PING=4
+ *     6    2 kind    COLL=1, P2P=2 (CHORUS__KIND_*; DATA only)
+ *     8    8 endpoint id
+ *    16    8 sequence number of the collective (0 for p2p)
+ *    24    4 step within the collective
+ *    28    4 p2p tag (-1 for collectives)
+ *    32    4 coll, dtype, op, algo (one byte each)   } fingerprint
+ *    36    4 root                                    } (chorus__fp_t)
+ *    40    8 count                                   }
+ *    48    8 payload length
+ *
+ * Types: DATA carries a collective's or p2p message's bytes; ABORT carries
+ * the failure text of an endpoint (at most CHORUS__WIRE_MAX_ABORT_TEXT
+ * bytes, not NUL-terminated); BYE (goodbye: the sender destroyed its last
+ * endpoint, nothing more will come) and PING (heartbeat) carry nothing.
+ */
+#ifndef CHORUS_TRANSPORT_WIRE_H
+#define CHORUS_TRANSPORT_WIRE_H
+
+#include <stdint.h>
+
+#include "transport/transport.h"
+
+#define CHORUS__WIRE_HDR_SIZE 56
+#define CHORUS__WIRE_MAGIC 0x4d524843u /* "CHRM" */
+#define CHORUS__WIRE_MAX_PAYLOAD ((uint64_t)1 << 40)
+#define CHORUS__WIRE_MAX_ABORT_TEXT 4096u
+
+enum {
+  CHORUS__WIRE_DATA = 1,
+  CHORUS__WIRE_ABORT = 2,
+  CHORUS__WIRE_BYE = 3,
+  CHORUS__WIRE_PING = 4
+};
+
+/* A decoded header, one member per field above. */
+typedef struct chorus__wire_hdr {
+  uint32_t magic;
+  uint16_t type, kind;
+  uint64_t ep_id, seq;
+  uint32_t step;
+  int32_t tag;
+  chorus__fp_t fp;
+  uint64_t len;
+} chorus__wire_hdr_t;
+
+/* Little-endian stores and loads of unaligned fields. */
+static inline void chorus__wire_put16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+static inline void chorus__wire_put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void chorus__wire_put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t chorus__wire_get16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (unsigned)p[1] << 8);
+}
+static inline uint32_t chorus__wire_get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; i--) v = v << 8 | p[i];
+  return v;
+}
+static inline uint64_t chorus__wire_get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+  return v;
+}
+
+/* Writes h into the CHORUS__WIRE_HDR_SIZE bytes at p.  Can't fail. */
+void chorus__wire_encode(const chorus__wire_hdr_t *h, uint8_t *p);
+
+/* Reads the CHORUS__WIRE_HDR_SIZE bytes at p into h (every field, whatever
+ * the bytes are: nothing is checked here).  Can't fail. */
+void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h);
+
+/* The checks that need nothing but the header itself: NULL if h is
+ * acceptable, otherwise a static string saying what is wrong ("bad magic",
+ * "payload length out of range", "heartbeat with payload", "goodbye with
+ * payload", "abort text too long", "unknown message kind", "fingerprint out
+ * of range", "unknown message type").  A header that fails them is a
+ * protocol violation: the transport closes the connection.  The checks that
+ * need state (is the sender a member of the endpoint, is the call the one
+ * this rank executes) are tcp.c's. */
+const char *chorus__wire_check(const chorus__wire_hdr_t *h);
+
+#endif
