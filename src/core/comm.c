@@ -227,9 +227,9 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   }
   st = chorus_store_connect(cfg->store_host, port, secret, timeout_ms, &ctx->store);
   if (st != CHORUS_OK) {
-    init_fail(st, "chorus rank %d/%d: cannot reach the store at %s:%d within %d ms; is rank 0 "
-              "(or chorusrun) running and MASTER_ADDR/MASTER_PORT right?", rank, size,
-              cfg->store_host, port, timeout_ms);
+    init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s (is rank 0 or chorusrun "
+              "running, are MASTER_ADDR/MASTER_PORT and the job secret right?)", rank, size,
+              cfg->store_host, port, chorus__store_connect_error());
     goto fail;
   }
   /* The world id: fresh per world, so stale peers cannot join. */

@@ -131,7 +131,7 @@ struct chorus__tp {
   int epfd, evfd;
   pthread_t thread;
   int thread_started;
-  volatile int stopping;
+  int stopping; /* atomic */
   pthread_mutex_t lock;
   pthread_cond_t cond;
   chorus__ep_t *eps;
@@ -647,7 +647,7 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
 static void *progress_main(void *arg) {
   chorus__tp_t *tp = arg;
   struct epoll_event evs[64];
-  while (!tp->stopping) {
+  while (!__atomic_load_n(&tp->stopping, __ATOMIC_ACQUIRE)) {
     int n = epoll_wait(tp->epfd, evs, 64, HEARTBEAT_MS / 2);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -1228,7 +1228,7 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
     struct timespec ts = chorus__deadline_timespec(bye_deadline);
     pthread_cond_timedwait(&tp->cond, &tp->lock, &ts);
   }
-  tp->stopping = 1;
+  __atomic_store_n(&tp->stopping, 1, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&tp->lock);
   uint64_t one = 1;
   (void)!write(tp->evfd, &one, sizeof one);

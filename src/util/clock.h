@@ -32,8 +32,9 @@ static inline int chorus__ms_left(int64_t deadline) {
   return ms > 0x3fffffff ? 0x3fffffff : (int)ms;
 }
 
-/* Absolute CLOCK_REALTIME timespec for pthread_cond_timedwait on a condvar
- * created with CLOCK_MONOTONIC (chorus__cond_init_monotonic). */
+/* The deadline as an absolute CLOCK_MONOTONIC timespec, for
+ * pthread_cond_timedwait on a condvar created with chorus__cond_init_monotonic
+ * (no deadline: an hour from now; callers loop). */
 static inline struct timespec chorus__deadline_timespec(int64_t deadline) {
   struct timespec ts;
   if (deadline == CHORUS__NO_DEADLINE) deadline = chorus__now_ns() + (int64_t)3600 * 1000000000;

@@ -22,7 +22,7 @@ unsigned chorus__log_mask = CHORUS__SUB_ALL;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static int g_fd = 2;
 static char g_host[64] = "?";
-static volatile int g_rank = -1, g_size = -1;
+static int g_rank = -1, g_size = -1; /* accessed atomically */
 
 static const struct {
   const char *name;
@@ -60,7 +60,7 @@ static void expand_path(const char *pat, char *out, size_t cap) {
       p++;
       if (*p == 'h') snprintf(tmp, sizeof tmp, "%s", g_host);
       else if (*p == 'p') snprintf(tmp, sizeof tmp, "%d", (int)getpid());
-      else if (*p == 'r') snprintf(tmp, sizeof tmp, "%d", g_rank);
+      else if (*p == 'r') snprintf(tmp, sizeof tmp, "%d", __atomic_load_n(&g_rank, __ATOMIC_ACQUIRE));
       else snprintf(tmp, sizeof tmp, "%%%c", *p);
       o += (size_t)snprintf(out + o, cap - o, "%s", tmp);
       if (o >= cap) o = cap - 1;
@@ -99,8 +99,8 @@ static void log_init_once(void) {
 void chorus__log_init(void) { pthread_once(&g_once, log_init_once); }
 
 void chorus__log_set_identity(int rank, int size) {
-  g_rank = rank;
-  g_size = size;
+  __atomic_store_n(&g_size, size, __ATOMIC_RELAXED);
+  __atomic_store_n(&g_rank, rank, __ATOMIC_RELEASE);
 }
 
 void chorus__log(int level, unsigned sub, const char *file, int line,
@@ -108,9 +108,11 @@ void chorus__log(int level, unsigned sub, const char *file, int line,
   static const char *names[] = {"NONE", "WARN", "INFO", "DEBUG", "TRACE"};
   char buf[2048];
   int n;
-  if (g_rank >= 0)
+  int rank = __atomic_load_n(&g_rank, __ATOMIC_ACQUIRE);
+  int size = __atomic_load_n(&g_size, __ATOMIC_RELAXED);
+  if (rank >= 0)
     n = snprintf(buf, sizeof buf, "%s:%d %d/%d [%s] %s ", g_host, (int)getpid(),
-                 g_rank, g_size, sub_name(sub), names[level]);
+                 rank, size, sub_name(sub), names[level]);
   else
     n = snprintf(buf, sizeof buf, "%s:%d [%s] %s ", g_host, (int)getpid(),
                  sub_name(sub), names[level]);

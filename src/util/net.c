@@ -148,7 +148,7 @@ int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_
         rc != -ETIMEDOUT && rc != -ECONNRESET && rc != -EAGAIN)
       return rc;
     int left = chorus__ms_left(deadline);
-    if (left == 0) return rc == -ETIMEDOUT ? rc : rc;
+    if (left == 0) return rc;
     struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)(left < retry_ms ? left : retry_ms) * 1000000};
     nanosleep(&ts, NULL);
     if (chorus__ms_left(deadline) == 0) return rc;

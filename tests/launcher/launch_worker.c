@@ -180,6 +180,9 @@ int main(int argc, char **argv) {
   }
   if (!strcmp(mode, "exit") && argc >= 4) {
     if (g_rank == atoi(argv[2])) {
+      /* Give the other ranks time to set up (ignore SIGTERM) first, so the
+       * launcher's grace period is really exercised even on a loaded box. */
+      if (argc >= 5) usleep(300 * 1000);
       put(2, "rank%d exiting with code %s\n", g_rank, argv[3]);
       return atoi(argv[3]);
     }

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what building and testing chorus needs on Debian 12, if missing.
+# Safe to run repeatedly; does nothing when everything is present.
+set -euo pipefail
+need=()
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+command -v make >/dev/null 2>&1 || need+=(make)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v pgrep >/dev/null 2>&1 || need+=(procps)
+if ((${#need[@]})); then
+  echo "deps: installing ${need[*]}"
+  sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (README's second command):
+#   1. a release build with warnings as errors, all CTest tests;
+#   2. an ASan+UBSan build (LeakSanitizer included), all tests again.
+# Set CHORUS_SKIP_SANITIZERS=1 to run only the first pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+jobs=$(nproc)
+
+echo "== build (release, -Werror)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCHORUS_WERROR=ON >/dev/null
+cmake --build build -j"$jobs" >/dev/null
+echo "== tests (release)"
+ctest --test-dir build --output-on-failure -j"$jobs"
+
+if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
+  echo "== build (ASan + UBSan)"
+  CHORUS_TEST_TIMEOUT_MULTIPLIER=3 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \
+    -DCHORUS_SANITIZE=address -DCHORUS_WERROR=ON >/dev/null
+  cmake --build build-asan -j"$jobs" >/dev/null
+  echo "== tests (ASan + UBSan)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan --output-on-failure -j"$jobs"
+fi
+leftover=$(ls /dev/shm 2>/dev/null | grep -i chorus || true)
+if [[ -n "$leftover" ]]; then
+  echo "test.sh: /dev/shm segments left behind: $leftover" >&2
+  exit 1
+fi
+echo "test.sh: all passes green"
