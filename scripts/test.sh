@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (README's second command):
 #   1. a release build with warnings as errors, all CTest tests;
-#   2. an ASan+UBSan build (LeakSanitizer included), all tests again.
+#   2. an ASan+UBSan build (LeakSanitizer included), all tests again;
+#   3. a TSan build, all tests but the launcher's shell test.
 # Set CHORUS_SKIP_SANITIZERS=1 to run only the first pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,14 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
   echo "== tests (ASan + UBSan)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+  echo "== build (TSan)"
+  CHORUS_TEST_TIMEOUT_MULTIPLIER=4 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
+    -DCHORUS_SANITIZE=thread -DCHORUS_WERROR=ON >/dev/null
+  cmake --build build-tsan -j"$jobs" >/dev/null
+  echo "== tests (TSan)"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E '^launcher\.'
 fi
 leftover=$(ls /dev/shm 2>/dev/null | grep -i chorus || true)
 if [[ -n "$leftover" ]]; then
