@@ -211,11 +211,12 @@ CHORUS_API const char *chorus_last_init_error(void);
 
 /*
  * Destroys a communicator.  Waits for its queued work to finish (bounded by
- * the timeout), then releases everything.  For the world communicator this
- * also closes the connections: it says goodbye to every peer and waits a
- * bounded time for theirs, so peers still finishing their last collective do
- * not see a failure.  Subgroups must be destroyed before their world
- * communicator; destroying the world first fails them.  comm may be NULL.
+ * the timeout), then releases everything.  Work handles of this communicator
+ * must be freed first.  Subgroups share their world's connections, which are
+ * closed when the last communicator using them (world or subgroup, in any
+ * order) is destroyed: chorus then says goodbye to every peer and waits a
+ * bounded time (CHORUS_BYE_TIMEOUT_MS) for theirs, so peers still finishing
+ * their last collective do not see a failure.  comm may be NULL.
  */
 CHORUS_API chorus_result_t chorus_comm_destroy(chorus_comm_t comm);
 
@@ -294,8 +295,9 @@ CHORUS_API const char *chorus_work_error(chorus_work_t work);
 
 /*
  * Releases the handle.  Freeing a handle does not cancel the operation: the
- * buffers it names must stay valid until it completes (wait first).
- * work may be NULL.
+ * buffers it names must stay valid until it completes (wait first).  For a
+ * pending send/recv, free waits for it to complete (bounded by the timeout,
+ * which then fails the communicator).  work may be NULL.
  */
 CHORUS_API void chorus_work_free(chorus_work_t work);
 

@@ -267,6 +267,7 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
   if (op != CHORUS_OP_COUNT && !chorus__reduce_supported(dtype, op)) {
     bad(comm, name, "reduce op %s is not defined for %s (bitwise ops need integer dtypes)",
         chorus_op_name(op), chorus_dtype_name(dtype));
+    *st = op >= 0 && op < CHORUS_OP_COUNT ? CHORUS_ERR_NOT_SUPPORTED : CHORUS_ERR_INVALID_ARG;
     return NULL;
   }
   if (root != -1 && (root < 0 || root >= comm->size)) {
@@ -449,7 +450,10 @@ chorus_result_t chorus_all_to_allv(chorus_comm_t comm, const void *sendbuf,
     if ((sendcounts[r] && !sendbuf) || (recvcounts[r] && !recvbuf))
       return bad(comm, name, "buffer is NULL but counts for rank %d are not zero", r);
   }
-  if (sendbuf && sendbuf == recvbuf) return bad(comm, name, "in-place all_to_allv is not supported");
+  if (sendbuf && sendbuf == recvbuf) {
+    bad(comm, name, "in-place all_to_allv is not supported");
+    return CHORUS_ERR_NOT_SUPPORTED;
+  }
   MAKE(w, CHORUS_COLL_ALL_TO_ALLV, sendbuf, recvbuf, CHORUS_OP_COUNT, -1);
   size_t n = (size_t)comm->size;
   w->c.scounts = malloc(sizeof(size_t) * n * 4);

@@ -82,9 +82,16 @@ static chorus_result_t apply_env_algos(chorus_comm_t comm) {
     if (!v || !*v || !strcasecmp(v, "auto")) continue;
     int idx = chorus__algo_find((chorus_coll_t)k, v);
     if (idx < 0)
+    {
+      char upper[64];
+      size_t i = 0;
+      for (const char *p = chorus_coll_name((chorus_coll_t)k); *p && i + 1 < sizeof upper; p++)
+        upper[i++] = (char)(*p >= 'a' && *p <= 'z' ? *p - 'a' + 'A' : *p);
+      upper[i] = '\0';
       return init_fail(CHORUS_ERR_INVALID_ARG, "chorus: CHORUS_%s_ALGO='%s' is not an algorithm "
-                       "of %s (see docs/algorithms.md)", chorus_coll_name((chorus_coll_t)k), v,
+                       "of %s (see docs/algorithms.md)", upper, v,
                        chorus_coll_name((chorus_coll_t)k));
+    }
     comm->forced_algo[k] = idx;
   }
   if (env->ALGO && *env->ALGO) {
@@ -347,7 +354,7 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
     int rc = env_int(required[i], fields[i], 1);
     if (rc == -1)
       return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s is not set; launch "
-                       "with chorusrun (or torchrun/srun/mpirun) or set RANK, WORLD_SIZE, "
+                       "with chorusrun (or torchrun) or set RANK, WORLD_SIZE, "
                        "MASTER_ADDR and MASTER_PORT", required[i]);
     if (rc == -2)
       return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s='%s' is not a "

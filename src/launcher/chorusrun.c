@@ -469,7 +469,7 @@ static void usage(FILE *f) {
       "\n"
       "Exit status: 0 if every worker succeeded; else the first failing\n"
       "worker's exit code (128+N if it was killed by signal N); 128+N when\n"
-      "chorusrun itself got signal N (SIGINT, SIGTERM or SIGHUP, forwarded to\n"
+      "chorusrun itself got signal N (SIGINT, SIGTERM, SIGHUP or SIGQUIT, forwarded to\n"
       "the workers); 2 for usage errors; 127 if the program is not found;\n"
       "1 for other errors.\n",
       f);

@@ -1,7 +1,7 @@
 /*
  * rendezvous.c - see rendezvous.h.  Values are small strings (addresses,
- * ids); the store's wait() is used first so a missing rank is named in the
- * error instead of surfacing as an anonymous timeout.
+ * ids); each rank's key is fetched in turn with a blocking get, so a rank
+ * that never shows up is named in the error.
  */
 #include "store/rendezvous.h"
 

@@ -289,7 +289,9 @@ static void peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
     snprintf(buf, cap, "rank %d (world rank %d, %s)", g, world, ep->tp->conns[world].addr);
 }
 
-static const char *ep_doing(chorus__ep_t *ep) { return ep->name[0] ? ep->name : "no collective"; }
+static const char *ep_doing(chorus__ep_t *ep) {
+  return ep->name[0] ? ep->name : "communication outside any collective (send/recv)";
+}
 
 /* A peer's connection ended.  Members of every endpoint containing it fail,
  * unless it said goodbye first and nothing is pending with it. */

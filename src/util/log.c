@@ -20,7 +20,7 @@ int chorus__log_level = CHORUS__LOG_WARN;
 unsigned chorus__log_mask = CHORUS__SUB_ALL;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static int g_fd = 2;
+static int g_fd = 2; /* accessed atomically */
 static char g_host[64] = "?";
 static int g_rank = -1, g_size = -1; /* accessed atomically */
 
@@ -71,6 +71,13 @@ static void expand_path(const char *pat, char *out, size_t cap) {
   out[o] = '\0';
 }
 
+static void open_log_file(void) {
+  char path[512];
+  expand_path(chorus__env()->LOG_FILE, path, sizeof path);
+  int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd >= 0) __atomic_store_n(&g_fd, fd, __ATOMIC_RELEASE);
+}
+
 static void log_init_once(void) {
   const chorus__env_t *env = chorus__env();
   gethostname(g_host, sizeof g_host - 1);
@@ -81,26 +88,26 @@ static void log_init_once(void) {
   else if (!strcasecmp(lv, "TRACE")) chorus__log_level = CHORUS__LOG_TRACE;
   else chorus__log_level = CHORUS__LOG_WARN;
   chorus__log_mask = parse_mask(env->LOG_SUBSYS);
-  if (env->LOG_FILE && *env->LOG_FILE) {
-    char path[512];
-    expand_path(env->LOG_FILE, path, sizeof path);
-    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd >= 0) g_fd = fd;
-  }
+  /* A file name with %r waits for the rank (chorus__log_set_identity);
+   * until then lines go to stderr. */
+  if (env->LOG_FILE && *env->LOG_FILE && !strstr(env->LOG_FILE, "%r")) open_log_file();
   const char *errs = chorus__env_errors();
   if (*errs && chorus__log_level >= CHORUS__LOG_WARN) {
     char line[2300];
     int n = snprintf(line, sizeof line, "%s:%d chorus WARN %s\n", g_host,
                      (int)getpid(), errs);
-    if (n > 0) (void)!write(g_fd, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+    if (n > 0) (void)!write(__atomic_load_n(&g_fd, __ATOMIC_ACQUIRE), line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
   }
 }
 
 void chorus__log_init(void) { pthread_once(&g_once, log_init_once); }
 
 void chorus__log_set_identity(int rank, int size) {
+  chorus__log_init();
   __atomic_store_n(&g_size, size, __ATOMIC_RELAXED);
-  __atomic_store_n(&g_rank, rank, __ATOMIC_RELEASE);
+  int old = __atomic_exchange_n(&g_rank, rank, __ATOMIC_ACQ_REL);
+  const char *file = chorus__env()->LOG_FILE;
+  if (old < 0 && file && strstr(file, "%r")) open_log_file();
 }
 
 void chorus__log(int level, unsigned sub, const char *file, int line,
@@ -131,5 +138,5 @@ void chorus__log(int level, unsigned sub, const char *file, int line,
     if (len > sizeof buf - 2) len = sizeof buf - 2;
   }
   buf[len++] = '\n';
-  (void)!write(g_fd, buf, len);
+  (void)!write(__atomic_load_n(&g_fd, __ATOMIC_ACQUIRE), buf, len);
 }

@@ -243,7 +243,7 @@ TEST(overlapping_subgroups_concurrently) {
 TEST(invalid_arguments_are_rejected) {
   float x = 0;
   ASSERT_EQ(chorus_all_reduce(g_comm, &x, &x, 1, CHORUS_FLOAT32, CHORUS_BAND, NULL),
-            CHORUS_ERR_INVALID_ARG);
+            CHORUS_ERR_NOT_SUPPORTED);
   ASSERT_CONTAINS(chorus_comm_last_error(g_comm), "bitwise");
   ASSERT_EQ(chorus_broadcast(g_comm, &x, 1, CHORUS_FLOAT32, g_size, NULL), CHORUS_ERR_INVALID_ARG);
   ASSERT_EQ(chorus_all_reduce(g_comm, NULL, &x, 1, CHORUS_FLOAT32, CHORUS_SUM, NULL),
