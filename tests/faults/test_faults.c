@@ -439,6 +439,49 @@ static int start_store(void) {
   return port;
 }
 
+/* A stranger connects to a rank's data port while it waits for its peers
+ * to connect, sends garbage (or nothing) and goes away: the rank rejects it
+ * and the job forms normally. */
+static void late_rank(int rank, int n) {
+  if (rank == 1) usleep(600 * 1000); /* rank 0 is accepting meanwhile */
+  busy_rank(rank, n);
+}
+
+TEST(stranger_on_data_port) {
+  spawn(2, late_rank);
+  chorus_store_t *store = NULL;
+  ASSERT_EQ(chorus_store_connect("127.0.0.1", g_port, "fault-test-secret", 5000, &store), CHORUS_OK);
+  char key[64];
+  snprintf(key, sizeof key, "s%d/addr/0", g_scenario);
+  void *val = NULL;
+  size_t len = 0;
+  ASSERT_EQ(chorus_store_get(store, key, &val, &len), CHORUS_OK);
+  char host[64] = "";
+  int port = 0;
+  ASSERT_EQ(sscanf((char *)val, "%63s %d", host, &port), 2);
+  chorus_free(val);
+  chorus_store_close(store);
+  for (int k = 0; k < 3; k++) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, host, &sa.sin_addr);
+    ASSERT_EQ(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    if (k < 2) {
+      char junk[64];
+      memset(junk, k ? 0xff : 'A', sizeof junk);
+      (void)!send(fd, junk, sizeof junk, MSG_NOSIGNAL);
+      usleep(20 * 1000);
+    }
+    close(fd);
+  }
+  rep_t reps[MAXR] = {0};
+  ASSERT_EQ(collect(0x3, reps, 20000), 2);
+  for (int r = 0; r < 2; r++) {
+    if (reps[r].status != CHORUS_OK) printf("  rank %d: %s\n", r, reps[r].msg);
+    ASSERT_EQ(reps[r].status, CHORUS_OK);
+  }
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   atexit(kill_all);
@@ -459,5 +502,6 @@ int main(void) {
   RUN_SCENARIO(abort_from_other_thread);
   RUN_SCENARIO(peer_left_early);
   RUN_SCENARIO(stranger_on_store);
+  RUN_SCENARIO(stranger_on_data_port);
   return HARNESS_DONE();
 }
