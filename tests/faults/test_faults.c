@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -41,6 +42,12 @@ static int g_n;
 static int g_scenario;
 static char g_bufs[MAXR][4096];
 static size_t g_lens[MAXR];
+
+/* Children die with the driver, even if it is SIGKILLed (CTest timeout). */
+static void die_with_parent(pid_t parent) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(1);
+}
 
 static double now_ms(void) {
   struct timespec ts;
@@ -103,8 +110,10 @@ static void spawn(int n, scenario_fn fn) {
   for (int r = 0; r < n; r++) {
     int p[2];
     if (pipe(p) < 0) abort();
+    pid_t self = getpid();
     pid_t pid = fork();
     if (pid == 0) {
+      die_with_parent(self);
       close(p[0]);
       g_wfd = p[1];
       fn(r, n);
@@ -421,8 +430,10 @@ static void stop_store(void) {
 static int start_store(void) {
   int p[2];
   if (pipe(p) < 0) return -1;
+  pid_t self = getpid();
   g_store_pid = fork();
   if (g_store_pid == 0) {
+    die_with_parent(self);
     close(p[0]);
     chorus_store_server_t *srv;
     int port = -1;
