@@ -280,10 +280,13 @@ CHORUS_API const char *chorus_algo_name(chorus_coll_t coll, int idx);
 /* ------------------------------------------------------------ work handles */
 
 /*
- * Waits until the operation completes, fails, or timeout_ms elapses
- * (timeout_ms < 0: the communicator's timeout).  Returns the operation's
- * result, or CHORUS_INPROGRESS if timeout_ms elapsed first (the operation
- * continues).  Callable from any thread.
+ * Waits until the operation completes, fails, or timeout_ms elapses.
+ * Returns the operation's result, or CHORUS_INPROGRESS if timeout_ms >= 0
+ * elapsed first (the operation continues).  timeout_ms < 0 waits for the
+ * outcome, which cannot take forever: every wait inside an operation is
+ * bounded by the communicator's timeout and fails the communicator when it
+ * passes (a queued operation may wait for the ones before it).  Callable
+ * from any thread.
  */
 CHORUS_API chorus_result_t chorus_work_wait(chorus_work_t work, int timeout_ms);
 

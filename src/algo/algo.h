@@ -8,8 +8,9 @@
  * through the transport endpoint and waits for them; every wait is bounded by
  * the communicator's timeout, and any failure of the endpoint (peer died,
  * mismatch, abort) makes the wait return the error at once.  Algorithms send
- * the same messages whatever the count (zero-length ones included), so a
- * mismatched call is always seen by some receiver.
+ * the same messages whatever the count (zero-length ones included); the core
+ * adds a fingerprint exchange with the ring neighbours to every collective,
+ * so a mismatched call is always seen by some receiver.
  *
  * Steps: every message of one collective has a step number, unique per
  * (sender, receiver) pair within that collective; (sequence number, step)

@@ -60,7 +60,7 @@ static chorus_result_t reduce_binomial(chorus__coll_t *c, const void *send, void
   int n = c->size, v = chorus__tree_rel(c->rank, root, n);
   size_t bytes = c->count * c->esize;
   chorus_result_t st = CHORUS_OK;
-  char *acc = c->rank == root ? recv : chorus__scratch(c, bytes);
+  char *acc = c->rank == root && recv ? recv : chorus__scratch(c, bytes);
   char *tmp = chorus__scratch(c, bytes);
   if (!acc || !tmp) {
     st = CHORUS_ERR_NO_MEMORY;

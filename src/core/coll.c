@@ -18,18 +18,41 @@
 
 /* ----------------------------------------------------------- execution */
 
-/* CHORUS_DEBUG_CHECKS: every rank sends its call's fingerprint to its right
- * neighbour.  The transport compares the header with this rank's own call,
- * so if any two ranks differ, some neighbour pair differs and fails (and
- * tells everyone), even for calls that would move no data. */
-static chorus_result_t debug_check(chorus__coll_t *c, const chorus__fp_t *fp) {
-  if (c->size < 2) return CHORUS_OK;
-  chorus__fp_t theirs;
-  chorus_result_t st = chorus__xchg(c, (c->rank + 1) % c->size, fp, sizeof *fp,
-                                    (c->rank + c->size - 1) % c->size, &theirs, sizeof theirs,
-                                    DEBUG_CHECK_STEP);
-  if (st == CHORUS_OK && !chorus__fp_equal(fp, &theirs)) {
-    snprintf(c->err, sizeof c->err, "debug check: the left neighbour's call differs");
+/* Every collective also sends its fingerprint to the right neighbour and
+ * receives the left one's.  The transport compares each arriving header with
+ * this rank's own call, so if any two ranks disagree some neighbour pair
+ * does, and fails (telling everyone) at once -- also for calls in which every
+ * rank would otherwise start by waiting (reduce with different roots, gather
+ * against scatter).  By default the exchange overlaps the algorithm (posted
+ * before it, waited for after it); CHORUS_DEBUG_CHECKS=1 completes it before
+ * the algorithm moves any data. */
+#define NEIGHBOUR_STEP DEBUG_CHECK_STEP
+
+static chorus_result_t post_neighbour_check(chorus__coll_t *c, const chorus__fp_t *fp,
+                                            chorus__fp_t *theirs, chorus__req_t *reqs) {
+  memset(reqs, 0, 2 * sizeof *reqs);
+  reqs[0].type = CHORUS__REQ_RECV;
+  reqs[0].peer = (c->rank + c->size - 1) % c->size;
+  reqs[1].type = CHORUS__REQ_SEND;
+  reqs[1].peer = (c->rank + 1) % c->size;
+  for (int i = 0; i < 2; i++) {
+    reqs[i].kind = CHORUS__KIND_COLL;
+    reqs[i].step = NEIGHBOUR_STEP;
+    reqs[i].tag = -1;
+    reqs[i].len = sizeof *fp;
+  }
+  reqs[0].buf = theirs;
+  reqs[1].buf = (void *)fp;
+  chorus_result_t st = chorus__ep_post(c->ep, &reqs[0]);
+  if (st == CHORUS_OK) st = chorus__ep_post(c->ep, &reqs[1]);
+  return st;
+}
+static chorus_result_t finish_neighbour_check(chorus__coll_t *c, const chorus__fp_t *fp,
+                                              const chorus__fp_t *theirs, chorus__req_t *reqs) {
+  chorus__req_t *ptrs[2] = {&reqs[0], &reqs[1]};
+  chorus_result_t st = chorus__ep_wait(c->ep, ptrs, 2, c->timeout_ms);
+  if (st == CHORUS_OK && !chorus__fp_equal(fp, theirs)) {
+    snprintf(c->err, sizeof c->err, "collective mismatch: the left neighbour's call differs");
     return CHORUS_ERR_MISMATCH;
   }
   return st;
@@ -53,12 +76,20 @@ static void run_op(struct chorus_work *w) {
   {
     CHORUS_DEBUG(CHORUS__SUB_ALGO, "%s", name);
     st = chorus__ep_begin(comm->ep, w->seq, &w->fp);
-    if (st == CHORUS_OK && comm->debug_checks) st = debug_check(c, &w->fp);
+    chorus__req_t check[2];
+    chorus__fp_t theirs;
+    int checking = st == CHORUS_OK && c->size > 1;
+    if (checking) st = post_neighbour_check(c, &w->fp, &theirs, check);
+    if (st == CHORUS_OK && checking && comm->debug_checks) {
+      st = finish_neighbour_check(c, &w->fp, &theirs, check);
+      checking = 0;
+    }
     if (st == CHORUS_OK) {
       int n;
       const chorus__algo_t *algos = chorus__algos(c->coll, &n);
       st = algos[c->algo].run(c);
     }
+    if (st == CHORUS_OK && checking) st = finish_neighbour_check(c, &w->fp, &theirs, check);
     chorus__ep_end(comm->ep, w->seq);
   }
   if (st != CHORUS_OK) {
@@ -69,6 +100,8 @@ static void run_op(struct chorus_work *w) {
                       name, c->err[0] ? c->err : chorus_strerror(st));
     chorus__ep_status(comm->ep, w->err, sizeof w->err);
     if (!w->err[0]) snprintf(w->err, sizeof w->err, "%s", chorus_strerror(st));
+    if (!__atomic_exchange_n(&comm->failure_logged, 1, __ATOMIC_ACQ_REL))
+      CHORUS_WARN(CHORUS__SUB_COLL, "%s", w->err);
   }
   chorus__ep_set_name(comm->ep, "");
   w->result = st;
@@ -142,6 +175,10 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
     if (pthread_create(&comm->worker, NULL, worker_main, comm) != 0) {
       pthread_mutex_unlock(&comm->lock);
       work_release_locked(w);
+      /* The call already took a sequence number: this rank cannot stay in
+       * step with the others, so the communicator fails everywhere. */
+      chorus__ep_fail(comm->ep, CHORUS_ERR_SYSTEM, 1, "chorus rank %d/%d: cannot start the "
+                      "communicator's worker thread", comm->rank, comm->size);
       chorus__comm_set_error(comm, "chorus: cannot start the communicator's worker thread");
       return CHORUS_ERR_SYSTEM;
     }
@@ -442,10 +479,11 @@ chorus_result_t chorus_all_to_allv(chorus_comm_t comm, const void *sendbuf,
     return bad(comm, name, "count or displacement array is NULL");
   size_t es = chorus_dtype_size(dtype);
   for (int r = 0; r < comm->size; r++) {
-    size_t end;
-    if (__builtin_add_overflow(sdispls[r], sendcounts[r], &end) ||
-        __builtin_add_overflow(rdispls[r], recvcounts[r], &end) ||
-        chorus__mul_overflow(end, es ? es : 1, &end))
+    size_t send_end, recv_end;
+    if (__builtin_add_overflow(sdispls[r], sendcounts[r], &send_end) ||
+        __builtin_add_overflow(rdispls[r], recvcounts[r], &recv_end) ||
+        chorus__mul_overflow(send_end, es ? es : 1, &send_end) ||
+        chorus__mul_overflow(recv_end, es ? es : 1, &recv_end))
       return bad(comm, name, "counts/displacements for rank %d overflow", r);
     if ((sendcounts[r] && !sendbuf) || (recvcounts[r] && !recvbuf))
       return bad(comm, name, "buffer is NULL but counts for rank %d are not zero", r);

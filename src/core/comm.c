@@ -144,7 +144,8 @@ static void ctx_unref(chorus__ctx_t *ctx) {
   int left = --ctx->refs;
   pthread_mutex_unlock(&ctx->lock);
   if (left > 0) return;
-  chorus__tp_destroy(ctx->tp, chorus__deadline_ms(chorus__env()->BYE_TIMEOUT_MS));
+  long bye_ms = chorus__env()->BYE_TIMEOUT_MS;
+  chorus__tp_destroy(ctx->tp, chorus__deadline_ms(bye_ms < 0 ? 0 : bye_ms));
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
   pthread_mutex_destroy(&ctx->lock);
@@ -201,8 +202,8 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
     return init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of range",
                      cfg->store_port);
   int rank = cfg->rank, size = cfg->world_size;
-  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : (int)(env->TIMEOUT * 1000);
-  if (timeout_ms <= 0) timeout_ms = 300000;
+  long env_timeout_s = env->TIMEOUT > 0 && env->TIMEOUT < 2000000 ? env->TIMEOUT : 300;
+  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : (int)(env_timeout_s * 1000);
   const char *secret = cfg->job_secret ? cfg->job_secret : env->JOB_SECRET;
   char prefix[256];
   if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
@@ -278,7 +279,7 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   }
   char mine[128];
   snprintf(mine, sizeof mine, "%s %d", ifaddr, data_port);
-  char err[512];
+  char err[512] = "out of memory";
   st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
   if (st != CHORUS_OK) {
     close(lfd);
@@ -371,9 +372,13 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
 
 /* ----------------------------------------------------------- subgroups */
 
-static uint64_t child_id(chorus_comm_t parent, uint64_t counter, int64_t color) {
+/* A group's id: the parent, how many groups the parent made before, and the
+ * member list (world ranks in order), so ranks that disagree on the members
+ * get different ids (and then a mismatch or timeout, never mixed data). */
+static uint64_t child_id(chorus_comm_t parent, uint64_t counter, const int *ranks, int n) {
   static const uint8_t key[16] = "chorus-groupids";
-  uint64_t m[3] = {parent->id, counter, (uint64_t)color};
+  uint64_t members = chorus__siphash(key, ranks, sizeof(int) * (size_t)n);
+  uint64_t m[3] = {parent->id, counter, members};
   uint64_t id = chorus__siphash(key, m, sizeof m);
   return id < 2 ? id + 2 : id; /* 1 is the world */
 }
@@ -420,7 +425,7 @@ chorus_result_t chorus_comm_new_group(chorus_comm_t parent, const int *ranks, in
   pthread_mutex_lock(&parent->lock);
   uint64_t counter = ++parent->children;
   pthread_mutex_unlock(&parent->lock);
-  return make_group(parent, ranks, n, child_id(parent, counter, -1), out);
+  return make_group(parent, ranks, n, child_id(parent, counter, ranks, n), out);
 }
 
 chorus_result_t chorus_comm_split(chorus_comm_t parent, int color, int key, chorus_comm_t *out) {
@@ -451,7 +456,7 @@ chorus_result_t chorus_comm_split(chorus_comm_t parent, int color, int key, chor
       }
       ranks[i] = r;
     }
-    st = make_group(parent, ranks, m, child_id(parent, counter, color), out);
+    st = make_group(parent, ranks, m, child_id(parent, counter, ranks, m), out);
   }
   free(all);
   free(ranks);

@@ -74,6 +74,7 @@ struct chorus_comm {
   pthread_t worker;
   int worker_started;
   char last_error[1024];
+  int failure_logged; /* the first failure was logged (atomic) */
 };
 
 /* Records msg as the communicator's last error (thread-safe). */

@@ -138,6 +138,7 @@ struct chorus__tp {
   unexp_t *unexp_head, *unexp_tail;
   chorus__fp_format_fn fp_format;
   int64_t last_ping;
+  int bye_sent;
   char discard[DISCARD_BUF];
 };
 
@@ -160,6 +161,7 @@ int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
 static void wake_all(chorus__tp_t *tp) { pthread_cond_broadcast(&tp->cond); }
 
 static void queue_tx(chorus__tp_t *tp, conn_t *c, txitem_t *it);
+static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why);
 
 static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
                          const char *text) {
@@ -192,6 +194,7 @@ static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
   for (int r = 0; r < tp->size; r++) {
     conn_t *c = &tp->conns[r];
     if (r == tp->rank) continue;
+    int lost = 0;
     txitem_t **pp = &c->tx_head, *prev = NULL;
     while (*pp) {
       txitem_t *it = *pp;
@@ -211,8 +214,7 @@ static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
             memcpy(it->owned, it->payload, it->len);
             it->payload = it->owned;
           } else {
-            /* Cannot keep the stream consistent: drop the connection. */
-            c->dead = 1;
+            lost = 1; /* cannot keep the stream consistent */
           }
         }
         it->req = NULL;
@@ -225,6 +227,7 @@ static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
       c->rx_req = NULL;
       c->dst = NULL; /* discard the rest of this payload */
     }
+    if (lost) conn_dead_locked(tp, c, "could not be kept consistent (out of memory)");
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next)
     if (u->req && u->req->ep == ep) u->req = NULL;
@@ -236,7 +239,8 @@ static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
   if (ep->status != CHORUS_OK) return;
   ep->status = code;
   vsnprintf(ep->msg, sizeof ep->msg, fmt, ap);
-  CHORUS_WARN(CHORUS__SUB_TCP, "%s", ep->msg);
+  /* Not logged here: a write to a full stderr pipe under the transport lock
+   * would stall every wait and abort.  The core logs it when it returns. */
   detach_requests(ep->tp, ep);
   if (notify) {
     for (int g = 0; g < ep->n; g++) {
@@ -283,7 +287,7 @@ void chorus__ep_set_name(chorus__ep_t *ep, const char *name) {
 /* "rank 2 of comm 0x... (world rank 5, 127.0.0.1:4000)" style peer name. */
 static void peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
   int g = ep->w2g[world];
-  if (ep->n == ep->tp->size)
+  if (g == world && ep->n == ep->tp->size)
     snprintf(buf, cap, "rank %d (%s)", g, ep->tp->conns[world].addr);
   else
     snprintf(buf, cap, "rank %d (world rank %d, %s)", g, world, ep->tp->conns[world].addr);
@@ -298,7 +302,12 @@ static const char *ep_doing(chorus__ep_t *ep) {
 static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
   if (c->dead) return;
   c->dead = 1;
-  if (c->fd >= 0) epoll_ctl(tp->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+  if (c->fd >= 0) {
+    epoll_ctl(tp->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    /* The peer must see EOF now, not at its timeout; the fd number itself
+     * stays reserved until tp_free so it cannot be reused meanwhile. */
+    shutdown(c->fd, SHUT_RDWR);
+  }
   int clean = c->bye_received && !c->in_payload && c->hgot == 0;
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
     int g = ep->w2g[c->rank];
@@ -386,7 +395,10 @@ static void flush_tx(chorus__tp_t *tp, conn_t *c) {
     free(it->owned);
     free(it);
   }
-  if (!c->tx_head) set_epoll_out(tp, c, 0);
+  if (!c->tx_head) {
+    set_epoll_out(tp, c, 0);
+    wake_all(tp); /* tp_destroy waits for drained queues */
+  }
 }
 
 static void queue_tx(chorus__tp_t *tp, conn_t *c, txitem_t *it) {
@@ -530,7 +542,16 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
       chorus__ep_t *ep = find_ep(tp, h->ep_id);
       if (ep) {
         int g = ep->w2g[c->rank];
-        if (g < 0) return protocol_error(tp, c, "data for a communicator the sender is not in");
+        if (g < 0) {
+          /* Ranks disagree on who is in this group (new_group with
+           * different lists): fail the group, keep the connection. */
+          if (ep->status == CHORUS_OK)
+            ep_fail_locked(ep, CHORUS_ERR_MISMATCH, 1,
+                           "chorus rank %d/%d: world rank %d (%s) sent data for this group but "
+                           "is not a member here: the ranks created the group with different "
+                           "member lists", ep->me, ep->n, c->rank, c->addr);
+          break; /* discard */
+        }
         if (ep->status != CHORUS_OK) break; /* discard */
         if (check_data_header(ep, h, c->rank) < 0) break;
         for (chorus__req_t **pp = &ep->recvs; *pp; pp = &(*pp)->next) {
@@ -677,7 +698,8 @@ static void *progress_main(void *arg) {
       tp->last_ping = now;
       for (int r = 0; r < tp->size; r++) {
         conn_t *c = &tp->conns[r];
-        if (r != tp->rank && !c->dead && !c->tx_head) send_control(tp, c, T_PING, 0, NULL);
+        if (r != tp->rank && !c->dead && !c->tx_head && !tp->bye_sent)
+          send_control(tp, c, T_PING, 0, NULL);
       }
     }
     pthread_mutex_unlock(&tp->lock);
@@ -805,7 +827,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   req->seq = req->kind == CHORUS__KIND_COLL ? ep->cur_seq : 0;
   chorus_result_t st = ep->status;
   if (st != CHORUS_OK) goto out;
-  if (c->dead || (req->type == CHORUS__REQ_SEND && c->bye_received)) {
+  if (req->type == CHORUS__REQ_SEND && (c->dead || c->bye_received)) {
     char pd[160];
     peer_desc(ep, world, pd, sizeof pd);
     ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
@@ -857,12 +879,14 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
     }
     goto out;
   }
-  if (c->bye_received) {
+  /* Nothing buffered: a peer that is gone will never send it. */
+  if (c->dead || c->bye_received) {
     char pd[160];
     peer_desc(ep, world, pd, sizeof pd);
     ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
-                   "chorus rank %d/%d: %s destroyed its communicator, but %s waits for its data",
-                   ep->me, ep->n, pd, ep_doing(ep));
+                   "chorus rank %d/%d: %s %s, but %s waits for its data", ep->me, ep->n, pd,
+                   c->bye_received ? "destroyed its communicator" : "is gone (its connection closed)",
+                   ep_doing(ep));
     st = ep->status;
     goto out;
   }
@@ -1217,6 +1241,7 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
 void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   if (!tp) return;
   pthread_mutex_lock(&tp->lock);
+  tp->bye_sent = 1;
   for (int r = 0; r < tp->size; r++)
     if (r != tp->rank) send_control(tp, &tp->conns[r], T_BYE, 0, NULL);
   for (;;) {

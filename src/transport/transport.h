@@ -17,7 +17,8 @@
  * (collective, dtype, op, root, count, algorithm).  The transport compares it
  * with the call this rank is executing at that sequence number (set by
  * chorus__ep_begin) and fails the endpoint on any difference, so mismatched
- * collectives are caught when their first byte arrives, at no extra cost.
+ * collectives are caught when their first message arrives (the core makes
+ * sure every collective sends at least one, see coll.c).
  *
  * Failure model: an endpoint fails on the first error (peer died, timeout,
  * mismatch, protocol violation, abort).  Failing completes all its pending

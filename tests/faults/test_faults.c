@@ -289,6 +289,13 @@ static void mismatch_rank(int rank, int n) {
     case 6: /* zero-length versus data */
       st = chorus_all_reduce(comm, buf, buf, bad ? 0 : 5, CHORUS_FLOAT32, CHORUS_SUM, NULL);
       break;
+    case 7: /* every rank its own root: each starts by waiting */
+      st = chorus_reduce(comm, buf, out, 8, CHORUS_FLOAT32, CHORUS_SUM, rank, NULL);
+      break;
+    case 8: /* gather against scatter */
+      st = bad ? chorus_scatter(comm, out, buf, 2, CHORUS_FLOAT32, 0, NULL)
+               : chorus_gather(comm, buf, out, 2, CHORUS_FLOAT32, 0, NULL);
+      break;
   }
   /* A rank that only sends may finish before the mismatch is seen; it
    * learns of it (at the latest) on its next call. */
@@ -298,9 +305,10 @@ static void mismatch_rank(int rank, int n) {
 }
 
 TEST(mismatches) {
-  static const char *names[] = {"count", "dtype", "root", "op", "collective", "all_gather size",
-                                "zero-length"};
-  for (g_variant = 0; g_variant < 7; g_variant++) {
+  static const char *names[] = {"count",       "dtype",      "root",
+                                "op",          "collective", "all_gather size",
+                                "zero-length", "reduce root", "gather/scatter"};
+  for (g_variant = 0; g_variant < 9; g_variant++) {
     spawn(4, mismatch_rank);
     rep_t reps[MAXR] = {0};
     int got = collect(0xf, reps, 15000);
@@ -378,6 +386,38 @@ TEST(peer_left_early) {
     ASSERT_TRUE(reps[r].ms < 2000);
     ASSERT_CONTAINS(reps[r].msg, "rank 2");
   }
+}
+
+/* A rank sends, then leaves cleanly; its data must still be receivable
+ * after its connection is gone.  (Runs before any scenario that makes the
+ * driver read the environment, so the child's setenv takes effect.) */
+static void send_and_leave(int rank, int n) {
+  setenv("CHORUS_BYE_TIMEOUT_MS", "300", 1);
+  chorus_comm_t comm = join(rank, n, 20000);
+  int32_t v = 42;
+  chorus_result_t st;
+  if (rank == 1) {
+    st = chorus_send(comm, &v, 1, CHORUS_INT32, 0, 3, NULL);
+    chorus_comm_destroy(comm); /* waits 300 ms for rank 0's goodbye, then closes */
+    report(st, 0, "sent");
+    _exit(0);
+  }
+  usleep(1200 * 1000); /* rank 1 is long gone */
+  v = 0;
+  st = chorus_recv(comm, &v, 1, CHORUS_INT32, 1, 3, NULL);
+  char line[600];
+  snprintf(line, sizeof line, "got %d: %s", (int)v, chorus_comm_last_error(comm));
+  report(st, 0, line);
+  chorus_comm_destroy(comm);
+}
+
+TEST(data_survives_goodbye) {
+  spawn(2, send_and_leave);
+  rep_t reps[MAXR] = {0};
+  ASSERT_EQ(collect(0x3, reps, 15000), 2);
+  printf("  rank 0: %s\n", reps[0].msg);
+  ASSERT_EQ(reps[0].status, CHORUS_OK);
+  ASSERT_CONTAINS(reps[0].msg, "got 42");
 }
 
 /* A stranger talks garbage to the store while a job uses it. */
@@ -512,6 +552,7 @@ int main(void) {
   RUN_SCENARIO(mismatches);
   RUN_SCENARIO(abort_from_other_thread);
   RUN_SCENARIO(peer_left_early);
+  RUN_SCENARIO(data_survives_goodbye);
   RUN_SCENARIO(stranger_on_store);
   RUN_SCENARIO(stranger_on_data_port);
   return HARNESS_DONE();

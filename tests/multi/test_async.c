@@ -250,6 +250,12 @@ TEST(invalid_arguments_are_rejected) {
             CHORUS_ERR_INVALID_ARG);
   ASSERT_EQ(chorus_send(g_comm, &x, 1, CHORUS_FLOAT32, g_rank, 0, NULL), CHORUS_ERR_INVALID_ARG);
   ASSERT_EQ(chorus_comm_set_algo(g_comm, CHORUS_COLL_ALL_REDUCE, "nonsense"), CHORUS_ERR_INVALID_ARG);
+  /* Zero counts are legal everywhere, NULL buffers included. */
+  CHECK_OK(chorus_reduce(g_comm, NULL, NULL, 0, CHORUS_FLOAT32, CHORUS_SUM, 0, NULL));
+  chorus_comm_set_algo(g_comm, CHORUS_COLL_ALL_REDUCE, "reduce_broadcast");
+  CHECK_OK(chorus_all_reduce(g_comm, NULL, NULL, 0, CHORUS_FLOAT32, CHORUS_SUM, NULL));
+  chorus_comm_set_algo(g_comm, CHORUS_COLL_ALL_REDUCE, NULL);
+  CHECK_OK(chorus_all_gather(g_comm, NULL, NULL, 0, CHORUS_INT8, NULL));
   /* Still healthy: argument errors do not fail the communicator. */
   ASSERT_EQ(chorus_comm_status(g_comm), CHORUS_OK);
   CHECK_OK(chorus_barrier(g_comm, NULL));
