@@ -25,6 +25,21 @@
 #include "chorus.h"
 #include "transport/transport.h"
 
+/* Scratch buffers kept by a communicator between calls, so large
+ * collectives do not pay for fresh pages (page faults) on every call.  Only
+ * one collective of a communicator runs at a time, so the pool needs no
+ * lock.  Buffers above CHORUS__POOL_MAX_BYTES are not kept. */
+#define CHORUS__POOL_SLOTS 4
+#define CHORUS__POOL_MAX_BYTES ((size_t)128 << 20)
+typedef struct chorus__pool {
+  void *buf[CHORUS__POOL_SLOTS];
+  size_t cap[CHORUS__POOL_SLOTS];
+  int used[CHORUS__POOL_SLOTS];
+} chorus__pool_t;
+
+/* Frees every buffer of the pool (none may be in use). */
+void chorus__pool_release(chorus__pool_t *pool);
+
 typedef struct chorus__coll {
   chorus_coll_t coll;
   const void *sendbuf;
@@ -45,6 +60,7 @@ typedef struct chorus__coll {
   int timeout_ms;
   size_t esize;
   int algo;
+  chorus__pool_t *pool; /* the communicator's scratch pool, or NULL */
   char err[256]; /* local failure reason (e.g. out of memory) */
 } chorus__coll_t;
 
@@ -85,9 +101,12 @@ static inline chorus_result_t chorus__recv(chorus__coll_t *c, int peer, void *bu
   return chorus__xchg(c, -1, NULL, 0, peer, buf, len, step);
 }
 
-/* malloc that records a failure message on c (returns NULL then). n may be
- * 0 (returns a valid 1-byte allocation). */
+/* Scratch memory of n bytes (n may be 0) from the communicator's pool, or
+ * malloc'd when the pool has no room; records a failure message on c and
+ * returns NULL when out of memory.  Give it back with chorus__scratch_free
+ * (NULL is fine).  Contents are undefined. */
 void *chorus__scratch(chorus__coll_t *c, size_t n);
+void chorus__scratch_free(chorus__coll_t *c, void *p);
 
 /* dst = a op b over n elements of c's dtype (dst may alias a or b). */
 void chorus__combine(const chorus__coll_t *c, void *dst, const void *a, const void *b, size_t n);

@@ -36,7 +36,7 @@ chorus_result_t chorus__alltoall_pairwise(chorus__coll_t *c) {
     st = chorus__xchg(c, to, send + blk * (size_t)to, blk, from, recv + blk * (size_t)from, blk,
                       (uint32_t)s);
   }
-  free(copy);
+  chorus__scratch_free(c, copy);
   return st;
 }
 
@@ -94,8 +94,11 @@ chorus_result_t chorus__gatherv_linear(chorus__coll_t *c) {
       st = CHORUS_ERR_PROTOCOL;
     }
   }
-  char *out = st == CHORUS_OK ? chorus__scratch(c, total) : NULL;
-  if (st == CHORUS_OK && !out) st = CHORUS_ERR_NO_MEMORY;
+  char *out = st == CHORUS_OK ? malloc(total ? total : 1) : NULL; /* handed to the user */
+  if (st == CHORUS_OK && !out) {
+    snprintf(c->err, sizeof c->err, "out of memory allocating %zu bytes for the result", total);
+    st = CHORUS_ERR_NO_MEMORY;
+  }
   size_t off = 0;
   for (int q = 0; q < n && st == CHORUS_OK; q++) {
     if (q == root) {
@@ -108,7 +111,7 @@ chorus_result_t chorus__gatherv_linear(chorus__coll_t *c) {
   }
   if (st == CHORUS_OK) *c->out = out;
   else free(out);
-  free(lens);
+  chorus__scratch_free(c, lens);
   return st;
 }
 
@@ -138,8 +141,9 @@ chorus_result_t chorus__allgatherv_ring(chorus__coll_t *c) {
       goto done;
     }
   }
-  out = chorus__scratch(c, offs[n]);
+  out = malloc(offs[n] ? offs[n] : 1); /* handed to the user */
   if (!out) {
+    snprintf(c->err, sizeof c->err, "out of memory allocating %zu bytes for the result", offs[n]);
     st = CHORUS_ERR_NO_MEMORY;
     goto done;
   }
@@ -156,7 +160,7 @@ chorus_result_t chorus__allgatherv_ring(chorus__coll_t *c) {
   }
 done:
   free(out);
-  free(lens);
-  free(offs);
+  chorus__scratch_free(c, lens);
+  chorus__scratch_free(c, offs);
   return st;
 }

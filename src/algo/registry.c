@@ -180,10 +180,55 @@ chorus_result_t chorus__xchg(chorus__coll_t *c, int speer, const void *sbuf, siz
 }
 
 void *chorus__scratch(chorus__coll_t *c, size_t n) {
-  void *p = malloc(n ? n : 1);
+  chorus__pool_t *pool = c->pool;
+  if (n == 0) n = 1;
+  if (pool && n <= CHORUS__POOL_MAX_BYTES) {
+    /* The smallest free slot that fits; else grow the largest free one. */
+    int best = -1, grow = -1;
+    for (int i = 0; i < CHORUS__POOL_SLOTS; i++) {
+      if (pool->used[i]) continue;
+      if (pool->buf[i] && pool->cap[i] >= n && (best < 0 || pool->cap[i] < pool->cap[best]))
+        best = i;
+      if (grow < 0 || pool->cap[i] > pool->cap[grow]) grow = i;
+    }
+    if (best < 0 && grow >= 0) {
+      void *q = malloc(n);
+      if (q) {
+        free(pool->buf[grow]);
+        pool->buf[grow] = q;
+        pool->cap[grow] = n;
+        best = grow;
+      }
+    }
+    if (best >= 0) {
+      pool->used[best] = 1;
+      return pool->buf[best];
+    }
+  }
+  void *p = malloc(n);
   if (!p)
     snprintf(c->err, sizeof c->err, "out of memory allocating %zu bytes of scratch space", n);
   return p;
+}
+
+void chorus__scratch_free(chorus__coll_t *c, void *p) {
+  if (!p) return;
+  if (c->pool)
+    for (int i = 0; i < CHORUS__POOL_SLOTS; i++)
+      if (c->pool->buf[i] == p && c->pool->used[i]) {
+        c->pool->used[i] = 0;
+        return;
+      }
+  free(p);
+}
+
+void chorus__pool_release(chorus__pool_t *pool) {
+  for (int i = 0; i < CHORUS__POOL_SLOTS; i++) {
+    free(pool->buf[i]);
+    pool->buf[i] = NULL;
+    pool->cap[i] = 0;
+    pool->used[i] = 0;
+  }
 }
 
 void chorus__combine(const chorus__coll_t *c, void *dst, const void *a, const void *b, size_t n) {

@@ -48,7 +48,7 @@ static chorus_result_t ring_reduce_scatter(chorus__coll_t *c, char *buf, size_t 
       chorus__combine(c, dst, dst, tmp, rcnt);
     }
   }
-  free(tmp);
+  chorus__scratch_free(c, tmp);
   return st;
 }
 
@@ -123,7 +123,7 @@ chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
     if (!chorus__rd_folded_out(r, n)) st = chorus__send(c, fold, buf, bytes, step);
     else st = chorus__recv(c, fold, buf, bytes, step);
   }
-  free(tmp);
+  chorus__scratch_free(c, tmp);
   return st;
 }
 
@@ -168,7 +168,7 @@ chorus_result_t chorus__allgather_bruck(chorus__coll_t *c) {
   if (st == CHORUS_OK)
     for (int i = 0; i < n; i++)
       if (blk) memcpy(gather_block(c, chorus__mod(r + i, n)), tmp + blk * (size_t)i, blk);
-  free(tmp);
+  chorus__scratch_free(c, tmp);
   return st;
 }
 
@@ -186,7 +186,7 @@ chorus_result_t chorus__reduce_scatter_ring(chorus__coll_t *c) {
     if (blk) memmove(c->recvbuf, acc + blk * (size_t)c->rank, blk);
     if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, n);
   }
-  free(acc);
+  chorus__scratch_free(c, acc);
   return st;
 }
 
@@ -206,6 +206,6 @@ chorus_result_t chorus__reduce_scatter_pairwise(chorus__coll_t *c) {
   }
   if (st == CHORUS_OK && c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(acc, c->count, c->dtype, n);
-  free(tmp);
+  chorus__scratch_free(c, tmp);
   return st;
 }

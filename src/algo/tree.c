@@ -79,8 +79,8 @@ static chorus_result_t reduce_binomial(chorus__coll_t *c, const void *send, void
   if (st == CHORUS_OK && c->rank == root && c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(acc, c->count, c->dtype, n);
 out:
-  if (acc != recv) free(acc);
-  free(tmp);
+  if (acc != recv) chorus__scratch_free(c, acc);
+  chorus__scratch_free(c, tmp);
   return st;
 }
 
@@ -102,7 +102,7 @@ chorus_result_t chorus__reduce_linear(chorus__coll_t *c) {
   }
   if (st == CHORUS_OK && c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, c->size);
-  free(tmp);
+  chorus__scratch_free(c, tmp);
   return st;
 }
 
@@ -155,7 +155,7 @@ chorus_result_t chorus__scatter_binomial(chorus__coll_t *c) {
   }
   if (buf != c->recvbuf && blk) memmove(c->recvbuf, buf, blk);
 out:
-  free(own);
+  chorus__scratch_free(c, own);
   return st;
 }
 
@@ -211,7 +211,7 @@ chorus_result_t chorus__gather_binomial(chorus__coll_t *c) {
                buf + blk * (size_t)w, blk);
   }
 out:
-  free(own);
+  chorus__scratch_free(c, own);
   return st;
 }
 

@@ -337,6 +337,7 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
   c->size = comm->size;
   c->timeout_ms = comm->timeout_ms;
   c->esize = chorus_dtype_size(dtype);
+  c->pool = &comm->pool; /* collectives of one communicator never overlap */
   c->peer = c->tag = -1;
   pthread_mutex_lock(&comm->lock);
   int forced = comm->forced_algo[coll];

@@ -497,6 +497,7 @@ chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
   pthread_mutex_unlock(&comm->lock);
   if (comm->worker_started) pthread_join(comm->worker, NULL);
   chorus__ep_destroy(comm->ep);
+  chorus__pool_release(&comm->pool);
   ctx_unref(comm->ctx);
   pthread_mutex_destroy(&comm->lock);
   pthread_cond_destroy(&comm->cond);

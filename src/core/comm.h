@@ -74,6 +74,7 @@ struct chorus_comm {
   pthread_t worker;
   int worker_started;
   char last_error[1024];
+  chorus__pool_t pool; /* scratch kept between collectives */
   int failure_logged; /* the first failure was logged (atomic) */
 };
 
