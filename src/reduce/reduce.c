@@ -7,8 +7,11 @@
  * dtypes) are not written by hand: CHORUS_DTYPE_MAP x CHORUS_OP_MAP is
  * expanded twice over a small table of per-dtype traits below, once to define
  * the kernels and once to fill the const dispatch table, so adding a dtype
- * means adding one traits line.  There is no mutable state; every function
- * here is thread-safe and cannot fail.
+ * means adding one traits line.  The kernels have no mutable state; every function
+ * here is thread-safe and cannot fail.  These portable kernels are the
+ * reference; reduce_simd.c has AVX2/F16C versions of the hot ones, and
+ * chorus__reduce_fn() picks a kernel per CPU once (pthread_once) from the
+ * tables of both, see "dispatch" below.
  *
  * Arithmetic.  Integer SUM and PROD wrap modulo 2^N as in PyTorch; they are
  * computed on the unsigned type of the same width, so there is no signed
@@ -30,8 +33,8 @@
  * written and by no other iteration), then finishes the tail element by
  * element.  At -O2 on baseline x86-64 (SSE2) GCC 12 vectorises every integer,
  * float32, float64 and bfloat16 kernel that way except int64 PROD/MIN/MAX,
- * which need AVX2/AVX-512 instructions.  The float16 kernels stay scalar
- * (about 4 ns per element) until they get an F16C path.  Partial overlap of
+ * which need AVX2/AVX-512 instructions.  The float16 kernels here stay
+ * scalar (about 4 ns per element); reduce_simd.c has the F16C path.  Partial overlap of
  * dst with a or b is not allowed (see reduce.h) and would give wrong results.
  *
  * Conversions.  Written in portable C on the bit patterns (no F16C), exact
@@ -45,7 +48,10 @@
  */
 #include "reduce.h"
 
+#include <pthread.h>
 #include <string.h>
+
+#include "util/env.h"
 
 /* ------------------------------------------------------------ conversions */
 
@@ -276,9 +282,70 @@ static const chorus__reduce_fn_t kernels[CHORUS_DTYPE_COUNT][CHORUS_OP_COUNT] = 
 #undef CHORUS__ACTION
 };
 
-chorus__reduce_fn_t chorus__reduce_fn(chorus_dtype_t dtype, chorus_op_t op) {
+chorus__reduce_fn_t chorus__reduce_scalar_fn(chorus_dtype_t dtype, chorus_op_t op) {
   if ((unsigned)dtype >= CHORUS_DTYPE_COUNT || (unsigned)op >= CHORUS_OP_COUNT) return NULL;
   return kernels[dtype][op];
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+static const char *const isa_names[CHORUS__ISA_COUNT] = {"scalar", "avx2"};
+
+const char *chorus__reduce_isa_name(chorus__isa_t isa) {
+  return (unsigned)isa < CHORUS__ISA_COUNT ? isa_names[isa] : NULL;
+}
+
+int chorus__reduce_isa_available(chorus__isa_t isa) {
+  switch (isa) {
+  case CHORUS__ISA_SCALAR: return 1;
+  case CHORUS__ISA_AVX2: return chorus__reduce_avx2_usable();
+  default: return 0;
+  }
+}
+
+chorus__reduce_fn_t chorus__reduce_fn_isa(chorus_dtype_t dtype, chorus_op_t op, chorus__isa_t isa) {
+  chorus__reduce_fn_t fn = chorus__reduce_scalar_fn(dtype, op);
+  if (!fn || !chorus__reduce_isa_available(isa)) return NULL;
+  if (isa == CHORUS__ISA_AVX2) {
+    chorus__reduce_fn_t v = chorus__reduce_avx2_fn(dtype, op);
+    if (v) return v;
+  }
+  return fn;
+}
+
+/* The ISA in use and its kernel table, resolved once from the CPU and
+ * CHORUS_REDUCE_ISA ("auto", or an ISA's name; an unknown or unavailable
+ * name means auto). */
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+static chorus__isa_t isa_used;
+static chorus__reduce_fn_t resolved[CHORUS_DTYPE_COUNT][CHORUS_OP_COUNT];
+
+static void isa_resolve(void) {
+  chorus__isa_t best = CHORUS__ISA_SCALAR;
+  for (int i = CHORUS__ISA_COUNT - 1; i > 0; i--)
+    if (chorus__reduce_isa_available((chorus__isa_t)i)) {
+      best = (chorus__isa_t)i;
+      break;
+    }
+  const char *want = chorus__env()->REDUCE_ISA;
+  for (int i = 0; i < CHORUS__ISA_COUNT; i++)
+    if (want && strcmp(want, isa_names[i]) == 0 && chorus__reduce_isa_available((chorus__isa_t)i))
+      best = (chorus__isa_t)i;
+  isa_used = best;
+  for (int d = 0; d < CHORUS_DTYPE_COUNT; d++)
+    for (int o = 0; o < CHORUS_OP_COUNT; o++)
+      resolved[d][o] = chorus__reduce_fn_isa((chorus_dtype_t)d, (chorus_op_t)o, best);
+}
+
+chorus__isa_t chorus__reduce_isa(void) {
+  pthread_once(&isa_once, isa_resolve);
+  return isa_used;
+}
+
+chorus__reduce_fn_t chorus__reduce_fn(chorus_dtype_t dtype, chorus_op_t op) {
+  if ((unsigned)dtype >= CHORUS_DTYPE_COUNT || (unsigned)op >= CHORUS_OP_COUNT) return NULL;
+  pthread_once(&isa_once, isa_resolve);
+  return resolved[dtype][op];
 }
 
 int chorus__reduce_supported(chorus_dtype_t dtype, chorus_op_t op) {

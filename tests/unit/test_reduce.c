@@ -555,6 +555,24 @@ static uint64_t random_element(const struct dtype_info *di, uint64_t *seed) {
 
 /* --------------------------------------------------------------- kernels */
 
+/* The ISA the kernel tests are running for; kfn() is its kernel. */
+static chorus__isa_t test_isa = CHORUS__ISA_SCALAR;
+
+static chorus__reduce_fn_t kfn(chorus_dtype_t dt, chorus_op_t op) {
+  return chorus__reduce_fn_isa(dt, op, test_isa);
+}
+
+/* Runs body once per ISA the CPU has, with test_isa set. */
+#define FOR_EACH_ISA(body)                                                      \
+  do {                                                                         \
+    for (int isa_ = 0; isa_ < CHORUS__ISA_COUNT; isa_++) {                     \
+      if (!chorus__reduce_isa_available((chorus__isa_t)isa_)) continue;        \
+      test_isa = (chorus__isa_t)isa_;                                          \
+      body;                                                                    \
+    }                                                                          \
+    test_isa = CHORUS__ISA_SCALAR;                                             \
+  } while (0)
+
 enum { MODE_OUT_OF_PLACE, MODE_DST_A, MODE_DST_B, MODE_ALL_SAME, N_MODES };
 static const char *const mode_names[] = {"out-of-place", "dst==a", "dst==b", "dst==a==b"};
 enum { CANARY = 8 };
@@ -562,7 +580,7 @@ enum { CANARY = 8 };
 /* Runs one dtype x op x n x mode case; 0 if right. */
 static int run_kernel_case(const struct dtype_info *di, chorus_op_t op, size_t n, int mode,
                            uint64_t *seed) {
-  chorus__reduce_fn_t fn = chorus__reduce_fn(di->dtype, op);
+  chorus__reduce_fn_t fn = kfn(di->dtype, op);
   size_t bytes = (n + CANARY) * di->size;
   unsigned char *a = malloc(bytes), *b = malloc(bytes), *dst = malloc(bytes);
   unsigned char *a0 = malloc(bytes), *b0 = malloc(bytes);
@@ -595,7 +613,8 @@ static int run_kernel_case(const struct dtype_info *di, chorus_op_t op, size_t n
     expect_t e = ref_combine(di, op, x, y);
     checks++;
     if (!matches(di, e, x, y, got)) {
-      HARNESS_FAIL("%s %s n=%zu %s [%zu]: a=0x%llx b=0x%llx -> 0x%llx, want %s0x%llx", di->name,
+      HARNESS_FAIL("%s %s %s n=%zu %s [%zu]: a=0x%llx b=0x%llx -> 0x%llx, want %s0x%llx",
+                   chorus__reduce_isa_name(test_isa), di->name,
                    chorus_op_name(op), n, mode_names[mode], i, (unsigned long long)x,
                    (unsigned long long)y, (unsigned long long)got,
                    e.any_nan ? "NaN, e.g. " : e.either ? "a or b, e.g. " : "",
@@ -617,8 +636,8 @@ static int run_kernel_case(const struct dtype_info *di, chorus_op_t op, size_t n
   if (mode == MODE_DST_A) inputs_ok = memcmp(b, b0, bytes) == 0;
   if (mode == MODE_DST_B) inputs_ok = memcmp(a, a0, bytes) == 0;
   if (!canary_ok || !inputs_ok) {
-    HARNESS_FAIL("%s %s n=%zu %s: wrote outside dst[0..n)", di->name, chorus_op_name(op), n,
-                 mode_names[mode]);
+    HARNESS_FAIL("%s %s %s n=%zu %s: wrote outside dst[0..n)", chorus__reduce_isa_name(test_isa),
+                 di->name, chorus_op_name(op), n, mode_names[mode]);
     goto out;
   }
   rc = 0;
@@ -637,7 +656,7 @@ static void check_kernels(chorus_dtype_t dt) {
   ASSERT_TRUE(di != NULL);
   for (size_t o = 0; o < N_OPS; o++) {
     chorus_op_t op = all_ops[o];
-    chorus__reduce_fn_t fn = chorus__reduce_fn(dt, op);
+    chorus__reduce_fn_t fn = kfn(dt, op);
     if (!fn) continue; /* supported_table checks which ones exist */
     fn(NULL, NULL, NULL, 0); /* n = 0 touches nothing */
     uint64_t seed = (uint64_t)dt * 1000 + (uint64_t)op;
@@ -648,73 +667,75 @@ static void check_kernels(chorus_dtype_t dt) {
 }
 
 #define KERNEL_TEST(NAME, name, size) \
-  TEST(kernels_##name) { check_kernels(CHORUS_##NAME); }
+  TEST(kernels_##name) { FOR_EACH_ISA(check_kernels(CHORUS_##NAME)); }
 CHORUS_DTYPE_MAP(KERNEL_TEST)
 #undef KERNEL_TEST
 
 /* Wrap-around and NaN cases written out by hand. */
-TEST(kernel_known_values) {
+static void check_known_values(void) {
   int8_t i8a[] = {127, -128, -128, 100, -1}, i8b[] = {1, -1, -1, 100, -1}, i8r[5];
-  chorus__reduce_fn(CHORUS_INT8, CHORUS_SUM)(i8r, i8a, i8b, 5);
+  kfn(CHORUS_INT8, CHORUS_SUM)(i8r, i8a, i8b, 5);
   ASSERT_EQ(i8r[0], -128);
   ASSERT_EQ(i8r[1], 127);
   ASSERT_EQ(i8r[3], -56);
-  chorus__reduce_fn(CHORUS_INT8, CHORUS_PROD)(i8r, i8a, i8b, 5);
+  kfn(CHORUS_INT8, CHORUS_PROD)(i8r, i8a, i8b, 5);
   ASSERT_EQ(i8r[1], -128); /* -128 * -1 wraps */
   ASSERT_EQ(i8r[3], 16);   /* 10000 mod 256 */
   ASSERT_EQ(i8r[4], 1);
 
   uint8_t u8a[] = {255, 16, 0, 200}, u8b[] = {1, 16, 255, 100}, u8r[4];
-  chorus__reduce_fn(CHORUS_UINT8, CHORUS_SUM)(u8r, u8a, u8b, 4);
+  kfn(CHORUS_UINT8, CHORUS_SUM)(u8r, u8a, u8b, 4);
   ASSERT_EQ(u8r[0], 0);
   ASSERT_EQ(u8r[3], 44);
-  chorus__reduce_fn(CHORUS_UINT8, CHORUS_PROD)(u8r, u8a, u8b, 4);
+  kfn(CHORUS_UINT8, CHORUS_PROD)(u8r, u8a, u8b, 4);
   ASSERT_EQ(u8r[1], 0);
   ASSERT_EQ(u8r[0], 255);
-  chorus__reduce_fn(CHORUS_UINT8, CHORUS_MIN)(u8r, u8a, u8b, 4);
+  kfn(CHORUS_UINT8, CHORUS_MIN)(u8r, u8a, u8b, 4);
   ASSERT_EQ(u8r[2], 0);
   ASSERT_EQ(u8r[3], 100);
 
   int32_t i32a[] = {INT32_MAX, INT32_MIN, 65536, -5}, i32b[] = {1, -1, 65536, 3}, i32r[4];
-  chorus__reduce_fn(CHORUS_INT32, CHORUS_SUM)(i32r, i32a, i32b, 4);
+  kfn(CHORUS_INT32, CHORUS_SUM)(i32r, i32a, i32b, 4);
   ASSERT_EQ(i32r[0], INT32_MIN);
   ASSERT_EQ(i32r[1], INT32_MAX);
-  chorus__reduce_fn(CHORUS_INT32, CHORUS_PROD)(i32r, i32a, i32b, 4);
+  kfn(CHORUS_INT32, CHORUS_PROD)(i32r, i32a, i32b, 4);
   ASSERT_EQ(i32r[0], INT32_MAX);
   ASSERT_EQ(i32r[1], INT32_MIN);
   ASSERT_EQ(i32r[2], 0);
   ASSERT_EQ(i32r[3], -15);
-  chorus__reduce_fn(CHORUS_INT32, CHORUS_BXOR)(i32r, i32a, i32b, 4);
+  kfn(CHORUS_INT32, CHORUS_BXOR)(i32r, i32a, i32b, 4);
   ASSERT_EQ(i32r[3], -5 ^ 3);
 
   int64_t i64a[] = {INT64_MAX, INT64_MIN, INT64_MAX, 4294967297LL},
           i64b[] = {1, -1, 2, 4294967297LL}, i64r[4];
-  chorus__reduce_fn(CHORUS_INT64, CHORUS_SUM)(i64r, i64a, i64b, 4);
+  kfn(CHORUS_INT64, CHORUS_SUM)(i64r, i64a, i64b, 4);
   ASSERT_TRUE(i64r[0] == INT64_MIN);
   ASSERT_TRUE(i64r[1] == INT64_MAX);
-  chorus__reduce_fn(CHORUS_INT64, CHORUS_PROD)(i64r, i64a, i64b, 4);
+  kfn(CHORUS_INT64, CHORUS_PROD)(i64r, i64a, i64b, 4);
   ASSERT_TRUE(i64r[1] == INT64_MIN);
   ASSERT_TRUE(i64r[2] == -2);
   ASSERT_TRUE(i64r[3] == 8589934593LL); /* (2^32 + 1)^2 mod 2^64 = 2^33 + 1 */
-  chorus__reduce_fn(CHORUS_INT64, CHORUS_MIN)(i64r, i64a, i64b, 4);
+  kfn(CHORUS_INT64, CHORUS_MIN)(i64r, i64a, i64b, 4);
   ASSERT_TRUE(i64r[0] == 1 && i64r[1] == INT64_MIN);
 
   float fa[] = {NAN, 1.0f, -INFINITY, 2.0f}, fb[] = {1.0f, NAN, 5.0f, -3.0f}, fr[4];
-  chorus__reduce_fn(CHORUS_FLOAT32, CHORUS_MIN)(fr, fa, fb, 4);
+  kfn(CHORUS_FLOAT32, CHORUS_MIN)(fr, fa, fb, 4);
   ASSERT_TRUE(isnan(fr[0]) && isnan(fr[1]) && fr[2] == -INFINITY && fr[3] == -3.0f);
-  chorus__reduce_fn(CHORUS_FLOAT32, CHORUS_MAX)(fr, fa, fb, 4);
+  kfn(CHORUS_FLOAT32, CHORUS_MAX)(fr, fa, fb, 4);
   ASSERT_TRUE(isnan(fr[0]) && isnan(fr[1]) && fr[2] == 5.0f && fr[3] == 2.0f);
 
   /* float16: 2048 + 1 = 2049 is a tie between 2048 and 2050: even = 2048. */
   uint16_t ha[] = {0x6800, 0x7bff, 0x3c00, 0x7e00}, hb[] = {0x3c00, 0x7bff, 0x0001, 0x3c00}, hr[4];
-  chorus__reduce_fn(CHORUS_FLOAT16, CHORUS_SUM)(hr, ha, hb, 4);
+  kfn(CHORUS_FLOAT16, CHORUS_SUM)(hr, ha, hb, 4);
   ASSERT_EQ(hr[0], 0x6800);
   ASSERT_EQ(hr[1], 0x7c00); /* 65504 + 65504 overflows */
   ASSERT_EQ(hr[2], 0x3c00); /* 1 + 2^-24 rounds back to 1 */
   ASSERT_TRUE(ref_is_quiet_nan16(fmt_half, hr[3]));
-  chorus__reduce_fn(CHORUS_FLOAT16, CHORUS_MAX)(hr, ha, hb, 4);
+  kfn(CHORUS_FLOAT16, CHORUS_MAX)(hr, ha, hb, 4);
   ASSERT_TRUE(ref_is_quiet_nan16(fmt_half, hr[3]));
 }
+
+TEST(kernel_known_values) { FOR_EACH_ISA(check_known_values()); }
 
 /* ----------------------------------------------------------- finalize_avg */
 
@@ -825,6 +846,176 @@ TEST(avg_end_to_end) {
   ASSERT_EQ(u0[0], 22); /* invalid dtype: untouched */
 }
 
+/* ------------------------------------------------- ISA dispatch, SIMD */
+
+TEST(isa_dispatch) {
+  ASSERT_TRUE(chorus__reduce_isa_available(CHORUS__ISA_SCALAR));
+  ASSERT_TRUE(!chorus__reduce_isa_available(CHORUS__ISA_COUNT));
+  ASSERT_TRUE(chorus__reduce_isa_name(CHORUS__ISA_COUNT) == NULL);
+  chorus__isa_t used = chorus__reduce_isa();
+  ASSERT_TRUE(chorus__reduce_isa_available(used));
+  ASSERT_STREQ(chorus__reduce_isa_name(CHORUS__ISA_SCALAR), "scalar");
+  ASSERT_STREQ(chorus__reduce_isa_name(CHORUS__ISA_AVX2), "avx2");
+  const char *forced = getenv("CHORUS_REDUCE_ISA");
+  if (forced && strcmp(forced, "scalar") == 0) ASSERT_EQ(used, CHORUS__ISA_SCALAR);
+  if (!forced || !*forced || strcmp(forced, "auto") == 0)
+    for (int i = used + 1; i < CHORUS__ISA_COUNT; i++)
+      ASSERT_TRUE(!chorus__reduce_isa_available((chorus__isa_t)i));
+  printf("     reduce ISA in use: %s; available:", chorus__reduce_isa_name(used));
+  for (int i = 0; i < CHORUS__ISA_COUNT; i++)
+    if (chorus__reduce_isa_available((chorus__isa_t)i))
+      printf(" %s", chorus__reduce_isa_name((chorus__isa_t)i));
+  printf("\n");
+  for (size_t d = 0; d < N_DTYPES; d++)
+    for (size_t o = 0; o < N_OPS; o++) {
+      chorus_dtype_t dt = dtypes[d].dtype;
+      chorus_op_t op = all_ops[o];
+      checks++;
+      ASSERT_TRUE(chorus__reduce_fn(dt, op) == chorus__reduce_fn_isa(dt, op, used));
+      for (int i = 0; i < CHORUS__ISA_COUNT; i++) {
+        chorus__reduce_fn_t f = chorus__reduce_fn_isa(dt, op, (chorus__isa_t)i);
+        if (chorus__reduce_isa_available((chorus__isa_t)i))
+          ASSERT_EQ(f != NULL, chorus__reduce_supported(dt, op));
+        else
+          ASSERT_TRUE(f == NULL);
+      }
+      ASSERT_TRUE(chorus__reduce_fn_isa(dt, op, CHORUS__ISA_COUNT) == NULL);
+    }
+}
+
+/* The quiet NaN x of an element's format becomes (x itself if not NaN). */
+static uint64_t quieted(const struct dtype_info *di, uint64_t x) {
+  switch (di->kind) {
+  case K_HALF: return ref_is_nan16(fmt_half, (uint16_t)x) ? x | 0x0200u : x;
+  case K_BF16: return ref_is_nan16(fmt_bf16, (uint16_t)x) ? x | 0x0040u : x;
+  case K_F32: return isnan(float_of_bits((uint32_t)x)) ? x | 0x00400000u : x;
+  case K_F64: return isnan(double_of_bits(x)) ? x | 1ull << 51 : x;
+  default: return x;
+  }
+}
+
+/* got (SIMD) is the scalar kernel's result want.  One exception: SUM/PROD of
+ * two NaNs is the first NaN operand of the x86 instruction, quieted, and
+ * which operand comes first in the portable kernels is the compiler's choice
+ * (GCC commutes them differently per dtype and per loop), so there either
+ * NaN of the two, quieted, is the portable result. */
+static int same_result(const struct dtype_info *di, chorus_op_t op, uint64_t a, uint64_t b,
+                       uint64_t got, uint64_t want) {
+  if (got == want) return 1;
+  if (di->kind == K_SINT || di->kind == K_UINT) return 0;
+  if (op != CHORUS_SUM && op != CHORUS_PROD && op != CHORUS_AVG) return 0;
+  if (!isnan(fp_value(di, a)) || !isnan(fp_value(di, b))) return 0;
+  return (got == quieted(di, a) || got == quieted(di, b)) &&
+         (want == quieted(di, a) || want == quieted(di, b));
+}
+
+/* Compares fn against the scalar kernel on the same inputs in every aliasing
+ * mode; 0 if the bits agree. */
+static int compare_with_scalar(const struct dtype_info *di, chorus_op_t op, chorus__isa_t isa,
+                               const unsigned char *a0, const unsigned char *b0, size_t n) {
+  chorus__reduce_fn_t ref = chorus__reduce_fn_isa(di->dtype, op, CHORUS__ISA_SCALAR);
+  chorus__reduce_fn_t fn = chorus__reduce_fn_isa(di->dtype, op, isa);
+  size_t bytes = (n + CANARY) * di->size;
+  unsigned char *a = malloc(bytes), *b = malloc(bytes), *dst = malloc(bytes), *want = malloc(bytes);
+  int rc = -1;
+  if (!a || !b || !dst || !want) {
+    HARNESS_FAIL("out of memory");
+    goto out;
+  }
+  for (int mode = 0; mode < N_MODES; mode++) {
+    /* Expected: the scalar kernel, out of place on the inputs of this mode. */
+    memset(want, 0xa5, bytes);
+    ref(want, a0, mode == MODE_ALL_SAME ? a0 : b0, n);
+    memcpy(a, a0, bytes);
+    memcpy(b, mode == MODE_ALL_SAME ? a0 : b0, bytes);
+    memset(dst, 0xa5, bytes);
+    unsigned char *out;
+    switch (mode) {
+    case MODE_OUT_OF_PLACE: fn(dst, a, b, n); out = dst; break;
+    case MODE_DST_A: fn(a, a, b, n); out = a; break;
+    case MODE_DST_B: fn(b, a, b, n); out = b; break;
+    default: fn(a, a, a, n); out = a; break;
+    }
+    checks += n + 1;
+    size_t i = 0;
+    const unsigned char *bb = mode == MODE_ALL_SAME ? a0 : b0;
+    while (i < n && same_result(di, op, load_bits(di, a0, i), load_bits(di, bb, i),
+                                load_bits(di, out, i), load_bits(di, want, i)))
+      i++;
+    if (i < n) {
+      HARNESS_FAIL("%s %s %s n=%zu %s [%zu]: a=0x%llx b=0x%llx -> 0x%llx, scalar 0x%llx",
+                   chorus__reduce_isa_name(isa), di->name, chorus_op_name(op), n, mode_names[mode],
+                   i, (unsigned long long)load_bits(di, a0, i),
+                   (unsigned long long)load_bits(di, mode == MODE_ALL_SAME ? a0 : b0, i),
+                   (unsigned long long)load_bits(di, out, i),
+                   (unsigned long long)load_bits(di, want, i));
+      goto out;
+    }
+    const unsigned char *tail_before = mode == MODE_OUT_OF_PLACE ? want
+                                       : mode == MODE_DST_B      ? b0
+                                                                 : a0;
+    if (memcmp(out + n * di->size, tail_before + n * di->size, CANARY * di->size) != 0) {
+      HARNESS_FAIL("%s %s %s n=%zu %s: wrote past n", chorus__reduce_isa_name(isa), di->name,
+                   chorus_op_name(op), n, mode_names[mode]);
+      goto out;
+    }
+  }
+  rc = 0;
+out:
+  free(a);
+  free(b);
+  free(dst);
+  free(want);
+  return rc;
+}
+
+/* Every non-scalar kernel gives the scalar kernel's bits: random data with
+ * NaN (quiet, signalling, both signs), +-0, +-inf, subnormals, n = 0..100
+ * and 1000; for the 16-bit types also every bit pattern against a few
+ * operands (this covers the conversions exhaustively). */
+TEST(simd_bit_identical) {
+  for (int isa = 1; isa < CHORUS__ISA_COUNT; isa++) {
+    if (!chorus__reduce_isa_available((chorus__isa_t)isa)) continue;
+    for (size_t d = 0; d < N_DTYPES; d++) {
+      const struct dtype_info *di = &dtypes[d];
+      for (size_t o = 0; o < N_OPS; o++) {
+        chorus_op_t op = all_ops[o];
+        if (!chorus__reduce_supported(di->dtype, op)) continue;
+        uint64_t seed = 0x5eed + d * 100 + o;
+        unsigned char *a0 = malloc((65536 + CANARY) * 8), *b0 = malloc((65536 + CANARY) * 8);
+        ASSERT_TRUE(a0 && b0);
+        int bad = 0;
+        for (size_t n = 0; n <= 1000 && !bad; n = n < 100 ? n + 1 : 1000) {
+          for (size_t i = 0; i < n + CANARY; i++) {
+            store_bits(di, a0, i, random_element(di, &seed));
+            store_bits(di, b0, i, random_element(di, &seed));
+          }
+          bad = compare_with_scalar(di, op, (chorus__isa_t)isa, a0, b0, n);
+          if (n == 1000) break;
+        }
+        if (!bad && di->size == 2) {
+          /* All 65536 patterns against +-0, +-1, a NaN, inf, a subnormal. */
+          const uint16_t half_ops[] = {0x0000, 0x8000, 0x3c00, 0xbc00,
+                                       0x7e01, 0x7c00, 0x0001, 0x7c01};
+          const uint16_t bf16_ops[] = {0x0000, 0x8000, 0x3f80, 0xbf80,
+                                       0x7fc1, 0x7f80, 0x0001, 0x7f81};
+          for (size_t k = 0; k < 8 && !bad; k++) {
+            for (size_t i = 0; i < 65536 + CANARY; i++) {
+              store_bits(di, a0, i, i & 0xffff);
+              store_bits(di, b0, i, di->kind == K_HALF ? half_ops[k] : bf16_ops[k]);
+            }
+            bad = compare_with_scalar(di, op, (chorus__isa_t)isa, a0, b0, 65536) ||
+                  compare_with_scalar(di, op, (chorus__isa_t)isa, b0, a0, 65536);
+          }
+        }
+        free(a0);
+        free(b0);
+        if (bad) return;
+      }
+    }
+  }
+}
+
 int main(void) {
   RUN(supported_table);
   RUN(half_known_values);
@@ -843,6 +1034,8 @@ int main(void) {
   CHORUS_DTYPE_MAP(RUN_DTYPE_TESTS)
 #undef RUN_DTYPE_TESTS
   RUN(avg_end_to_end);
+  RUN(isa_dispatch);
+  RUN(simd_bit_identical);
   printf("%llu element checks\n", checks);
   return HARNESS_DONE();
 }
