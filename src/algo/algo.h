@@ -21,6 +21,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "chorus.h"
 #include "transport/transport.h"
@@ -85,6 +86,19 @@ int chorus__algo_select(const chorus__coll_t *c);
 void chorus__fp_format(const chorus__fp_t *fp, char *buf, size_t cap);
 
 /* ------------------------------------------------------------- helpers */
+
+/* Fills req as a collective send or receive of the current call. */
+static inline void chorus__coll_req(chorus__req_t *req, int type, int peer, void *buf, size_t len,
+                                    uint32_t step) {
+  memset(req, 0, sizeof *req);
+  req->type = type;
+  req->peer = peer;
+  req->kind = CHORUS__KIND_COLL;
+  req->step = step;
+  req->tag = -1;
+  req->buf = buf;
+  req->len = len;
+}
 
 /* Posts a receive of rlen bytes from rpeer (if rpeer >= 0) and a send of
  * slen bytes to speer (if speer >= 0), both with the given step, and waits

@@ -145,27 +145,13 @@ chorus_result_t chorus__xchg(chorus__coll_t *c, int speer, const void *sbuf, siz
   chorus__req_t *reqs[2] = {NULL, NULL};
   chorus_result_t st;
   if (rpeer >= 0) {
-    memset(&rr, 0, sizeof rr);
-    rr.type = CHORUS__REQ_RECV;
-    rr.peer = rpeer;
-    rr.kind = CHORUS__KIND_COLL;
-    rr.step = step;
-    rr.tag = -1;
-    rr.buf = rbuf;
-    rr.len = rlen;
+    chorus__coll_req(&rr, CHORUS__REQ_RECV, rpeer, rbuf, rlen, step);
     st = chorus__ep_post(c->ep, &rr);
     if (st != CHORUS_OK) return st;
     reqs[0] = &rr;
   }
   if (speer >= 0) {
-    memset(&sr, 0, sizeof sr);
-    sr.type = CHORUS__REQ_SEND;
-    sr.peer = speer;
-    sr.kind = CHORUS__KIND_COLL;
-    sr.step = step;
-    sr.tag = -1;
-    sr.buf = (void *)sbuf;
-    sr.len = slen;
+    chorus__coll_req(&sr, CHORUS__REQ_SEND, speer, (void *)sbuf, slen, step);
     st = chorus__ep_post(c->ep, &sr);
     if (st != CHORUS_OK) {
       /* The receive may be posted: failing the endpoint detaches it. */

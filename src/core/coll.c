@@ -30,19 +30,10 @@
 
 static chorus_result_t post_neighbour_check(chorus__coll_t *c, const chorus__fp_t *fp,
                                             chorus__fp_t *theirs, chorus__req_t *reqs) {
-  memset(reqs, 0, 2 * sizeof *reqs);
-  reqs[0].type = CHORUS__REQ_RECV;
-  reqs[0].peer = (c->rank + c->size - 1) % c->size;
-  reqs[1].type = CHORUS__REQ_SEND;
-  reqs[1].peer = (c->rank + 1) % c->size;
-  for (int i = 0; i < 2; i++) {
-    reqs[i].kind = CHORUS__KIND_COLL;
-    reqs[i].step = NEIGHBOUR_STEP;
-    reqs[i].tag = -1;
-    reqs[i].len = sizeof *fp;
-  }
-  reqs[0].buf = theirs;
-  reqs[1].buf = (void *)fp;
+  chorus__coll_req(&reqs[0], CHORUS__REQ_RECV, (c->rank + c->size - 1) % c->size, theirs,
+                   sizeof *theirs, NEIGHBOUR_STEP);
+  chorus__coll_req(&reqs[1], CHORUS__REQ_SEND, (c->rank + 1) % c->size, (void *)fp, sizeof *fp,
+                   NEIGHBOUR_STEP);
   chorus_result_t st = chorus__ep_post(c->ep, &reqs[0]);
   if (st == CHORUS_OK) st = chorus__ep_post(c->ep, &reqs[1]);
   return st;
@@ -301,7 +292,13 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
     bad(comm, name, "invalid dtype %d", (int)dtype);
     return NULL;
   }
-  if (op != CHORUS_OP_COUNT && !chorus__reduce_supported(dtype, op)) {
+  int reducing = coll == CHORUS_COLL_REDUCE || coll == CHORUS_COLL_ALL_REDUCE ||
+                 coll == CHORUS_COLL_REDUCE_SCATTER;
+  if (reducing && (op < 0 || op >= CHORUS_OP_COUNT)) {
+    bad(comm, name, "invalid reduce op %d", (int)op);
+    return NULL;
+  }
+  if (reducing && !chorus__reduce_supported(dtype, op)) {
     bad(comm, name, "reduce op %s is not defined for %s (bitwise ops need integer dtypes)",
         chorus_op_name(op), chorus_dtype_name(dtype));
     *st = op >= 0 && op < CHORUS_OP_COUNT ? CHORUS_ERR_NOT_SUPPORTED : CHORUS_ERR_INVALID_ARG;
@@ -389,7 +386,6 @@ chorus_result_t chorus_reduce(chorus_comm_t comm, const void *sendbuf, void *rec
   START(CHORUS_COLL_REDUCE);
   NEED_BUF(sendbuf, "sendbuf");
   if (comm->rank == root) NEED_BUF(recvbuf, "recvbuf (on root)");
-  if (op < 0 || op >= CHORUS_OP_COUNT) return bad(comm, name, "invalid reduce op %d", (int)op);
   MAKE(w, CHORUS_COLL_REDUCE, sendbuf, recvbuf, op, root);
   SUBMIT(w);
 }
@@ -400,7 +396,6 @@ chorus_result_t chorus_all_reduce(chorus_comm_t comm, const void *sendbuf, void 
   START(CHORUS_COLL_ALL_REDUCE);
   NEED_BUF(sendbuf, "sendbuf");
   NEED_BUF(recvbuf, "recvbuf");
-  if (op < 0 || op >= CHORUS_OP_COUNT) return bad(comm, name, "invalid reduce op %d", (int)op);
   MAKE(w, CHORUS_COLL_ALL_REDUCE, sendbuf, recvbuf, op, -1);
   SUBMIT(w);
 }
@@ -456,7 +451,6 @@ chorus_result_t chorus_reduce_scatter(chorus_comm_t comm, const void *sendbuf, v
   START(CHORUS_COLL_REDUCE_SCATTER);
   NEED_BUF(sendbuf, "sendbuf");
   NEED_BUF(recvbuf, "recvbuf");
-  if (op < 0 || op >= CHORUS_OP_COUNT) return bad(comm, name, "invalid reduce op %d", (int)op);
   MAKE(w, CHORUS_COLL_REDUCE_SCATTER, sendbuf, recvbuf, op, -1);
   SUBMIT(w);
 }
