@@ -297,6 +297,16 @@ static const char *ep_doing(chorus__ep_t *ep) {
   return ep->name[0] ? ep->name : "communication outside any collective (send/recv)";
 }
 
+/* Fails ep because peer c left (said goodbye, or its connection is gone)
+ * while ep still needs it; need says how ("waits for its data"). */
+static void fail_peer_left(chorus__ep_t *ep, conn_t *c, const char *need) {
+  char pd[160];
+  peer_desc(ep, c->rank, pd, sizeof pd);
+  ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: %s %s, but %s %s", ep->me, ep->n,
+                 pd, c->bye_received ? "destroyed its communicator" : "is gone (its connection closed)",
+                 ep_doing(ep), need);
+}
+
 /* A peer's connection ended.  Members of every endpoint containing it fail,
  * unless it said goodbye first and nothing is pending with it. */
 static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
@@ -318,15 +328,13 @@ static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
     for (txitem_t *it = c->tx_head; it; it = it->next)
       if (it->ep == ep) pending = 1;
     if (clean && !pending) continue;
+    if (clean) {
+      fail_peer_left(ep, c, "still exchanges data with it");
+      continue;
+    }
     char pd[160];
     peer_desc(ep, c->rank, pd, sizeof pd);
-    if (clean)
-      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
-                     "chorus rank %d/%d: %s destroyed its communicator while this rank "
-                     "still exchanges data with it in %s",
-                     ep->me, ep->n, pd, ep_doing(ep));
-    else
-      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
+    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
                      "chorus rank %d/%d: %s %s during %s; the process probably died "
                      "(check its output); every other rank fails too",
                      ep->me, ep->n, pd, why, ep_doing(ep));
@@ -522,12 +530,7 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
         if (g < 0 || ep->status != CHORUS_OK) continue;
         for (chorus__req_t *r = ep->recvs; r; r = r->next) {
           if (r->peer != g) continue;
-          char pd[160];
-          peer_desc(ep, c->rank, pd, sizeof pd);
-          ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
-                         "chorus rank %d/%d: %s destroyed its communicator while this rank "
-                         "waits for its data in %s",
-                         ep->me, ep->n, pd, ep_doing(ep));
+          fail_peer_left(ep, c, "waits for its data");
           break;
         }
       }
@@ -828,12 +831,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   chorus_result_t st = ep->status;
   if (st != CHORUS_OK) goto out;
   if (req->type == CHORUS__REQ_SEND && (c->dead || c->bye_received)) {
-    char pd[160];
-    peer_desc(ep, world, pd, sizeof pd);
-    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
-                   "chorus rank %d/%d: %s is gone (%s) but %s needs it", ep->me, ep->n, pd,
-                   c->dead ? "its connection closed" : "it destroyed its communicator",
-                   ep_doing(ep));
+    fail_peer_left(ep, c, "needs to send to it");
     st = ep->status;
     goto out;
   }
@@ -881,12 +879,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   }
   /* Nothing buffered: a peer that is gone will never send it. */
   if (c->dead || c->bye_received) {
-    char pd[160];
-    peer_desc(ep, world, pd, sizeof pd);
-    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
-                   "chorus rank %d/%d: %s %s, but %s waits for its data", ep->me, ep->n, pd,
-                   c->bye_received ? "destroyed its communicator" : "is gone (its connection closed)",
-                   ep_doing(ep));
+    fail_peer_left(ep, c, "waits for its data");
     st = ep->status;
     goto out;
   }
