@@ -41,6 +41,8 @@ typedef struct chorus__pool {
 /* Frees every buffer of the pool (none may be in use). */
 void chorus__pool_release(chorus__pool_t *pool);
 
+struct chorus__shm;
+
 typedef struct chorus__coll {
   chorus_coll_t coll;
   const void *sendbuf;
@@ -62,6 +64,8 @@ typedef struct chorus__coll {
   size_t esize;
   int algo;
   chorus__pool_t *pool; /* the communicator's scratch pool, or NULL */
+  struct chorus__shm *shm; /* the group's shared-memory segment, or NULL */
+  chorus__fp_t fp;         /* this call's fingerprint */
   char err[256]; /* local failure reason (e.g. out of memory) */
 } chorus__coll_t;
 
@@ -71,6 +75,7 @@ typedef struct chorus__algo {
   const char *name;
   chorus__algo_fn_t run;
   const char *desc;
+  int shm; /* needs the shared-memory segment (every rank on one host) */
 } chorus__algo_t;
 
 /* The algorithms registered for coll (*n receives their number). */
@@ -156,6 +161,15 @@ CHORUS__ALGO_DECL(chorus__alltoall_pairwise);
 CHORUS__ALGO_DECL(chorus__alltoallv_pairwise);
 CHORUS__ALGO_DECL(chorus__barrier_dissemination);
 CHORUS__ALGO_DECL(chorus__gatherv_linear);
+CHORUS__ALGO_DECL(chorus__allreduce_direct);
+CHORUS__ALGO_DECL(chorus__reduce_direct);
+CHORUS__ALGO_DECL(chorus__allgather_direct);
+CHORUS__ALGO_DECL(chorus__gather_direct);
+CHORUS__ALGO_DECL(chorus__reduce_scatter_direct);
+CHORUS__ALGO_DECL(chorus__alltoall_direct);
+CHORUS__ALGO_DECL(chorus__bcast_direct);
+CHORUS__ALGO_DECL(chorus__scatter_direct);
+CHORUS__ALGO_DECL(chorus__barrier_direct);
 CHORUS__ALGO_DECL(chorus__allgatherv_ring);
 
 #endif

@@ -18,46 +18,56 @@
 #include "util/env.h"
 #include "util/log.h"
 
-#define A(name, fn, desc) {name, fn, desc}
+#define A(name, fn, desc) {name, fn, desc, 0}
+#define D(fn, desc) {"direct", fn, "shared memory: " desc, 1}
 
 static const chorus__algo_t g_bcast[] = {
     A("binomial", chorus__bcast_binomial, "binomial tree, log2(n) rounds"),
     A("linear", chorus__bcast_linear, "root sends to every rank"),
+    D(chorus__bcast_direct, "root copies in once, every rank copies out"),
 };
 static const chorus__algo_t g_reduce[] = {
     A("binomial", chorus__reduce_binomial, "binomial tree, log2(n) rounds"),
     A("linear", chorus__reduce_linear, "root receives from every rank"),
+    D(chorus__reduce_direct, "each rank reduces a slice from every buffer"),
 };
 static const chorus__algo_t g_allreduce[] = {
     A("ring", chorus__allreduce_ring, "ring reduce-scatter + ring all-gather, 2(n-1) steps"),
     A("recursive_doubling", chorus__allreduce_rd,
       "recursive doubling, log2(n) rounds (+2 for non-powers of two)"),
     A("reduce_broadcast", chorus__allreduce_reduce_bcast, "binomial reduce + binomial broadcast"),
+    D(chorus__allreduce_direct, "each rank reduces a slice from every buffer, then copies the others' slices"),
 };
 static const chorus__algo_t g_scatter[] = {
     A("binomial", chorus__scatter_binomial, "binomial tree"),
     A("linear", chorus__scatter_linear, "root sends each block directly"),
+    D(chorus__scatter_direct, "root copies in once, every rank copies its block out"),
 };
 static const chorus__algo_t g_gather[] = {
     A("binomial", chorus__gather_binomial, "binomial tree"),
     A("linear", chorus__gather_linear, "root receives each block directly"),
+    D(chorus__gather_direct, "every rank copies in once, root copies out"),
 };
 static const chorus__algo_t g_allgather[] = {
     A("ring", chorus__allgather_ring, "ring, n-1 steps"),
     A("bruck", chorus__allgather_bruck, "Bruck, ceil(log2(n)) rounds"),
+    D(chorus__allgather_direct, "every rank copies in once and copies every block out"),
 };
 static const chorus__algo_t g_reduce_scatter[] = {
     A("ring", chorus__reduce_scatter_ring, "ring, n-1 steps"),
     A("pairwise", chorus__reduce_scatter_pairwise, "every rank sends block j to rank j"),
+    D(chorus__reduce_scatter_direct, "each rank reduces its block from every buffer"),
 };
 static const chorus__algo_t g_alltoall[] = {
     A("pairwise", chorus__alltoall_pairwise, "n-1 pairwise exchanges"),
+    D(chorus__alltoall_direct, "every rank copies in once and copies its blocks out"),
 };
 static const chorus__algo_t g_alltoallv[] = {
     A("pairwise", chorus__alltoallv_pairwise, "n-1 pairwise exchanges"),
 };
 static const chorus__algo_t g_barrier[] = {
     A("dissemination", chorus__barrier_dissemination, "ceil(log2(n)) rounds"),
+    D(chorus__barrier_direct, "one flag per rank"),
 };
 static const chorus__algo_t g_gatherv[] = {
     A("linear", chorus__gatherv_linear, "sizes then data, root receives directly"),
@@ -112,6 +122,13 @@ int chorus__algo_find(chorus_coll_t coll, const char *name) {
 
 int chorus__algo_select(const chorus__coll_t *c) {
   size_t bytes = c->count * c->esize;
+  if (c->shm) {
+    /* One host: the shared-memory algorithm wins at every size. */
+    int n;
+    const chorus__algo_t *t = chorus__algos(c->coll, &n);
+    for (int i = 0; i < n; i++)
+      if (t[i].shm) return i;
+  }
   switch (c->coll) {
     case CHORUS_COLL_ALL_REDUCE:
       return bytes >= (size_t)chorus__env()->RING_THRESHOLD && c->count >= (size_t)c->size

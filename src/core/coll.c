@@ -52,49 +52,56 @@ static chorus_result_t finish_neighbour_check(chorus__coll_t *c, const chorus__f
 static void run_op(struct chorus_work *w) {
   chorus_comm_t comm = w->comm;
   chorus__coll_t *c = &w->c;
-  char name[300], fpbuf[200];
-  chorus_result_t st = chorus__ep_status(comm->ep, w->err, sizeof w->err);
-  if (st != CHORUS_OK) {
+  chorus_result_t st;
+  if (chorus__ep_failed(comm->ep)) {
     char prev[sizeof w->err];
-    memcpy(prev, w->err, sizeof prev);
+    st = chorus__ep_status(comm->ep, prev, sizeof prev);
     snprintf(w->err, sizeof w->err, "the communicator failed earlier: %.900s", prev);
     w->result = st;
     return;
   }
-  chorus__fp_format(&w->fp, fpbuf, sizeof fpbuf);
-  snprintf(name, sizeof name, "%s (call #%" PRIu64 ")", fpbuf, w->seq);
-  chorus__ep_set_name(comm->ep, name);
-  {
-    CHORUS_DEBUG(CHORUS__SUB_ALGO, "%s", name);
-    st = chorus__ep_begin(comm->ep, w->seq, &w->fp);
-    chorus__req_t check[2];
-    chorus__fp_t theirs;
-    int checking = st == CHORUS_OK && c->size > 1;
-    if (checking) st = post_neighbour_check(c, &w->fp, &theirs, check);
-    if (st == CHORUS_OK && checking && comm->debug_checks) {
-      st = finish_neighbour_check(c, &w->fp, &theirs, check);
-      checking = 0;
-    }
-    if (st == CHORUS_OK) {
-      int n;
-      const chorus__algo_t *algos = chorus__algos(c->coll, &n);
-      st = algos[c->algo].run(c);
-    }
-    if (st == CHORUS_OK && checking) st = finish_neighbour_check(c, &w->fp, &theirs, check);
-    chorus__ep_end(comm->ep, w->seq);
+  c->fp = w->fp;
+  int n;
+  const chorus__algo_t *algo = &chorus__algos(c->coll, &n)[c->algo];
+  /* INFO: the first call of each collective with each algorithm (which
+   * algorithm runs is the question users ask); DEBUG: every call. */
+  unsigned bit = 1u << (c->algo & 31);
+  int first = !(comm->algo_logged[c->coll] & bit);
+  if (CHORUS__LOG_ON(first ? CHORUS__LOG_INFO : CHORUS__LOG_DEBUG, CHORUS__SUB_ALGO)) {
+    char fpbuf[200];
+    chorus__fp_format(&w->fp, fpbuf, sizeof fpbuf);
+    CHORUS__LOG(first ? CHORUS__LOG_INFO : CHORUS__LOG_DEBUG, CHORUS__SUB_ALGO,
+                "%s (call #%" PRIu64 ") runs algorithm %s over %s", fpbuf, w->seq, algo->name,
+                algo->shm ? "shared memory" : "tcp");
   }
+  comm->algo_logged[c->coll] |= bit;
+  st = chorus__ep_begin(comm->ep, w->seq, &w->fp);
+  chorus__req_t check[2];
+  chorus__fp_t theirs;
+  /* Shared-memory algorithms compare fingerprints in their own flags. */
+  int checking = st == CHORUS_OK && c->size > 1 && !algo->shm;
+  if (checking) st = post_neighbour_check(c, &w->fp, &theirs, check);
+  if (st == CHORUS_OK && checking && comm->debug_checks) {
+    st = finish_neighbour_check(c, &w->fp, &theirs, check);
+    checking = 0;
+  }
+  if (st == CHORUS_OK) st = algo->run(c);
+  if (st == CHORUS_OK && checking) st = finish_neighbour_check(c, &w->fp, &theirs, check);
   if (st != CHORUS_OK) {
     /* A local failure (no memory, bad argument found late) leaves the other
      * ranks waiting for us: fail the communicator everywhere. */
-    if (chorus__ep_status(comm->ep, NULL, 0) == CHORUS_OK)
+    if (!chorus__ep_failed(comm->ep)) {
+      char name[300];
+      chorus__ep_doing(comm->ep, name, sizeof name);
       chorus__ep_fail(comm->ep, st, 1, "chorus rank %d/%d: %s failed: %s", comm->rank, comm->size,
                       name, c->err[0] ? c->err : chorus_strerror(st));
+    }
     chorus__ep_status(comm->ep, w->err, sizeof w->err);
     if (!w->err[0]) snprintf(w->err, sizeof w->err, "%s", chorus_strerror(st));
     if (!__atomic_exchange_n(&comm->failure_logged, 1, __ATOMIC_ACQ_REL))
       CHORUS_WARN(CHORUS__SUB_COLL, "%s", w->err);
   }
-  chorus__ep_set_name(comm->ep, "");
+  chorus__ep_end(comm->ep, w->seq);
   w->result = st;
 }
 
@@ -335,11 +342,25 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
   c->timeout_ms = comm->timeout_ms;
   c->esize = chorus_dtype_size(dtype);
   c->pool = &comm->pool; /* collectives of one communicator never overlap */
+  c->shm = comm->shm;
   c->peer = c->tag = -1;
   pthread_mutex_lock(&comm->lock);
   int forced = comm->forced_algo[coll];
   pthread_mutex_unlock(&comm->lock);
   c->algo = forced >= 0 ? forced : chorus__algo_select(c);
+  int nalgos;
+  const chorus__algo_t *algo = &chorus__algos(coll, &nalgos)[c->algo];
+  if (algo->shm && !c->shm && comm->size == 1) {
+    /* A group of one has nothing to share: the automatic choice copies. */
+    c->algo = chorus__algo_select(c);
+  } else if (algo->shm && !c->shm) {
+    bad(comm, name, "algorithm '%s' needs every rank of the group on one host with shared "
+        "memory, and this group has none (ranks on several hosts, CHORUS_TRANSPORT=tcp, or "
+        "the segment could not be created: see the INFO log)", algo->name);
+    free(w);
+    *st = CHORUS_ERR_NOT_SUPPORTED;
+    return NULL;
+  }
   w->fp.coll = (uint8_t)coll;
   w->fp.dtype = (uint8_t)dtype;
   w->fp.op = op == CHORUS_OP_COUNT ? 0xff : (uint8_t)op;

@@ -15,6 +15,7 @@
  * rank or variable involved.
  */
 #include <errno.h>
+#include <sched.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -149,6 +150,7 @@ static void ctx_unref(chorus__ctx_t *ctx) {
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
   pthread_mutex_destroy(&ctx->lock);
+  free(ctx->host);
   free(ctx);
 }
 
@@ -182,6 +184,114 @@ chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *
   ctx->refs++;
   pthread_mutex_unlock(&ctx->lock);
   *out = comm;
+  return CHORUS_OK;
+}
+
+/* ------------------------------------------------------- shared memory */
+
+/* "hostname boot-id": equal exactly for processes that can share memory
+ * (a container with its own /dev/shm is caught when mapping fails). */
+static void host_identity(char *buf, size_t cap) {
+  char host[256] = "?", boot[64] = "";
+  gethostname(host, sizeof host - 1);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f) {
+    if (!fgets(boot, sizeof boot, f)) boot[0] = '\0';
+    fclose(f);
+  }
+  boot[strcspn(boot, "\n")] = '\0';
+  snprintf(buf, cap, "%s %s", host, boot);
+}
+
+static int online_cpus(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+/* One all_reduce(MIN) of an int over comm on the network path (the
+ * communicator is not handed out yet, so nothing else runs on it). */
+static chorus_result_t agree_min(chorus_comm_t comm, int32_t *v) {
+  int saved = comm->forced_algo[CHORUS_COLL_ALL_REDUCE];
+  comm->forced_algo[CHORUS_COLL_ALL_REDUCE] = -1;
+  int32_t in = *v;
+  chorus_result_t st = chorus_all_reduce(comm, &in, v, 1, CHORUS_INT32, CHORUS_MIN, NULL);
+  comm->forced_algo[CHORUS_COLL_ALL_REDUCE] = saved;
+  return st;
+}
+
+/* Gives comm its shared-memory segment when every member is on this host:
+ * rank 0 creates it, everyone agrees it exists, the others map it,
+ * everyone agrees they did, rank 0 unlinks the name.  Any failure to create
+ * or map falls back to TCP on every rank (logged); only a failure of the
+ * agreement itself (a dead peer) is an error. */
+static chorus_result_t shm_setup(chorus_comm_t comm) {
+  const chorus__env_t *env = chorus__env();
+  chorus__ctx_t *ctx = comm->ctx;
+  const char *mode = env->TRANSPORT && *env->TRANSPORT ? env->TRANSPORT : "auto";
+  if (!strcasecmp(mode, "tcp") || comm->size < 2) return CHORUS_OK;
+  int strict = !strcasecmp(mode, "shm");
+  int local = comm->size <= CHORUS__SHM_MAX_RANKS;
+  for (int i = 0; i < comm->size && local; i++)
+    local = ctx->host[comm->world_ranks[i]] == ctx->host[ctx->rank];
+  if (!local) {
+    if (strict) {
+      chorus__comm_set_error(comm, "chorus rank %d/%d: CHORUS_TRANSPORT=shm but the group spans "
+                             "several hosts", comm->rank, comm->size);
+      return CHORUS_ERR_NOT_SUPPORTED;
+    }
+    return CHORUS_OK; /* every member computes the same answer */
+  }
+  char name[128], err[512] = "";
+  chorus__shm_name(name, sizeof name, env->JOB_ID, ctx->world_id, comm->id);
+  long chunk = env->SHM_CHUNK;
+  if (chunk < 16384) chunk = 16384;
+  if (chunk > (64L << 20)) chunk = 64L << 20;
+  chunk = (chunk + 4095) / 4096 * 4096;
+  /* Keep big groups within 256 MiB of buffers. */
+  while ((size_t)chunk * 2 * (size_t)comm->size > ((size_t)256 << 20) && chunk > 16384) chunk /= 2;
+  chorus__shm_t *shm = NULL;
+  int32_t ok = 1;
+  chorus_result_t st = CHORUS_OK;
+  if (comm->rank == 0) ok = chorus__shm_create(name, comm->size, (size_t)chunk, &shm, err,
+                                               sizeof err) == CHORUS_OK;
+  st = agree_min(comm, &ok);
+  if (st == CHORUS_OK && ok && comm->rank != 0) {
+    ok = chorus__shm_attach(name, comm->size, comm->rank, &shm, err, sizeof err) == CHORUS_OK;
+    if (!ok) CHORUS_WARN(CHORUS__SUB_INIT, "rank %d/%d: %s", comm->rank, comm->size, err);
+  } else if (st == CHORUS_OK && comm->rank != 0) {
+    snprintf(err, sizeof err, "rank 0 could not create the segment");
+  }
+  if (st == CHORUS_OK) st = agree_min(comm, &ok);
+  if (comm->rank == 0 && shm) chorus__shm_unlink(name); /* mapped everywhere, or abandoned */
+  if (st != CHORUS_OK || !ok) {
+    chorus__shm_detach(shm);
+    if (st != CHORUS_OK) return st;
+    if (strict) {
+      chorus__comm_set_error(comm, "chorus rank %d/%d: CHORUS_TRANSPORT=shm but the shared-memory "
+                             "segment failed: %s", comm->rank, comm->size, err);
+      return CHORUS_ERR_SYSTEM;
+    }
+    CHORUS_WARN(CHORUS__SUB_INIT, "group of %d ranks on one host: shared memory unavailable (%s); "
+                "using TCP", comm->size, err[0] ? err : "another rank could not map it");
+    return CHORUS_OK;
+  }
+  int oversubscribed = ctx->local_count > online_cpus();
+  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 20000;
+  int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : oversubscribed ? 200 : 20;
+  chorus__shm_bind(shm, comm->ep, comm->timeout_ms, spin, yields);
+  comm->shm = shm;
+  /* End with a barrier in shared memory: a rank returns from it once it
+   * sees every other rank's flag, so a fast rank's failure in a later call
+   * (say a mismatch it detects alone) cannot fail this rank's setup. */
+  int saved = comm->forced_algo[CHORUS_COLL_BARRIER];
+  comm->forced_algo[CHORUS_COLL_BARRIER] = -1;
+  st = chorus_barrier(comm, NULL);
+  comm->forced_algo[CHORUS_COLL_BARRIER] = saved;
+  if (st != CHORUS_OK) return st;
+  CHORUS_INFO(CHORUS__SUB_INIT, "group of %d ranks on one host: shared memory %s (%zu KiB "
+              "buffers, spin %d, yield %d)", comm->size, name, shm->chunk >> 10, spin, yields);
   return CHORUS_OK;
 }
 
@@ -297,6 +407,28 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   }
   chorus__rdzv_free(addrs, size);
   addrs = NULL;
+  /* Which ranks share this host (for shared memory). */
+  char ident[400];
+  host_identity(ident, sizeof ident);
+  ctx->world_id = world_id;
+  ctx->host = calloc((size_t)size, sizeof *ctx->host);
+  if (!ctx->host) {
+    st = init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+    goto fail;
+  }
+  st = chorus__rdzv_allgather(ctx->store, prefix, "host", rank, size, ident, &addrs, err,
+                              sizeof err);
+  if (st != CHORUS_OK) {
+    init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
+    goto fail;
+  }
+  static const uint8_t hkey[16] = "chorus-hostident";
+  for (int r = 0; r < size; r++) {
+    ctx->host[r] = chorus__siphash(hkey, addrs[r], strlen(addrs[r]));
+    if (!strcmp(addrs[r], ident)) ctx->local_count++;
+  }
+  chorus__rdzv_free(addrs, size);
+  addrs = NULL;
   int *world = malloc(sizeof(int) * (size_t)size);
   if (!world) {
     st = init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
@@ -313,6 +445,10 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   comm->local_rank = cfg->local_rank;
   comm->local_size = cfg->local_world_size;
   st = apply_env_algos(comm);
+  if (st == CHORUS_OK) {
+    st = shm_setup(comm);
+    if (st != CHORUS_OK) init_fail(st, "%s", comm->last_error);
+  }
   if (st != CHORUS_OK) {
     chorus_comm_destroy(comm);
     return st;
@@ -326,6 +462,7 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
 fail:
   chorus__rdzv_free(addrs, size);
   if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
+  free(ctx->host);
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
   pthread_mutex_destroy(&ctx->lock);
@@ -397,6 +534,12 @@ static chorus_result_t make_group(chorus_comm_t parent, const int *ranks, int n,
   if (st == CHORUS_OK) {
     memcpy((*out)->forced_algo, parent->forced_algo, sizeof parent->forced_algo);
     (*out)->debug_checks = parent->debug_checks;
+    st = shm_setup(*out);
+    if (st != CHORUS_OK) {
+      chorus__comm_set_error(parent, "%s", (*out)->last_error);
+      chorus_comm_destroy(*out);
+      *out = NULL;
+    }
   }
   return st;
 }
@@ -496,6 +639,7 @@ chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
   pthread_cond_broadcast(&comm->cond);
   pthread_mutex_unlock(&comm->lock);
   if (comm->worker_started) pthread_join(comm->worker, NULL);
+  chorus__shm_detach(comm->shm);
   chorus__ep_destroy(comm->ep);
   chorus__pool_release(&comm->pool);
   ctx_unref(comm->ctx);

@@ -27,6 +27,7 @@
 
 #include "algo/algo.h"
 #include "chorus.h"
+#include "transport/shm.h"
 #include "transport/transport.h"
 
 typedef struct chorus__ctx {
@@ -36,6 +37,9 @@ typedef struct chorus__ctx {
   int refs; /* communicators using it */
   pthread_mutex_t lock;
   int rank, size;
+  uint64_t world_id;
+  uint64_t *host; /* per world rank: hash of its host name and boot id */
+  int local_count; /* world ranks on this host */
 } chorus__ctx_t;
 
 enum { CHORUS__WORK_QUEUED, CHORUS__WORK_RUNNING, CHORUS__WORK_DONE };
@@ -75,6 +79,8 @@ struct chorus_comm {
   int worker_started;
   char last_error[1024];
   chorus__pool_t pool; /* scratch kept between collectives */
+  chorus__shm_t *shm;  /* every member on this host: the group's segment */
+  unsigned algo_logged[CHORUS_COLL_COUNT]; /* algorithms already logged (executor only) */
   int failure_logged; /* the first failure was logged (atomic) */
 };
 

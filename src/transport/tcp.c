@@ -121,6 +121,9 @@ struct chorus__ep {
   char msg[1024];
   char name[256];
   chorus__req_t *recvs; /* posted, unmatched receives (FIFO) */
+  int failed;           /* atomic copy of status != OK, read without the lock */
+  void (*fail_hook)(void *);
+  void *fail_arg;
 };
 
 struct chorus__tp {
@@ -239,6 +242,8 @@ static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
   if (ep->status != CHORUS_OK) return;
   ep->status = code;
   vsnprintf(ep->msg, sizeof ep->msg, fmt, ap);
+  __atomic_store_n(&ep->failed, 1, __ATOMIC_SEQ_CST);
+  if (ep->fail_hook) ep->fail_hook(ep->fail_arg); /* wakes shared-memory waiters */
   /* Not logged here: a write to a full stderr pipe under the transport lock
    * would stall every wait and abort.  The core logs it when it returns. */
   detach_requests(ep->tp, ep);
@@ -293,8 +298,33 @@ static void peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
     snprintf(buf, cap, "rank %d (world rank %d, %s)", g, world, ep->tp->conns[world].addr);
 }
 
+/* What ep is doing, for failure messages (lock held).  The current
+ * collective is formatted here, when a message needs it, not when it
+ * starts: formatting every call would cost more than a small collective. */
 static const char *ep_doing(chorus__ep_t *ep) {
-  return ep->name[0] ? ep->name : "communication outside any collective (send/recv)";
+  if (ep->name[0]) return ep->name;
+  if (ep->in_coll) {
+    char fp[200];
+    ep->tp->fp_format(&ep->cur_fp, fp, sizeof fp);
+    snprintf(ep->name, sizeof ep->name, "%s (call #%" PRIu64 ")", fp, ep->cur_seq);
+    return ep->name;
+  }
+  return "communication outside any collective (send/recv)";
+}
+
+void chorus__ep_doing(chorus__ep_t *ep, char *buf, size_t cap) {
+  pthread_mutex_lock(&ep->tp->lock);
+  snprintf(buf, cap, "%s", ep_doing(ep));
+  pthread_mutex_unlock(&ep->tp->lock);
+}
+
+int chorus__ep_failed(chorus__ep_t *ep) { return __atomic_load_n(&ep->failed, __ATOMIC_SEQ_CST); }
+
+void chorus__ep_set_fail_hook(chorus__ep_t *ep, void (*fn)(void *), void *arg) {
+  pthread_mutex_lock(&ep->tp->lock);
+  ep->fail_hook = fn;
+  ep->fail_arg = arg;
+  pthread_mutex_unlock(&ep->tp->lock);
 }
 
 /* Fails ep because peer c left (said goodbye, or its connection is gone)
@@ -305,6 +335,66 @@ static void fail_peer_left(chorus__ep_t *ep, conn_t *c, const char *need) {
   ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: %s %s, but %s %s", ep->me, ep->n,
                  pd, c->bye_received ? "destroyed its communicator" : "is gone (its connection closed)",
                  ep_doing(ep), need);
+}
+
+/* Fails ep with a timeout: who says what this rank waited for; the members
+ * that stopped talking altogether (no heartbeat) are named as culprits,
+ * since the ranks we wait for may just be waiting for them. */
+static void ep_fail_timeout_locked(chorus__ep_t *ep, int timeout_ms, const char *who) {
+  chorus__tp_t *tp = ep->tp;
+  char silent[512];
+  size_t so = 0;
+  silent[0] = '\0';
+  int64_t now = chorus__now_ns();
+  for (int g = 0; g < ep->n && so < sizeof silent; g++) {
+    conn_t *pc = &tp->conns[ep->members[g]];
+    if (g == ep->me || pc->dead) continue;
+    int64_t quiet_ms = (now - pc->last_heard) / 1000000;
+    if (quiet_ms > 4 * HEARTBEAT_MS)
+      so += (size_t)snprintf(silent + so, sizeof silent - so, "%srank %d (silent for %lld ms)",
+                             so ? ", " : "", g, (long long)quiet_ms);
+  }
+  ep_fail_locked(ep, CHORUS_ERR_TIMEOUT, 1, "chorus rank %d/%d: %s timed out after %d ms %s; %s%s%s",
+                 ep->me, ep->n, ep_doing(ep), timeout_ms, who,
+                 so ? "not responding at all: " : "",
+                 so ? silent : "no rank is silent, so a rank is slow or stuck in user code",
+                 so ? " (stopped, hung or overloaded; raise CHORUS_TIMEOUT if merely slow)"
+                    : " (raise CHORUS_TIMEOUT if it is just slow)");
+}
+
+void chorus__ep_fail_timeout(chorus__ep_t *ep, int timeout_ms, const char *who) {
+  pthread_mutex_lock(&ep->tp->lock);
+  ep_fail_timeout_locked(ep, timeout_ms, who);
+  pthread_mutex_unlock(&ep->tp->lock);
+}
+
+int chorus__ep_peer_gone(chorus__ep_t *ep, int peer) {
+  chorus__tp_t *tp = ep->tp;
+  if (peer < 0 || peer >= ep->n || peer == ep->me) return 0;
+  pthread_mutex_lock(&tp->lock);
+  conn_t *c = &tp->conns[ep->members[peer]];
+  int gone = c->dead || c->bye_received;
+  pthread_mutex_unlock(&tp->lock);
+  return gone;
+}
+
+chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *need) {
+  chorus__tp_t *tp = ep->tp;
+  pthread_mutex_lock(&tp->lock);
+  if (ep->status == CHORUS_OK && peer >= 0 && peer < ep->n && peer != ep->me) {
+    conn_t *c = &tp->conns[ep->members[peer]];
+    if (c->dead || c->bye_received) fail_peer_left(ep, c, need);
+  }
+  chorus_result_t st = ep->status;
+  pthread_mutex_unlock(&tp->lock);
+  return st;
+}
+
+/* Wakes the shared-memory waiters of every endpoint containing world rank
+ * w (it left: they must re-check whether what they wait for can come). */
+static void wake_hooks_of(chorus__tp_t *tp, int w) {
+  for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next)
+    if (ep->w2g[w] >= 0 && ep->fail_hook) ep->fail_hook(ep->fail_arg);
 }
 
 /* A peer's connection ended.  Members of every endpoint containing it fail,
@@ -319,6 +409,7 @@ static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
     shutdown(c->fd, SHUT_RDWR);
   }
   int clean = c->bye_received && !c->in_payload && c->hgot == 0;
+  wake_hooks_of(tp, c->rank);
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
     int g = ep->w2g[c->rank];
     if (g < 0 || ep->status != CHORUS_OK) continue;
@@ -534,6 +625,7 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
           break;
         }
       }
+      wake_hooks_of(tp, c->rank);
       wake_all(tp);
       break;
     case T_ABORT:
@@ -801,6 +893,7 @@ chorus_result_t chorus__ep_begin(chorus__ep_t *ep, uint64_t seq, const chorus__f
   ep->in_coll = 1;
   ep->cur_seq = seq;
   ep->cur_fp = *fp;
+  ep->name[0] = '\0';
   for (unexp_t *u = tp->unexp_head; u && ep->status == CHORUS_OK; u = u->next) {
     if (u->h.type == T_DATA && u->h.ep_id == ep->id && u->h.kind == CHORUS__KIND_COLL &&
         u->h.seq <= seq)
@@ -814,6 +907,7 @@ chorus_result_t chorus__ep_begin(chorus__ep_t *ep, uint64_t seq, const chorus__f
 void chorus__ep_end(chorus__ep_t *ep, uint64_t seq) {
   pthread_mutex_lock(&ep->tp->lock);
   ep->in_coll = 0;
+  ep->name[0] = '\0';
   if (seq > ep->done_seq) ep->done_seq = seq;
   pthread_mutex_unlock(&ep->tp->lock);
 }
@@ -930,27 +1024,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
                                 reqs[i]->peer);
         if (off >= sizeof who) break;
       }
-      /* Which members stopped talking altogether?  Those are the culprits;
-       * the ranks we wait for may just be waiting for them. */
-      char silent[512];
-      size_t so = 0;
-      silent[0] = '\0';
-      int64_t now = chorus__now_ns();
-      for (int g = 0; g < ep->n && so < sizeof silent; g++) {
-        conn_t *pc = &tp->conns[ep->members[g]];
-        if (g == ep->me || pc->dead) continue;
-        int64_t quiet_ms = (now - pc->last_heard) / 1000000;
-        if (quiet_ms > 4 * HEARTBEAT_MS)
-          so += (size_t)snprintf(silent + so, sizeof silent - so, "%srank %d (silent for %lld ms)",
-                                 so ? ", " : "", g, (long long)quiet_ms);
-      }
-      ep_fail_locked(ep, CHORUS_ERR_TIMEOUT, 1,
-                     "chorus rank %d/%d: %s timed out after %d ms %s; %s%s%s",
-                     ep->me, ep->n, ep_doing(ep), timeout_ms, who,
-                     so ? "not responding at all: " : "",
-                     so ? silent : "no rank is silent, so a rank is slow or stuck in user code",
-                     so ? " (stopped, hung or overloaded; raise CHORUS_TIMEOUT if merely slow)"
-                        : " (raise CHORUS_TIMEOUT if it is just slow)");
+      ep_fail_timeout_locked(ep, timeout_ms, who);
       break;
     }
     struct timespec ts = chorus__deadline_timespec(deadline);

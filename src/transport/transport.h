@@ -139,7 +139,33 @@ void chorus__ep_fail(chorus__ep_t *ep, chorus_result_t code, int notify_peers,
 /* CHORUS_OK or the endpoint's failure; msg (may be NULL) receives the text. */
 chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap);
 
-/* Sets the "what is this rank doing" text used in failure messages. */
+/* Sets the "what is this rank doing" text used in failure messages; "" means
+ * the current collective (formatted only when a message needs it). */
 void chorus__ep_set_name(chorus__ep_t *ep, const char *name);
+
+/* That text, e.g. "all_reduce(count=10, float32, sum, algo ring) (call #3)". */
+void chorus__ep_doing(chorus__ep_t *ep, char *buf, size_t cap);
+
+/* Non-zero once the endpoint failed; no lock, for polling loops. */
+int chorus__ep_failed(chorus__ep_t *ep);
+
+/* Fails ep with CHORUS_ERR_TIMEOUT after timeout_ms; who says what this
+ * rank waited for ("waiting for rank 2 ..."); members whose heartbeats
+ * stopped are named in the message. */
+void chorus__ep_fail_timeout(chorus__ep_t *ep, int timeout_ms, const char *who);
+
+/* Non-zero if group rank peer left (goodbye or connection gone). */
+int chorus__ep_peer_gone(chorus__ep_t *ep, int peer);
+
+/* If group rank peer left (goodbye or connection gone), fails ep saying that
+ * this rank still needs it (need: "waits for its data"); returns the
+ * endpoint's status. */
+chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *need);
+
+/* fn(arg) runs (with the transport lock held: it must not block or call
+ * back into the transport) right after the endpoint fails and whenever a
+ * member leaves, from whichever thread noticed.  Used to wake shared-memory
+ * waiters.  NULL removes it. */
+void chorus__ep_set_fail_hook(chorus__ep_t *ep, void (*fn)(void *), void *arg);
 
 #endif

@@ -54,6 +54,11 @@ void chorus__log(int level, unsigned sub, const char *file, int line,
     }                                                                          \
   } while (0)
 
+/* Whether a line at level for sub would be written (to skip preparing it). */
+#define CHORUS__LOG_ON(level, sub)                                              \
+  ((level) <= CHORUS_LOG_MAX_LEVEL &&                                          \
+   (chorus__log_init(), (level) <= chorus__log_level && ((sub)&chorus__log_mask)))
+
 #define CHORUS_WARN(sub, ...) CHORUS__LOG(CHORUS__LOG_WARN, sub, __VA_ARGS__)
 #define CHORUS_INFO(sub, ...) CHORUS__LOG(CHORUS__LOG_INFO, sub, __VA_ARGS__)
 #define CHORUS_DEBUG(sub, ...) CHORUS__LOG(CHORUS__LOG_DEBUG, sub, __VA_ARGS__)

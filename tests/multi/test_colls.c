@@ -386,6 +386,29 @@ static void matrix(chorus_comm_t comm, chorus_coll_t coll) {
   for (int ai = 0; chorus_algo_name(coll, ai); ai++) {
     const char *algo = chorus_algo_name(coll, ai);
     chorus_comm_set_algo(comm, coll, algo);
+    const char *tp = getenv("CHORUS_TRANSPORT");
+    if (!strcmp(algo, "direct") && g_size > 1 && tp && !strcmp(tp, "tcp")) {
+      /* No shared memory: forcing it must be refused, clearly. */
+      char one[64] = {0}, out[64 * 64] = {0};
+      chorus_result_t st = CHORUS_OK;
+      switch (coll) {
+        case CHORUS_COLL_BARRIER: st = chorus_barrier(comm, NULL); break;
+        default: st = chorus_all_gather(comm, one, out, 1, CHORUS_INT8, NULL); break;
+      }
+      if (coll == CHORUS_COLL_BARRIER || coll == CHORUS_COLL_ALL_GATHER) {
+        snprintf(g_case, sizeof g_case, "%s algo=direct over tcp n=%d", chorus_coll_name(coll),
+                 g_size);
+        if (st == CHORUS_ERR_NOT_SUPPORTED && strstr(chorus_comm_last_error(comm), "shared memory"))
+          g_pass++;
+        else {
+          g_fail++;
+          fprintf(stderr, "rank %d: FAIL %s: returned %s, want CHORUS_ERR_NOT_SUPPORTED\n", g_rank,
+                  g_case, chorus_result_name(st));
+        }
+      }
+      chorus_comm_set_algo(comm, coll, NULL);
+      continue;
+    }
     int ninplace = has_inplace(coll) ? (coll == CHORUS_COLL_ALL_GATHER ? 3 : 2) : 1;
     int dtype_free = coll == CHORUS_COLL_BARRIER || coll == CHORUS_COLL_GATHERV ||
                      coll == CHORUS_COLL_ALL_GATHERV;

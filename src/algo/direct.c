@@ -1,0 +1,352 @@
+/*
+ * direct.c - collectives over the communicator's shared-memory segment
+ * (transport/shm.h): every rank copies its input into its own buffer of the
+ * segment once and reads the others' buffers directly, so a collective is a
+ * few flag waits instead of a chain of messages.
+ *
+ * Large collectives are cut into chunks that fit the segment's buffers
+ * (double-buffered by ticket parity, so a rank copies chunk k+1 in while
+ * slower peers still read chunk k); a chunk stays in the caches between the
+ * copy in and the reads, so memory traffic is close to reading each input
+ * and writing each output once.  Payloads of up to CHORUS__SHM_INLINE bytes
+ * travel inside the control line itself: one cache line per rank per call.
+ *
+ * all_reduce: each rank reduces its 1/n slice of the chunk from all n
+ * buffers (in rank order, so every element is combined in the same order on
+ * every rank), publishes it, and copies the others' slices.  Small ones
+ * (<= SMALL_BYTES) skip the slicing: every rank combines everything.
+ *
+ * Mismatch detection: every published line carries the call's fingerprint
+ * and every reader compares it.  Each algorithm makes every rank read a
+ * line of some rank that reads everyone (the root, or all ranks), so two
+ * ranks that disagree always meet; the core therefore skips its neighbour
+ * exchange for these algorithms.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "algo/algo.h"
+#include "reduce/reduce.h"
+#include "transport/shm.h"
+#include "util/util.h"
+
+/* all_reduce / reduce up to this many bytes: no slicing, one flag wait. */
+#define SMALL_BYTES 4096
+
+static chorus_result_t mismatch(chorus__coll_t *c, int r, const chorus__fp_t *theirs) {
+  char mine[200], other[200], doing[300];
+  chorus__fp_format(&c->fp, mine, sizeof mine);
+  chorus__fp_format(theirs, other, sizeof other);
+  chorus__ep_doing(c->ep, doing, sizeof doing);
+  chorus__ep_fail(c->ep, CHORUS_ERR_MISMATCH, 1,
+                  "chorus rank %d/%d: collective mismatch in %s: this rank called %s, rank %d "
+                  "called %s (every rank must call the same collectives in the same order with "
+                  "the same counts, dtype, op and root)",
+                  c->rank, c->size, doing, mine, r, other);
+  snprintf(c->err, sizeof c->err, "collective mismatch with rank %d", r);
+  return CHORUS_ERR_MISMATCH;
+}
+
+/* Publishes this rank's line for ticket t (payload first, then seq). */
+static void put_line(chorus__coll_t *c, uint64_t t, const void *data, size_t len) {
+  chorus__shm_t *s = c->shm;
+  chorus__shm_line_t *l = chorus__shm_line(s, s->me, t);
+  l->fp = c->fp;
+  if (len) memcpy(l->data, data, len);
+  chorus__shm_set(s, &l->seq, t);
+}
+
+/* Waits for rank r's line of ticket t and checks its fingerprint. */
+static chorus_result_t get_line(chorus__coll_t *c, int r, uint64_t t, chorus__shm_line_t **out) {
+  chorus__shm_t *s = c->shm;
+  chorus__shm_line_t *l = chorus__shm_line(s, r, t);
+  chorus_result_t st = chorus__shm_wait(s, &l->seq, t, r, "its data");
+  if (st != CHORUS_OK) return st;
+  if (!chorus__fp_equal(&l->fp, &c->fp)) return mismatch(c, r, &l->fp);
+  if (out) *out = l;
+  return CHORUS_OK;
+}
+
+/* Waits for every other rank's line of ticket t.  Each of them published
+ * done(t - 1) before it, which is what the next claim needs to know. */
+static chorus_result_t get_all(chorus__coll_t *c, uint64_t t) {
+  chorus__shm_t *s = c->shm;
+  for (int r = 0; r < s->n; r++) {
+    if (r == s->me) continue;
+    chorus_result_t st = get_line(c, r, t, NULL);
+    if (st != CHORUS_OK) return st;
+  }
+  if (s->all_done < t - 1) s->all_done = t - 1;
+  return CHORUS_OK;
+}
+
+/* This rank finished reading ticket t. */
+static void finish(chorus__coll_t *c, uint64_t t) {
+  chorus__shm_t *s = c->shm;
+  chorus__shm_set(s, &s->area[s->me].done, t);
+}
+
+/* Where rank r's data of ticket t is: inline for small payloads. */
+static const unsigned char *src_of(chorus__coll_t *c, int r, uint64_t t, int inl) {
+  return inl ? chorus__shm_line(c->shm, r, t)->data : chorus__shm_buf(c->shm, r, t);
+}
+
+/* dst = src[0] op src[1] op ... op src[n-1] over cnt elements, in rank
+ * order (dst may be one of the sources only if it is src[0]). */
+static void combine_all(chorus__coll_t *c, unsigned char *dst, const unsigned char *const *src,
+                        int n, size_t cnt) {
+  if (n == 1) {
+    if (dst != src[0]) memcpy(dst, src[0], cnt * c->esize);
+    return;
+  }
+  chorus__combine(c, dst, src[0], src[1], cnt);
+  for (int r = 2; r < n; r++) chorus__combine(c, dst, dst, src[r], cnt);
+}
+
+/* ---------------------------------------------------------- all_reduce */
+
+/* Every rank combines the whole (small) vector itself: one wait. */
+static chorus_result_t reduce_small(chorus__coll_t *c, int everyone) {
+  chorus__shm_t *s = c->shm;
+  size_t bytes = c->count * c->esize;
+  int inl = bytes <= CHORUS__SHM_INLINE;
+  uint64_t t;
+  chorus_result_t st = chorus__shm_claim(s, &t);
+  if (st != CHORUS_OK) return st;
+  if (!inl && bytes) memcpy(chorus__shm_buf(s, s->me, t), c->sendbuf, bytes);
+  put_line(c, t, c->sendbuf, inl ? bytes : 0);
+  int mine = everyone || c->rank == c->root;
+  if (mine) {
+    st = get_all(c, t);
+    if (st != CHORUS_OK) return st;
+    const unsigned char *src[CHORUS__SHM_MAX_RANKS];
+    for (int r = 0; r < s->n; r++) src[r] = src_of(c, r, t, inl);
+    if (bytes) {
+      combine_all(c, c->recvbuf, src, s->n, c->count);
+      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, s->n);
+    }
+  } else {
+    st = get_line(c, c->root, t, NULL); /* the root's call must be ours */
+    if (st != CHORUS_OK) return st;
+  }
+  finish(c, t);
+  return CHORUS_OK;
+}
+
+/* Chunked: copy in, reduce my slice from every buffer, publish it, copy the
+ * other slices out (only the root copies out for reduce). */
+static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
+  chorus__shm_t *s = c->shm;
+  const size_t es = c->esize, per = s->chunk / es;
+  const unsigned char *in = c->sendbuf;
+  unsigned char *out = c->recvbuf;
+  int outputs = everyone || c->rank == c->root;
+  uint64_t t = 0;
+  for (size_t off = 0; off < c->count; off += per) {
+    size_t m = CHORUS__MIN(per, c->count - off);
+    chorus_result_t st = chorus__shm_claim(s, &t);
+    if (st != CHORUS_OK) return st;
+    unsigned char *mybuf = chorus__shm_buf(s, s->me, t);
+    memcpy(mybuf, in + off * es, m * es);
+    put_line(c, t, NULL, 0);
+    st = get_all(c, t);
+    if (st != CHORUS_OK) return st;
+    size_t a = chorus__blk_offset(m, s->n, s->me), k = chorus__blk_count(m, s->n, s->me);
+    const unsigned char *src[CHORUS__SHM_MAX_RANKS];
+    for (int r = 0; r < s->n; r++) src[r] = chorus__shm_buf(s, r, t) + a * es;
+    /* Accumulate outside the buffers (my own is one of the sources), then
+     * publish the slice in my buffer, where nobody else reads [a, a+k). */
+    unsigned char *acc = outputs ? out + (off + a) * es : NULL;
+    unsigned char *tmp = NULL;
+    if (!acc) {
+      tmp = chorus__scratch(c, k * es);
+      if (!tmp) return CHORUS_ERR_NO_MEMORY;
+      acc = tmp;
+    }
+    if (k) {
+      combine_all(c, acc, src, s->n, k);
+      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(acc, k, c->dtype, s->n);
+      memcpy(mybuf + a * es, acc, k * es);
+    }
+    chorus__scratch_free(c, tmp);
+    chorus__shm_set(s, &chorus__shm_line(s, s->me, t)->red, t);
+    if (outputs) {
+      for (int i = 1; i < s->n; i++) {
+        int r = (s->me + i) % s->n; /* start with different peers */
+        st = chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r, "its reduced slice");
+        if (st != CHORUS_OK) return st;
+        size_t ra = chorus__blk_offset(m, s->n, r), rk = chorus__blk_count(m, s->n, r);
+        memcpy(out + (off + ra) * es, chorus__shm_buf(s, r, t) + ra * es, rk * es);
+      }
+    }
+    finish(c, t);
+  }
+  return CHORUS_OK;
+}
+
+static chorus_result_t reduce_any(chorus__coll_t *c, int everyone) {
+  if (c->count * c->esize <= CHORUS__MIN((size_t)SMALL_BYTES, c->shm->chunk))
+    return reduce_small(c, everyone);
+  return reduce_sliced(c, everyone);
+}
+
+chorus_result_t chorus__allreduce_direct(chorus__coll_t *c) { return reduce_any(c, 1); }
+chorus_result_t chorus__reduce_direct(chorus__coll_t *c) { return reduce_any(c, 0); }
+
+/* ---------------------------------------------------------- all_gather */
+
+static unsigned char *gather_dst(chorus__coll_t *c, int r, size_t off) {
+  if (c->recvbufs) return (unsigned char *)c->recvbufs[r] + off * c->esize;
+  return (unsigned char *)c->recvbuf + ((size_t)r * c->count + off) * c->esize;
+}
+
+/* all_gather (everyone receives) and gather (the root receives). */
+static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
+  chorus__shm_t *s = c->shm;
+  const size_t es = c->esize;
+  const size_t bytes = c->count * es;
+  const int inl = bytes <= CHORUS__SHM_INLINE;
+  const size_t per = inl ? CHORUS__MAX(c->count, (size_t)1) : s->chunk / es;
+  int receives = everyone || c->rank == c->root;
+  const unsigned char *in = c->sendbuf;
+  uint64_t t = 0;
+  size_t off = 0;
+  do {
+    size_t m = CHORUS__MIN(per, c->count - off);
+    chorus_result_t st = chorus__shm_claim(s, &t);
+    if (st != CHORUS_OK) return st;
+    if (!inl && m) memcpy(chorus__shm_buf(s, s->me, t), in + off * es, m * es);
+    put_line(c, t, in, inl ? bytes : 0);
+    if (receives) {
+      st = get_all(c, t);
+      if (st != CHORUS_OK) return st;
+      for (int r = 0; r < s->n && m; r++) {
+        const unsigned char *from = r == s->me ? in + off * es : src_of(c, r, t, inl);
+        unsigned char *to = gather_dst(c, r, off);
+        if (to != from) memmove(to, from, m * es);
+      }
+    } else {
+      st = get_line(c, c->root, t, NULL);
+      if (st != CHORUS_OK) return st;
+    }
+    finish(c, t);
+    off += m;
+  } while (off < c->count);
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__allgather_direct(chorus__coll_t *c) { return gather_any(c, 1); }
+chorus_result_t chorus__gather_direct(chorus__coll_t *c) { return gather_any(c, 0); }
+
+/* ------------------------------------- reduce_scatter and all_to_all */
+
+/* Every rank publishes sub-chunk [off, off+m) of each of its n blocks; rank
+ * r then reads sub-block r of everyone (and reduces them, or places them). */
+static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
+  chorus__shm_t *s = c->shm;
+  const int n = s->n;
+  const size_t es = c->esize;
+  const size_t total = c->count * es * (size_t)n;
+  const int inl = total <= CHORUS__SHM_INLINE;
+  const size_t per = inl ? CHORUS__MAX(c->count, (size_t)1) : s->chunk / (es * (size_t)n);
+  const unsigned char *in = c->sendbuf;
+  unsigned char *out = c->recvbuf;
+  uint64_t t = 0;
+  size_t off = 0;
+  do {
+    size_t m = CHORUS__MIN(per, c->count - off);
+    chorus_result_t st = chorus__shm_claim(s, &t);
+    if (st != CHORUS_OK) return st;
+    unsigned char *mine = inl ? chorus__shm_line(s, s->me, t)->data : chorus__shm_buf(s, s->me, t);
+    for (int b = 0; b < n && m; b++)
+      memcpy(mine + (size_t)b * m * es, in + ((size_t)b * c->count + off) * es, m * es);
+    put_line(c, t, NULL, 0);
+    st = get_all(c, t);
+    if (st != CHORUS_OK) return st;
+    if (m) {
+      const unsigned char *src[CHORUS__SHM_MAX_RANKS];
+      for (int r = 0; r < n; r++) src[r] = src_of(c, r, t, inl) + (size_t)s->me * m * es;
+      if (reducing) {
+        combine_all(c, out + off * es, src, n, m);
+        if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(out + off * es, m, c->dtype, n);
+      } else {
+        for (int r = 0; r < n; r++)
+          memcpy(out + ((size_t)r * c->count + off) * es, src[r], m * es);
+      }
+    }
+    finish(c, t);
+    off += m;
+  } while (off < c->count);
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__reduce_scatter_direct(chorus__coll_t *c) { return blocks_any(c, 1); }
+chorus_result_t chorus__alltoall_direct(chorus__coll_t *c) { return blocks_any(c, 0); }
+
+/* ------------------------------------------------ broadcast and scatter */
+
+/* The root publishes chunk by chunk (n sub-blocks for scatter); the others
+ * copy out and acknowledge with their own line, which the root checks at
+ * the end (so a rank that disagrees about the root is always caught). */
+static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
+  chorus__shm_t *s = c->shm;
+  const int n = s->n, root = c->root;
+  const size_t es = c->esize;
+  const size_t total = c->count * es * (size_t)(scatter ? n : 1);
+  const int inl = total <= CHORUS__SHM_INLINE;
+  const size_t per = inl ? CHORUS__MAX(c->count, (size_t)1)
+                         : s->chunk / (es * (size_t)(scatter ? n : 1));
+  const unsigned char *in = c->sendbuf;
+  unsigned char *out = c->recvbuf;
+  uint64_t t = 0;
+  size_t off = 0;
+  do {
+    size_t m = CHORUS__MIN(per, c->count - off);
+    chorus_result_t st = chorus__shm_claim(s, &t);
+    if (st != CHORUS_OK) return st;
+    if (c->rank == root) {
+      unsigned char *mine = inl ? chorus__shm_line(s, s->me, t)->data : chorus__shm_buf(s, s->me, t);
+      if (scatter) {
+        for (int b = 0; b < n && m; b++)
+          if (b != root) memcpy(mine + (size_t)b * m * es, in + ((size_t)b * c->count + off) * es,
+                                m * es);
+        if (m && out != in + (size_t)root * c->count * es)
+          memmove(out + off * es, in + ((size_t)root * c->count + off) * es, m * es);
+      } else if (m) {
+        memcpy(mine, in + off * es, m * es);
+      }
+      put_line(c, t, NULL, 0);
+    } else {
+      st = get_line(c, root, t, NULL);
+      if (st != CHORUS_OK) return st;
+      const unsigned char *src = src_of(c, root, t, inl) + (scatter ? (size_t)s->me * m * es : 0);
+      if (m) memcpy(out + off * es, src, m * es);
+      put_line(c, t, NULL, 0); /* acknowledgement */
+    }
+    off += m;
+    /* The acknowledgements are lines of ticket t too: read them before
+     * saying done(t), or a fast peer could reuse the line meanwhile. */
+    if (c->rank == root && off >= c->count) {
+      st = get_all(c, t);
+      if (st != CHORUS_OK) return st;
+    }
+    finish(c, t);
+  } while (off < c->count);
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__bcast_direct(chorus__coll_t *c) { return from_root(c, 0); }
+chorus_result_t chorus__scatter_direct(chorus__coll_t *c) { return from_root(c, 1); }
+
+/* ------------------------------------------------------------- barrier */
+
+chorus_result_t chorus__barrier_direct(chorus__coll_t *c) {
+  uint64_t t;
+  chorus_result_t st = chorus__shm_claim(c->shm, &t);
+  if (st != CHORUS_OK) return st;
+  put_line(c, t, NULL, 0);
+  st = get_all(c, t);
+  if (st == CHORUS_OK) finish(c, t);
+  return st;
+}

@@ -1,0 +1,244 @@
+/*
+ * shm.c - the shared-memory segment of a single-host communicator: creation,
+ * mapping, the bell, and bounded waits on flags (see shm.h for the
+ * protocol).
+ */
+#include "transport/shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "util/clock.h"
+#include "util/log.h"
+#include "util/util.h"
+
+#define SHM_MAGIC 0x63686f7275736d31ull /* "chorusm1" */
+#define SHM_VERSION 1u
+#define SHM_PAGE 4096u
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static size_t areas_offset(void) { return SHM_PAGE; }
+static size_t data_offset(int n) {
+  return round_up(areas_offset() + sizeof(chorus__shm_area_t) * (size_t)n, SHM_PAGE);
+}
+
+size_t chorus__shm_bytes(int n, size_t chunk) {
+  return data_offset(n) + (size_t)n * 2 * chunk;
+}
+
+void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t world_id,
+                      uint64_t group_id) {
+  char clean[24];
+  size_t k = 0;
+  for (const char *p = job ? job : ""; *p && k + 1 < sizeof clean; p++)
+    if ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z'))
+      clean[k++] = *p;
+  clean[k] = '\0';
+  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-%016" PRIx64, k ? clean : "nojob", world_id,
+           group_id);
+}
+
+static chorus__shm_t *wrap(void *base, size_t bytes, int n, int me, size_t chunk) {
+  chorus__shm_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->base = base;
+  s->bytes = bytes;
+  s->n = n;
+  s->me = me;
+  s->chunk = chunk;
+  s->hdr = base;
+  s->area = (chorus__shm_area_t *)((char *)base + areas_offset());
+  s->data = (unsigned char *)base + data_offset(n);
+  s->timeout_ms = 300000;
+  return s;
+}
+
+chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus__shm_t **out,
+                                   char *errmsg, size_t cap) {
+  *out = NULL;
+  size_t bytes = chorus__shm_bytes(n, chunk);
+  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    snprintf(errmsg, cap, "shm_open(%s) failed: %s", name, strerror(errno));
+    return CHORUS_ERR_SYSTEM;
+  }
+  /* Reserve the memory now: a tmpfs that runs out later would SIGBUS us. */
+  int rc = posix_fallocate(fd, 0, (off_t)bytes);
+  if (rc != 0) {
+    snprintf(errmsg, cap, "cannot reserve %zu bytes in /dev/shm for %s: %s", bytes, name,
+             strerror(rc));
+    close(fd);
+    shm_unlink(name);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    snprintf(errmsg, cap, "mmap of %zu bytes (%s) failed: %s", bytes, name, strerror(errno));
+    shm_unlink(name);
+    return CHORUS_ERR_SYSTEM;
+  }
+  /* fallocate zero-filled everything: every flag starts at ticket 0. */
+  chorus__shm_hdr_t *h = base;
+  h->version = SHM_VERSION;
+  h->n = (uint32_t)n;
+  h->chunk = chunk;
+  h->bytes = bytes;
+  __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
+  *out = wrap(base, bytes, n, 0, chunk);
+  if (!*out) {
+    munmap(base, bytes);
+    shm_unlink(name);
+    snprintf(errmsg, cap, "out of memory");
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__shm_attach(const char *name, int n, int me, chorus__shm_t **out,
+                                   char *errmsg, size_t cap) {
+  *out = NULL;
+  int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    snprintf(errmsg, cap, "shm_open(%s) failed: %s (is /dev/shm shared between the ranks?)", name,
+             strerror(errno));
+    return CHORUS_ERR_SYSTEM;
+  }
+  struct stat sb;
+  if (fstat(fd, &sb) < 0 || sb.st_size < (off_t)sizeof(chorus__shm_hdr_t)) {
+    snprintf(errmsg, cap, "%s is too small to be a chorus segment", name);
+    close(fd);
+    return CHORUS_ERR_SYSTEM;
+  }
+  size_t bytes = (size_t)sb.st_size;
+  void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    snprintf(errmsg, cap, "mmap of %s failed: %s", name, strerror(errno));
+    return CHORUS_ERR_SYSTEM;
+  }
+  chorus__shm_hdr_t *h = base;
+  /* The segment is written only by ranks of this job (0600, same user), but
+   * check its geometry before trusting any offset derived from it. */
+  if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHM_MAGIC || h->version != SHM_VERSION ||
+      h->n != (uint32_t)n || h->bytes != bytes || h->chunk == 0 || h->chunk % 64 ||
+      chorus__shm_bytes(n, h->chunk) != bytes) {
+    snprintf(errmsg, cap, "%s does not hold a chorus segment for %d ranks", name, n);
+    munmap(base, bytes);
+    return CHORUS_ERR_PROTOCOL;
+  }
+  *out = wrap(base, bytes, n, me, h->chunk);
+  if (!*out) {
+    munmap(base, bytes);
+    snprintf(errmsg, cap, "out of memory");
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  return CHORUS_OK;
+}
+
+void chorus__shm_unlink(const char *name) { shm_unlink(name); }
+
+static void fail_hook(void *arg) { chorus__shm_ring(arg); }
+
+void chorus__shm_bind(chorus__shm_t *s, chorus__ep_t *ep, int timeout_ms, int spin, int yields) {
+  s->ep = ep;
+  s->timeout_ms = timeout_ms;
+  s->spin = spin < 0 ? 0 : spin;
+  s->yields = yields < 0 ? 0 : yields;
+  chorus__ep_set_fail_hook(ep, fail_hook, s);
+}
+
+void chorus__shm_detach(chorus__shm_t *s) {
+  if (!s) return;
+  if (s->ep) chorus__ep_set_fail_hook(s->ep, NULL, NULL);
+  munmap(s->base, s->bytes);
+  free(s);
+}
+
+static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
+  return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
+}
+
+void chorus__shm_ring(chorus__shm_t *s) {
+  __atomic_fetch_add(&s->hdr->bell, 1, __ATOMIC_SEQ_CST);
+  futex(&s->hdr->bell, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* Fails the endpoint with a timeout naming the peer and where it is. */
+static chorus_result_t wait_timeout(chorus__shm_t *s, const uint64_t *word, uint64_t target,
+                                    int peer, const char *what) {
+  char who[256];
+  uint64_t at = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  snprintf(who, sizeof who, "waiting for rank %d in shared memory (%s: step %" PRIu64
+           " needed, it is at step %" PRIu64 ")", peer, what, target, at);
+  chorus__ep_fail_timeout(s->ep, s->timeout_ms, who);
+  return CHORUS_ERR_TIMEOUT;
+}
+
+chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, uint64_t target,
+                                      int peer, const char *what) {
+#define REACHED() (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target)
+  for (int i = 0; i < s->spin; i++) {
+    cpu_relax();
+    if (REACHED()) return CHORUS_OK;
+  }
+  for (int i = 0; i < s->yields; i++) {
+    sched_yield();
+    if (REACHED()) return CHORUS_OK;
+  }
+  int64_t deadline = chorus__deadline_ms(s->timeout_ms);
+  for (;;) {
+    if (REACHED()) return CHORUS_OK;
+    if (chorus__ep_failed(s->ep)) return chorus__ep_status(s->ep, NULL, 0);
+    /* A peer that left will not write again (what it wrote before stays). */
+    if (chorus__ep_peer_gone(s->ep, peer)) {
+      if (REACHED()) return CHORUS_OK; /* its last write came before its goodbye */
+      return chorus__ep_check_peer(s->ep, peer, "waits for its data in shared memory");
+    }
+    int64_t left = chorus__ms_left(deadline);
+    if (left <= 0) return wait_timeout(s, word, target, peer, what);
+    uint32_t bell = __atomic_load_n(&s->hdr->bell, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
+    if (!REACHED() && !chorus__ep_failed(s->ep)) {
+      int64_t ms = left < 1000 ? left : 1000;
+      struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+      futex(&s->hdr->bell, FUTEX_WAIT, bell, &ts);
+    }
+    __atomic_fetch_sub(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
+  }
+#undef REACHED
+}
+
+chorus_result_t chorus__shm_claim(chorus__shm_t *s, uint64_t *ticket) {
+  uint64_t t = ++s->ticket;
+  *ticket = t;
+  if (t < 3 || s->all_done >= t - 2) return CHORUS_OK;
+  for (int r = 0; r < s->n; r++) {
+    if (r == s->me) continue;
+    chorus_result_t st = chorus__shm_wait(s, &s->area[r].done, t - 2, r, "finished reading");
+    if (st != CHORUS_OK) return st;
+  }
+  s->all_done = t - 2;
+  return CHORUS_OK;
+}

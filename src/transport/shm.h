@@ -1,0 +1,143 @@
+/*
+ * shm.h - one shared-memory segment per communicator whose ranks all live
+ * on one host, and the flag protocol the "direct" algorithms run on.
+ *
+ * Layout (every rank maps the whole segment):
+ *
+ *   header page   magic, geometry, the bell (futex word) and sleeper count
+ *   rank areas    per rank: two control lines (parity 0/1) and a done line,
+ *                 each on its own 128-byte block (no false sharing, also with
+ *                 the adjacent-line prefetcher)
+ *   data          per rank: two buffers of `chunk` bytes (parity 0/1)
+ *
+ * Tickets.  Every step of a direct collective that publishes data takes the
+ * communicator's next ticket t (1, 2, ...); all ranks take the same tickets
+ * in the same order because they run the same collectives in the same order.
+ * Ticket t uses control line and data buffer t % 2 of each rank:
+ *
+ *   line.seq = t   "my data for ticket t is in place" (release store, after
+ *                  the payload and the call's fingerprint)
+ *   line.red = t   "my reduced slice for ticket t is in place" (all_reduce)
+ *   done     = t   "I finished reading everything of ticket t"
+ *
+ * Before a rank writes ticket t into parity t % 2 it must know that every
+ * peer finished reading ticket t - 2 (chorus__shm_claim).  A rank publishes
+ * done(t) before anything of ticket t + 1, so seeing every peer's seq at
+ * t - 1 already proves it; the claim reads the done lines only when that
+ * has not been seen.
+ *
+ * Waiting: spin on the word (pause), then sched_yield, then sleep on the
+ * segment's bell with FUTEX_WAIT.  A publisher rings the bell only when the
+ * sleeper count is non-zero, so the fast path is one store and one load.
+ * Every wait has a deadline (the communicator's timeout) and returns at once
+ * when the endpoint fails (the transport rings the bell through a hook).
+ *
+ * Lifetime: the group's rank 0 creates the segment (O_EXCL, memory reserved
+ * with posix_fallocate so a full /dev/shm is an error, never a SIGBUS), the
+ * others map it, and rank 0 unlinks the name as soon as everyone mapped it;
+ * the memory goes away with the last mapping, also after a crash.  chorusrun
+ * removes names of its job left behind by a crash during that window.
+ */
+#ifndef CHORUS_TRANSPORT_SHM_H
+#define CHORUS_TRANSPORT_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chorus.h"
+#include "transport/transport.h"
+
+#define CHORUS__SHM_INLINE 32 /* payload bytes carried inside a control line */
+#define CHORUS__SHM_MAX_RANKS 256 /* larger groups use the network transport */
+
+typedef struct chorus__shm_line {
+  uint64_t seq; /* atomic */
+  uint64_t red; /* atomic */
+  chorus__fp_t fp;
+  unsigned char data[CHORUS__SHM_INLINE];
+  unsigned char pad[64];
+} chorus__shm_line_t;
+
+typedef struct chorus__shm_area {
+  chorus__shm_line_t line[2];
+  uint64_t done; /* atomic */
+  unsigned char pad[120];
+} chorus__shm_area_t;
+
+typedef struct chorus__shm_hdr {
+  uint64_t magic;
+  uint32_t version, n;
+  uint64_t chunk, bytes;
+  unsigned char pad0[96];
+  uint32_t bell;     /* futex word, bumped by every wake-up */
+  uint32_t sleepers; /* ranks in (or about to enter) FUTEX_WAIT */
+  unsigned char pad1[120];
+} chorus__shm_hdr_t;
+
+typedef struct chorus__shm {
+  void *base;
+  size_t bytes;
+  int n, me;
+  size_t chunk; /* bytes per data buffer */
+  chorus__shm_hdr_t *hdr;
+  chorus__shm_area_t *area; /* n areas */
+  unsigned char *data;      /* n * 2 * chunk bytes */
+  uint64_t ticket;          /* last ticket taken */
+  uint64_t all_done;        /* every peer finished reading tickets <= this */
+  int spin, yields;         /* wait policy */
+  chorus__ep_t *ep;
+  int timeout_ms;
+} chorus__shm_t;
+
+/* "/chorus-<job>-<world id>-<group id>" into buf. */
+void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t world_id, uint64_t group_id);
+
+/* Bytes a segment for n ranks with the given chunk needs. */
+size_t chorus__shm_bytes(int n, size_t chunk);
+
+/* Rank 0: creates, sizes and initialises the segment.  Others: map it.
+ * On failure errmsg says why (ENOSPC, permissions, ...). */
+chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus__shm_t **out,
+                                   char *errmsg, size_t cap);
+chorus_result_t chorus__shm_attach(const char *name, int n, int me, chorus__shm_t **out,
+                                   char *errmsg, size_t cap);
+void chorus__shm_unlink(const char *name);
+
+/* Binds the segment to the endpoint whose failures end its waits, and the
+ * wait policy: spin iterations, then sched_yield calls, then sleep. */
+void chorus__shm_bind(chorus__shm_t *s, chorus__ep_t *ep, int timeout_ms, int spin, int yields);
+void chorus__shm_detach(chorus__shm_t *s);
+
+/* Rings the bell: wakes every sleeper of the segment (they re-check). */
+void chorus__shm_ring(chorus__shm_t *s);
+
+static inline chorus__shm_area_t *chorus__shm_peer(chorus__shm_t *s, int r) { return &s->area[r]; }
+static inline unsigned char *chorus__shm_buf(chorus__shm_t *s, int r, uint64_t t) {
+  return s->data + ((size_t)r * 2 + (size_t)(t & 1)) * s->chunk;
+}
+static inline chorus__shm_line_t *chorus__shm_line(chorus__shm_t *s, int r, uint64_t t) {
+  return &s->area[r].line[t & 1];
+}
+
+/* Stores v into a flag word of this rank's area and rings the bell if
+ * anyone sleeps. */
+static inline void chorus__shm_set(chorus__shm_t *s, uint64_t *word, uint64_t v) {
+  __atomic_store_n(word, v, __ATOMIC_SEQ_CST); /* a full fence: pairs with the sleeper count */
+  if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST)) chorus__shm_ring(s);
+}
+
+/* Waits until *word >= target (word belongs to rank peer; what names the
+ * flag for error messages).  Fails the endpoint on timeout. */
+chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, uint64_t target,
+                                      int peer, const char *what);
+static inline chorus_result_t chorus__shm_wait(chorus__shm_t *s, const uint64_t *word,
+                                               uint64_t target, int peer, const char *what) {
+  if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target) return CHORUS_OK;
+  return chorus__shm_wait_slow(s, word, target, peer, what);
+}
+
+/* Takes the next ticket and makes sure every peer finished reading the
+ * ticket two before it (whose buffers it reuses). */
+chorus_result_t chorus__shm_claim(chorus__shm_t *s, uint64_t *ticket);
+
+#endif
