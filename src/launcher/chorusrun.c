@@ -219,6 +219,24 @@ static void child_reset_signals(void) {
  */
 static int g_guard_fd = -1;
 static pid_t g_guard_pid = -1;
+static char g_job_id[17]; /* for removing the job's shared-memory names */
+
+/* Workers unlink their shared-memory segments as soon as every rank mapped
+ * them; a crash inside that window leaves a name in /dev/shm.  Names of
+ * this job start with "chorus-<job id>-" (see src/transport/shm.c). */
+static void remove_job_segments(void) {
+  char prefix[40];
+  if (!g_job_id[0]) return;
+  snprintf(prefix, sizeof prefix, "chorus-%s-", g_job_id);
+  DIR *d = opendir("/dev/shm");
+  if (!d) return;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (strncmp(e->d_name, prefix, strlen(prefix))) continue;
+    if (unlinkat(dirfd(d), e->d_name, 0) == 0)
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "removed /dev/shm/%s left by a crashed worker", e->d_name);
+  }
+  closedir(d);
+}
 
 typedef struct {
   char op;
@@ -251,6 +269,7 @@ static void guard_main(int rfd) {
     }
   }
   for (size_t i = 0; i < n; i++) kill(-pids[i], SIGKILL);
+  if (n) remove_job_segments();
   _exit(0);
 }
 
@@ -1138,6 +1157,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "chorusrun: cannot get random bytes for the job secret\n");
     return EXIT_LAUNCHER;
   }
+  memcpy(g_job_id, job.job_id, sizeof g_job_id);
   guard_start(); /* before any handler or thread exists */
   if (install_signals() != 0) {
     fprintf(stderr, "chorusrun: cannot set up signal handling: %s\n", strerror(errno));
@@ -1182,6 +1202,7 @@ int main(int argc, char **argv) {
   for (int restart = 0;; restart++) {
     int failed = -1;
     gen_outcome_t out = run_generation(&job, restart, &failed);
+    remove_job_segments(); /* every worker of the generation has exited */
     if (out == GEN_OK) {
       exit_code = 0;
       break;
