@@ -25,6 +25,9 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "algo/algo.h"
 #include "reduce/reduce.h"
@@ -33,6 +36,49 @@
 
 /* all_reduce / reduce up to this many bytes: no slicing, one flag wait. */
 #define SMALL_BYTES 4096
+
+/* Bytes combined from every source before moving on (fits L1 twice). */
+#define COMBINE_BLOCK 8192
+
+/* Outputs of at least this many bytes per rank are written with streaming
+ * (non-temporal) stores: they would not stay in the caches anyway, and
+ * streaming skips reading every destination line before overwriting it. */
+#define STREAM_MIN_BYTES ((size_t)4 << 20)
+
+/* memcpy, with streaming stores when stream is set (x86-64; SSE2 is part
+ * of the base ISA).  Callers fence (stream_fence) before publishing. */
+static void copy_out(void *dst, const void *src, size_t n, int stream) {
+#if defined(__x86_64__)
+  if (stream && n >= 256) {
+    unsigned char *d = dst;
+    const unsigned char *sp = src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    memcpy(d, sp, head);
+    d += head, sp += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, sp += 64) {
+      __m128i a = _mm_loadu_si128((const __m128i *)sp);
+      __m128i b = _mm_loadu_si128((const __m128i *)(sp + 16));
+      __m128i e = _mm_loadu_si128((const __m128i *)(sp + 32));
+      __m128i f = _mm_loadu_si128((const __m128i *)(sp + 48));
+      _mm_stream_si128((__m128i *)d, a);
+      _mm_stream_si128((__m128i *)(d + 16), b);
+      _mm_stream_si128((__m128i *)(d + 32), e);
+      _mm_stream_si128((__m128i *)(d + 48), f);
+    }
+    memcpy(d, sp, n);
+    return;
+  }
+#endif
+  (void)stream;
+  memcpy(dst, src, n);
+}
+
+static void stream_fence(int stream) {
+#if defined(__x86_64__)
+  if (stream) _mm_sfence();
+#endif
+  (void)stream;
+}
 
 static chorus_result_t mismatch(chorus__coll_t *c, int r, const chorus__fp_t *theirs) {
   char mine[200], other[200], doing[300];
@@ -100,8 +146,14 @@ static void combine_all(chorus__coll_t *c, unsigned char *dst, const unsigned ch
     if (dst != src[0]) memcpy(dst, src[0], cnt * c->esize);
     return;
   }
-  chorus__combine(c, dst, src[0], src[1], cnt);
-  for (int r = 2; r < n; r++) chorus__combine(c, dst, dst, src[r], cnt);
+  /* Block by block, so the partial result stays in L1 between sources:
+   * n reads and one write per element instead of 2(n-1) and n-1. */
+  const size_t es = c->esize, blk = COMBINE_BLOCK / es;
+  for (size_t off = 0; off < cnt; off += blk) {
+    size_t k = CHORUS__MIN(blk, cnt - off), b = off * es;
+    chorus__combine(c, dst + b, src[0] + b, src[1] + b, k);
+    for (int r = 2; r < n; r++) chorus__combine(c, dst + b, dst + b, src[r] + b, k);
+  }
 }
 
 /* ---------------------------------------------------------- all_reduce */
@@ -141,7 +193,14 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
   const size_t es = c->esize, per = s->chunk / es;
   const unsigned char *in = c->sendbuf;
   unsigned char *out = c->recvbuf;
-  int outputs = everyone || c->rank == c->root;
+  const int outputs = everyone || c->rank == c->root;
+  /* In place, the output lines are in the cache already (copied in just
+   * before): plain stores are cheaper there. */
+  const int stream = outputs && (const void *)out != c->sendbuf && c->count * es >= STREAM_MIN_BYTES;
+  /* Partial results are built in a small block that stays in L1, then
+   * copied to my buffer (for the others) and to the output. */
+  _Alignas(64) unsigned char acc[COMBINE_BLOCK];
+  const size_t blk = COMBINE_BLOCK / es;
   uint64_t t = 0;
   for (size_t off = 0; off < c->count; off += per) {
     size_t m = CHORUS__MIN(per, c->count - off);
@@ -153,23 +212,14 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
     size_t a = chorus__blk_offset(m, s->n, s->me), k = chorus__blk_count(m, s->n, s->me);
-    const unsigned char *src[CHORUS__SHM_MAX_RANKS];
-    for (int r = 0; r < s->n; r++) src[r] = chorus__shm_buf(s, r, t) + a * es;
-    /* Accumulate outside the buffers (my own is one of the sources), then
-     * publish the slice in my buffer, where nobody else reads [a, a+k). */
-    unsigned char *acc = outputs ? out + (off + a) * es : NULL;
-    unsigned char *tmp = NULL;
-    if (!acc) {
-      tmp = chorus__scratch(c, k * es);
-      if (!tmp) return CHORUS_ERR_NO_MEMORY;
-      acc = tmp;
+    for (size_t i = 0; i < k; i += blk) {
+      size_t kk = CHORUS__MIN(blk, k - i), b = (a + i) * es;
+      chorus__combine(c, acc, chorus__shm_buf(s, 0, t) + b, chorus__shm_buf(s, 1, t) + b, kk);
+      for (int r = 2; r < s->n; r++) chorus__combine(c, acc, acc, chorus__shm_buf(s, r, t) + b, kk);
+      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(acc, kk, c->dtype, s->n);
+      memcpy(mybuf + b, acc, kk * es);
+      if (outputs) copy_out(out + off * es + b, acc, kk * es, stream);
     }
-    if (k) {
-      combine_all(c, acc, src, s->n, k);
-      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(acc, k, c->dtype, s->n);
-      memcpy(mybuf + a * es, acc, k * es);
-    }
-    chorus__scratch_free(c, tmp);
     chorus__shm_set(s, &chorus__shm_line(s, s->me, t)->red, t);
     if (outputs) {
       for (int i = 1; i < s->n; i++) {
@@ -177,9 +227,10 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
         st = chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r, "its reduced slice");
         if (st != CHORUS_OK) return st;
         size_t ra = chorus__blk_offset(m, s->n, r), rk = chorus__blk_count(m, s->n, r);
-        memcpy(out + (off + ra) * es, chorus__shm_buf(s, r, t) + ra * es, rk * es);
+        copy_out(out + (off + ra) * es, chorus__shm_buf(s, r, t) + ra * es, rk * es, stream);
       }
     }
+    stream_fence(stream);
     finish(c, t);
   }
   return CHORUS_OK;

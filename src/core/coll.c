@@ -109,7 +109,7 @@ static void work_release_locked(struct chorus_work *w) {
   if (--w->refs > 0) return;
   free(w->c.recvbufs);
   free(w->c.scounts);
-  free(w);
+  if (!w->on_stack) free(w);
 }
 
 static void finish_locked(chorus_comm_t comm, struct chorus_work *w) {
@@ -290,9 +290,15 @@ static chorus_result_t bad(chorus_comm_t comm, const char *coll, const char *fmt
 
 /* Allocates and fills the common part of an operation; NULL on bad args
  * (*st says why). */
+/* Discards an operation that was never submitted. */
+static __attribute__((noinline)) void drop_op(struct chorus_work *w) {
+  if (!w->on_stack) free(w);
+}
+
 static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const void *sendbuf,
                                   void *recvbuf, size_t count, chorus_dtype_t dtype,
-                                  chorus_op_t op, int root, chorus_result_t *st) {
+                                  chorus_op_t op, int root, chorus_result_t *st,
+                                  struct chorus_work *storage) {
   const char *name = chorus_coll_name(coll);
   *st = CHORUS_ERR_INVALID_ARG;
   if (dtype < 0 || dtype >= CHORUS_DTYPE_COUNT) {
@@ -321,8 +327,15 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
     bad(comm, name, "count %zu overflows the address space", count);
     return NULL;
   }
-  struct chorus_work *w = calloc(1, sizeof *w);
-  if (!w) {
+  struct chorus_work *w = storage;
+  if (w) {
+    /* A blocking call's record lives on its caller's stack (no allocation
+     * on the small-message path); the error text is written only on
+     * failure, so it is not cleared. */
+    memset(w, 0, offsetof(struct chorus_work, err));
+    w->err[0] = '\0';
+    w->on_stack = 1;
+  } else if (!(w = calloc(1, sizeof *w))) {
     *st = CHORUS_ERR_NO_MEMORY;
     return NULL;
   }
@@ -357,7 +370,7 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
     bad(comm, name, "algorithm '%s' needs every rank of the group on one host with shared "
         "memory, and this group has none (ranks on several hosts, CHORUS_TRANSPORT=tcp, or "
         "the segment could not be created: see the INFO log)", algo->name);
-    free(w);
+    if (w != storage) free(w);
     *st = CHORUS_ERR_NOT_SUPPORTED;
     return NULL;
   }
@@ -391,7 +404,9 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
 
 #define MAKE(w, coll_id, sb, rb, op_, root_)                                    \
   chorus_result_t st;                                                          \
-  struct chorus_work *w = new_op(comm, coll_id, sb, rb, count, dtype, op_, root_, &st); \
+  struct chorus_work w##_stack;                                                 \
+  struct chorus_work *w = new_op(comm, coll_id, sb, rb, count, dtype, op_, root_, &st, \
+                                 work ? NULL : &w##_stack);                  \
   if (!w) return st;
 
 chorus_result_t chorus_broadcast(chorus_comm_t comm, void *buf, size_t count, chorus_dtype_t dtype,
@@ -459,7 +474,7 @@ chorus_result_t chorus_all_gather_list(chorus_comm_t comm, const void *sendbuf,
   MAKE(w, CHORUS_COLL_ALL_GATHER, sendbuf, NULL, CHORUS_OP_COUNT, -1);
   w->c.recvbufs = malloc(sizeof(void *) * (size_t)comm->size);
   if (!w->c.recvbufs) {
-    free(w);
+    drop_op(w);
     return CHORUS_ERR_NO_MEMORY;
   }
   memcpy(w->c.recvbufs, recvbufs, sizeof(void *) * (size_t)comm->size);
@@ -512,7 +527,7 @@ chorus_result_t chorus_all_to_allv(chorus_comm_t comm, const void *sendbuf,
   size_t n = (size_t)comm->size;
   w->c.scounts = malloc(sizeof(size_t) * n * 4);
   if (!w->c.scounts) {
-    free(w);
+    drop_op(w);
     return CHORUS_ERR_NO_MEMORY;
   }
   w->c.sdispls = w->c.scounts + n;
@@ -557,7 +572,7 @@ static chorus_result_t p2p(chorus_comm_t comm, chorus_coll_t coll, const void *s
   if (st != CHORUS_OK) {
     chorus__ep_status(comm->ep, w->err, sizeof w->err);
     chorus__comm_set_error(comm, "%s", w->err[0] ? w->err : chorus_strerror(st));
-    free(w);
+    drop_op(w);
     return st;
   }
   w->state = CHORUS__WORK_RUNNING;

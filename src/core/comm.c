@@ -278,8 +278,12 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
     return CHORUS_OK;
   }
   int oversubscribed = ctx->local_count > online_cpus();
-  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 20000;
-  int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : oversubscribed ? 200 : 20;
+  /* Measured on 2 cores (bench/README.md): with a core per rank, a short
+   * spin (~50 us) catches almost every flag; with more ranks than cores any
+   * spinning steals the time slice of the rank being waited for, and
+   * yielding a few times before sleeping is fastest. */
+  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 2000;
+  int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : 20;
   chorus__shm_bind(shm, comm->ep, comm->timeout_ms, spin, yields);
   comm->shm = shm;
   /* End with a barrier in shared memory: a rank returns from it once it

@@ -54,6 +54,7 @@ struct chorus_work {
   chorus__req_t req;
   int state;
   int refs; /* the caller's handle + the queue */
+  int on_stack; /* a blocking call's record on its caller's stack: never freed */
   chorus_result_t result;
   char err[1024];
 };
