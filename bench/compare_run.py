@@ -392,7 +392,7 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
     L.append("![busbw vs size, all_reduce](compare.png)\n")
     L.append("## Method\n")
     L.append(
-        "- Libraries: **chorus** (`chorus-bench` under `chorusrun --standalone`, TCP transport, "
+        "- Libraries: **chorus** (`chorus-bench` under `chorusrun --standalone`, shared-memory transport chosen automatically (every rank on this host), "
         "`algo auto`, `-c 0`), **Open MPI** and **MPICH** (`bench/compare_mpi.c` compiled with each "
         "one's own `mpicc`; Open MPI run with `--mca btl self,vader --oversubscribe`, MPICH with its "
         "defaults), **Gloo** (`bench/compare_gloo.py`: `torch.distributed` backend `gloo` over "
@@ -548,7 +548,7 @@ set ylabel 'busbw (GB/s)'
 set xtics ('8 B' 8, '64 KiB' 65536, '1 MiB' 1048576, '16 MiB' 16777216, '64 MiB' 67108864)
 do for [i=0:1] {
   set title sprintf('%%d ranks', i==0 ? 2 : 4)
-  plot '%s' index i using 1:3 with linespoints lw 2 title 'chorus (TCP)', \\
+  plot '%s' index i using 1:3 with linespoints lw 2 title 'chorus', \\
        '' index i using 1:4 with linespoints title 'Open MPI', \\
        '' index i using 1:5 with linespoints title 'MPICH', \\
        '' index i using 1:6 with linespoints title 'Gloo', \\
