@@ -278,12 +278,14 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
     return CHORUS_OK;
   }
   int oversubscribed = ctx->local_count > online_cpus();
-  /* Measured on 2 cores (bench/README.md): with a core per rank, a short
-   * spin (~50 us) catches almost every flag; with more ranks than cores any
-   * spinning steals the time slice of the rank being waited for, and
-   * yielding a few times before sleeping is fastest. */
-  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 2000;
-  int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : 20;
+  /* Measured on 2 cores (bench/README.md): a short spin catches a peer
+   * running on another core; after it, sched_yield (nearly free when
+   * nobody else wants the core) lets a peer that shares our core run --
+   * with a long spin instead, two ranks on one core took 100 us per flag.
+   * With more ranks than cores any spinning steals the time slice of the
+   * rank being waited for.  After the yields, sleep on the futex. */
+  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 50;
+  int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : 1000;
   chorus__shm_bind(shm, comm->ep, comm->timeout_ms, spin, yields);
   comm->shm = shm;
   /* End with a barrier in shared memory: a rank returns from it once it
