@@ -252,6 +252,94 @@ static unsigned char *gather_dst(chorus__coll_t *c, int r, size_t off) {
   return (unsigned char *)c->recvbuf + ((size_t)r * c->count + off) * c->esize;
 }
 
+/* ------------------------------------------------ single copy (CMA) */
+
+enum { CMA_BCAST, CMA_SCATTER, CMA_GATHER, CMA_ALLGATHER, CMA_ALLTOALL };
+
+/* Large calls with process_vm_readv allowed (CHORUS_SHM_CMA_MIN): every
+ * rank publishes the address of its buffer, readers copy straight from the
+ * owner's memory into their output (one copy instead of two), then say so
+ * with their red flag; an owner returns only after its readers are done
+ * with its buffer. */
+static int use_cma(const chorus__coll_t *c, int kind) {
+  const chorus__shm_t *s = c->shm;
+  size_t block = c->count * c->esize;
+  if (!s->cma || block == 0 || block < s->cma_min) return 0;
+  /* In place, peers would read blocks this rank is overwriting. */
+  if (kind == CMA_ALLTOALL && c->sendbuf == c->recvbuf) return 0;
+  return 1;
+}
+
+static chorus_result_t cma_run(chorus__coll_t *c, int kind) {
+  chorus__shm_t *s = c->shm;
+  const int n = s->n, me = s->me, root = c->root;
+  const size_t bytes = c->count * c->esize;
+  const int rooted = kind == CMA_BCAST || kind == CMA_SCATTER || kind == CMA_GATHER;
+  unsigned char *out = c->recvbuf;
+  const unsigned char *in = kind == CMA_BCAST ? c->recvbuf : c->sendbuf;
+  uint64_t t;
+  chorus_result_t st = chorus__shm_claim(s, &t);
+  if (st != CHORUS_OK) return st;
+  uint64_t mine = (uint64_t)(uintptr_t)in;
+  put_line(c, t, &mine, sizeof mine);
+  /* Fingerprints: the root (or everyone) reads every line, the others the
+   * root's -- as in the staged algorithms. */
+  if (!rooted || me == root) st = get_all(c, t);
+  else st = get_line(c, root, t, NULL);
+  if (st != CHORUS_OK) return st;
+#define ADDR(r) (*(const uint64_t *)chorus__shm_line(s, (r), t)->data)
+  switch (kind) {
+    case CMA_BCAST:
+      if (me != root) st = chorus__shm_read_peer(s, root, out, ADDR(root), bytes);
+      break;
+    case CMA_SCATTER:
+      if (me != root)
+        st = chorus__shm_read_peer(s, root, out, ADDR(root) + (uint64_t)me * bytes, bytes);
+      else if (out != in + (size_t)me * bytes)
+        memmove(out, in + (size_t)me * bytes, bytes);
+      break;
+    case CMA_GATHER:
+      if (me != root) break;
+      __attribute__((fallthrough)); /* the root gathers like all_gather */
+    case CMA_ALLGATHER:
+      for (int i = 0; i < n && st == CHORUS_OK; i++) {
+        int r = (me + i) % n;
+        unsigned char *to = gather_dst(c, r, 0);
+        if (r == me) {
+          if (to != in) memmove(to, in, bytes);
+        } else {
+          st = chorus__shm_read_peer(s, r, to, ADDR(r), bytes);
+        }
+      }
+      break;
+    case CMA_ALLTOALL:
+      for (int i = 0; i < n && st == CHORUS_OK; i++) {
+        int r = (me + i) % n;
+        if (r == me)
+          memcpy(out + (size_t)me * bytes, in + (size_t)me * bytes, bytes);
+        else
+          st = chorus__shm_read_peer(s, r, out + (size_t)r * bytes,
+                                     ADDR(r) + (uint64_t)me * bytes, bytes);
+      }
+      break;
+  }
+#undef ADDR
+  if (st != CHORUS_OK) return st;
+  chorus__shm_set(s, &chorus__shm_line(s, me, t)->red, t); /* done reading */
+  /* Return only when nobody reads this rank's buffer any more. */
+  for (int r = 0; r < n; r++) {
+    if (r == me) continue;
+    int reads_me = kind == CMA_ALLGATHER || kind == CMA_ALLTOALL ||
+                   (me == root && (kind == CMA_BCAST || kind == CMA_SCATTER)) ||
+                   (kind == CMA_GATHER && r == root);
+    if (!reads_me) continue;
+    st = chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r, "done reading");
+    if (st != CHORUS_OK) return st;
+  }
+  finish(c, t);
+  return CHORUS_OK;
+}
+
 /* all_gather (everyone receives) and gather (the root receives). */
 static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
   chorus__shm_t *s = c->shm;
@@ -287,8 +375,12 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
   return CHORUS_OK;
 }
 
-chorus_result_t chorus__allgather_direct(chorus__coll_t *c) { return gather_any(c, 1); }
-chorus_result_t chorus__gather_direct(chorus__coll_t *c) { return gather_any(c, 0); }
+chorus_result_t chorus__allgather_direct(chorus__coll_t *c) {
+  return use_cma(c, CMA_ALLGATHER) ? cma_run(c, CMA_ALLGATHER) : gather_any(c, 1);
+}
+chorus_result_t chorus__gather_direct(chorus__coll_t *c) {
+  return use_cma(c, CMA_GATHER) ? cma_run(c, CMA_GATHER) : gather_any(c, 0);
+}
 
 /* ------------------------------------- reduce_scatter and all_to_all */
 
@@ -333,7 +425,9 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
 }
 
 chorus_result_t chorus__reduce_scatter_direct(chorus__coll_t *c) { return blocks_any(c, 1); }
-chorus_result_t chorus__alltoall_direct(chorus__coll_t *c) { return blocks_any(c, 0); }
+chorus_result_t chorus__alltoall_direct(chorus__coll_t *c) {
+  return use_cma(c, CMA_ALLTOALL) ? cma_run(c, CMA_ALLTOALL) : blocks_any(c, 0);
+}
 
 /* ------------------------------------------------ broadcast and scatter */
 
@@ -387,8 +481,12 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
   return CHORUS_OK;
 }
 
-chorus_result_t chorus__bcast_direct(chorus__coll_t *c) { return from_root(c, 0); }
-chorus_result_t chorus__scatter_direct(chorus__coll_t *c) { return from_root(c, 1); }
+chorus_result_t chorus__bcast_direct(chorus__coll_t *c) {
+  return use_cma(c, CMA_BCAST) ? cma_run(c, CMA_BCAST) : from_root(c, 0);
+}
+chorus_result_t chorus__scatter_direct(chorus__coll_t *c) {
+  return use_cma(c, CMA_SCATTER) ? cma_run(c, CMA_SCATTER) : from_root(c, 1);
+}
 
 /* ------------------------------------------------------------- barrier */
 

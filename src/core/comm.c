@@ -256,10 +256,12 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
   chorus_result_t st = CHORUS_OK;
   if (comm->rank == 0) ok = chorus__shm_create(name, comm->size, (size_t)chunk, &shm, err,
                                                sizeof err) == CHORUS_OK;
+  if (shm) chorus__shm_publish_self(shm);
   st = agree_min(comm, &ok);
   if (st == CHORUS_OK && ok && comm->rank != 0) {
     ok = chorus__shm_attach(name, comm->size, comm->rank, &shm, err, sizeof err) == CHORUS_OK;
     if (!ok) CHORUS_WARN(CHORUS__SUB_INIT, "rank %d/%d: %s", comm->rank, comm->size, err);
+    else chorus__shm_publish_self(shm);
   } else if (st == CHORUS_OK && comm->rank != 0) {
     snprintf(err, sizeof err, "rank 0 could not create the segment");
   }
@@ -277,6 +279,26 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
                 "using TCP", comm->size, err[0] ? err : "another rank could not map it");
     return CHORUS_OK;
   }
+  /* Single copy (process_vm_readv): every rank reads its right neighbour's
+   * process; containers without CAP_SYS_PTRACE or with Yama's ptrace_scope
+   * >= 1 refuse it everywhere, and then everyone keeps the staged copies. */
+  int32_t cma = env->SHM_CMA_MIN >= 0;
+  int cma_err = 0;
+  if (cma) {
+    cma_err = chorus__shm_probe(shm, (comm->rank + 1) % comm->size);
+    cma = cma_err == 0;
+  }
+  st = agree_min(comm, &cma);
+  if (st != CHORUS_OK) {
+    chorus__shm_detach(shm);
+    return st;
+  }
+  if (!cma && env->SHM_CMA_MIN >= 0)
+    CHORUS_INFO(CHORUS__SUB_INIT, "process_vm_readv between ranks is not allowed (%s); large "
+                "collectives copy through shared memory", cma_err ? strerror(-cma_err) :
+                "refused on another rank");
+  shm->cma = cma;
+  shm->cma_min = (size_t)(env->SHM_CMA_MIN >= 0 ? env->SHM_CMA_MIN : 0);
   int oversubscribed = ctx->local_count > online_cpus();
   /* Measured on 2 cores (bench/README.md): a short spin catches a peer
    * running on another core; after it, sched_yield (nearly free when
@@ -297,7 +319,8 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
   comm->forced_algo[CHORUS_COLL_BARRIER] = saved;
   if (st != CHORUS_OK) return st;
   CHORUS_INFO(CHORUS__SUB_INIT, "group of %d ranks on one host: shared memory %s (%zu KiB "
-              "buffers, spin %d, yield %d)", comm->size, name, shm->chunk >> 10, spin, yields);
+              "buffers, spin %d, yield %d, single copy %s)", comm->size, name, shm->chunk >> 10,
+              spin, yields, cma ? "on" : "off");
   return CHORUS_OK;
 }
 

@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -240,5 +241,50 @@ chorus_result_t chorus__shm_claim(chorus__shm_t *s, uint64_t *ticket) {
     if (st != CHORUS_OK) return st;
   }
   s->all_done = t - 2;
+  return CHORUS_OK;
+}
+
+void chorus__shm_publish_self(chorus__shm_t *s) {
+  s->area[s->me].pid = (int64_t)getpid();
+  s->area[s->me].probe = (uint64_t)(uintptr_t)&s->hdr->magic;
+}
+
+int chorus__shm_probe(chorus__shm_t *s, int peer) {
+  uint64_t v = 0;
+  struct iovec local = {&v, sizeof v};
+  struct iovec remote = {(void *)(uintptr_t)s->area[peer].probe, sizeof v};
+  ssize_t got = process_vm_readv((pid_t)s->area[peer].pid, &local, 1, &remote, 1, 0);
+  if (got < 0) return -errno;
+  return got == (ssize_t)sizeof v && v == SHM_MAGIC ? 0 : -EIO;
+}
+
+chorus_result_t chorus__shm_read_peer(chorus__shm_t *s, int peer, void *dst, uint64_t addr,
+                                      size_t len) {
+  unsigned char *d = dst;
+  while (len) {
+    /* The kernel copies at most MAX_RW_COUNT (~2 GiB) per call and may stop
+     * early; continue where it stopped. */
+    size_t want = len < ((size_t)1 << 30) ? len : (size_t)1 << 30;
+    struct iovec local = {d, want};
+    struct iovec remote = {(void *)(uintptr_t)addr, want};
+    ssize_t got = process_vm_readv((pid_t)s->area[peer].pid, &local, 1, &remote, 1, 0);
+    if (got <= 0) {
+      int e = got < 0 ? errno : EIO;
+      if (e == EINTR) continue;
+      char doing[300];
+      chorus__ep_doing(s->ep, doing, sizeof doing);
+      chorus__ep_fail(s->ep, e == ESRCH ? CHORUS_ERR_REMOTE : CHORUS_ERR_SYSTEM, 1,
+                      "chorus rank %d/%d: %s: reading %zu bytes from rank %d (pid %lld) with "
+                      "process_vm_readv failed: %s%s",
+                      s->me, s->n, doing, len, peer, (long long)s->area[peer].pid, strerror(e),
+                      e == EFAULT ? " (its buffer is smaller than the call says: check the count "
+                                    "it passed)"
+                                  : e == ESRCH ? " (the process is gone)" : "");
+      return e == ESRCH ? CHORUS_ERR_REMOTE : CHORUS_ERR_SYSTEM;
+    }
+    d += got;
+    addr += (uint64_t)got;
+    len -= (size_t)got;
+  }
   return CHORUS_OK;
 }

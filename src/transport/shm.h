@@ -60,8 +60,10 @@ typedef struct chorus__shm_line {
 
 typedef struct chorus__shm_area {
   chorus__shm_line_t line[2];
-  uint64_t done; /* atomic */
-  unsigned char pad[120];
+  uint64_t done;   /* atomic */
+  int64_t pid;     /* the rank's process id (for process_vm_readv) */
+  uint64_t probe;  /* an address in that process holding SHM magic */
+  unsigned char pad[104];
 } chorus__shm_area_t;
 
 typedef struct chorus__shm_hdr {
@@ -85,6 +87,8 @@ typedef struct chorus__shm {
   uint64_t ticket;          /* last ticket taken */
   uint64_t all_done;        /* every peer finished reading tickets <= this */
   int spin, yields;         /* wait policy */
+  int cma;                  /* every rank can process_vm_readv every other */
+  size_t cma_min;           /* bytes per rank from which collectives use it */
   chorus__ep_t *ep;
   int timeout_ms;
 } chorus__shm_t;
@@ -107,6 +111,17 @@ void chorus__shm_unlink(const char *name);
  * wait policy: spin iterations, then sched_yield calls, then sleep. */
 void chorus__shm_bind(chorus__shm_t *s, chorus__ep_t *ep, int timeout_ms, int spin, int yields);
 void chorus__shm_detach(chorus__shm_t *s);
+
+/* Single copy between processes (cross-memory attach).  publish_self
+ * writes this rank's pid and probe address; probe tries to read rank
+ * peer's magic with process_vm_readv (0 on success, else -errno). */
+void chorus__shm_publish_self(chorus__shm_t *s);
+int chorus__shm_probe(chorus__shm_t *s, int peer);
+
+/* Reads len bytes at addr in rank peer's process into dst; on failure
+ * fails the endpoint with a message naming the peer and returns the code. */
+chorus_result_t chorus__shm_read_peer(chorus__shm_t *s, int peer, void *dst, uint64_t addr,
+                                      size_t len);
 
 /* Rings the bell: wakes every sleeper of the segment (they re-check). */
 void chorus__shm_ring(chorus__shm_t *s);
