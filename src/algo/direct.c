@@ -156,6 +156,15 @@ static void combine_all(chorus__coll_t *c, unsigned char *dst, const unsigned ch
   }
 }
 
+/* Each rank publishes `blocks` sub-blocks of up to the returned number of
+ * elements per chunk; *inl says the whole call fits in a control line (one
+ * chunk).  Every rank computes the same plan. */
+static size_t chunk_plan(const chorus__coll_t *c, int blocks, int *inl) {
+  *inl = c->count * c->esize * (size_t)blocks <= CHORUS__SHM_INLINE;
+  if (*inl) return CHORUS__MAX(c->count, (size_t)1);
+  return c->shm->chunk / (c->esize * (size_t)blocks);
+}
+
 /* ---------------------------------------------------------- all_reduce */
 
 /* Every rank combines the whole (small) vector itself: one wait. */
@@ -344,9 +353,8 @@ static chorus_result_t cma_run(chorus__coll_t *c, int kind) {
 static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
   chorus__shm_t *s = c->shm;
   const size_t es = c->esize;
-  const size_t bytes = c->count * es;
-  const int inl = bytes <= CHORUS__SHM_INLINE;
-  const size_t per = inl ? CHORUS__MAX(c->count, (size_t)1) : s->chunk / es;
+  int inl;
+  const size_t per = chunk_plan(c, 1, &inl), bytes = c->count * es;
   int receives = everyone || c->rank == c->root;
   const unsigned char *in = c->sendbuf;
   uint64_t t = 0;
@@ -390,9 +398,8 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
   chorus__shm_t *s = c->shm;
   const int n = s->n;
   const size_t es = c->esize;
-  const size_t total = c->count * es * (size_t)n;
-  const int inl = total <= CHORUS__SHM_INLINE;
-  const size_t per = inl ? CHORUS__MAX(c->count, (size_t)1) : s->chunk / (es * (size_t)n);
+  int inl;
+  const size_t per = chunk_plan(c, n, &inl);
   const unsigned char *in = c->sendbuf;
   unsigned char *out = c->recvbuf;
   uint64_t t = 0;
@@ -438,10 +445,8 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
   chorus__shm_t *s = c->shm;
   const int n = s->n, root = c->root;
   const size_t es = c->esize;
-  const size_t total = c->count * es * (size_t)(scatter ? n : 1);
-  const int inl = total <= CHORUS__SHM_INLINE;
-  const size_t per = inl ? CHORUS__MAX(c->count, (size_t)1)
-                         : s->chunk / (es * (size_t)(scatter ? n : 1));
+  int inl;
+  const size_t per = chunk_plan(c, scatter ? n : 1, &inl);
   const unsigned char *in = c->sendbuf;
   unsigned char *out = c->recvbuf;
   uint64_t t = 0;
