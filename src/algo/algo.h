@@ -148,6 +148,7 @@ CHORUS__ALGO_DECL(chorus__reduce_binomial);
 CHORUS__ALGO_DECL(chorus__reduce_linear);
 CHORUS__ALGO_DECL(chorus__allreduce_ring);
 CHORUS__ALGO_DECL(chorus__allreduce_rd);
+CHORUS__ALGO_DECL(chorus__allreduce_rabenseifner);
 CHORUS__ALGO_DECL(chorus__allreduce_reduce_bcast);
 CHORUS__ALGO_DECL(chorus__scatter_binomial);
 CHORUS__ALGO_DECL(chorus__scatter_linear);

@@ -156,6 +156,24 @@ static inline int chorus__rd_partner(int r, int k, int n) {
   return q < 0 ? -1 : chorus__rd_real(q ^ (1 << k), n);
 }
 
+/* ----------------------------------------------------------- Rabenseifner
+ *
+ * After the recursive-doubling fold, the p = pow2(n) remaining ranks (new
+ * ranks q) cut the vector into p blocks.  Reduce-scatter by recursive
+ * halving: round k (0..log2 p - 1) pairs q with q ^ (p >> (k+1)); each keeps
+ * the half of its current window of blocks on its own side and sends the
+ * other half.  Windows: before round k, q's window is the aligned group of
+ * p >> k blocks containing block q; after the last round it is block q
+ * alone.  All-gather by recursive doubling retraces the rounds backwards,
+ * each rank sending its window and receiving its partner's.
+ */
+
+/* Distance of halving round k among p ranks. */
+static inline int chorus__rab_dist(int k, int p) { return p >> (k + 1); }
+
+/* First block of q's window of size w (a power of two). */
+static inline int chorus__rab_window_lo(int q, int w) { return q & ~(w - 1); }
+
 /* ------------------------------------------------------------------ Bruck
  *
  * Rank r keeps a buffer of n slots, slot i holding block (r+i) mod n; it

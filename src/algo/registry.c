@@ -36,6 +36,8 @@ static const chorus__algo_t g_allreduce[] = {
     A("recursive_doubling", chorus__allreduce_rd,
       "recursive doubling, log2(n) rounds (+2 for non-powers of two)"),
     A("reduce_broadcast", chorus__allreduce_reduce_bcast, "binomial reduce + binomial broadcast"),
+    A("rabenseifner", chorus__allreduce_rabenseifner,
+      "recursive-halving reduce-scatter + recursive-doubling all-gather, 2 log2(n) rounds"),
     D(chorus__allreduce_direct, "each rank reduces a slice from every buffer, then copies the others' slices"),
 };
 static const chorus__algo_t g_scatter[] = {

@@ -28,58 +28,108 @@
 #include "algo/algo.h"
 #include "algo/pattern.h"
 #include "reduce/reduce.h"
+#include "util/env.h"
 
-/* Ring reduce-scatter over buf (count elements, blocks as chorus__blk_*),
- * in place; steps 0..n-2.  On return block rank of buf is fully reduced. */
-static chorus_result_t ring_reduce_scatter(chorus__coll_t *c, char *buf, size_t count) {
+/* Ring steps can move a block as up to RING_SEGS segments of at least
+ * CHORUS_RING_SEGMENT bytes: a segment is combined (reduce-scatter) or
+ * forwarded (all-gather) as soon as it arrives, so the next step's first
+ * segment is on the wire while this step's later ones still arrive.  Off by
+ * default: over loopback on 2 cores every extra message costs a hand-off
+ * with the progress thread, and segmenting was slower at 4 ranks (64 MiB:
+ * 198 ms against 150) -- see bench/README.md.  The count depends only on the
+ * block size and the variable, which every rank shares. */
+#define RING_SEGS 8
+
+static int ring_segs(size_t block_bytes) {
+  long seg = chorus__env()->RING_SEGMENT;
+  if (seg <= 0) return 1;
+  size_t k = block_bytes / (size_t)seg;
+  return k < 1 ? 1 : k > RING_SEGS ? RING_SEGS : (int)k;
+}
+
+/* Segment j of nseg of a block of cnt elements: [*off, *off + *len). */
+static void seg_range(size_t cnt, int nseg, int j, size_t *off, size_t *len) {
+  *off = chorus__blk_offset(cnt, nseg, j);
+  *len = chorus__blk_count(cnt, nseg, j);
+}
+
+/* The ring over buf (count elements in n blocks, chorus__blk_*).  Reduce-
+ * scatter (reducing = 1, steps 0..n-2): afterwards block rank of buf is
+ * reduced over all ranks.  All-gather (reducing = 0): rank r starts with
+ * block r and ends with all of them.  step0 offsets the step numbers; each
+ * ring step uses nseg of them. */
+static chorus_result_t ring_pass(chorus__coll_t *c, char *buf, size_t count, int reducing,
+                                 uint32_t step0) {
   int n = c->size, r = c->rank;
-  size_t es = c->esize, maxblk = chorus__blk_count(count, n, 0) * es;
-  char *tmp = chorus__scratch(c, maxblk);
-  if (!tmp) return CHORUS_ERR_NO_MEMORY;
+  if (n == 1) return CHORUS_OK;
+  size_t es = c->esize;
+  int nseg = ring_segs(chorus__blk_count(count, n, 0) * es);
+  char *tmp = NULL;
+  if (reducing) {
+    tmp = chorus__scratch(c, chorus__blk_count(count, n, 0) * es);
+    if (!tmp) return CHORUS_ERR_NO_MEMORY;
+  }
+  chorus__req_t sreq[2][RING_SEGS], rreq[RING_SEGS];
+  chorus__req_t *ptrs[2 * RING_SEGS];
   chorus_result_t st = CHORUS_OK;
+  int right = chorus__ring_right(r, n), left = chorus__ring_left(r, n);
+  /* Step 0's sends: the whole first block, all segments at once. */
+  int sb0 = reducing ? chorus__ring_rs_send_block(r, 0, n) : chorus__ring_ag_send_block(r, 0, n);
+  size_t sc0 = chorus__blk_count(count, n, sb0);
+  char *sbase = buf + chorus__blk_offset(count, n, sb0) * es;
+  for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
+    size_t off, len;
+    seg_range(sc0, nseg, j, &off, &len);
+    chorus__coll_req(&sreq[0][j], CHORUS__REQ_SEND, right, sbase + off * es, len * es,
+                     step0 + (uint32_t)j);
+    st = chorus__ep_post(c->ep, &sreq[0][j]);
+  }
   for (int s = 0; s < n - 1 && st == CHORUS_OK; s++) {
-    int sb = chorus__ring_rs_send_block(r, s, n), rb = chorus__ring_rs_recv_block(r, s, n);
-    size_t rcnt = chorus__blk_count(count, n, rb);
-    st = chorus__xchg(c, chorus__ring_right(r, n), buf + chorus__blk_offset(count, n, sb) * es,
-                      chorus__blk_count(count, n, sb) * es, chorus__ring_left(r, n), tmp,
-                      rcnt * es, (uint32_t)s);
-    if (st == CHORUS_OK) {
-      char *dst = buf + chorus__blk_offset(count, n, rb) * es;
-      chorus__combine(c, dst, dst, tmp, rcnt);
+    int rb = reducing ? chorus__ring_rs_recv_block(r, s, n) : chorus__ring_ag_recv_block(r, s, n);
+    size_t rc = chorus__blk_count(count, n, rb);
+    char *rbase = buf + chorus__blk_offset(count, n, rb) * es;
+    char *land = reducing ? tmp : rbase;
+    uint32_t step = step0 + (uint32_t)(s * nseg);
+    for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
+      size_t off, len;
+      seg_range(rc, nseg, j, &off, &len);
+      chorus__coll_req(&rreq[j], CHORUS__REQ_RECV, left, land + off * es, len * es,
+                       step + (uint32_t)j);
+      st = chorus__ep_post(c->ep, &rreq[j]);
     }
+    /* The block received now is the one sent at the next step. */
+    int last = s == n - 2;
+    for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
+      size_t off, len;
+      seg_range(rc, nseg, j, &off, &len);
+      chorus__req_t *one[1] = {&rreq[j]};
+      st = chorus__ep_wait(c->ep, one, 1, c->timeout_ms);
+      if (st != CHORUS_OK) break;
+      if (reducing) chorus__combine(c, rbase + off * es, rbase + off * es, tmp + off * es, len);
+      if (!last) {
+        chorus__coll_req(&sreq[(s + 1) & 1][j], CHORUS__REQ_SEND, right, rbase + off * es,
+                         len * es, step + (uint32_t)nseg + (uint32_t)j);
+        st = chorus__ep_post(c->ep, &sreq[(s + 1) & 1][j]);
+      }
+    }
+    /* This step's sends must be done before their slots are reused. */
+    for (int j = 0; j < nseg; j++) ptrs[j] = &sreq[s & 1][j];
+    if (st == CHORUS_OK) st = chorus__ep_wait(c->ep, ptrs, nseg, c->timeout_ms);
   }
   chorus__scratch_free(c, tmp);
   return st;
-}
-
-/* Ring all-gather of the blocks of buf where rank r owns block r; steps
- * step0 .. step0+n-2. */
-static chorus_result_t ring_all_gather_blocks(chorus__coll_t *c, char *buf, size_t count,
-                                              uint32_t step0) {
-  int n = c->size, r = c->rank;
-  size_t es = c->esize;
-  for (int s = 0; s < n - 1; s++) {
-    int sb = chorus__ring_ag_send_block(r, s, n), rb = chorus__ring_ag_recv_block(r, s, n);
-    chorus_result_t st = chorus__xchg(
-        c, chorus__ring_right(r, n), buf + chorus__blk_offset(count, n, sb) * es,
-        chorus__blk_count(count, n, sb) * es, chorus__ring_left(r, n),
-        buf + chorus__blk_offset(count, n, rb) * es, chorus__blk_count(count, n, rb) * es,
-        step0 + (uint32_t)s);
-    if (st != CHORUS_OK) return st;
-  }
-  return CHORUS_OK;
 }
 
 chorus_result_t chorus__allreduce_ring(chorus__coll_t *c) {
   size_t bytes = c->count * c->esize;
   char *buf = c->recvbuf;
   if (buf != c->sendbuf && bytes) memcpy(buf, c->sendbuf, bytes);
-  chorus_result_t st = ring_reduce_scatter(c, buf, c->count);
+  chorus_result_t st = ring_pass(c, buf, c->count, 1, 0);
   if (st != CHORUS_OK) return st;
   if (c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(buf + chorus__blk_offset(c->count, c->size, c->rank) * c->esize,
                                 chorus__blk_count(c->count, c->size, c->rank), c->dtype, c->size);
-  return ring_all_gather_blocks(c, buf, c->count, (uint32_t)c->size);
+  return ring_pass(c, buf, c->count, 0, (uint32_t)(c->size * RING_SEGS));
 }
 
 chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
@@ -122,6 +172,66 @@ chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
   if (st == CHORUS_OK && fold >= 0) {
     if (!chorus__rd_folded_out(r, n)) st = chorus__send(c, fold, buf, bytes, step);
     else st = chorus__recv(c, fold, buf, bytes, step);
+  }
+  chorus__scratch_free(c, tmp);
+  return st;
+}
+
+/* Rabenseifner: fold to a power of two as recursive doubling does, then
+ * reduce-scatter by recursive halving and all-gather by recursive doubling
+ * (pattern.h), then hand the result back: 2 log2(p) rounds moving 2(p-1)/p
+ * of the vector, instead of the ring's 2(n-1) rounds.  Steps: fold 0,
+ * halving 1..L, doubling L+1..2L, hand-back 64. */
+chorus_result_t chorus__allreduce_rabenseifner(chorus__coll_t *c) {
+  int n = c->size, r = c->rank;
+  size_t es = c->esize, bytes = c->count * es;
+  char *buf = c->recvbuf;
+  if (buf != c->sendbuf && bytes) memcpy(buf, c->sendbuf, bytes);
+  char *tmp = chorus__scratch(c, bytes);
+  if (!tmp) return CHORUS_ERR_NO_MEMORY;
+  chorus_result_t st = CHORUS_OK;
+  int fold = chorus__rd_fold_peer(r, n);
+  if (fold >= 0) {
+    if (chorus__rd_folded_out(r, n)) {
+      st = chorus__send(c, fold, buf, bytes, 0);
+    } else {
+      st = chorus__recv(c, fold, tmp, bytes, 0);
+      if (st == CHORUS_OK) chorus__combine(c, buf, tmp, buf, c->count);
+    }
+  }
+  if (!chorus__rd_folded_out(r, n) && st == CHORUS_OK) {
+    int p = chorus__rd_pow2(n), L = chorus__rd_rounds(n), q = chorus__rd_newrank(r, n);
+#define OFF(b) (chorus__blk_offset(c->count, p, (b)))
+    /* Halving: keep the half of the window on my side of the partner. */
+    for (int k = 0; k < L && st == CHORUS_OK; k++) {
+      int d = chorus__rab_dist(k, p), w = 2 * d, lo = chorus__rab_window_lo(q, w);
+      int peer = chorus__rd_real(q ^ d, n);
+      int keep = q & d ? lo + d : lo, give = q & d ? lo : lo + d;
+      size_t kcnt = OFF(keep + d) - OFF(keep), gcnt = OFF(give + d) - OFF(give);
+      st = chorus__xchg(c, peer, buf + OFF(give) * es, gcnt * es, peer, tmp, kcnt * es,
+                        (uint32_t)(1 + k));
+      if (st != CHORUS_OK) break;
+      char *mine = buf + OFF(keep) * es;
+      /* Lower rank's data first, so every rank gets the same bits. */
+      if (q & d) chorus__combine(c, mine, tmp, mine, kcnt);
+      else chorus__combine(c, mine, mine, tmp, kcnt);
+    }
+    if (st == CHORUS_OK && c->op == CHORUS_AVG)
+      chorus__reduce_finalize_avg(buf + OFF(q) * es, OFF(q + 1) - OFF(q), c->dtype, n);
+    /* Doubling: windows grow back from one block to all p. */
+    for (int k = L - 1; k >= 0 && st == CHORUS_OK; k--) {
+      int d = chorus__rab_dist(k, p);
+      int mylo = chorus__rab_window_lo(q, d), theirlo = chorus__rab_window_lo(q ^ d, d);
+      int peer = chorus__rd_real(q ^ d, n);
+      st = chorus__xchg(c, peer, buf + OFF(mylo) * es, (OFF(mylo + d) - OFF(mylo)) * es, peer,
+                        buf + OFF(theirlo) * es, (OFF(theirlo + d) - OFF(theirlo)) * es,
+                        (uint32_t)(1 + L + (L - 1 - k)));
+    }
+#undef OFF
+  }
+  if (st == CHORUS_OK && fold >= 0) {
+    if (!chorus__rd_folded_out(r, n)) st = chorus__send(c, fold, buf, bytes, 64);
+    else st = chorus__recv(c, fold, buf, bytes, 64);
   }
   chorus__scratch_free(c, tmp);
   return st;
@@ -181,7 +291,7 @@ chorus_result_t chorus__reduce_scatter_ring(chorus__coll_t *c) {
   if (!acc) return CHORUS_ERR_NO_MEMORY;
   if (blk) memcpy(acc, c->sendbuf, blk * (size_t)n);
   /* Equal blocks: chorus__blk_* over count*n elements gives count each. */
-  chorus_result_t st = ring_reduce_scatter(c, acc, total);
+  chorus_result_t st = ring_pass(c, acc, total, 1, 0);
   if (st == CHORUS_OK) {
     if (blk) memmove(c->recvbuf, acc + blk * (size_t)c->rank, blk);
     if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, n);

@@ -13,6 +13,8 @@
  *    block, and what r sends at step s is what r+1 receives;
  *  - recursive doubling: fold, doubling rounds and hand-back leave every
  *    rank with every contribution exactly once; partners are symmetric;
+ *  - Rabenseifner: halving leaves block q on rank q with every contribution
+ *    exactly once, doubling then gives every rank every block;
  *  - Bruck: every rank ends with every block, sends and receives match;
  *  - pairwise: every ordered pair meets exactly once;
  *  - dissemination: after ceil(log2 n) rounds everyone has heard from all;
@@ -306,6 +308,65 @@ TEST(rd_simulation) {
   }
 }
 
+/* ----------------------------------------------------------- Rabenseifner */
+
+/* Recursive halving then doubling among p = 1..64 (powers of two): per
+ * block, each rank's copy holds a set of contributions; halving must leave
+ * block q on rank q with all p contributions, each combined exactly once,
+ * and doubling must then give every rank every block. */
+TEST(rabenseifner_simulation) {
+  static uint64_t have[MAXN][MAXN], nxt[MAXN][MAXN]; /* rank -> block -> set */
+  for (int p = 1; p <= MAXN; p *= 2) {
+    int L = ref_ceil_log2(p);
+    for (int q = 0; q < p; q++)
+      for (int b = 0; b < p; b++) have[q][b] = bit(q);
+    int lo[MAXN], w[MAXN]; /* each rank's window */
+    for (int q = 0; q < p; q++) lo[q] = 0, w[q] = p;
+    for (int k = 0; k < L; k++) {
+      int d = chorus__rab_dist(k, p);
+      ASSERT_EQ(d, p >> (k + 1));
+      for (int q = 0; q < p; q++)
+        for (int b = 0; b < p; b++) nxt[q][b] = have[q][b];
+      for (int q = 0; q < p; q++) {
+        int peer = q ^ d;
+        ASSERT_EQ(chorus__rab_window_lo(q, 2 * d), lo[q]);
+        ASSERT_EQ(lo[peer], lo[q]); /* partners share the window */
+        int keep = q & d ? lo[q] + d : lo[q];
+        for (int b = keep; b < keep + d; b++) {
+          ASSERT_EQ(have[q][b] & have[peer][b], 0);
+          nxt[q][b] = have[q][b] | have[peer][b];
+          checks++;
+        }
+      }
+      for (int q = 0; q < p; q++) {
+        lo[q] = q & d ? lo[q] + d : lo[q];
+        w[q] = d;
+        for (int b = 0; b < p; b++) have[q][b] = nxt[q][b];
+      }
+    }
+    for (int q = 0; q < p; q++) {
+      ASSERT_EQ(lo[q], q);
+      ASSERT_EQ(w[q], 1);
+      ASSERT_EQ(have[q][q], all_bits(p));
+    }
+    /* Doubling, rounds in reverse: windows of size d are exchanged. */
+    for (int k = L - 1; k >= 0; k--) {
+      int d = chorus__rab_dist(k, p);
+      for (int q = 0; q < p; q++)
+        for (int b = 0; b < p; b++) nxt[q][b] = have[q][b];
+      for (int q = 0; q < p; q++) {
+        int mylo = chorus__rab_window_lo(q, d), theirlo = chorus__rab_window_lo(q ^ d, d);
+        for (int b = mylo; b < mylo + d; b++) ASSERT_EQ(have[q][b], all_bits(p));
+        for (int b = theirlo; b < theirlo + d; b++) nxt[q][b] = have[q ^ d][b];
+      }
+      for (int q = 0; q < p; q++)
+        for (int b = 0; b < p; b++) have[q][b] = nxt[q][b];
+    }
+    for (int q = 0; q < p; q++)
+      for (int b = 0; b < p; b++) ASSERT_EQ(have[q][b], all_bits(p));
+  }
+}
+
 /* ------------------------------------------------------------------ Bruck */
 
 TEST(bruck_simulation) {
@@ -439,6 +500,7 @@ int main(void) {
   RUN(ring_schedule_simulation);
   RUN(rd_ranks);
   RUN(rd_simulation);
+  RUN(rabenseifner_simulation);
   RUN(bruck_simulation);
   RUN(pairwise_schedule);
   RUN(dissemination_schedule);
