@@ -78,7 +78,7 @@ typedef struct {
   size_t increment; /* additive step (-i) */
   chorus_op_t op;
   chorus_dtype_t dtype;
-  int root, iters, warmup, check, async, all;
+  int root, iters, warmup, check, async, all, memalloc;
   const char *algo; /* -a; NULL: the library's automatic choice */
   chorus_coll_t coll;
 } opts_t;
@@ -106,6 +106,8 @@ static void usage(FILE *f) {
           "                           reduce_scatter, all_to_all, scatter, gather, barrier\n"
           "      --all                run every collective in turn\n"
           "  -z, --async 0|1          0: blocking calls (default); 1: async handles + wait\n"
+          "  -m, --memalloc 0|1       1: buffers from chorus_mem_alloc (shared memory;\n"
+          "                           all_reduce then skips every staging copy)\n"
           "  -h, --help               this help\n"
           "\n"
           "Algorithms (-a) per collective:\n");
@@ -222,11 +224,12 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                                            {"algo", required_argument, NULL, 'a'},
                                            {"coll", required_argument, NULL, 'C'},
                                            {"async", required_argument, NULL, 'z'},
+                                           {"memalloc", required_argument, NULL, 'm'},
                                            {"all", no_argument, NULL, OPT_ALL},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   int have_f = 0, have_i = 0, have_c = 0, opt;
-  while ((opt = getopt_long(argc, argv, "b:e:f:i:o:d:r:n:w:c:a:C:z:h", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "b:e:f:i:o:d:r:n:w:c:a:C:z:m:h", longopts, NULL)) != -1) {
     switch (opt) {
       case 'b':
         if (parse_size(optarg, &o->min_bytes)) die_usage("bad -b size '%s'", optarg);
@@ -287,6 +290,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         break;
       case 'z':
         if (parse_int(optarg, 0, 1, &o->async)) die_usage("-z wants 0 or 1, not '%s'", optarg);
+        break;
+      case 'm':
+        if (parse_int(optarg, 0, 1, &o->memalloc)) die_usage("-m wants 0 or 1, not '%s'", optarg);
         break;
       case 'a':
         o->algo = (strcmp(optarg, "auto") == 0) ? NULL : optarg;
@@ -995,8 +1001,8 @@ static void print_header(bench_t *b) {
       chorus_op_name(o->op), o->root, o->algo ? o->algo : "auto");
   say(b,
       "# minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d validation: %d "
-      "blocking: %d\n",
-      o->min_bytes, o->max_bytes, step, o->warmup, o->iters, o->check, !o->async);
+      "blocking: %d memalloc: %d\n",
+      o->min_bytes, o->max_bytes, step, o->warmup, o->iters, o->check, !o->async, o->memalloc);
   say(b, "# world size %d  hostname %s\n", b->n, me.host);
   /* The variables that change what is measured, if set. */
   extern char **environ;
@@ -1050,8 +1056,17 @@ int main(int argc, char **argv) {
    * more than size bytes in either. */
   b.cap = (b.o.max_bytes + 63) / 64 * 64;
   if (b.cap < 64) b.cap = 64;
-  b.a = aligned_alloc(64, b.cap);
-  b.b = aligned_alloc(64, b.cap);
+  if (b.o.memalloc) {
+    void *pa = NULL, *pb = NULL;
+    if (chorus_mem_alloc(b.comm, b.cap, &pa) != CHORUS_OK ||
+        chorus_mem_alloc(b.comm, b.cap, &pb) != CHORUS_OK)
+      fprintf(stderr, "chorus-bench: %s\n", chorus_comm_last_error(b.comm));
+    b.a = pa;
+    b.b = pb;
+  } else {
+    b.a = aligned_alloc(64, b.cap);
+    b.b = aligned_alloc(64, b.cap);
+  }
   b.times = calloc((size_t)(2 + 2 * b.o.iters), sizeof(double));
   if (!b.a || !b.b || !b.times) {
     fprintf(stderr, "chorus-bench: rank %d: cannot allocate 2 x %zu bytes\n", b.rank, b.cap);
@@ -1106,8 +1121,14 @@ int main(int argc, char **argv) {
   say(&b, "#\n");
 
   rc = chorus_comm_destroy(b.comm);
-  free(b.a);
-  free(b.b);
+  if (b.o.memalloc) {
+    chorus_barrier(b.comm, NULL); /* nobody reads them any more */
+    chorus_mem_free(b.comm, b.a);
+    chorus_mem_free(b.comm, b.b);
+  } else {
+    free(b.a);
+    free(b.b);
+  }
   free(b.times);
   if (rc != CHORUS_OK) {
     fprintf(stderr, "chorus-bench: rank %d: chorus_comm_destroy failed: %s\n", b.rank,

@@ -304,6 +304,25 @@ CHORUS_API const char *chorus_work_error(chorus_work_t work);
  */
 CHORUS_API void chorus_work_free(chorus_work_t work);
 
+/* ------------------------------------------------------ shared-memory buffers
+ *
+ * Memory for collective buffers, shared with the other processes of the
+ * job's host.  When every rank of a one-host group passes buffers from
+ * chorus_mem_alloc (any offset inside an allocation), all_reduce reads the
+ * others' inputs and writes its results straight into their outputs: no
+ * staging copies at all.  Other collectives, and calls where some rank
+ * passes ordinary memory, work as usual.  An allocation can be used with
+ * comm and with every group of comm's world; it needs no other call to be
+ * shared.  size 0 is allowed (*ptr is then NULL).  Errors: NO_MEMORY when
+ * /dev/shm is full, SYSTEM when it cannot be created or mapped.
+ */
+CHORUS_API chorus_result_t chorus_mem_alloc(chorus_comm_t comm, size_t size, void **ptr);
+
+/* Frees memory from chorus_mem_alloc (NULL is fine).  No collective may be
+ * using it on any rank; other ranks keep their view of it until their
+ * communicators are destroyed. */
+CHORUS_API chorus_result_t chorus_mem_free(chorus_comm_t comm, void *ptr);
+
 /* --------------------------------------------------------------- collectives
  *
  * Every function below: `work` NULL -> blocking; the call returns when this

@@ -165,6 +165,100 @@ static size_t chunk_plan(const chorus__coll_t *c, int blocks, int *inl) {
   return c->shm->chunk / (c->esize * (size_t)blocks);
 }
 
+/* ------------------------------------------- zero copy (chorus_mem_alloc) */
+
+/* What a rank says about its buffers in its first line of a large
+ * all_reduce: the chorus_mem_alloc allocations (ids, 0 = ordinary memory)
+ * and offsets of its input and output.  Exactly one control line. */
+typedef struct {
+  uint64_t sid, soff, rid, roff;
+} zc_desc_t;
+_Static_assert(sizeof(zc_desc_t) <= CHORUS__SHM_INLINE, "descriptor fits a control line");
+
+static void zc_describe(const chorus__coll_t *c, zc_desc_t *d) {
+  size_t bytes = c->count * c->esize;
+  memset(d, 0, sizeof *d);
+  if (!c->shm->reg) return;
+  if (!chorus__memreg_find(c->shm->reg, c->sendbuf, bytes, &d->sid, &d->soff) ||
+      !chorus__memreg_find(c->shm->reg, c->recvbuf, bytes, &d->rid, &d->roff))
+    d->sid = d->rid = 0;
+}
+
+/* Every rank's line of ticket t (already read) describes allocations. */
+static int zc_all(chorus__coll_t *c, uint64_t t) {
+  for (int r = 0; r < c->shm->n; r++) {
+    const zc_desc_t *d = (const zc_desc_t *)chorus__shm_line(c->shm, r, t)->data;
+    if (!d->sid || !d->rid) return 0;
+  }
+  return 1;
+}
+
+/* Rank r's buffer described by (id, off), mapped here. */
+static unsigned char *zc_map(chorus__coll_t *c, int r, uint64_t id, uint64_t off, size_t bytes) {
+  chorus__shm_t *s = c->shm;
+  size_t size = 0;
+  unsigned char *base = chorus__memreg_peer(s->reg, s->world[r], id, &size);
+  if (base && off <= size && bytes <= size - off) return base + off;
+  char doing[300];
+  chorus__ep_doing(c->ep, doing, sizeof doing);
+  chorus__ep_fail(c->ep, CHORUS_ERR_SYSTEM, 1,
+                  "chorus rank %d/%d: %s: cannot map rank %d's chorus_mem_alloc buffer "
+                  "(allocation %" PRIu64 ", offset %" PRIu64 ", %zu bytes): %s",
+                  c->rank, c->size, doing, r, id, off, bytes,
+                  base ? "the call runs past the end of the allocation" : "it is gone");
+  return NULL;
+}
+
+/* all_reduce with every input and output in chorus_mem_alloc memory: each
+ * rank combines its slice straight from the n inputs and writes the result
+ * straight into the n outputs (in place too: only this rank touches its
+ * slice of anyone's buffer).  Ticket t is the one whose lines carried the
+ * descriptors. */
+static chorus_result_t zc_allreduce(chorus__coll_t *c, uint64_t t) {
+  chorus__shm_t *s = c->shm;
+  const int n = s->n;
+  const size_t es = c->esize, bytes = c->count * es;
+  const unsigned char *src[CHORUS__SHM_MAX_RANKS];
+  unsigned char *dst[CHORUS__SHM_MAX_RANKS];
+  for (int r = 0; r < n; r++) {
+    const zc_desc_t *d = (const zc_desc_t *)chorus__shm_line(s, r, t)->data;
+    if (r == s->me) {
+      src[r] = c->sendbuf;
+      dst[r] = c->recvbuf;
+      continue;
+    }
+    src[r] = zc_map(c, r, d->sid, d->soff, bytes);
+    dst[r] = zc_map(c, r, d->rid, d->roff, bytes);
+    if (!src[r] || !dst[r]) return CHORUS_ERR_SYSTEM;
+  }
+  _Alignas(64) unsigned char acc[COMBINE_BLOCK];
+  const size_t blk = COMBINE_BLOCK / es;
+  /* Out of place, large outputs are streamed (as in the staged path). */
+  const int stream = (const void *)c->recvbuf != c->sendbuf && bytes >= STREAM_MIN_BYTES;
+  size_t a = chorus__blk_offset(c->count, n, s->me), k = chorus__blk_count(c->count, n, s->me);
+  for (size_t i = 0; i < k; i += blk) {
+    size_t kk = CHORUS__MIN(blk, k - i), b = (a + i) * es;
+    chorus__combine(c, acc, src[0] + b, src[1] + b, kk);
+    for (int r = 2; r < n; r++) chorus__combine(c, acc, acc, src[r] + b, kk);
+    if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(acc, kk, c->dtype, n);
+    for (int j = 0; j < n; j++) {
+      int r = (s->me + j) % n;
+      copy_out(dst[r] + b, acc, kk * es, stream);
+    }
+  }
+  stream_fence(stream);
+  /* Done writing everyone's outputs and reading their inputs. */
+  chorus__shm_set(s, &chorus__shm_line(s, s->me, t)->red, t);
+  for (int r = 0; r < n; r++) {
+    if (r == s->me) continue;
+    chorus_result_t st = chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r,
+                                          "its slice of the result");
+    if (st != CHORUS_OK) return st;
+  }
+  finish(c, t);
+  return CHORUS_OK;
+}
+
 /* ---------------------------------------------------------- all_reduce */
 
 /* Every rank combines the whole (small) vector itself: one wait. */
@@ -217,9 +311,15 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
     if (st != CHORUS_OK) return st;
     unsigned char *mybuf = chorus__shm_buf(s, s->me, t);
     memcpy(mybuf, in + off * es, m * es);
-    put_line(c, t, NULL, 0);
+    /* The first line of an all_reduce says whether this rank's buffers are
+     * chorus_mem_alloc memory; if everyone's are, no staging at all. */
+    zc_desc_t desc;
+    int zc = off == 0 && everyone && c->count > per;
+    if (zc) zc_describe(c, &desc);
+    put_line(c, t, zc ? &desc : NULL, zc ? sizeof desc : 0);
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
+    if (zc && zc_all(c, t)) return zc_allreduce(c, t);
     size_t a = chorus__blk_offset(m, s->n, s->me), k = chorus__blk_count(m, s->n, s->me);
     for (size_t i = 0; i < k; i += blk) {
       size_t kk = CHORUS__MIN(blk, k - i), b = (a + i) * es;

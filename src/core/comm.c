@@ -150,6 +150,7 @@ static void ctx_unref(chorus__ctx_t *ctx) {
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
   pthread_mutex_destroy(&ctx->lock);
+  chorus__memreg_free(ctx->memreg);
   free(ctx->host);
   free(ctx);
 }
@@ -309,6 +310,8 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
   int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 50;
   int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : 1000;
   chorus__shm_bind(shm, comm->ep, comm->timeout_ms, spin, yields);
+  shm->reg = ctx->memreg;
+  shm->world = comm->world_ranks;
   comm->shm = shm;
   /* End with a barrier in shared memory: a rank returns from it once it
    * sees every other rank's flag, so a fast rank's failure in a later call
@@ -441,7 +444,8 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   host_identity(ident, sizeof ident);
   ctx->world_id = world_id;
   ctx->host = calloc((size_t)size, sizeof *ctx->host);
-  if (!ctx->host) {
+  ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);
+  if (!ctx->host || !ctx->memreg) {
     st = init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
     goto fail;
   }
@@ -491,6 +495,7 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
 fail:
   chorus__rdzv_free(addrs, size);
   if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
+  chorus__memreg_free(ctx->memreg);
   free(ctx->host);
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
@@ -632,6 +637,28 @@ chorus_result_t chorus_comm_split(chorus_comm_t parent, int color, int key, chor
   }
   free(all);
   free(ranks);
+  return st;
+}
+
+/* ------------------------------------------------- shared-memory buffers */
+
+chorus_result_t chorus_mem_alloc(chorus_comm_t comm, size_t size, void **ptr) {
+  if (!comm || !ptr) return CHORUS_ERR_INVALID_ARG;
+  char err[300] = "";
+  chorus_result_t st = chorus__memreg_alloc(comm->ctx->memreg, size, ptr, err, sizeof err);
+  if (st != CHORUS_OK)
+    chorus__comm_set_error(comm, "chorus rank %d/%d: chorus_mem_alloc(%zu bytes) failed: %s",
+                           comm->rank, comm->size, size, err[0] ? err : chorus_strerror(st));
+  return st;
+}
+
+chorus_result_t chorus_mem_free(chorus_comm_t comm, void *ptr) {
+  if (!comm) return CHORUS_ERR_INVALID_ARG;
+  chorus_result_t st = chorus__memreg_release(comm->ctx->memreg, ptr);
+  if (st != CHORUS_OK)
+    chorus__comm_set_error(comm, "chorus rank %d/%d: chorus_mem_free(%p): not memory from "
+                           "chorus_mem_alloc of this communicator's world", comm->rank,
+                           comm->size, ptr);
   return st;
 }
 

@@ -40,6 +40,7 @@ typedef struct chorus__ctx {
   uint64_t world_id;
   uint64_t *host; /* per world rank: hash of its host name and boot id */
   int local_count; /* world ranks on this host */
+  chorus__memreg_t *memreg; /* chorus_mem_alloc memory, mine and mapped */
 } chorus__ctx_t;
 
 enum { CHORUS__WORK_QUEUED, CHORUS__WORK_RUNNING, CHORUS__WORK_DONE };

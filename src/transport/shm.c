@@ -19,6 +19,7 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include "util/clock.h"
@@ -287,4 +288,183 @@ chorus_result_t chorus__shm_read_peer(chorus__shm_t *s, int peer, void *dst, uin
     len -= (size_t)got;
   }
   return CHORUS_OK;
+}
+
+/* ------------------------------------------------ chorus_mem_alloc memory */
+
+typedef struct region {
+  struct region *next;
+  int owner;        /* world rank */
+  uint64_t id;      /* per owner, never reused */
+  unsigned char *base;
+  size_t size, mapped;
+} region_t;
+
+struct chorus__memreg {
+  pthread_mutex_t lock;
+  char job[24];
+  uint64_t world_id;
+  int me;
+  uint64_t next_id;
+  region_t *mine, *peers;
+};
+
+static void region_name(const chorus__memreg_t *reg, int owner, uint64_t id, char *buf,
+                        size_t cap) {
+  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-m%d-%" PRIu64, reg->job, reg->world_id, owner,
+           id);
+}
+
+chorus__memreg_t *chorus__memreg_new(const char *job, uint64_t world_id, int world_rank) {
+  chorus__memreg_t *reg = calloc(1, sizeof *reg);
+  if (!reg) return NULL;
+  pthread_mutex_init(&reg->lock, NULL);
+  size_t k = 0;
+  for (const char *p = job ? job : ""; *p && k + 1 < sizeof reg->job; p++)
+    if ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z'))
+      reg->job[k++] = *p;
+  if (!k) snprintf(reg->job, sizeof reg->job, "nojob");
+  reg->world_id = world_id;
+  reg->me = world_rank;
+  reg->next_id = 1;
+  return reg;
+}
+
+static void drop_list(chorus__memreg_t *reg, region_t *r, int unlink_names) {
+  while (r) {
+    region_t *next = r->next;
+    if (unlink_names) {
+      char name[128];
+      region_name(reg, r->owner, r->id, name, sizeof name);
+      shm_unlink(name);
+    }
+    munmap(r->base, r->mapped);
+    free(r);
+    r = next;
+  }
+}
+
+void chorus__memreg_free(chorus__memreg_t *reg) {
+  if (!reg) return;
+  drop_list(reg, reg->mine, 1);
+  drop_list(reg, reg->peers, 0);
+  pthread_mutex_destroy(&reg->lock);
+  free(reg);
+}
+
+chorus_result_t chorus__memreg_alloc(chorus__memreg_t *reg, size_t size, void **ptr, char *err,
+                                     size_t cap) {
+  *ptr = NULL;
+  if (size == 0) return CHORUS_OK;
+  size_t mapped = (size + SHM_PAGE - 1) / SHM_PAGE * SHM_PAGE;
+  region_t *r = calloc(1, sizeof *r);
+  if (!r) return CHORUS_ERR_NO_MEMORY;
+  pthread_mutex_lock(&reg->lock);
+  r->id = reg->next_id++;
+  pthread_mutex_unlock(&reg->lock);
+  r->owner = reg->me;
+  char name[128];
+  region_name(reg, r->owner, r->id, name, sizeof name);
+  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    snprintf(err, cap, "shm_open(%s) failed: %s", name, strerror(errno));
+    free(r);
+    return CHORUS_ERR_SYSTEM;
+  }
+  int rc = posix_fallocate(fd, 0, (off_t)mapped);
+  if (rc != 0) {
+    snprintf(err, cap, "cannot reserve %zu bytes in /dev/shm: %s", mapped, strerror(rc));
+    close(fd);
+    shm_unlink(name);
+    free(r);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  void *base = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    snprintf(err, cap, "mmap of %zu bytes failed: %s", mapped, strerror(errno));
+    shm_unlink(name);
+    free(r);
+    return CHORUS_ERR_SYSTEM;
+  }
+  r->base = base;
+  r->size = size;
+  r->mapped = mapped;
+  pthread_mutex_lock(&reg->lock);
+  r->next = reg->mine;
+  reg->mine = r;
+  pthread_mutex_unlock(&reg->lock);
+  *ptr = base;
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__memreg_release(chorus__memreg_t *reg, void *ptr) {
+  if (!ptr) return CHORUS_OK;
+  pthread_mutex_lock(&reg->lock);
+  region_t **pp = &reg->mine;
+  while (*pp && (*pp)->base != ptr) pp = &(*pp)->next;
+  region_t *r = *pp;
+  if (r) *pp = r->next;
+  pthread_mutex_unlock(&reg->lock);
+  if (!r) return CHORUS_ERR_INVALID_ARG;
+  r->next = NULL;
+  drop_list(reg, r, 1);
+  return CHORUS_OK;
+}
+
+int chorus__memreg_find(chorus__memreg_t *reg, const void *ptr, size_t len, uint64_t *id,
+                        uint64_t *off) {
+  if (!reg || !ptr) return 0;
+  const unsigned char *p = ptr;
+  int found = 0;
+  pthread_mutex_lock(&reg->lock);
+  for (region_t *r = reg->mine; r; r = r->next) {
+    if (p >= r->base && p < r->base + r->size && len <= r->size - (size_t)(p - r->base)) {
+      *id = r->id;
+      *off = (uint64_t)(p - r->base);
+      found = 1;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&reg->lock);
+  return found;
+}
+
+unsigned char *chorus__memreg_peer(chorus__memreg_t *reg, int w, uint64_t id, size_t *size) {
+  pthread_mutex_lock(&reg->lock);
+  for (region_t *r = reg->peers; r; r = r->next) {
+    if (r->owner == w && r->id == id) {
+      *size = r->size;
+      pthread_mutex_unlock(&reg->lock);
+      return r->base;
+    }
+  }
+  pthread_mutex_unlock(&reg->lock);
+  char name[128];
+  region_name(reg, w, id, name, sizeof name);
+  int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return NULL;
+  struct stat sb;
+  if (fstat(fd, &sb) < 0 || sb.st_size <= 0) {
+    close(fd);
+    return NULL;
+  }
+  void *base = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return NULL;
+  region_t *r = calloc(1, sizeof *r);
+  if (!r) {
+    munmap(base, (size_t)sb.st_size);
+    return NULL;
+  }
+  r->owner = w;
+  r->id = id;
+  r->base = base;
+  r->size = r->mapped = (size_t)sb.st_size;
+  pthread_mutex_lock(&reg->lock);
+  r->next = reg->peers;
+  reg->peers = r;
+  pthread_mutex_unlock(&reg->lock);
+  *size = r->size;
+  return r->base;
 }

@@ -66,6 +66,24 @@ typedef struct chorus__shm_area {
   unsigned char pad[104];
 } chorus__shm_area_t;
 
+/* Memory handed to the user by chorus_mem_alloc (one shm object each), and
+ * the views of other ranks' allocations this process mapped; one per world,
+ * shared by its groups (thread-safe). */
+typedef struct chorus__memreg chorus__memreg_t;
+
+chorus__memreg_t *chorus__memreg_new(const char *job, uint64_t world_id, int world_rank);
+void chorus__memreg_free(chorus__memreg_t *reg); /* unmaps everything */
+chorus_result_t chorus__memreg_alloc(chorus__memreg_t *reg, size_t size, void **ptr, char *err,
+                                     size_t cap);
+chorus_result_t chorus__memreg_release(chorus__memreg_t *reg, void *ptr);
+/* If [ptr, ptr+len) lies in one of this process's allocations: 1, with its
+ * id and the offset of ptr; else 0. */
+int chorus__memreg_find(chorus__memreg_t *reg, const void *ptr, size_t len, uint64_t *id,
+                        uint64_t *off);
+/* Base and size of world rank w's allocation id in this process (mapped on
+ * first use); NULL if it cannot be opened. */
+unsigned char *chorus__memreg_peer(chorus__memreg_t *reg, int w, uint64_t id, size_t *size);
+
 typedef struct chorus__shm_hdr {
   uint64_t magic;
   uint32_t version, n;
@@ -91,6 +109,8 @@ typedef struct chorus__shm {
   size_t cma_min;           /* bytes per rank from which collectives use it */
   chorus__ep_t *ep;
   int timeout_ms;
+  chorus__memreg_t *reg; /* the world's chorus_mem_alloc registry */
+  const int *world;      /* group rank -> world rank */
 } chorus__shm_t;
 
 /* "/chorus-<job>-<world id>-<group id>" into buf. */

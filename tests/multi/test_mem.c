@@ -1,0 +1,127 @@
+/*
+ * test_mem.c - chorus_mem_alloc buffers in collectives (run by chorusrun at
+ * several world sizes): all_reduce with every rank's input and output in
+ * shared memory (the zero-copy path), in place and out of place, at odd
+ * offsets and counts; the same with one rank on ordinary memory (the
+ * staged path must take over on every rank); use from a subgroup; and the
+ * API's edge cases.  Every rank checks every element.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chorus.h"
+
+static int g_rank, g_size, g_fail, g_pass;
+
+#define CHECK(cond, ...)                                                        \
+  do {                                                                         \
+    if (cond) {                                                                \
+      g_pass++;                                                                \
+    } else {                                                                   \
+      g_fail++;                                                                \
+      fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__);    \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fputc('\n', stderr);                                                     \
+    }                                                                          \
+  } while (0)
+
+/* Input element i of rank r; small integers, so float sums are exact. */
+static float value(int r, size_t i) { return (float)((r + 1) * 3 + (int)(i % 97)); }
+
+static float expected(size_t i, int n, chorus_op_t op) {
+  float sum = 0, mx = value(0, i);
+  for (int r = 0; r < n; r++) {
+    sum += value(r, i);
+    if (value(r, i) > mx) mx = value(r, i);
+  }
+  return op == CHORUS_MAX ? mx : op == CHORUS_AVG ? sum / (float)n : sum;
+}
+
+/* all_reduce of count floats from in to out (in == out: in place) on comm
+ * of n ranks whose rank is me; checks every element. */
+static void run(chorus_comm_t comm, float *in, float *out, size_t count, chorus_op_t op,
+                const char *what) {
+  int me = chorus_comm_rank(comm), n = chorus_comm_size(comm);
+  for (size_t i = 0; i < count; i++) in[i] = value(me, i);
+  if (out != in)
+    for (size_t i = 0; i < count; i++) out[i] = -1;
+  chorus_result_t st = chorus_all_reduce(comm, in, out, count, CHORUS_FLOAT32, op, NULL);
+  CHECK(st == CHORUS_OK, "%s: all_reduce returned %s: %s", what, chorus_result_name(st),
+        chorus_comm_last_error(comm));
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < count; i++) {
+    float e = expected(i, n, op);
+    float diff = out[i] - e;
+    if (diff > 1e-4f * e || diff < -1e-4f * e) {
+      if (!bad) first = i;
+      bad++;
+    }
+  }
+  CHECK(bad == 0, "%s: %zu of %zu elements wrong (first: [%zu] = %g, want %g)", what, bad, count,
+        first, bad ? out[first] : 0.0, bad ? expected(first, n, op) : 0.0);
+}
+
+int main(void) {
+  chorus_comm_t comm;
+  if (chorus_comm_init_env(&comm) != CHORUS_OK) {
+    fprintf(stderr, "init failed: %s\n", chorus_last_init_error());
+    return 1;
+  }
+  g_rank = chorus_comm_rank(comm);
+  g_size = chorus_comm_size(comm);
+  static const size_t counts[] = {1, 1000, (1u << 20) / 4 + 7, (3u << 20) / 4 + 13};
+  static const chorus_op_t ops[] = {CHORUS_SUM, CHORUS_MAX, CHORUS_AVG};
+  size_t maxc = (3u << 20) / 4 + 13;
+  char what[200];
+
+  /* 1. Everyone's buffers from chorus_mem_alloc, at odd offsets. */
+  void *a = NULL, *b = NULL;
+  CHECK(chorus_mem_alloc(comm, (maxc + 16) * sizeof(float), &a) == CHORUS_OK && a, "alloc a");
+  CHECK(chorus_mem_alloc(comm, (maxc + 16) * sizeof(float), &b) == CHORUS_OK && b, "alloc b");
+  if (!a || !b) return 1;
+  float *in = (float *)a + 3, *out = (float *)b + 5;
+  for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
+    for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++) {
+      snprintf(what, sizeof what, "shared out-of-place count=%zu op=%s", counts[k],
+               chorus_op_name(ops[o]));
+      run(comm, in, out, counts[k], ops[o], what);
+      snprintf(what, sizeof what, "shared in-place count=%zu op=%s", counts[k],
+               chorus_op_name(ops[o]));
+      run(comm, out, out, counts[k], ops[o], what);
+    }
+
+  /* 2. Rank 0 on ordinary memory: everyone must take the staged path. */
+  float *plain = malloc((maxc + 16) * sizeof(float));
+  float *pin = g_rank == 0 ? plain : in;
+  snprintf(what, sizeof what, "mixed (rank 0 malloc) count=%zu", maxc);
+  run(comm, pin, out, maxc, CHORUS_SUM, what);
+  run(comm, out, out, maxc, CHORUS_SUM, "mixed in-place (rank 0's output is malloc)");
+
+  /* 3. The world's allocations from a subgroup (odd ranks, even ranks). */
+  chorus_comm_t sub = NULL;
+  CHECK(chorus_comm_split(comm, g_rank % 2, g_rank, &sub) == CHORUS_OK && sub, "split");
+  if (sub) {
+    run(sub, in, out, counts[3], CHORUS_SUM, "subgroup shared out-of-place");
+    chorus_comm_destroy(sub);
+  }
+
+  /* 4. The API's edges. */
+  void *z = (void *)1;
+  CHECK(chorus_mem_alloc(comm, 0, &z) == CHORUS_OK && z == NULL, "size 0 gives NULL");
+  CHECK(chorus_mem_free(comm, NULL) == CHORUS_OK, "free(NULL)");
+  CHECK(chorus_mem_free(comm, plain) == CHORUS_ERR_INVALID_ARG, "free of malloc memory refused");
+  CHECK(chorus_mem_alloc(NULL, 8, &z) == CHORUS_ERR_INVALID_ARG, "NULL comm refused");
+  free(plain);
+  /* Everyone is done with the buffers before anyone frees them. */
+  chorus_barrier(comm, NULL);
+  CHECK(chorus_mem_free(comm, a) == CHORUS_OK, "free a");
+  CHECK(chorus_mem_free(comm, b) == CHORUS_OK, "free b");
+
+  long counts2[2] = {g_pass, g_fail}, total[2] = {0, 0};
+  if (chorus_all_reduce(comm, counts2, total, 2, CHORUS_INT64, CHORUS_SUM, NULL) != CHORUS_OK)
+    total[1]++;
+  if (g_rank == 0) printf("%ld passed, %ld failed\n", total[0], total[1]);
+  chorus_comm_destroy(comm);
+  return total[1] ? 1 : 0;
+}
