@@ -310,8 +310,10 @@ CHORUS_API void chorus_work_free(chorus_work_t work);
  * job's host.  When every rank of a one-host group passes buffers from
  * chorus_mem_alloc (any offset inside an allocation), all_reduce reads the
  * others' inputs and writes its results straight into their outputs: no
- * staging copies at all.  Other collectives, and calls where some rank
- * passes ordinary memory, work as usual.  An allocation can be used with
+ * staging copies at all; all_gather, all_to_all and reduce_scatter read the
+ * others' inputs in place (when every input is such memory), broadcast and
+ * scatter the root's (when the root's is).  Calls where some rank passes
+ * ordinary memory work as usual, through the staging buffers.  An allocation can be used with
  * comm and with every group of comm's world; it needs no other call to be
  * shared.  size 0 is allowed (*ptr is then NULL).  Errors: NO_MEMORY when
  * /dev/shm is full, SYSTEM when it cannot be created or mapped.

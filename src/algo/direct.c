@@ -363,90 +363,149 @@ static unsigned char *gather_dst(chorus__coll_t *c, int r, size_t off) {
 
 /* ------------------------------------------------ single copy (CMA) */
 
-enum { CMA_BCAST, CMA_SCATTER, CMA_GATHER, CMA_ALLGATHER, CMA_ALLTOALL };
+enum { K_BCAST, K_SCATTER, K_GATHER, K_ALLGATHER, K_ALLTOALL, K_RSCATTER };
 
-/* Large calls with process_vm_readv allowed (CHORUS_SHM_CMA_MIN): every
- * rank publishes the address of its buffer, readers copy straight from the
- * owner's memory into their output (one copy instead of two), then say so
- * with their red flag; an owner returns only after its readers are done
- * with its buffer. */
+/* Bytes of the buffer other ranks read from in a single-copy call. */
+static size_t source_bytes(const chorus__coll_t *c, int kind) {
+  size_t block = c->count * c->esize;
+  return kind == K_SCATTER || kind == K_ALLTOALL || kind == K_RSCATTER ? block * (size_t)c->size
+                                                                       : block;
+}
+
+/* The buffer this rank's peers read from in a single-copy call. */
+static const unsigned char *source_buf(const chorus__coll_t *c, int kind) {
+  return kind == K_BCAST ? (const unsigned char *)c->recvbuf : (const unsigned char *)c->sendbuf;
+}
+
+/* Single copy, process_vm_readv flavour (CHORUS_SHM_CMA_MIN): for large
+ * calls where the kernel allows it between the ranks. */
 static int use_cma(const chorus__coll_t *c, int kind) {
   const chorus__shm_t *s = c->shm;
   size_t block = c->count * c->esize;
   if (!s->cma || block == 0 || block < s->cma_min) return 0;
   /* In place, peers would read blocks this rank is overwriting. */
-  if (kind == CMA_ALLTOALL && c->sendbuf == c->recvbuf) return 0;
+  if (kind == K_ALLTOALL && c->sendbuf == c->recvbuf) return 0;
   return 1;
 }
 
-static chorus_result_t cma_run(chorus__coll_t *c, int kind) {
+/* Single copy, chorus_mem_alloc flavour: this rank's source buffer as a
+ * descriptor (sid 0: not shareable), put in its first line of a call of at
+ * least ZC_MIN_BYTES. */
+#define ZC_MIN_BYTES ((size_t)64 << 10)
+static void zc_describe_source(const chorus__coll_t *c, int kind, zc_desc_t *d) {
+  memset(d, 0, sizeof *d);
+  if (!c->shm->reg || (kind == K_ALLTOALL && c->sendbuf == c->recvbuf)) return;
+  if (!chorus__memreg_find(c->shm->reg, source_buf(c, kind), source_bytes(c, kind), &d->sid,
+                           &d->soff))
+    d->sid = 0;
+}
+static int zc_source(chorus__coll_t *c, int r, uint64_t t) {
+  return ((const zc_desc_t *)chorus__shm_line(c->shm, r, t)->data)->sid != 0;
+}
+static int zc_all_sources(chorus__coll_t *c, uint64_t t) {
+  for (int r = 0; r < c->shm->n; r++)
+    if (!zc_source(c, r, t)) return 0;
+  return 1;
+}
+
+/* Copies len bytes at offset off of rank r's source buffer into dst:
+ * through its mapping (zc) or with process_vm_readv at the address in its
+ * line. */
+static chorus_result_t read_source(chorus__coll_t *c, int kind, int zc, int r, uint64_t t,
+                                   size_t off, void *dst, size_t len) {
+  const unsigned char *line = chorus__shm_line(c->shm, r, t)->data;
+  if (!zc) return chorus__shm_read_peer(c->shm, r, dst, *(const uint64_t *)line + off, len);
+  const zc_desc_t *d = (const zc_desc_t *)line;
+  const unsigned char *p = zc_map(c, r, d->sid, d->soff, source_bytes(c, kind));
+  if (!p) return CHORUS_ERR_SYSTEM;
+  memcpy(dst, p + off, len);
+  return CHORUS_OK;
+}
+
+/* The single-copy data movement of ticket t, whose lines (the sources'
+ * addresses or descriptors) are published and read: readers copy straight
+ * from the owners' buffers into their outputs, say so with their red flag,
+ * and an owner returns only once its readers are done with its buffer. */
+static chorus_result_t copy_run(chorus__coll_t *c, int kind, uint64_t t, int zc) {
   chorus__shm_t *s = c->shm;
   const int n = s->n, me = s->me, root = c->root;
   const size_t bytes = c->count * c->esize;
-  const int rooted = kind == CMA_BCAST || kind == CMA_SCATTER || kind == CMA_GATHER;
   unsigned char *out = c->recvbuf;
-  const unsigned char *in = kind == CMA_BCAST ? c->recvbuf : c->sendbuf;
-  uint64_t t;
-  chorus_result_t st = chorus__shm_claim(s, &t);
-  if (st != CHORUS_OK) return st;
-  uint64_t mine = (uint64_t)(uintptr_t)in;
-  put_line(c, t, &mine, sizeof mine);
-  /* Fingerprints: the root (or everyone) reads every line, the others the
-   * root's -- as in the staged algorithms. */
-  if (!rooted || me == root) st = get_all(c, t);
-  else st = get_line(c, root, t, NULL);
-  if (st != CHORUS_OK) return st;
-#define ADDR(r) (*(const uint64_t *)chorus__shm_line(s, (r), t)->data)
+  const unsigned char *in = source_buf(c, kind);
+  chorus_result_t st = CHORUS_OK;
   switch (kind) {
-    case CMA_BCAST:
-      if (me != root) st = chorus__shm_read_peer(s, root, out, ADDR(root), bytes);
+    case K_BCAST:
+      if (me != root) st = read_source(c, kind, zc, root, t, 0, out, bytes);
       break;
-    case CMA_SCATTER:
+    case K_SCATTER:
       if (me != root)
-        st = chorus__shm_read_peer(s, root, out, ADDR(root) + (uint64_t)me * bytes, bytes);
+        st = read_source(c, kind, zc, root, t, (size_t)me * bytes, out, bytes);
       else if (out != in + (size_t)me * bytes)
         memmove(out, in + (size_t)me * bytes, bytes);
       break;
-    case CMA_GATHER:
+    case K_GATHER:
       if (me != root) break;
       __attribute__((fallthrough)); /* the root gathers like all_gather */
-    case CMA_ALLGATHER:
+    case K_ALLGATHER:
       for (int i = 0; i < n && st == CHORUS_OK; i++) {
         int r = (me + i) % n;
         unsigned char *to = gather_dst(c, r, 0);
-        if (r == me) {
-          if (to != in) memmove(to, in, bytes);
-        } else {
-          st = chorus__shm_read_peer(s, r, to, ADDR(r), bytes);
-        }
+        if (r != me) st = read_source(c, kind, zc, r, t, 0, to, bytes);
+        else if (to != in) memmove(to, in, bytes);
       }
       break;
-    case CMA_ALLTOALL:
+    case K_ALLTOALL:
       for (int i = 0; i < n && st == CHORUS_OK; i++) {
         int r = (me + i) % n;
-        if (r == me)
-          memcpy(out + (size_t)me * bytes, in + (size_t)me * bytes, bytes);
+        if (r != me)
+          st = read_source(c, kind, zc, r, t, (size_t)me * bytes, out + (size_t)r * bytes, bytes);
         else
-          st = chorus__shm_read_peer(s, r, out + (size_t)r * bytes,
-                                     ADDR(r) + (uint64_t)me * bytes, bytes);
+          memcpy(out + (size_t)me * bytes, in + (size_t)me * bytes, bytes);
       }
       break;
+    case K_RSCATTER: { /* zc only: combine block me of every source */
+      const unsigned char *src[CHORUS__SHM_MAX_RANKS];
+      for (int r = 0; r < n; r++) {
+        const zc_desc_t *d = (const zc_desc_t *)chorus__shm_line(s, r, t)->data;
+        const unsigned char *p = r == me ? in : zc_map(c, r, d->sid, d->soff, n * bytes);
+        if (!p) return CHORUS_ERR_SYSTEM;
+        src[r] = p + (size_t)me * bytes;
+      }
+      combine_all(c, out, src, n, c->count);
+      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(out, c->count, c->dtype, n);
+      break;
+    }
   }
-#undef ADDR
   if (st != CHORUS_OK) return st;
   chorus__shm_set(s, &chorus__shm_line(s, me, t)->red, t); /* done reading */
-  /* Return only when nobody reads this rank's buffer any more. */
   for (int r = 0; r < n; r++) {
     if (r == me) continue;
-    int reads_me = kind == CMA_ALLGATHER || kind == CMA_ALLTOALL ||
-                   (me == root && (kind == CMA_BCAST || kind == CMA_SCATTER)) ||
-                   (kind == CMA_GATHER && r == root);
+    int reads_me = kind == K_ALLGATHER || kind == K_ALLTOALL || kind == K_RSCATTER ||
+                   (me == root && (kind == K_BCAST || kind == K_SCATTER)) ||
+                   (kind == K_GATHER && r == root);
     if (!reads_me) continue;
     st = chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r, "done reading");
     if (st != CHORUS_OK) return st;
   }
   finish(c, t);
   return CHORUS_OK;
+}
+
+/* process_vm_readv single copy: every rank publishes its buffer's address. */
+static chorus_result_t cma_run(chorus__coll_t *c, int kind) {
+  chorus__shm_t *s = c->shm;
+  int rooted = kind == K_BCAST || kind == K_SCATTER || kind == K_GATHER;
+  uint64_t t;
+  chorus_result_t st = chorus__shm_claim(s, &t);
+  if (st != CHORUS_OK) return st;
+  uint64_t mine = (uint64_t)(uintptr_t)source_buf(c, kind);
+  put_line(c, t, &mine, sizeof mine);
+  /* Fingerprints: the root (or everyone) reads every line, the others the
+   * root's -- as in the staged algorithms. */
+  if (!rooted || s->me == c->root) st = get_all(c, t);
+  else st = get_line(c, c->root, t, NULL);
+  if (st != CHORUS_OK) return st;
+  return copy_run(c, kind, t, 0);
 }
 
 /* all_gather (everyone receives) and gather (the root receives). */
@@ -464,10 +523,14 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
     chorus_result_t st = chorus__shm_claim(s, &t);
     if (st != CHORUS_OK) return st;
     if (!inl && m) memcpy(chorus__shm_buf(s, s->me, t), in + off * es, m * es);
-    put_line(c, t, in, inl ? bytes : 0);
+    zc_desc_t desc;
+    int zc = off == 0 && everyone && !inl && bytes >= ZC_MIN_BYTES;
+    if (zc) zc_describe_source(c, K_ALLGATHER, &desc);
+    put_line(c, t, zc ? (const void *)&desc : in, zc ? sizeof desc : inl ? bytes : 0);
     if (receives) {
       st = get_all(c, t);
       if (st != CHORUS_OK) return st;
+      if (zc && zc_all_sources(c, t)) return copy_run(c, K_ALLGATHER, t, 1);
       for (int r = 0; r < s->n && m; r++) {
         const unsigned char *from = r == s->me ? in + off * es : src_of(c, r, t, inl);
         unsigned char *to = gather_dst(c, r, off);
@@ -484,10 +547,10 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
 }
 
 chorus_result_t chorus__allgather_direct(chorus__coll_t *c) {
-  return use_cma(c, CMA_ALLGATHER) ? cma_run(c, CMA_ALLGATHER) : gather_any(c, 1);
+  return use_cma(c, K_ALLGATHER) ? cma_run(c, K_ALLGATHER) : gather_any(c, 1);
 }
 chorus_result_t chorus__gather_direct(chorus__coll_t *c) {
-  return use_cma(c, CMA_GATHER) ? cma_run(c, CMA_GATHER) : gather_any(c, 0);
+  return use_cma(c, K_GATHER) ? cma_run(c, K_GATHER) : gather_any(c, 0);
 }
 
 /* ------------------------------------- reduce_scatter and all_to_all */
@@ -511,9 +574,14 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
     unsigned char *mine = inl ? chorus__shm_line(s, s->me, t)->data : chorus__shm_buf(s, s->me, t);
     for (int b = 0; b < n && m; b++)
       memcpy(mine + (size_t)b * m * es, in + ((size_t)b * c->count + off) * es, m * es);
-    put_line(c, t, NULL, 0);
+    int kind = reducing ? K_RSCATTER : K_ALLTOALL;
+    zc_desc_t desc;
+    int zc = off == 0 && !inl && c->count * es * (size_t)n >= ZC_MIN_BYTES;
+    if (zc) zc_describe_source(c, kind, &desc);
+    put_line(c, t, zc ? &desc : NULL, zc ? sizeof desc : 0);
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
+    if (zc && zc_all_sources(c, t)) return copy_run(c, kind, t, 1);
     if (m) {
       const unsigned char *src[CHORUS__SHM_MAX_RANKS];
       for (int r = 0; r < n; r++) src[r] = src_of(c, r, t, inl) + (size_t)s->me * m * es;
@@ -533,7 +601,7 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
 
 chorus_result_t chorus__reduce_scatter_direct(chorus__coll_t *c) { return blocks_any(c, 1); }
 chorus_result_t chorus__alltoall_direct(chorus__coll_t *c) {
-  return use_cma(c, CMA_ALLTOALL) ? cma_run(c, CMA_ALLTOALL) : blocks_any(c, 0);
+  return use_cma(c, K_ALLTOALL) ? cma_run(c, K_ALLTOALL) : blocks_any(c, 0);
 }
 
 /* ------------------------------------------------ broadcast and scatter */
@@ -555,6 +623,28 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
     size_t m = CHORUS__MIN(per, c->count - off);
     chorus_result_t st = chorus__shm_claim(s, &t);
     if (st != CHORUS_OK) return st;
+    /* Zero copy when the root's buffer is chorus_mem_alloc memory: its first
+     * line says so, the others read straight from it. */
+    int kind = scatter ? K_SCATTER : K_BCAST;
+    zc_desc_t desc;
+    int zc = off == 0 && !inl && source_bytes(c, kind) >= ZC_MIN_BYTES;
+    if (zc) {
+      if (c->rank == root) {
+        zc_describe_source(c, kind, &desc); /* published below even when sid is 0 */
+        if (desc.sid) {
+          put_line(c, t, &desc, sizeof desc);
+          st = get_all(c, t); /* the others' acknowledgements, with their calls */
+          return st == CHORUS_OK ? copy_run(c, kind, t, 1) : st;
+        }
+      } else {
+        st = get_line(c, root, t, NULL);
+        if (st != CHORUS_OK) return st;
+        if (zc_source(c, root, t)) {
+          put_line(c, t, NULL, 0);
+          return copy_run(c, kind, t, 1);
+        }
+      }
+    }
     if (c->rank == root) {
       unsigned char *mine = inl ? chorus__shm_line(s, s->me, t)->data : chorus__shm_buf(s, s->me, t);
       if (scatter) {
@@ -566,7 +656,7 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
       } else if (m) {
         memcpy(mine, in + off * es, m * es);
       }
-      put_line(c, t, NULL, 0);
+      put_line(c, t, zc ? &desc : NULL, zc ? sizeof desc : 0);
     } else {
       st = get_line(c, root, t, NULL);
       if (st != CHORUS_OK) return st;
@@ -587,10 +677,10 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
 }
 
 chorus_result_t chorus__bcast_direct(chorus__coll_t *c) {
-  return use_cma(c, CMA_BCAST) ? cma_run(c, CMA_BCAST) : from_root(c, 0);
+  return use_cma(c, K_BCAST) ? cma_run(c, K_BCAST) : from_root(c, 0);
 }
 chorus_result_t chorus__scatter_direct(chorus__coll_t *c) {
-  return use_cma(c, CMA_SCATTER) ? cma_run(c, CMA_SCATTER) : from_root(c, 1);
+  return use_cma(c, K_SCATTER) ? cma_run(c, K_SCATTER) : from_root(c, 1);
 }
 
 /* ------------------------------------------------------------- barrier */

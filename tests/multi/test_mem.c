@@ -62,6 +62,65 @@ static void run(chorus_comm_t comm, float *in, float *out, size_t count, chorus_
         first, bad ? out[first] : 0.0, bad ? expected(first, n, op) : 0.0);
 }
 
+/* Other collectives on shared buffers: the sources (root's for broadcast and
+ * scatter, everyone's for the rest) are read in place by the others.
+ * shared: this rank's buffers from chorus_mem_alloc (else malloc). */
+static void others(chorus_comm_t comm, float *sh_in, float *sh_out, float *pl_in, float *pl_out,
+                   size_t count, const char *tag) {
+  int me = chorus_comm_rank(comm), n = chorus_comm_size(comm);
+  char what[200];
+  chorus_result_t st;
+  size_t bad;
+  /* all_gather */
+  for (size_t i = 0; i < count; i++) sh_in[i] = value(me, i);
+  for (size_t i = 0; i < count * (size_t)n; i++) sh_out[i] = -1;
+  st = chorus_all_gather(comm, sh_in, sh_out, count, CHORUS_FLOAT32, NULL);
+  bad = 0;
+  for (int r = 0; r < n; r++)
+    for (size_t i = 0; i < count; i++) bad += sh_out[(size_t)r * count + i] != value(r, i);
+  snprintf(what, sizeof what, "%s all_gather count=%zu", tag, count);
+  CHECK(st == CHORUS_OK && bad == 0, "%s: %s, %zu wrong", what, chorus_result_name(st), bad);
+  /* all_to_all: block b of rank r holds value(r * n + b, i) */
+  for (int b = 0; b < n; b++)
+    for (size_t i = 0; i < count; i++) sh_in[(size_t)b * count + i] = value(me * n + b, i);
+  st = chorus_all_to_all(comm, sh_in, sh_out, count, CHORUS_FLOAT32, NULL);
+  bad = 0;
+  for (int r = 0; r < n; r++)
+    for (size_t i = 0; i < count; i++) bad += sh_out[(size_t)r * count + i] != value(r * n + me, i);
+  snprintf(what, sizeof what, "%s all_to_all count=%zu", tag, count);
+  CHECK(st == CHORUS_OK && bad == 0, "%s: %s, %zu wrong", what, chorus_result_name(st), bad);
+  /* reduce_scatter (sum): block b of every rank r is value(r, i) + b */
+  for (int b = 0; b < n; b++)
+    for (size_t i = 0; i < count; i++) sh_in[(size_t)b * count + i] = value(me, i) + (float)b;
+  st = chorus_reduce_scatter(comm, sh_in, sh_out, count, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+  bad = 0;
+  for (size_t i = 0; i < count; i++)
+    bad += sh_out[i] != expected(i, n, CHORUS_SUM) + (float)(me * n);
+  snprintf(what, sizeof what, "%s reduce_scatter count=%zu", tag, count);
+  CHECK(st == CHORUS_OK && bad == 0, "%s: %s, %zu wrong", what, chorus_result_name(st), bad);
+  /* broadcast and scatter from every root; non-roots use ordinary memory
+   * for their outputs half of the time. */
+  for (int root = 0; root < n; root++) {
+    float *buf = me == root || root % 2 ? sh_out : pl_out;
+    for (size_t i = 0; i < count; i++) buf[i] = me == root ? value(root, i) : -1;
+    st = chorus_broadcast(comm, buf, count, CHORUS_FLOAT32, root, NULL);
+    bad = 0;
+    for (size_t i = 0; i < count; i++) bad += buf[i] != value(root, i);
+    snprintf(what, sizeof what, "%s broadcast root=%d count=%zu", tag, root, count);
+    CHECK(st == CHORUS_OK && bad == 0, "%s: %s, %zu wrong", what, chorus_result_name(st), bad);
+    if (me == root)
+      for (int b = 0; b < n; b++)
+        for (size_t i = 0; i < count; i++) sh_in[(size_t)b * count + i] = value(b + 7, i);
+    float *dst = root % 2 ? pl_out : sh_out;
+    st = chorus_scatter(comm, sh_in, dst, count, CHORUS_FLOAT32, root, NULL);
+    bad = 0;
+    for (size_t i = 0; i < count; i++) bad += dst[i] != value(me + 7, i);
+    snprintf(what, sizeof what, "%s scatter root=%d count=%zu", tag, root, count);
+    CHECK(st == CHORUS_OK && bad == 0, "%s: %s, %zu wrong", what, chorus_result_name(st), bad);
+  }
+  (void)pl_in;
+}
+
 int main(void) {
   chorus_comm_t comm;
   if (chorus_comm_init_env(&comm) != CHORUS_OK) {
@@ -97,6 +156,15 @@ int main(void) {
   snprintf(what, sizeof what, "mixed (rank 0 malloc) count=%zu", maxc);
   run(comm, pin, out, maxc, CHORUS_SUM, what);
   run(comm, out, out, maxc, CHORUS_SUM, "mixed in-place (rank 0's output is malloc)");
+
+  /* 2b. The other collectives, all shared, then with rank 0's inputs in
+   * ordinary memory (staged everywhere, or zero copy from the others). */
+  {
+    size_t oc = (1u << 20) / 4 / (size_t)g_size + 5; /* total fits the allocations */
+    others(comm, in, out, plain, plain + maxc / 2, oc, "shared");
+    others(comm, g_rank == 0 ? plain : in, out, plain, plain + maxc / 2, oc, "rank 0 malloc");
+    others(comm, in, out, plain, plain + maxc / 2, 100, "shared small");
+  }
 
   /* 3. The world's allocations from a subgroup (odd ranks, even ranks). */
   chorus_comm_t sub = NULL;
