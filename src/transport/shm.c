@@ -76,31 +76,45 @@ static chorus__shm_t *wrap(void *base, size_t bytes, int n, int me, size_t chunk
   return s;
 }
 
-chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus__shm_t **out,
-                                   char *errmsg, size_t cap) {
-  *out = NULL;
-  size_t bytes = chorus__shm_bytes(n, chunk);
+/* Creates shm object name (O_EXCL, 0600) of bytes bytes, reserves its memory
+ * (a tmpfs that runs out later would SIGBUS us) and maps it; on failure
+ * removes the name, says why in errmsg and returns NULL with *st set. */
+static void *create_mapped(const char *name, size_t bytes, char *errmsg, size_t cap,
+                           chorus_result_t *st) {
   int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
     snprintf(errmsg, cap, "shm_open(%s) failed: %s", name, strerror(errno));
-    return CHORUS_ERR_SYSTEM;
+    *st = CHORUS_ERR_SYSTEM;
+    return NULL;
   }
-  /* Reserve the memory now: a tmpfs that runs out later would SIGBUS us. */
   int rc = posix_fallocate(fd, 0, (off_t)bytes);
   if (rc != 0) {
     snprintf(errmsg, cap, "cannot reserve %zu bytes in /dev/shm for %s: %s", bytes, name,
              strerror(rc));
     close(fd);
     shm_unlink(name);
-    return CHORUS_ERR_NO_MEMORY;
+    *st = CHORUS_ERR_NO_MEMORY;
+    return NULL;
   }
   void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (base == MAP_FAILED) {
     snprintf(errmsg, cap, "mmap of %zu bytes (%s) failed: %s", bytes, name, strerror(errno));
     shm_unlink(name);
-    return CHORUS_ERR_SYSTEM;
+    *st = CHORUS_ERR_SYSTEM;
+    return NULL;
   }
+  *st = CHORUS_OK;
+  return base;
+}
+
+chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus__shm_t **out,
+                                   char *errmsg, size_t cap) {
+  *out = NULL;
+  size_t bytes = chorus__shm_bytes(n, chunk);
+  chorus_result_t st;
+  void *base = create_mapped(name, bytes, errmsg, cap, &st);
+  if (!base) return st;
   /* fallocate zero-filled everything: every flag starts at ticket 0. */
   chorus__shm_hdr_t *h = base;
   h->version = SHM_VERSION;
@@ -365,27 +379,11 @@ chorus_result_t chorus__memreg_alloc(chorus__memreg_t *reg, size_t size, void **
   r->owner = reg->me;
   char name[128];
   region_name(reg, r->owner, r->id, name, sizeof name);
-  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    snprintf(err, cap, "shm_open(%s) failed: %s", name, strerror(errno));
+  chorus_result_t st;
+  void *base = create_mapped(name, mapped, err, cap, &st);
+  if (!base) {
     free(r);
-    return CHORUS_ERR_SYSTEM;
-  }
-  int rc = posix_fallocate(fd, 0, (off_t)mapped);
-  if (rc != 0) {
-    snprintf(err, cap, "cannot reserve %zu bytes in /dev/shm: %s", mapped, strerror(rc));
-    close(fd);
-    shm_unlink(name);
-    free(r);
-    return CHORUS_ERR_NO_MEMORY;
-  }
-  void *base = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) {
-    snprintf(err, cap, "mmap of %zu bytes failed: %s", mapped, strerror(errno));
-    shm_unlink(name);
-    free(r);
-    return CHORUS_ERR_SYSTEM;
+    return st;
   }
   r->base = base;
   r->size = size;
