@@ -7,6 +7,9 @@ command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v make >/dev/null 2>&1 || need+=(make)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v pgrep >/dev/null 2>&1 || need+=(procps)
+# CBLAS for the training runtime's matrix products (OpenBLAS).
+[[ "$(dpkg-query -W -f='${Status}' libopenblas-dev 2>/dev/null)" == "install ok installed" ]] ||
+  need+=(libopenblas-dev)
 if ((${#need[@]})); then
   echo "deps: installing ${need[*]}"
   sudo=""
