@@ -296,6 +296,11 @@ CHORUS_API chorus_result_t chorus_work_test(chorus_work_t work);
 /* Reason for the operation's failure ("" if none). Valid until freed. */
 CHORUS_API const char *chorus_work_error(chorus_work_t work);
 
+/* Seconds the operation ran (from the moment it started executing, not
+ * when it was queued, to its completion) -- torch's Work.get_duration; 0
+ * while it has not finished.  For send/recv: from posting to completion. */
+CHORUS_API double chorus_work_duration(chorus_work_t work);
+
 /*
  * Releases the handle.  Freeing a handle does not cancel the operation: the
  * buffers it names must stay valid until it completes (wait first).  For a

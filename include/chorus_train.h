@@ -85,6 +85,109 @@ CHORUS_API chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale
                                                chorus_gpt_grad_ready_fn ready, void *arg);
 CHORUS_API void chorus_gpt_zero_grad(chorus_gpt_t *m);
 
+/* ------------------------------------------------------------ optimizers
+ *
+ * State lives in buffers of the parameters' layout.  Weight decay is
+ * decoupled (AdamW) and applied to every parameter, as torch.optim.AdamW
+ * does by default; SGD's is L2 added to the gradient, as torch.optim.SGD. */
+typedef enum { CHORUS_OPTIM_ADAMW = 0, CHORUS_OPTIM_SGD = 1 } chorus_optim_kind_t;
+
+typedef struct chorus_optim_config {
+  chorus_optim_kind_t kind;
+  float beta1, beta2, eps; /* AdamW */
+  float momentum;          /* SGD */
+  float weight_decay;
+} chorus_optim_config_t;
+
+#define CHORUS_OPTIM_ADAMW_DEFAULT {CHORUS_OPTIM_ADAMW, 0.9f, 0.95f, 1e-8f, 0.0f, 0.1f}
+
+typedef struct chorus_optim chorus_optim_t;
+
+CHORUS_API chorus_result_t chorus_optim_create(const chorus_optim_config_t *cfg, size_t n,
+                                               chorus_optim_t **out);
+CHORUS_API void chorus_optim_destroy(chorus_optim_t *o);
+/* One update of params (n floats) from grads with learning rate lr. */
+CHORUS_API void chorus_optim_step(chorus_optim_t *o, float *params, const float *grads, float lr);
+/* The state (AdamW: step count, m, v; SGD: momentum) as one byte blob, for
+ * checkpoints: size, and copy out / in. */
+CHORUS_API size_t chorus_optim_state_size(const chorus_optim_t *o);
+CHORUS_API void chorus_optim_state_save(const chorus_optim_t *o, void *dst);
+CHORUS_API chorus_result_t chorus_optim_state_load(chorus_optim_t *o, const void *src, size_t len);
+
+/* Euclidean norm of g (n floats), accumulated in double. */
+CHORUS_API double chorus_grad_norm(const float *g, size_t n);
+/* Scales g so that its norm (given) is at most max_norm (torch's
+ * clip_grad_norm_ rule: factor max_norm / (norm + 1e-6), capped at 1). */
+CHORUS_API void chorus_grad_clip(float *g, size_t n, double norm, double max_norm);
+
+/* Learning rate at step (0-based): linear warm-up over warmup steps to
+ * max_lr, then cosine decay to min_lr at total steps. */
+CHORUS_API float chorus_lr_at(long step, long warmup, long total, float max_lr, float min_lr);
+
+/* ------------------------------------------------------------- text data
+ *
+ * A byte-level corpus: every byte is a token (vocab 256).  The last
+ * val_fraction of the file is the validation split.  Sample i of a split
+ * is the window of seq + 1 bytes starting at i * seq: seq inputs and the
+ * seq next bytes as targets. */
+typedef struct chorus_text chorus_text_t;
+enum { CHORUS_SPLIT_TRAIN = 0, CHORUS_SPLIT_VAL = 1 };
+
+CHORUS_API chorus_result_t chorus_text_load(const char *path, double val_fraction,
+                                            chorus_text_t **out);
+CHORUS_API void chorus_text_free(chorus_text_t *t);
+/* Number of samples of seq tokens in a split. */
+CHORUS_API size_t chorus_text_samples(const chorus_text_t *t, int split, int seq);
+/* Fills tokens and targets (B x seq) with samples idx[0..B). */
+CHORUS_API void chorus_text_batch(const chorus_text_t *t, int split, int seq, const size_t *idx,
+                                  int B, int *tokens, int *targets);
+
+/* ------------------------------------------------------------------- DDP
+ *
+ * Data-parallel training over a communicator, like torch's
+ * DistributedDataParallel: chorus_ddp_create broadcasts rank 0's parameters
+ * (a collective: every rank calls it); gradients are grouped in buckets of
+ * consecutive tensors in reverse layout order (the order backward produces
+ * them), the first one small so communication starts early; when backward
+ * has finished every tensor of a bucket, that bucket's all_reduce (AVG)
+ * starts asynchronously and backward goes on.  chorus_ddp_wait waits for
+ * the ones still running (and starts any not started) before the optimizer
+ * step.  Every bucket is one contiguous range of the gradient buffer. */
+typedef struct chorus_ddp chorus_ddp_t;
+
+typedef enum {
+  CHORUS_DDP_HOOK_NONE = 0, /* all_reduce float32 */
+  CHORUS_DDP_HOOK_BF16 = 1, /* compress to bfloat16, all_reduce, decompress */
+  CHORUS_DDP_HOOK_FP16 = 2, /* the same with float16 */
+} chorus_ddp_hook_t;
+
+typedef struct chorus_ddp_config {
+  double bucket_mb;       /* bucket cap in MiB (default 25, as PyTorch) */
+  double first_bucket_mb; /* the first bucket's cap (default 1) */
+  int overlap;            /* 1: reduce during backward; 0: all after it */
+  chorus_ddp_hook_t hook;
+} chorus_ddp_config_t;
+
+#define CHORUS_DDP_CONFIG_DEFAULT {25.0, 1.0, 1, CHORUS_DDP_HOOK_NONE}
+
+typedef struct chorus_ddp_stats {
+  int buckets;
+  double comm_s;    /* all_reduce time of the last step, summed over buckets */
+  double exposed_s; /* time chorus_ddp_wait blocked in the last step */
+} chorus_ddp_stats_t;
+
+CHORUS_API chorus_result_t chorus_ddp_create(chorus_comm_t comm, chorus_gpt_t *model,
+                                             const chorus_ddp_config_t *cfg, chorus_ddp_t **out);
+CHORUS_API void chorus_ddp_destroy(chorus_ddp_t *d);
+/* Pass these to chorus_gpt_backward(model, scale, chorus_ddp_ready, d). */
+CHORUS_API void chorus_ddp_ready(void *d, int tensor);
+/* Starts what was not started, waits for every bucket of this step. */
+CHORUS_API chorus_result_t chorus_ddp_wait(chorus_ddp_t *d);
+/* 0: the next backward passes communicate nothing (no_sync gradient
+ * accumulation); 1 (default): they do. */
+CHORUS_API void chorus_ddp_set_sync(chorus_ddp_t *d, int sync);
+CHORUS_API void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s);
+
 /* The reason of the last failure of a chorus_gpt_* call on this thread. */
 CHORUS_API const char *chorus_train_last_error(void);
 

@@ -49,7 +49,15 @@ static chorus_result_t finish_neighbour_check(chorus__coll_t *c, const chorus__f
   return st;
 }
 
+static void run_op_timed(struct chorus_work *w);
+
 static void run_op(struct chorus_work *w) {
+  w->t_start = chorus__now_ns();
+  run_op_timed(w);
+  w->t_end = chorus__now_ns();
+}
+
+static void run_op_timed(struct chorus_work *w) {
   chorus_comm_t comm = w->comm;
   chorus__coll_t *c = &w->c;
   chorus_result_t st;
@@ -218,6 +226,7 @@ static chorus_result_t p2p_progress(struct chorus_work *w, int timeout_ms) {
   pthread_mutex_lock(&comm->lock);
   if (w->state != CHORUS__WORK_DONE) {
     w->result = st;
+    w->t_end = chorus__now_ns();
     if (st != CHORUS_OK) chorus__ep_status(comm->ep, w->err, sizeof w->err);
     finish_locked(comm, w);
   }
@@ -253,6 +262,16 @@ chorus_result_t chorus_work_test(chorus_work_t w) {
   chorus_result_t st = w->state == CHORUS__WORK_DONE ? w->result : CHORUS_INPROGRESS;
   pthread_mutex_unlock(&w->comm->lock);
   return st;
+}
+
+double chorus_work_duration(chorus_work_t w) {
+  if (!w) return 0;
+  pthread_mutex_lock(&w->comm->lock);
+  double d = w->state == CHORUS__WORK_DONE && w->t_end >= w->t_start
+                 ? (double)(w->t_end - w->t_start) * 1e-9
+                 : 0.0;
+  pthread_mutex_unlock(&w->comm->lock);
+  return d;
 }
 
 const char *chorus_work_error(chorus_work_t w) {
@@ -576,6 +595,7 @@ static chorus_result_t p2p(chorus_comm_t comm, chorus_coll_t coll, const void *s
     return st;
   }
   w->state = CHORUS__WORK_RUNNING;
+  w->t_start = chorus__now_ns();
   if (work) {
     *work = w;
     return CHORUS_OK;

@@ -56,6 +56,7 @@ struct chorus_work {
   int state;
   int refs; /* the caller's handle + the queue */
   int on_stack; /* a blocking call's record on its caller's stack: never freed */
+  int64_t t_start, t_end; /* CLOCK_MONOTONIC ns: execution began / ended */
   chorus_result_t result;
   char err[1024];
 };

@@ -1,0 +1,396 @@
+/*
+ * chorus-train - trains the GPT of chorus_train.h on a byte-level text file,
+ * data-parallel over every process chorusrun started (one process without
+ * it).  Each step: every rank takes its next batch from a shuffled,
+ * rank-strided sampler (DistributedSampler's split), forward, backward with
+ * DDP reducing gradient buckets while backward runs, gradient clipping,
+ * AdamW with warm-up + cosine learning rate.  Prints per-step loss and
+ * timings, validation loss every --val-every steps, and a sample of
+ * generated text at the end.
+ *
+ *   chorusrun -n 2 build/chorus-train --steps 300
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chorus.h"
+#include "chorus_train.h"
+
+/* OpenBLAS's thread count (absent in other BLAS builds: then a no-op). */
+void openblas_set_num_threads(int) __attribute__((weak));
+
+typedef struct {
+  const char *data;
+  chorus_gpt_config_t model;
+  int batch, steps, warmup, val_every, val_batches, accum, sample, threads, overlap, log_every;
+  float lr, min_lr_frac, weight_decay, clip;
+  double bucket_mb;
+  chorus_ddp_hook_t hook;
+  uint64_t seed;
+  const char *dump;
+} opts_t;
+
+static int g_rank, g_size;
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...) {
+  if (g_rank) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  fflush(stdout);
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: [chorusrun -n N --] chorus-train [options]\n\n"
+          "  --data FILE          text to train on (default data/tinyshakespeare.txt)\n"
+          "  --layers N --heads N --channels N --ctx N   model shape (4, 4, 128, 128)\n"
+          "  --batch N            sequences per rank per step (8)\n"
+          "  --steps N            optimizer steps (200)\n"
+          "  --lr X               peak learning rate (3e-3); --min-lr-frac X (0.1)\n"
+          "  --warmup N           warm-up steps (20)\n"
+          "  --weight-decay X     AdamW weight decay (0.1); --clip X  max grad norm (1.0)\n"
+          "  --accum K            micro-steps per step; the first K-1 skip communication (1)\n"
+          "  --bucket-mb X        DDP bucket cap (25); --no-overlap: reduce after backward\n"
+          "  --hook none|bf16|fp16  gradient compression for the all_reduce (none)\n"
+          "  --val-every N        validation loss every N steps (50); --val-batches N (8)\n"
+          "  --sample N           generate N bytes at the end (300)\n"
+          "  --threads N          BLAS threads per rank (default: cores / local ranks)\n"
+          "  --seed N             initialisation and sampling seed (1337)\n"
+          "  --log-every N        print a step line every N steps (10)\n"
+          "  --dump FILE          rank 0 writes the final parameters (raw float32)\n");
+}
+
+static int parse(int argc, char **argv, opts_t *o) {
+  static const struct option lo[] = {
+      {"data", 1, 0, 'd'},     {"layers", 1, 0, 'L'},      {"heads", 1, 0, 'H'},
+      {"channels", 1, 0, 'C'}, {"ctx", 1, 0, 'T'},         {"batch", 1, 0, 'B'},
+      {"steps", 1, 0, 's'},    {"lr", 1, 0, 'l'},          {"min-lr-frac", 1, 0, 'm'},
+      {"warmup", 1, 0, 'w'},   {"weight-decay", 1, 0, 'W'}, {"clip", 1, 0, 'c'},
+      {"accum", 1, 0, 'a'},    {"bucket-mb", 1, 0, 'b'},    {"no-overlap", 0, 0, 'O'},
+      {"hook", 1, 0, 'k'},     {"val-every", 1, 0, 'v'},    {"val-batches", 1, 0, 'V'},
+      {"sample", 1, 0, 'S'},   {"threads", 1, 0, 'j'},      {"seed", 1, 0, 'r'},
+      {"log-every", 1, 0, 'g'}, {"dump", 1, 0, 'D'},        {"help", 0, 0, 'h'},
+      {0, 0, 0, 0}};
+  int c;
+  while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+    switch (c) {
+      case 'd': o->data = optarg; break;
+      case 'L': o->model.layers = atoi(optarg); break;
+      case 'H': o->model.heads = atoi(optarg); break;
+      case 'C': o->model.channels = atoi(optarg); break;
+      case 'T': o->model.ctx = atoi(optarg); break;
+      case 'B': o->batch = atoi(optarg); break;
+      case 's': o->steps = atoi(optarg); break;
+      case 'l': o->lr = strtof(optarg, NULL); break;
+      case 'm': o->min_lr_frac = strtof(optarg, NULL); break;
+      case 'w': o->warmup = atoi(optarg); break;
+      case 'W': o->weight_decay = strtof(optarg, NULL); break;
+      case 'c': o->clip = strtof(optarg, NULL); break;
+      case 'a': o->accum = atoi(optarg); break;
+      case 'b': o->bucket_mb = strtod(optarg, NULL); break;
+      case 'O': o->overlap = 0; break;
+      case 'k':
+        if (!strcmp(optarg, "none")) o->hook = CHORUS_DDP_HOOK_NONE;
+        else if (!strcmp(optarg, "bf16")) o->hook = CHORUS_DDP_HOOK_BF16;
+        else if (!strcmp(optarg, "fp16")) o->hook = CHORUS_DDP_HOOK_FP16;
+        else return -1;
+        break;
+      case 'v': o->val_every = atoi(optarg); break;
+      case 'V': o->val_batches = atoi(optarg); break;
+      case 'S': o->sample = atoi(optarg); break;
+      case 'j': o->threads = atoi(optarg); break;
+      case 'r': o->seed = strtoull(optarg, NULL, 10); break;
+      case 'g': o->log_every = atoi(optarg); break;
+      case 'D': o->dump = optarg; break;
+      case 'h': usage(stdout); exit(0);
+      default: return -1;
+    }
+  }
+  if (optind != argc || o->batch < 1 || o->steps < 0 || o->accum < 1 || o->model.ctx < 2 ||
+      o->val_every < 0 || o->val_batches < 1 || o->warmup < 0 || o->log_every < 1)
+    return -1;
+  return 0;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* -------------------------------------------------------------- sampler */
+
+/* DistributedSampler's split: a permutation of the n samples per epoch
+ * (seeded by seed + epoch), padded by wrapping to a multiple of world, and
+ * rank r takes positions r, r + world, ...  (The permutation itself is
+ * chorus's own, not torch.randperm's.) */
+typedef struct {
+  size_t n, per_rank, pos;
+  size_t *perm;
+  uint64_t seed;
+  long epoch;
+} sampler_t;
+
+static uint64_t mix(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static void sampler_epoch(sampler_t *sp, long epoch) {
+  sp->epoch = epoch;
+  uint64_t s = sp->seed + (uint64_t)epoch;
+  for (size_t i = 0; i < sp->n; i++) sp->perm[i] = i;
+  for (size_t i = sp->n; i > 1; i--) {
+    size_t j = (size_t)(mix(&s) % i);
+    size_t t = sp->perm[i - 1];
+    sp->perm[i - 1] = sp->perm[j];
+    sp->perm[j] = t;
+  }
+  sp->pos = 0;
+}
+
+/* Next sample index of this rank (starting a new epoch when needed). */
+static size_t sampler_next(sampler_t *sp) {
+  if (sp->pos == sp->per_rank) sampler_epoch(sp, sp->epoch + 1);
+  size_t k = (sp->pos++) * (size_t)g_size + (size_t)g_rank;
+  return sp->perm[k % sp->n];
+}
+
+/* ----------------------------------------------------------------- main */
+
+static int die(chorus_comm_t comm, const char *what, chorus_result_t st) {
+  fprintf(stderr, "chorus-train: rank %d: %s: %s: %s\n", g_rank, what, chorus_result_name(st),
+          comm ? chorus_comm_last_error(comm) : chorus_train_last_error());
+  if (comm) chorus_comm_abort(comm);
+  return 1;
+}
+
+static chorus_result_t init_comm(chorus_comm_t *comm) {
+  if (getenv("RANK") && getenv("WORLD_SIZE")) return chorus_comm_init_env(comm);
+  /* Alone: a world of one, its own store on a free port. */
+  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
+  cfg.rank = 0;
+  cfg.world_size = 1;
+  cfg.store_host = "127.0.0.1";
+  cfg.store_port = 0;
+  cfg.host_store = 1;
+  return chorus_comm_init(&cfg, comm);
+}
+
+/* Mean validation loss over val_batches batches per rank, averaged over
+ * ranks (every rank evaluates different samples). */
+static float validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *text,
+                      const opts_t *o, int *tok, int *tgt) {
+  size_t n = chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx);
+  if (n == 0) return NAN;
+  size_t *idx = malloc(sizeof(size_t) * (size_t)o->batch);
+  double sum = 0;
+  for (int v = 0; v < o->val_batches; v++) {
+    for (int b = 0; b < o->batch; b++)
+      idx[b] = ((size_t)(v * o->batch + b) * (size_t)g_size + (size_t)g_rank) % n;
+    chorus_text_batch(text, CHORUS_SPLIT_VAL, o->model.ctx, idx, o->batch, tok, tgt);
+    float loss = 0;
+    chorus_gpt_forward(m, tok, tgt, o->batch, o->model.ctx, &loss);
+    sum += loss;
+  }
+  free(idx);
+  float mine = (float)(sum / o->val_batches), avg = mine;
+  chorus_all_reduce(comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
+  return avg;
+}
+
+/* Rank 0 continues prompt for n bytes, sampling from the model's
+ * distribution with a seeded generator. */
+static void sample_text(chorus_gpt_t *m, const opts_t *o, int n) {
+  const int T = o->model.ctx, V = o->model.vocab;
+  int *ctx = calloc((size_t)T, sizeof(int));
+  const char *prompt = "\n";
+  int len = (int)strlen(prompt);
+  for (int i = 0; i < len; i++) ctx[i] = (unsigned char)prompt[i];
+  uint64_t s = o->seed ^ 0x5eedull;
+  say("---- sample (%d bytes) ----\n", n);
+  for (int i = 0; i < n; i++) {
+    int t = len < T ? len : T;
+    chorus_gpt_forward(m, ctx, NULL, 1, t, NULL);
+    const float *p = chorus_gpt_probs(m) + (size_t)(t - 1) * V;
+    double r = (double)(mix(&s) >> 11) / 9007199254740992.0, acc = 0;
+    int next = V - 1;
+    for (int v = 0; v < V; v++) {
+      acc += p[v];
+      if (r < acc) {
+        next = v;
+        break;
+      }
+    }
+    if (!g_rank) putchar(next);
+    if (len < T) {
+      ctx[len++] = next;
+    } else {
+      memmove(ctx, ctx + 1, sizeof(int) * (size_t)(T - 1));
+      ctx[T - 1] = next;
+    }
+  }
+  say("\n---- end of sample ----\n");
+  free(ctx);
+}
+
+int main(int argc, char **argv) {
+  opts_t o = {.data = "data/tinyshakespeare.txt",
+              .model = CHORUS_GPT_CONFIG_DEFAULT,
+              .batch = 8, .steps = 200, .warmup = 20, .val_every = 50, .val_batches = 8,
+              .accum = 1, .sample = 300, .threads = 0, .overlap = 1, .log_every = 10,
+              .lr = 3e-3f, .min_lr_frac = 0.1f, .weight_decay = 0.1f, .clip = 1.0f,
+              .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .seed = 1337};
+  if (parse(argc, argv, &o) != 0) {
+    usage(stderr);
+    return 2;
+  }
+  chorus_comm_t comm = NULL;
+  chorus_result_t st = init_comm(&comm);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: cannot join the group: %s\n", chorus_last_init_error());
+    return 1;
+  }
+  g_rank = chorus_comm_rank(comm);
+  g_size = chorus_comm_size(comm);
+  /* BLAS threads: share the cores among the ranks of this host. */
+  int local = chorus_comm_local_size(comm) > 0 ? chorus_comm_local_size(comm) : g_size;
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  int threads = o.threads > 0 ? o.threads : (int)(cores / local > 0 ? cores / local : 1);
+  if (openblas_set_num_threads) openblas_set_num_threads(threads);
+
+  chorus_text_t *text = NULL;
+  st = chorus_text_load(o.data, 0.1, &text);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: cannot read %s: %s\n", o.data, strerror(errno));
+    chorus_comm_abort(comm);
+    chorus_comm_destroy(comm);
+    return 1;
+  }
+  chorus_gpt_t *m = NULL;
+  if ((st = chorus_gpt_create(&o.model, o.batch, o.seed, &m)) != CHORUS_OK)
+    return die(NULL, "model", st);
+  chorus_ddp_config_t dc = CHORUS_DDP_CONFIG_DEFAULT;
+  dc.bucket_mb = o.bucket_mb;
+  dc.overlap = o.overlap;
+  dc.hook = o.hook;
+  chorus_ddp_t *ddp = NULL;
+  if ((st = chorus_ddp_create(comm, m, &dc, &ddp)) != CHORUS_OK) return die(comm, "ddp", st);
+  chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
+  oc.weight_decay = o.weight_decay;
+  chorus_optim_t *opt = NULL;
+  size_t np = chorus_gpt_num_params(m);
+  if ((st = chorus_optim_create(&oc, np, &opt)) != CHORUS_OK) return die(NULL, "optimizer", st);
+
+  const int T = o.model.ctx, B = o.batch;
+  sampler_t sp = {.n = chorus_text_samples(text, CHORUS_SPLIT_TRAIN, T), .seed = o.seed};
+  if (sp.n == 0) {
+    fprintf(stderr, "chorus-train: %s is too short for sequences of %d\n", o.data, T);
+    return 1;
+  }
+  sp.per_rank = (sp.n + (size_t)g_size - 1) / (size_t)g_size;
+  sp.perm = malloc(sizeof(size_t) * sp.n);
+  sampler_epoch(&sp, 0);
+  int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);
+  size_t *idx = malloc(sizeof(size_t) * (size_t)B);
+  chorus_ddp_stats_t ds;
+  chorus_ddp_get_stats(ddp, &ds);
+  say("chorus-train: %d rank(s), %d BLAS thread(s) each; model %d layers, %d heads, %d "
+      "channels, context %d: %zu parameters; %d DDP buckets; batch %d x %d per rank, %d "
+      "step(s) of %d micro-step(s); %zu training samples\n",
+      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, np, ds.buckets, B, T,
+      o.steps, o.accum, sp.n);
+
+  double sum_tps = 0, sum_fwd = 0, sum_bwd = 0, sum_exp = 0, sum_opt = 0, sum_comm = 0;
+  int timed = 0;
+  float first_val = NAN, last_val = NAN;
+  for (int step = 0; step < o.steps; step++) {
+    double t0 = now_s(), tf = 0, tb = 0;
+    chorus_gpt_zero_grad(m);
+    float loss_sum = 0;
+    for (int a = 0; a < o.accum; a++) {
+      for (int b = 0; b < B; b++) idx[b] = sampler_next(&sp);
+      chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
+      double f0 = now_s();
+      float loss = 0;
+      if ((st = chorus_gpt_forward(m, tok, tgt, B, T, &loss)) != CHORUS_OK)
+        return die(NULL, "forward", st);
+      double f1 = now_s();
+      chorus_ddp_set_sync(ddp, a == o.accum - 1);
+      if ((st = chorus_gpt_backward(m, 1.0f / (float)o.accum, chorus_ddp_ready, ddp)) != CHORUS_OK)
+        return die(NULL, "backward", st);
+      tf += f1 - f0;
+      tb += now_s() - f1;
+      loss_sum += loss;
+      if (a < o.accum - 1) chorus_ddp_wait(ddp); /* resets the buckets; communicates nothing */
+    }
+    double w0 = now_s();
+    if ((st = chorus_ddp_wait(ddp)) != CHORUS_OK) return die(comm, "gradient all_reduce", st);
+    double w1 = now_s();
+    float *g = chorus_gpt_grads(m);
+    double norm = chorus_grad_norm(g, np);
+    if (o.clip > 0) chorus_grad_clip(g, np, norm, o.clip);
+    float lr = chorus_lr_at(step, o.warmup, o.steps, o.lr, o.lr * o.min_lr_frac);
+    chorus_optim_step(opt, chorus_gpt_params(m), g, lr);
+    double t1 = now_s();
+    chorus_ddp_get_stats(ddp, &ds);
+    double dt = t1 - t0, tps = (double)g_size * B * T * o.accum / dt;
+    if (step >= 3) { /* after warm-up */
+      sum_tps += tps, sum_fwd += tf, sum_bwd += tb, sum_exp += w1 - w0, sum_opt += t1 - w1;
+      sum_comm += ds.comm_s;
+      timed++;
+    }
+    /* The loss every rank saw, averaged (what PyTorch users log). */
+    float mine = loss_sum / (float)o.accum, avg = mine;
+    if (step % o.log_every == 0 || step == o.steps - 1) {
+      chorus_all_reduce(comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
+      say("step %4d/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  fwd %.1f ms  bwd %.1f ms  "
+          "exposed comm %.1f ms  optim %.1f ms\n",
+          step, o.steps, avg, lr, norm, tps, 1e3 * tf, 1e3 * tb, 1e3 * (w1 - w0),
+          1e3 * (t1 - w1));
+    }
+    if (o.val_every && ((step + 1) % o.val_every == 0 || step == o.steps - 1)) {
+      float v = validate(comm, m, text, &o, tok, tgt);
+      if (isnan(first_val)) first_val = v;
+      last_val = v;
+      say("step %4d  validation loss %.4f\n", step, v);
+    }
+  }
+  if (timed) {
+    double step_s = (sum_fwd + sum_bwd + sum_exp + sum_opt) / timed;
+    say("summary: %.0f tok/s (mean after 3 steps), step %.1f ms: fwd %.1f, bwd %.1f, exposed "
+        "comm %.1f (%.0f %%), optim %.1f; all_reduce %.1f ms per step, %.0f %% hidden behind "
+        "backward; validation loss %.4f -> %.4f\n",
+        sum_tps / timed, 1e3 * step_s, 1e3 * sum_fwd / timed, 1e3 * sum_bwd / timed,
+        1e3 * sum_exp / timed, 100.0 * sum_exp / timed / step_s, 1e3 * sum_opt / timed,
+        1e3 * sum_comm / timed,
+        sum_comm > 0 ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0, first_val, last_val);
+  }
+  if (o.sample > 0) sample_text(m, &o, o.sample);
+  if (o.dump && g_rank == 0) {
+    FILE *f = fopen(o.dump, "wb");
+    if (!f || fwrite(chorus_gpt_params(m), sizeof(float), np, f) != np || fclose(f) != 0) {
+      fprintf(stderr, "chorus-train: cannot write %s: %s\n", o.dump, strerror(errno));
+      return 1;
+    }
+  }
+  free(tok), free(tgt), free(idx), free(sp.perm);
+  chorus_optim_destroy(opt);
+  chorus_ddp_destroy(ddp);
+  chorus_gpt_destroy(m);
+  chorus_text_free(text);
+  chorus_comm_destroy(comm);
+  return 0;
+}

@@ -1,0 +1,233 @@
+/*
+ * ddp.c - the DDP reducer: buckets of gradient tensors reduced
+ * asynchronously while backward runs (see chorus_train.h).
+ *
+ * Buckets are built once, walking the tensors from the last to the first
+ * (backward's order) and closing a bucket when adding the next tensor would
+ * pass the cap (the first bucket has a smaller cap).  Because the layout is
+ * contiguous, bucket b covers tensors [lo_b, hi_b] and the float range
+ * [offset(lo_b), offset(hi_b) + size(hi_b)).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chorus_train.h"
+
+typedef struct {
+  int lo, hi;           /* tensor indices, lo <= hi */
+  size_t off, count;    /* float range in the gradient buffer */
+  int pending;          /* tensors not ready yet this step */
+  int launched;
+  chorus_work_t work;
+  uint16_t *half;       /* compressed copy for the bf16/fp16 hooks */
+} bucket_t;
+
+struct chorus_ddp {
+  chorus_comm_t comm;
+  chorus_gpt_t *model;
+  chorus_ddp_config_t cfg;
+  int nb;
+  bucket_t *b;
+  int *bucket_of; /* tensor -> bucket */
+  int sync;
+  chorus_result_t error;
+  double comm_s, exposed_s;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* float32 <-> bfloat16 / float16, round to nearest even. */
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t to_fp16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u, mant = x & 0x7fffffu;
+  int exp = (int)((x >> 23) & 0xffu);
+  if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (mant ? 0x200u | (mant >> 13) : 0u));
+  int e = exp - 127 + 15;
+  if (e >= 0x1f) return (uint16_t)(sign | 0x7c00u); /* overflow: infinity */
+  if (e <= 0) {                                      /* subnormal or zero */
+    if (e < -10) return (uint16_t)sign;
+    mant |= 0x800000u;
+    int shift = 14 - e;
+    uint32_t h = mant >> shift, rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+  }
+  uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13), rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry rounds up the exponent */
+  return (uint16_t)h;
+}
+static float from_fp16(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+  if (e == 0x1f) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else if (e) {
+    u = sign | ((e + 112u) << 23) | (m << 13);
+  } else if (m) { /* subnormal: normalise */
+    int k = 0;
+    while (!(m & 0x400u)) m <<= 1, k++;
+    u = sign | ((uint32_t)(113 - k) << 23) | ((m & 0x3ffu) << 13);
+  } else {
+    u = sign;
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static void launch(chorus_ddp_t *d, bucket_t *bk) {
+  if (bk->launched || d->error != CHORUS_OK) return;
+  if (chorus_comm_size(d->comm) == 1) { /* nothing to average */
+    bk->launched = 1;
+    return;
+  }
+  float *g = chorus_gpt_grads(d->model) + bk->off;
+  chorus_result_t st;
+  if (d->cfg.hook == CHORUS_DDP_HOOK_NONE) {
+    st = chorus_all_reduce(d->comm, g, g, bk->count, CHORUS_FLOAT32, CHORUS_AVG, &bk->work);
+  } else {
+    int bf = d->cfg.hook == CHORUS_DDP_HOOK_BF16;
+    for (size_t i = 0; i < bk->count; i++) bk->half[i] = bf ? to_bf16(g[i]) : to_fp16(g[i]);
+    st = chorus_all_reduce(d->comm, bk->half, bk->half, bk->count,
+                           bf ? CHORUS_BFLOAT16 : CHORUS_FLOAT16, CHORUS_AVG, &bk->work);
+  }
+  bk->launched = 1;
+  if (st != CHORUS_OK) d->error = st;
+}
+
+chorus_result_t chorus_ddp_create(chorus_comm_t comm, chorus_gpt_t *model,
+                                  const chorus_ddp_config_t *cfg, chorus_ddp_t **out) {
+  static const chorus_ddp_config_t defaults = CHORUS_DDP_CONFIG_DEFAULT;
+  *out = NULL;
+  if (!comm || !model) return CHORUS_ERR_INVALID_ARG;
+  chorus_ddp_t *d = calloc(1, sizeof *d);
+  if (!d) return CHORUS_ERR_NO_MEMORY;
+  d->comm = comm;
+  d->model = model;
+  d->cfg = cfg ? *cfg : defaults;
+  d->sync = 1;
+  int nt = chorus_gpt_num_tensors(model);
+  d->b = calloc((size_t)nt, sizeof *d->b);
+  d->bucket_of = calloc((size_t)nt, sizeof(int));
+  if (!d->b || !d->bucket_of) {
+    chorus_ddp_destroy(d);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  /* Buckets from the last tensor to the first. */
+  size_t cap = (size_t)(d->cfg.first_bucket_mb * 1048576.0 / sizeof(float));
+  for (int k = nt - 1; k >= 0;) {
+    bucket_t *bk = &d->b[d->nb];
+    bk->hi = k;
+    size_t count = 0;
+    while (k >= 0) {
+      size_t sz = chorus_gpt_tensor(model, k)->size;
+      if (count && count + sz > cap) break;
+      count += sz;
+      d->bucket_of[k] = d->nb;
+      k--;
+    }
+    bk->lo = k + 1;
+    bk->off = chorus_gpt_tensor(model, bk->lo)->offset;
+    bk->count = count;
+    if (d->cfg.hook != CHORUS_DDP_HOOK_NONE) {
+      bk->half = malloc(sizeof(uint16_t) * (count ? count : 1));
+      if (!bk->half) {
+        chorus_ddp_destroy(d);
+        return CHORUS_ERR_NO_MEMORY;
+      }
+    }
+    d->nb++;
+    cap = (size_t)(d->cfg.bucket_mb * 1048576.0 / sizeof(float));
+    if (cap < 1) cap = 1;
+  }
+  for (int i = 0; i < d->nb; i++) d->b[i].pending = d->b[i].hi - d->b[i].lo + 1;
+  /* Everyone starts from rank 0's weights. */
+  chorus_result_t st = chorus_broadcast(comm, chorus_gpt_params(model),
+                                        chorus_gpt_num_params(model), CHORUS_FLOAT32, 0, NULL);
+  if (st != CHORUS_OK) {
+    chorus_ddp_destroy(d);
+    return st;
+  }
+  *out = d;
+  return CHORUS_OK;
+}
+
+void chorus_ddp_destroy(chorus_ddp_t *d) {
+  if (!d) return;
+  if (d->b) {
+    for (int i = 0; i < d->nb; i++) {
+      if (d->b[i].work) {
+        chorus_work_wait(d->b[i].work, -1);
+        chorus_work_free(d->b[i].work);
+      }
+      free(d->b[i].half);
+    }
+  }
+  free(d->b);
+  free(d->bucket_of);
+  free(d);
+}
+
+void chorus_ddp_ready(void *arg, int tensor) {
+  chorus_ddp_t *d = arg;
+  bucket_t *bk = &d->b[d->bucket_of[tensor]];
+  if (--bk->pending == 0 && d->sync && d->cfg.overlap) launch(d, bk);
+}
+
+chorus_result_t chorus_ddp_wait(chorus_ddp_t *d) {
+  chorus_result_t st = d->error;
+  double t0 = now_s();
+  d->comm_s = 0;
+  for (int i = 0; i < d->nb; i++) {
+    bucket_t *bk = &d->b[i];
+    bk->pending = bk->hi - bk->lo + 1; /* ready for the next step */
+    if (!d->sync) continue;
+    launch(d, bk); /* no-op when already launched */
+  }
+  for (int i = 0; i < d->nb && d->sync; i++) {
+    bucket_t *bk = &d->b[i];
+    if (bk->work) {
+      chorus_result_t w = chorus_work_wait(bk->work, -1);
+      if (st == CHORUS_OK) st = w;
+      d->comm_s += chorus_work_duration(bk->work);
+      chorus_work_free(bk->work);
+      bk->work = NULL;
+      if (w == CHORUS_OK && bk->half) {
+        float *g = chorus_gpt_grads(d->model) + bk->off;
+        int bf = d->cfg.hook == CHORUS_DDP_HOOK_BF16;
+        for (size_t j = 0; j < bk->count; j++) g[j] = bf ? from_bf16(bk->half[j]) : from_fp16(bk->half[j]);
+      }
+    }
+    bk->launched = 0;
+  }
+  d->exposed_s = now_s() - t0;
+  if (st != CHORUS_OK) d->error = st;
+  return st;
+}
+
+void chorus_ddp_set_sync(chorus_ddp_t *d, int sync) { d->sync = sync != 0; }
+
+void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s) {
+  s->buckets = d->nb;
+  s->comm_s = d->comm_s;
+  s->exposed_s = d->exposed_s;
+}
