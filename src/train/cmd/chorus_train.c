@@ -33,6 +33,8 @@ typedef struct {
   float lr, min_lr_frac, weight_decay, clip;
   double bucket_mb;
   chorus_ddp_hook_t hook;
+  chorus_optim_kind_t optim;
+  float momentum;
   uint64_t seed;
   const char *dump;
 } opts_t;
@@ -58,7 +60,8 @@ static void usage(FILE *f) {
           "  --steps N            optimizer steps (200)\n"
           "  --lr X               peak learning rate (3e-3); --min-lr-frac X (0.1)\n"
           "  --warmup N           warm-up steps (20)\n"
-          "  --weight-decay X     AdamW weight decay (0.1); --clip X  max grad norm (1.0)\n"
+          "  --weight-decay X     weight decay (0.1); --clip X  max grad norm, 0: none (1.0)\n"
+          "  --optim adamw|sgd    optimizer (adamw: betas 0.9, 0.95); --momentum X  SGD's (0.9)\n"
           "  --accum K            micro-steps per step; the first K-1 skip communication (1)\n"
           "  --bucket-mb X        DDP bucket cap (25); --no-overlap: reduce after backward\n"
           "  --hook none|bf16|fp16  gradient compression for the all_reduce (none)\n"
@@ -80,6 +83,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"hook", 1, 0, 'k'},     {"val-every", 1, 0, 'v'},    {"val-batches", 1, 0, 'V'},
       {"sample", 1, 0, 'S'},   {"threads", 1, 0, 'j'},      {"seed", 1, 0, 'r'},
       {"log-every", 1, 0, 'g'}, {"dump", 1, 0, 'D'},        {"help", 0, 0, 'h'},
+      {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -112,6 +116,12 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 'r': o->seed = strtoull(optarg, NULL, 10); break;
       case 'g': o->log_every = atoi(optarg); break;
       case 'D': o->dump = optarg; break;
+      case 'o':
+        if (!strcmp(optarg, "adamw")) o->optim = CHORUS_OPTIM_ADAMW;
+        else if (!strcmp(optarg, "sgd")) o->optim = CHORUS_OPTIM_SGD;
+        else return -1;
+        break;
+      case 'M': o->momentum = strtof(optarg, NULL); break;
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
@@ -252,7 +262,8 @@ int main(int argc, char **argv) {
               .batch = 8, .steps = 200, .warmup = 20, .val_every = 50, .val_batches = 8,
               .accum = 1, .sample = 300, .threads = 0, .overlap = 1, .log_every = 10,
               .lr = 3e-3f, .min_lr_frac = 0.1f, .weight_decay = 0.1f, .clip = 1.0f,
-              .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .seed = 1337};
+              .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
+              .momentum = 0.9f, .seed = 1337};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
@@ -289,6 +300,8 @@ int main(int argc, char **argv) {
   chorus_ddp_t *ddp = NULL;
   if ((st = chorus_ddp_create(comm, m, &dc, &ddp)) != CHORUS_OK) return die(comm, "ddp", st);
   chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
+  oc.kind = o.optim;
+  oc.momentum = o.momentum;
   oc.weight_decay = o.weight_decay;
   chorus_optim_t *opt = NULL;
   size_t np = chorus_gpt_num_params(m);
