@@ -188,7 +188,27 @@ CHORUS_API chorus_result_t chorus_ddp_wait(chorus_ddp_t *d);
 CHORUS_API void chorus_ddp_set_sync(chorus_ddp_t *d, int sync);
 CHORUS_API void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s);
 
-/* The reason of the last failure of a chorus_gpt_* call on this thread. */
+/* ----------------------------------------------------------- checkpoints
+ *
+ * One file per checkpoint, dir/ckpt-<step, 9 digits>.bin: a header (magic,
+ * version, model shape, sizes), the parameters, the optimizer state, the
+ * caller's extra bytes (step, sampler position...) and a checksum of all of
+ * it.  Written atomically: a temporary file, fsync, rename, fsync of the
+ * directory; then all but the newest keep checkpoints are removed.  Loading
+ * takes the newest file that is complete and whose shape matches, so a
+ * crash while writing leaves the previous checkpoint usable.  The content
+ * does not depend on the number of ranks. */
+CHORUS_API chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
+                                            const chorus_optim_t *o, const void *extra,
+                                            size_t extra_len, int keep);
+/* *step = -1 and CHORUS_OK when dir has no usable checkpoint.  extra gets
+ * up to extra_cap bytes; *extra_len the stored length. */
+CHORUS_API chorus_result_t chorus_ckpt_load(const char *dir, long *step, chorus_gpt_t *m,
+                                            chorus_optim_t *o, void *extra, size_t extra_cap,
+                                            size_t *extra_len);
+
+/* The reason of the last failure of a chorus_gpt_* / chorus_ckpt_* call on
+ * this thread. */
 CHORUS_API const char *chorus_train_last_error(void);
 
 #ifdef __cplusplus

@@ -21,15 +21,18 @@ static __thread char g_err[512];
 
 const char *chorus_train_last_error(void) { return g_err; }
 
-static chorus_result_t fail(chorus_result_t st, const char *fmt, ...)
+/* Records the reason of a failure for chorus_train_last_error (also used
+ * by the other files of the runtime). */
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
-static chorus_result_t fail(chorus_result_t st, const char *fmt, ...) {
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(g_err, sizeof g_err, fmt, ap);
   va_end(ap);
   return st;
 }
+#define fail chorus__train_fail
 
 /* Per-block tensors, in forward order. */
 enum {

@@ -11,6 +11,7 @@
  *   chorusrun -n 2 build/chorus-train --steps 300
  */
 #include <errno.h>
+#include <signal.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdarg.h>
@@ -36,8 +37,16 @@ typedef struct {
   chorus_optim_kind_t optim;
   float momentum;
   uint64_t seed;
-  const char *dump;
+  const char *dump, *ckpt_dir;
+  int ckpt_every, keep, stop_after, kill_at;
 } opts_t;
+
+/* What a checkpoint records besides model and optimizer. */
+typedef struct {
+  int64_t steps_done, epoch, pos;
+  int32_t world, pad;
+  uint64_t seed;
+} train_state_t;
 
 static int g_rank, g_size;
 
@@ -70,7 +79,13 @@ static void usage(FILE *f) {
           "  --threads N          BLAS threads per rank (default: cores / local ranks)\n"
           "  --seed N             initialisation and sampling seed (1337)\n"
           "  --log-every N        print a step line every N steps (10)\n"
-          "  --dump FILE          rank 0 writes the final parameters (raw float32)\n");
+          "  --dump FILE          rank 0 writes the final parameters (raw float32)\n"
+          "  --checkpoint-dir D   checkpoints there (resuming from the newest at start)\n"
+          "  --checkpoint-every N every N steps and at the end (0: only at the end)\n"
+          "  --keep K             checkpoints kept (3)\n"
+          "  --stop-after N       stop (cleanly, after checkpointing) once N steps are done\n"
+          "  --kill-at N          testing: rank 1 kills itself (SIGKILL) at step N of the\n"
+          "                       first generation (CHORUS_RESTART_COUNT 0)\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -83,7 +98,9 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"hook", 1, 0, 'k'},     {"val-every", 1, 0, 'v'},    {"val-batches", 1, 0, 'V'},
       {"sample", 1, 0, 'S'},   {"threads", 1, 0, 'j'},      {"seed", 1, 0, 'r'},
       {"log-every", 1, 0, 'g'}, {"dump", 1, 0, 'D'},        {"help", 0, 0, 'h'},
-      {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},
+      {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},    {"checkpoint-dir", 1, 0, 'K'},
+      {"checkpoint-every", 1, 0, 'E'}, {"keep", 1, 0, 'P'}, {"stop-after", 1, 0, 'X'},
+      {"kill-at", 1, 0, 'Z'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -122,6 +139,11 @@ static int parse(int argc, char **argv, opts_t *o) {
         else return -1;
         break;
       case 'M': o->momentum = strtof(optarg, NULL); break;
+      case 'K': o->ckpt_dir = optarg; break;
+      case 'E': o->ckpt_every = atoi(optarg); break;
+      case 'P': o->keep = atoi(optarg); break;
+      case 'X': o->stop_after = atoi(optarg); break;
+      case 'Z': o->kill_at = atoi(optarg); break;
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
@@ -176,6 +198,44 @@ static size_t sampler_next(sampler_t *sp) {
   if (sp->pos == sp->per_rank) sampler_epoch(sp, sp->epoch + 1);
   size_t k = (sp->pos++) * (size_t)g_size + (size_t)g_rank;
   return sp->perm[k % sp->n];
+}
+
+/* ----------------------------------------------------------- checkpoints */
+
+/* Rank 0 writes; everyone waits for it, so a crash right after still finds
+ * the file. */
+static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_gpt_t *m,
+                                  chorus_optim_t *opt, const sampler_t *sp, long steps_done) {
+  chorus_result_t st = CHORUS_OK;
+  if (g_rank == 0) {
+    train_state_t ts = {steps_done, sp->epoch, (int64_t)sp->pos, g_size, 0, o->seed};
+    st = chorus_ckpt_save(o->ckpt_dir, steps_done, m, opt, &ts, sizeof ts, o->keep);
+    if (st != CHORUS_OK)
+      fprintf(stderr, "chorus-train: %s\n", chorus_train_last_error());
+    else
+      say("checkpoint: %s/ckpt-%09ld.bin\n", o->ckpt_dir, steps_done);
+  }
+  int32_t ok = st == CHORUS_OK, all = 0;
+  chorus_result_t cs = chorus_all_reduce(comm, &ok, &all, 1, CHORUS_INT32, CHORUS_MIN, NULL);
+  return cs != CHORUS_OK ? cs : all ? CHORUS_OK : CHORUS_ERR_SYSTEM;
+}
+
+/* Every rank loads the newest checkpoint (the same file); the sampler goes
+ * on from the same global position, also with another number of ranks. */
+static long resume(const opts_t *o, chorus_gpt_t *m, chorus_optim_t *opt, sampler_t *sp) {
+  train_state_t ts;
+  size_t len = 0;
+  long step = -1;
+  if (chorus_ckpt_load(o->ckpt_dir, &step, m, opt, &ts, sizeof ts, &len) != CHORUS_OK || step < 0)
+    return 0;
+  if (len != sizeof ts || ts.world < 1) return 0;
+  sampler_epoch(sp, (long)ts.epoch);
+  size_t global = (size_t)ts.pos * (size_t)ts.world; /* samples taken this epoch, all ranks */
+  sp->pos = global / (size_t)g_size;
+  if (sp->pos > sp->per_rank) sp->pos = sp->per_rank;
+  say("resumed from %s/ckpt-%09ld.bin (saved by %d rank(s), epoch %ld)\n", o->ckpt_dir, step,
+      (int)ts.world, (long)ts.epoch);
+  return (long)ts.steps_done;
 }
 
 /* ----------------------------------------------------------------- main */
@@ -263,7 +323,7 @@ int main(int argc, char **argv) {
               .accum = 1, .sample = 300, .threads = 0, .overlap = 1, .log_every = 10,
               .lr = 3e-3f, .min_lr_frac = 0.1f, .weight_decay = 0.1f, .clip = 1.0f,
               .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
-              .momentum = 0.9f, .seed = 1337};
+              .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
@@ -329,7 +389,14 @@ int main(int argc, char **argv) {
   double sum_tps = 0, sum_fwd = 0, sum_bwd = 0, sum_exp = 0, sum_opt = 0, sum_comm = 0;
   int timed = 0;
   float first_val = NAN, last_val = NAN;
-  for (int step = 0; step < o.steps; step++) {
+  long start = o.ckpt_dir ? resume(&o, m, opt, &sp) : 0;
+  const char *rc = getenv("CHORUS_RESTART_COUNT");
+  int first_generation = !rc || !strcmp(rc, "0");
+  for (int step = (int)start; step < o.steps; step++) {
+    if (step == o.kill_at && g_rank == 1 && first_generation) {
+      fprintf(stderr, "chorus-train: rank 1 kills itself at step %d (--kill-at)\n", step);
+      raise(SIGKILL);
+    }
     double t0 = now_s(), tf = 0, tb = 0;
     chorus_gpt_zero_grad(m);
     float loss_sum = 0;
@@ -379,6 +446,16 @@ int main(int argc, char **argv) {
       if (isnan(first_val)) first_val = v;
       last_val = v;
       say("step %4d  validation loss %.4f\n", step, v);
+    }
+    int stopping = o.stop_after >= 0 && step + 1 >= o.stop_after;
+    if (o.ckpt_dir && ((o.ckpt_every && (step + 1) % o.ckpt_every == 0) || step == o.steps - 1 ||
+                       stopping)) {
+      if ((st = checkpoint(comm, &o, m, opt, &sp, step + 1)) != CHORUS_OK)
+        return die(comm, "checkpoint", st);
+    }
+    if (stopping) {
+      say("stopping after %d steps (--stop-after)\n", step + 1);
+      break;
     }
   }
   if (timed) {

@@ -1,0 +1,195 @@
+/*
+ * ckpt.c - atomic checkpoints of model, optimizer and caller state.
+ *
+ * File layout (little-endian, as the machine writes it):
+ *   u64 magic "chorusck", u32 version, u32 header bytes,
+ *   i64 step, 5 x i32 model shape (vocab ctx layers heads channels), i32 pad,
+ *   u64 params (floats), u64 optimizer bytes, u64 extra bytes,
+ *   then the three payloads, then u64 FNV-1a of everything before it.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "chorus_train.h"
+
+#define CK_MAGIC 0x6b637375726f6863ull /* "chorusck" */
+#define CK_VERSION 1u
+
+typedef struct {
+  uint64_t magic;
+  uint32_t version, header;
+  int64_t step;
+  int32_t shape[5], pad;
+  uint64_t nparams, optbytes, extrabytes;
+} ck_header_t;
+
+/* gpt.c's error recorder (one per thread). */
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+#define FNV0 0xcbf29ce484222325ull
+
+static int write_all(int fd, const void *p, size_t n, uint64_t *h) {
+  const char *c = p;
+  *h = fnv(*h, p, n);
+  while (n) {
+    ssize_t w = write(fd, c, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return -1;
+    c += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+static void shape_of(const chorus_gpt_t *m, int32_t s[5]) {
+  const chorus_gpt_config_t *c = chorus_gpt_config(m);
+  s[0] = c->vocab, s[1] = c->ctx, s[2] = c->layers, s[3] = c->heads, s[4] = c->channels;
+}
+
+/* Steps of the checkpoint files in dir, newest first (*n of them). */
+static long *list_steps(const char *dir, int *n) {
+  *n = 0;
+  DIR *d = opendir(dir);
+  if (!d) return NULL;
+  long *v = NULL;
+  int cap = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    long step;
+    char tail[8];
+    if (sscanf(e->d_name, "ckpt-%ld.%7s", &step, tail) != 2 || strcmp(tail, "bin") || step < 0)
+      continue;
+    if (*n == cap) {
+      cap = cap ? 2 * cap : 16;
+      long *nv = realloc(v, sizeof(long) * (size_t)cap);
+      if (!nv) break;
+      v = nv;
+    }
+    v[(*n)++] = step;
+  }
+  closedir(d);
+  for (int i = 1; i < *n; i++) /* insertion sort, descending */
+    for (int j = i; j > 0 && v[j] > v[j - 1]; j--) {
+      long t = v[j];
+      v[j] = v[j - 1];
+      v[j - 1] = t;
+    }
+  return v;
+}
+
+chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
+                                 const chorus_optim_t *o, const void *extra, size_t extra_len,
+                                 int keep) {
+  if (!dir || !m || !o || step < 0 || keep < 1 || (extra_len && !extra))
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ckpt_save: bad arguments");
+  if (mkdir(dir, 0755) < 0 && errno != EEXIST)
+    return chorus__train_fail(CHORUS_ERR_SYSTEM, "chorus_ckpt_save: mkdir %s: %s", dir,
+                              strerror(errno));
+  char tmp[4096], final[4096];
+  snprintf(tmp, sizeof tmp, "%s/.ckpt-%09ld.tmp.%d", dir, step, (int)getpid());
+  snprintf(final, sizeof final, "%s/ckpt-%09ld.bin", dir, step);
+  size_t optbytes = chorus_optim_state_size(o);
+  void *opt = malloc(optbytes ? optbytes : 1);
+  if (!opt) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ckpt_save: out of memory");
+  chorus_optim_state_save(o, opt);
+  ck_header_t h = {CK_MAGIC, CK_VERSION, sizeof h, step, {0}, 0, chorus_gpt_num_params(m),
+                   optbytes, extra_len};
+  shape_of(m, h.shape);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  uint64_t sum = FNV0;
+  int bad = fd < 0 || write_all(fd, &h, sizeof h, &sum) ||
+            write_all(fd, chorus_gpt_params(m), sizeof(float) * h.nparams, &sum) ||
+            write_all(fd, opt, optbytes, &sum) || (extra_len && write_all(fd, extra, extra_len, &sum));
+  uint64_t dummy = FNV0, final_sum = sum;
+  bad = bad || write_all(fd, &final_sum, sizeof final_sum, &dummy) || fsync(fd) != 0;
+  int err = errno;
+  free(opt);
+  if (fd >= 0 && close(fd) != 0 && !bad) bad = 1, err = errno;
+  if (!bad && rename(tmp, final) != 0) bad = 1, err = errno;
+  if (bad) {
+    unlink(tmp);
+    return chorus__train_fail(CHORUS_ERR_SYSTEM, "chorus_ckpt_save: writing %s: %s", final,
+                              strerror(err));
+  }
+  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd); /* the rename itself is durable */
+    close(dfd);
+  }
+  int n;
+  long *steps = list_steps(dir, &n);
+  for (int i = keep; i < n; i++) {
+    char old[4096];
+    snprintf(old, sizeof old, "%s/ckpt-%09ld.bin", dir, steps[i]);
+    unlink(old);
+  }
+  free(steps);
+  return CHORUS_OK;
+}
+
+/* Reads and verifies one file fully before touching the model. */
+static int load_one(const char *path, chorus_gpt_t *m, chorus_optim_t *o, void *extra,
+                    size_t extra_cap, size_t *extra_len, long *step) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return -1;
+  ck_header_t h;
+  int32_t shape[5];
+  shape_of(m, shape);
+  int ok = fread(&h, sizeof h, 1, f) == 1 && h.magic == CK_MAGIC && h.version == CK_VERSION &&
+           h.header == sizeof h && !memcmp(h.shape, shape, sizeof shape) &&
+           h.nparams == chorus_gpt_num_params(m) && h.optbytes == chorus_optim_state_size(o) &&
+           h.extrabytes <= ((uint64_t)1 << 30) && h.step >= 0;
+  size_t pbytes = ok ? sizeof(float) * h.nparams : 0;
+  char *buf = ok ? malloc(pbytes + h.optbytes + h.extrabytes + 1) : NULL;
+  uint64_t stored = 0, sum = FNV0;
+  ok = ok && buf && fread(buf, 1, pbytes + h.optbytes + h.extrabytes, f) ==
+                        pbytes + h.optbytes + h.extrabytes &&
+       fread(&stored, sizeof stored, 1, f) == 1;
+  fclose(f);
+  if (ok) {
+    sum = fnv(fnv(sum, &h, sizeof h), buf, pbytes + h.optbytes + h.extrabytes);
+    ok = sum == stored;
+  }
+  if (ok) ok = chorus_optim_state_load(o, buf + pbytes, h.optbytes) == CHORUS_OK;
+  if (ok) {
+    memcpy(chorus_gpt_params(m), buf, pbytes);
+    size_t n = h.extrabytes < extra_cap ? h.extrabytes : extra_cap;
+    if (n) memcpy(extra, buf + pbytes + h.optbytes, n);
+    if (extra_len) *extra_len = h.extrabytes;
+    *step = (long)h.step;
+  }
+  free(buf);
+  return ok ? 0 : -1;
+}
+
+chorus_result_t chorus_ckpt_load(const char *dir, long *step, chorus_gpt_t *m, chorus_optim_t *o,
+                                 void *extra, size_t extra_cap, size_t *extra_len) {
+  *step = -1;
+  if (extra_len) *extra_len = 0;
+  int n;
+  long *steps = list_steps(dir, &n);
+  chorus_result_t st = CHORUS_OK;
+  for (int i = 0; i < n; i++) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, steps[i]);
+    if (load_one(path, m, o, extra, extra_cap, extra_len, step) == 0) break;
+    /* Torn, foreign or of another shape: note it, try the previous one. */
+    chorus__train_fail(CHORUS_OK, "checkpoint %s is unusable (incomplete, corrupt or for "
+                       "another model); an older one was tried", path);
+  }
+  free(steps);
+  return st;
+}
