@@ -95,9 +95,19 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
                                  int keep) {
   if (!dir || !m || !o || step < 0 || keep < 1 || (extra_len && !extra))
     return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ckpt_save: bad arguments");
-  if (mkdir(dir, 0755) < 0 && errno != EEXIST)
-    return chorus__train_fail(CHORUS_ERR_SYSTEM, "chorus_ckpt_save: mkdir %s: %s", dir,
-                              strerror(errno));
+  /* mkdir -p */
+  char path[4096];
+  snprintf(path, sizeof path, "%s", dir);
+  for (char *p = path + 1;; p++) {
+    if (*p != '/' && *p != '\0') continue;
+    char c = *p;
+    *p = '\0';
+    if (mkdir(path, 0755) < 0 && errno != EEXIST)
+      return chorus__train_fail(CHORUS_ERR_SYSTEM, "chorus_ckpt_save: mkdir %s: %s", path,
+                                strerror(errno));
+    *p = c;
+    if (!c) break;
+  }
   char tmp[4096], final[4096];
   snprintf(tmp, sizeof tmp, "%s/.ckpt-%09ld.tmp.%d", dir, step, (int)getpid());
   snprintf(final, sizeof final, "%s/ckpt-%09ld.bin", dir, step);

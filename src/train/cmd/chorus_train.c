@@ -450,8 +450,13 @@ int main(int argc, char **argv) {
     int stopping = o.stop_after >= 0 && step + 1 >= o.stop_after;
     if (o.ckpt_dir && ((o.ckpt_every && (step + 1) % o.ckpt_every == 0) || step == o.steps - 1 ||
                        stopping)) {
-      if ((st = checkpoint(comm, &o, m, opt, &sp, step + 1)) != CHORUS_OK)
-        return die(comm, "checkpoint", st);
+      if ((st = checkpoint(comm, &o, m, opt, &sp, step + 1)) != CHORUS_OK) {
+        fprintf(stderr, "chorus-train: rank %d: stopping: %s\n", g_rank,
+                st == CHORUS_ERR_SYSTEM ? "rank 0 could not write the checkpoint (see its "
+                                          "output)" : chorus_comm_last_error(comm));
+        chorus_comm_destroy(comm);
+        return 1;
+      }
     }
     if (stopping) {
       say("stopping after %d steps (--stop-after)\n", step + 1);
