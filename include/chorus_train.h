@@ -188,6 +188,31 @@ CHORUS_API chorus_result_t chorus_ddp_wait(chorus_ddp_t *d);
 CHORUS_API void chorus_ddp_set_sync(chorus_ddp_t *d, int sync);
 CHORUS_API void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s);
 
+/* ---------------------------------------------------------------- sampler
+ *
+ * torch.utils.data.DistributedSampler, index for index: each epoch a
+ * permutation of the n samples from a generator seeded with seed + epoch
+ * (the same MT19937 stream and shuffle as torch.randperm on the CPU, so the
+ * lists equal PyTorch's), padded by repeating its head to a multiple of the
+ * world size (or cut, with drop_last), and rank r takes positions r, r +
+ * world, ...  The position inside the epoch can be saved and restored. */
+typedef struct chorus_sampler chorus_sampler_t;
+
+CHORUS_API chorus_result_t chorus_sampler_create(size_t n, int world, int rank, int shuffle,
+                                                 uint64_t seed, int drop_last,
+                                                 chorus_sampler_t **out);
+CHORUS_API void chorus_sampler_destroy(chorus_sampler_t *s);
+/* Starts epoch e (its order; position 0). */
+CHORUS_API void chorus_sampler_set_epoch(chorus_sampler_t *s, long epoch);
+CHORUS_API long chorus_sampler_epoch(const chorus_sampler_t *s);
+/* Samples per rank per epoch (torch's num_samples) and this rank's list. */
+CHORUS_API size_t chorus_sampler_len(const chorus_sampler_t *s);
+CHORUS_API const size_t *chorus_sampler_indices(const chorus_sampler_t *s);
+/* Next index of this rank; at the end of an epoch starts the next one. */
+CHORUS_API size_t chorus_sampler_next(chorus_sampler_t *s);
+CHORUS_API size_t chorus_sampler_pos(const chorus_sampler_t *s);
+CHORUS_API void chorus_sampler_set_pos(chorus_sampler_t *s, size_t pos);
+
 /* ----------------------------------------------------------- checkpoints
  *
  * One file per checkpoint, dir/ckpt-<step, 9 digits>.bin: a header (magic,

@@ -1,8 +1,8 @@
 /*
  * chorus-train - trains the GPT of chorus_train.h on a byte-level text file,
  * data-parallel over every process chorusrun started (one process without
- * it).  Each step: every rank takes its next batch from a shuffled,
- * rank-strided sampler (DistributedSampler's split), forward, backward with
+ * it).  Each step: every rank takes its next batch from chorus_sampler
+ * (PyTorch's DistributedSampler, index for index), forward, backward with
  * DDP reducing gradient buckets while backward runs, gradient clipping,
  * AdamW with warm-up + cosine learning rate.  Prints per-step loss and
  * timings, validation loss every --val-every steps, and a sample of
@@ -160,19 +160,7 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* -------------------------------------------------------------- sampler */
-
-/* DistributedSampler's split: a permutation of the n samples per epoch
- * (seeded by seed + epoch), padded by wrapping to a multiple of world, and
- * rank r takes positions r, r + world, ...  (The permutation itself is
- * chorus's own, not torch.randperm's.) */
-typedef struct {
-  size_t n, per_rank, pos;
-  size_t *perm;
-  uint64_t seed;
-  long epoch;
-} sampler_t;
-
+/* A 64-bit mixer (splitmix64) for sampling generated text. */
 static uint64_t mix(uint64_t *s) {
   uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -180,35 +168,17 @@ static uint64_t mix(uint64_t *s) {
   return z ^ (z >> 31);
 }
 
-static void sampler_epoch(sampler_t *sp, long epoch) {
-  sp->epoch = epoch;
-  uint64_t s = sp->seed + (uint64_t)epoch;
-  for (size_t i = 0; i < sp->n; i++) sp->perm[i] = i;
-  for (size_t i = sp->n; i > 1; i--) {
-    size_t j = (size_t)(mix(&s) % i);
-    size_t t = sp->perm[i - 1];
-    sp->perm[i - 1] = sp->perm[j];
-    sp->perm[j] = t;
-  }
-  sp->pos = 0;
-}
-
-/* Next sample index of this rank (starting a new epoch when needed). */
-static size_t sampler_next(sampler_t *sp) {
-  if (sp->pos == sp->per_rank) sampler_epoch(sp, sp->epoch + 1);
-  size_t k = (sp->pos++) * (size_t)g_size + (size_t)g_rank;
-  return sp->perm[k % sp->n];
-}
-
 /* ----------------------------------------------------------- checkpoints */
 
 /* Rank 0 writes; everyone waits for it, so a crash right after still finds
  * the file. */
 static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_gpt_t *m,
-                                  chorus_optim_t *opt, const sampler_t *sp, long steps_done) {
+                                  chorus_optim_t *opt, const chorus_sampler_t *sp,
+                                  long steps_done) {
   chorus_result_t st = CHORUS_OK;
   if (g_rank == 0) {
-    train_state_t ts = {steps_done, sp->epoch, (int64_t)sp->pos, g_size, 0, o->seed};
+    train_state_t ts = {steps_done, chorus_sampler_epoch(sp), (int64_t)chorus_sampler_pos(sp),
+                        g_size, 0, o->seed};
     st = chorus_ckpt_save(o->ckpt_dir, steps_done, m, opt, &ts, sizeof ts, o->keep);
     if (st != CHORUS_OK)
       fprintf(stderr, "chorus-train: %s\n", chorus_train_last_error());
@@ -222,17 +192,16 @@ static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_gp
 
 /* Every rank loads the newest checkpoint (the same file); the sampler goes
  * on from the same global position, also with another number of ranks. */
-static long resume(const opts_t *o, chorus_gpt_t *m, chorus_optim_t *opt, sampler_t *sp) {
+static long resume(const opts_t *o, chorus_gpt_t *m, chorus_optim_t *opt, chorus_sampler_t *sp) {
   train_state_t ts;
   size_t len = 0;
   long step = -1;
   if (chorus_ckpt_load(o->ckpt_dir, &step, m, opt, &ts, sizeof ts, &len) != CHORUS_OK || step < 0)
     return 0;
   if (len != sizeof ts || ts.world < 1) return 0;
-  sampler_epoch(sp, (long)ts.epoch);
+  chorus_sampler_set_epoch(sp, (long)ts.epoch);
   size_t global = (size_t)ts.pos * (size_t)ts.world; /* samples taken this epoch, all ranks */
-  sp->pos = global / (size_t)g_size;
-  if (sp->pos > sp->per_rank) sp->pos = sp->per_rank;
+  chorus_sampler_set_pos(sp, global / (size_t)g_size);
   say("resumed from %s/ckpt-%09ld.bin (saved by %d rank(s), epoch %ld)\n", o->ckpt_dir, step,
       (int)ts.world, (long)ts.epoch);
   return (long)ts.steps_done;
@@ -368,14 +337,14 @@ int main(int argc, char **argv) {
   if ((st = chorus_optim_create(&oc, np, &opt)) != CHORUS_OK) return die(NULL, "optimizer", st);
 
   const int T = o.model.ctx, B = o.batch;
-  sampler_t sp = {.n = chorus_text_samples(text, CHORUS_SPLIT_TRAIN, T), .seed = o.seed};
-  if (sp.n == 0) {
-    fprintf(stderr, "chorus-train: %s is too short for sequences of %d\n", o.data, T);
+  size_t nsamples = chorus_text_samples(text, CHORUS_SPLIT_TRAIN, T);
+  chorus_sampler_t *sp = NULL;
+  if (nsamples < (size_t)g_size ||
+      chorus_sampler_create(nsamples, g_size, g_rank, 1, o.seed, 0, &sp) != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: %s is too short for sequences of %d on %d ranks\n", o.data,
+            T, g_size);
     return 1;
   }
-  sp.per_rank = (sp.n + (size_t)g_size - 1) / (size_t)g_size;
-  sp.perm = malloc(sizeof(size_t) * sp.n);
-  sampler_epoch(&sp, 0);
   int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);
   size_t *idx = malloc(sizeof(size_t) * (size_t)B);
   chorus_ddp_stats_t ds;
@@ -384,12 +353,12 @@ int main(int argc, char **argv) {
       "channels, context %d: %zu parameters; %d DDP buckets; batch %d x %d per rank, %d "
       "step(s) of %d micro-step(s); %zu training samples\n",
       g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, np, ds.buckets, B, T,
-      o.steps, o.accum, sp.n);
+      o.steps, o.accum, nsamples);
 
   double sum_tps = 0, sum_fwd = 0, sum_bwd = 0, sum_exp = 0, sum_opt = 0, sum_comm = 0;
   int timed = 0;
   float first_val = NAN, last_val = NAN;
-  long start = o.ckpt_dir ? resume(&o, m, opt, &sp) : 0;
+  long start = o.ckpt_dir ? resume(&o, m, opt, sp) : 0;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   int first_generation = !rc || !strcmp(rc, "0");
   for (int step = (int)start; step < o.steps; step++) {
@@ -401,7 +370,7 @@ int main(int argc, char **argv) {
     chorus_gpt_zero_grad(m);
     float loss_sum = 0;
     for (int a = 0; a < o.accum; a++) {
-      for (int b = 0; b < B; b++) idx[b] = sampler_next(&sp);
+      for (int b = 0; b < B; b++) idx[b] = chorus_sampler_next(sp);
       chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
       double f0 = now_s();
       float loss = 0;
@@ -450,7 +419,7 @@ int main(int argc, char **argv) {
     int stopping = o.stop_after >= 0 && step + 1 >= o.stop_after;
     if (o.ckpt_dir && ((o.ckpt_every && (step + 1) % o.ckpt_every == 0) || step == o.steps - 1 ||
                        stopping)) {
-      if ((st = checkpoint(comm, &o, m, opt, &sp, step + 1)) != CHORUS_OK) {
+      if ((st = checkpoint(comm, &o, m, opt, sp, step + 1)) != CHORUS_OK) {
         fprintf(stderr, "chorus-train: rank %d: stopping: %s\n", g_rank,
                 st == CHORUS_ERR_SYSTEM ? "rank 0 could not write the checkpoint (see its "
                                           "output)" : chorus_comm_last_error(comm));
@@ -481,7 +450,8 @@ int main(int argc, char **argv) {
       return 1;
     }
   }
-  free(tok), free(tgt), free(idx), free(sp.perm);
+  free(tok), free(tgt), free(idx);
+  chorus_sampler_destroy(sp);
   chorus_optim_destroy(opt);
   chorus_ddp_destroy(ddp);
   chorus_gpt_destroy(m);
