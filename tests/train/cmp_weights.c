@@ -35,6 +35,8 @@ int main(int argc, char **argv) {
   if (!a || !b || na != nb || na == 0) {
     fprintf(stderr, "cmp_weights: cannot read both dumps, or their sizes differ (%zu, %zu)\n",
             a ? na : 0, b ? nb : 0);
+    free(a);
+    free(b);
     return 1;
   }
   double tol = atof(argv[3]), maxd = 0, maxa = 0;
@@ -49,5 +51,7 @@ int main(int argc, char **argv) {
   printf("%s: %zu parameters, max |diff| %.3g at %zu (max |w| %.3g), %zu bit-identical; "
          "tolerance %.3g\n", ok ? "close" : "DIFFERENT", na, maxd, at, maxa, same,
          tol * (1.0 + maxa));
+  free(a);
+  free(b);
   return ok ? 0 : 1;
 }
