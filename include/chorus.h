@@ -301,6 +301,10 @@ CHORUS_API const char *chorus_work_error(chorus_work_t work);
  * while it has not finished.  For send/recv: from posting to completion. */
 CHORUS_API double chorus_work_duration(chorus_work_t work);
 
+/* The same as two CLOCK_MONOTONIC instants in nanoseconds (both 0 while
+ * it has not finished); comparable across the processes of one host. */
+CHORUS_API void chorus_work_timestamps(chorus_work_t work, int64_t *start_ns, int64_t *end_ns);
+
 /*
  * Releases the handle.  Freeing a handle does not cancel the operation: the
  * buffers it names must stay valid until it completes (wait first).  For a

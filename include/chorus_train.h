@@ -187,6 +187,10 @@ CHORUS_API chorus_result_t chorus_ddp_wait(chorus_ddp_t *d);
  * accumulation); 1 (default): they do. */
 CHORUS_API void chorus_ddp_set_sync(chorus_ddp_t *d, int sync);
 CHORUS_API void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s);
+/* Bucket i's all_reduce of the last step: when it ran (CLOCK_MONOTONIC ns,
+ * 0 when it did not) and its bytes; i < stats.buckets. */
+CHORUS_API void chorus_ddp_bucket_times(const chorus_ddp_t *d, int i, int64_t *start_ns,
+                                        int64_t *end_ns, size_t *bytes);
 
 /* ---------------------------------------------------------------- sampler
  *

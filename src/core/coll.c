@@ -274,6 +274,17 @@ double chorus_work_duration(chorus_work_t w) {
   return d;
 }
 
+void chorus_work_timestamps(chorus_work_t w, int64_t *start_ns, int64_t *end_ns) {
+  int64_t a = 0, b = 0;
+  if (w) {
+    pthread_mutex_lock(&w->comm->lock);
+    if (w->state == CHORUS__WORK_DONE) a = w->t_start, b = w->t_end;
+    pthread_mutex_unlock(&w->comm->lock);
+  }
+  if (start_ns) *start_ns = a;
+  if (end_ns) *end_ns = b;
+}
+
 const char *chorus_work_error(chorus_work_t w) {
   if (!w) return "";
   pthread_mutex_lock(&w->comm->lock);

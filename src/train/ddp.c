@@ -22,6 +22,7 @@ typedef struct {
   int launched;
   chorus_work_t work;
   uint16_t *half;       /* compressed copy for the bf16/fp16 hooks */
+  int64_t t0, t1;       /* when its last all_reduce ran */
 } bucket_t;
 
 struct chorus_ddp {
@@ -200,6 +201,7 @@ chorus_result_t chorus_ddp_wait(chorus_ddp_t *d) {
   for (int i = 0; i < d->nb; i++) {
     bucket_t *bk = &d->b[i];
     bk->pending = bk->hi - bk->lo + 1; /* ready for the next step */
+    bk->t0 = bk->t1 = 0;
     if (!d->sync) continue;
     launch(d, bk); /* no-op when already launched */
   }
@@ -209,6 +211,7 @@ chorus_result_t chorus_ddp_wait(chorus_ddp_t *d) {
       chorus_result_t w = chorus_work_wait(bk->work, -1);
       if (st == CHORUS_OK) st = w;
       d->comm_s += chorus_work_duration(bk->work);
+      chorus_work_timestamps(bk->work, &bk->t0, &bk->t1);
       chorus_work_free(bk->work);
       bk->work = NULL;
       if (w == CHORUS_OK && bk->half) {
@@ -230,4 +233,12 @@ void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s) {
   s->buckets = d->nb;
   s->comm_s = d->comm_s;
   s->exposed_s = d->exposed_s;
+}
+
+void chorus_ddp_bucket_times(const chorus_ddp_t *d, int i, int64_t *start_ns, int64_t *end_ns,
+                             size_t *bytes) {
+  const bucket_t *bk = i >= 0 && i < d->nb ? &d->b[i] : NULL;
+  if (start_ns) *start_ns = bk ? bk->t0 : 0;
+  if (end_ns) *end_ns = bk ? bk->t1 : 0;
+  if (bytes) *bytes = bk ? bk->count * sizeof(float) : 0;
 }

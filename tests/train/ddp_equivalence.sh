@@ -49,5 +49,16 @@ if "$cmp" "$tmp/r1" "$tmp/other" 2e-4 >/dev/null; then
 else
   echo "ok   another seed gives different weights"
 fi
+# A Chrome trace merged by rank 0: both ranks' compute and bucket tracks.
+train_run traced 2 --batch 2 --trace "$tmp/trace.json"
+t="$tmp/trace.json"
+if [ -s "$t" ] && head -c 40 "$t" | grep -q '^{"displayTimeUnit":"ms","traceEvents":\[' &&
+   tail -c 4 "$t" | grep -q ']}' && grep -q '"name":"rank 1"' "$t" &&
+   [ "$(grep -o '"name":"backward","cat":"compute","ph":"X","pid":1' "$t" | wc -l)" -eq 8 ] &&
+   [ "$(grep -o '"name":"all_reduce bucket"' "$t" | wc -l)" -ge 16 ]; then
+  echo "ok   --trace writes one Chrome trace with every rank's events"
+else
+  echo "FAIL --trace output"; head -c 300 "$t"; fails=$((fails + 1))
+fi
 [ "$fails" -eq 0 ] && echo "all DDP equivalence checks passed" && exit 0
 echo "$fails DDP equivalence check(s) FAILED"; exit 1

@@ -12,6 +12,7 @@
  */
 #include <errno.h>
 #include <signal.h>
+#include <stdint.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdarg.h>
@@ -37,7 +38,7 @@ typedef struct {
   chorus_optim_kind_t optim;
   float momentum;
   uint64_t seed;
-  const char *dump, *ckpt_dir;
+  const char *dump, *ckpt_dir, *trace;
   int ckpt_every, keep, stop_after, kill_at;
 } opts_t;
 
@@ -84,6 +85,9 @@ static void usage(FILE *f) {
           "  --checkpoint-every N every N steps and at the end (0: only at the end)\n"
           "  --keep K             checkpoints kept (3)\n"
           "  --stop-after N       stop (cleanly, after checkpointing) once N steps are done\n"
+          "  --trace FILE         Chrome trace (JSON, Perfetto / chrome://tracing): a track\n"
+          "                       per rank for forward, backward, waiting and the optimizer,\n"
+          "                       one for each bucket's all_reduce; merged by rank 0\n"
           "  --kill-at N          testing: rank 1 kills itself (SIGKILL) at step N of the\n"
           "                       first generation (CHORUS_RESTART_COUNT 0)\n");
 }
@@ -100,7 +104,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"log-every", 1, 0, 'g'}, {"dump", 1, 0, 'D'},        {"help", 0, 0, 'h'},
       {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},    {"checkpoint-dir", 1, 0, 'K'},
       {"checkpoint-every", 1, 0, 'E'}, {"keep", 1, 0, 'P'}, {"stop-after", 1, 0, 'X'},
-      {"kill-at", 1, 0, 'Z'},
+      {"kill-at", 1, 0, 'Z'},    {"trace", 1, 0, 'R'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -144,6 +148,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 'P': o->keep = atoi(optarg); break;
       case 'X': o->stop_after = atoi(optarg); break;
       case 'Z': o->kill_at = atoi(optarg); break;
+      case 'R': o->trace = optarg; break;
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
@@ -166,6 +171,95 @@ static uint64_t mix(uint64_t *s) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+/* ----------------------------------------------------------------- trace */
+
+/* Complete events ("ph":"X") of this rank, in CLOCK_MONOTONIC ns. */
+typedef struct {
+  const char *name;
+  int tid; /* 0: compute, 1: communication */
+  int step;
+  int64_t t0, t1;
+  size_t bytes;
+} event_t;
+
+typedef struct {
+  event_t *ev;
+  size_t n, cap;
+} trace_t;
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void trace_add(trace_t *tr, const char *name, int tid, int step, int64_t t0, int64_t t1,
+                      size_t bytes) {
+  if (!tr || t1 <= t0 || tr->n >= 1000000) return;
+  if (tr->n == tr->cap) {
+    size_t cap = tr->cap ? tr->cap * 2 : 1024;
+    event_t *ev = realloc(tr->ev, cap * sizeof *ev);
+    if (!ev) return;
+    tr->ev = ev, tr->cap = cap;
+  }
+  tr->ev[tr->n++] = (event_t){name, tid, step, t0, t1, bytes};
+}
+
+/* Every rank turns its events into JSON objects (times relative to the
+ * earliest event of any rank: one host shares CLOCK_MONOTONIC); rank 0
+ * gathers them and writes one file. */
+static int trace_write(chorus_comm_t comm, const trace_t *tr, const char *path) {
+  int64_t mine = tr->n ? tr->ev[0].t0 : INT64_MAX, base = mine;
+  for (size_t i = 0; i < tr->n; i++) mine = tr->ev[i].t0 < mine ? tr->ev[i].t0 : mine;
+  if (chorus_all_reduce(comm, &mine, &base, 1, CHORUS_INT64, CHORUS_MIN, NULL) != CHORUS_OK)
+    return -1;
+  size_t cap = 512 + tr->n * 200, len = 0;
+  char *buf = malloc(cap);
+  if (!buf) return -1;
+  len += (size_t)snprintf(buf + len, cap - len,
+                          "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":"
+                          "\"rank %d\"}},{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,"
+                          "\"args\":{\"name\":\"compute\"}},{\"name\":\"thread_name\",\"ph\":\"M\","
+                          "\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"all_reduce (buckets)\"}}",
+                          g_rank, g_rank, g_rank, g_rank);
+  for (size_t i = 0; i < tr->n && len < cap; i++) {
+    const event_t *e = &tr->ev[i];
+    len += (size_t)snprintf(buf + len, cap - len,
+                            ",{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
+                            "\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"step\":%d,\"bytes\":%zu}}",
+                            e->name, e->tid ? "comm" : "compute", g_rank, e->tid,
+                            (double)(e->t0 - base) / 1e3, (double)(e->t1 - e->t0) / 1e3, e->step,
+                            e->bytes);
+  }
+  if (len >= cap) len = cap - 1;
+  void *all = NULL;
+  size_t *lens = malloc(sizeof(size_t) * (size_t)g_size);
+  chorus_result_t st = chorus_gather_bytes(comm, buf, len, 0, &all, lens);
+  free(buf);
+  int rc = st == CHORUS_OK ? 0 : -1;
+  if (st == CHORUS_OK && g_rank == 0) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+      rc = -1;
+    } else {
+      fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[", f);
+      const char *p = all;
+      for (int r = 0; r < g_size; r++) {
+        if (r) fputc(',', f);
+        fwrite(p, 1, lens[r], f);
+        p += lens[r];
+      }
+      fputs("]}\n", f);
+      rc = fclose(f) == 0 ? 0 : -1;
+    }
+    if (rc == 0) say("trace: %s (%d ranks; open in https://ui.perfetto.dev or chrome://tracing)\n",
+                     path, g_size);
+  }
+  free(all);
+  free(lens);
+  return rc;
 }
 
 /* ----------------------------------------------------------- checkpoints */
@@ -359,6 +453,7 @@ int main(int argc, char **argv) {
   int timed = 0;
   float first_val = NAN, last_val = NAN;
   long start = o.ckpt_dir ? resume(&o, m, opt, sp) : 0;
+  trace_t trace_buf = {0}, *tr = o.trace ? &trace_buf : NULL;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   int first_generation = !rc || !strcmp(rc, "0");
   for (int step = (int)start; step < o.steps; step++) {
@@ -373,27 +468,45 @@ int main(int argc, char **argv) {
       for (int b = 0; b < B; b++) idx[b] = chorus_sampler_next(sp);
       chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
       double f0 = now_s();
+      int64_t n0 = now_ns();
       float loss = 0;
       if ((st = chorus_gpt_forward(m, tok, tgt, B, T, &loss)) != CHORUS_OK)
         return die(NULL, "forward", st);
       double f1 = now_s();
+      int64_t n1 = now_ns();
       chorus_ddp_set_sync(ddp, a == o.accum - 1);
       if ((st = chorus_gpt_backward(m, 1.0f / (float)o.accum, chorus_ddp_ready, ddp)) != CHORUS_OK)
         return die(NULL, "backward", st);
+      trace_add(tr, "forward", 0, step, n0, n1, 0);
+      trace_add(tr, "backward", 0, step, n1, now_ns(), 0);
       tf += f1 - f0;
       tb += now_s() - f1;
       loss_sum += loss;
       if (a < o.accum - 1) chorus_ddp_wait(ddp); /* resets the buckets; communicates nothing */
     }
     double w0 = now_s();
+    int64_t nw0 = now_ns();
     if ((st = chorus_ddp_wait(ddp)) != CHORUS_OK) return die(comm, "gradient all_reduce", st);
     double w1 = now_s();
+    int64_t nw1 = now_ns();
+    trace_add(tr, "wait for gradients", 0, step, nw0, nw1, 0);
+    if (tr) {
+      chorus_ddp_stats_t bs;
+      chorus_ddp_get_stats(ddp, &bs);
+      for (int i = 0; i < bs.buckets; i++) {
+        int64_t b0, b1;
+        size_t bytes;
+        chorus_ddp_bucket_times(ddp, i, &b0, &b1, &bytes);
+        trace_add(tr, "all_reduce bucket", 1, step, b0, b1, bytes);
+      }
+    }
     float *g = chorus_gpt_grads(m);
     double norm = chorus_grad_norm(g, np);
     if (o.clip > 0) chorus_grad_clip(g, np, norm, o.clip);
     float lr = chorus_lr_at(step, o.warmup, o.steps, o.lr, o.lr * o.min_lr_frac);
     chorus_optim_step(opt, chorus_gpt_params(m), g, lr);
     double t1 = now_s();
+    trace_add(tr, "optimizer", 0, step, nw1, now_ns(), 0);
     chorus_ddp_get_stats(ddp, &ds);
     double dt = t1 - t0, tps = (double)g_size * B * T * o.accum / dt;
     if (step >= 3) { /* after warm-up */
@@ -436,12 +549,15 @@ int main(int argc, char **argv) {
     double step_s = (sum_fwd + sum_bwd + sum_exp + sum_opt) / timed;
     say("summary: %.0f tok/s (mean after 3 steps), step %.1f ms: fwd %.1f, bwd %.1f, exposed "
         "comm %.1f (%.0f %%), optim %.1f; all_reduce %.1f ms per step, %.0f %% hidden behind "
-        "backward; validation loss %.4f -> %.4f\n",
+        "backward\n",
         sum_tps / timed, 1e3 * step_s, 1e3 * sum_fwd / timed, 1e3 * sum_bwd / timed,
         1e3 * sum_exp / timed, 100.0 * sum_exp / timed / step_s, 1e3 * sum_opt / timed,
-        1e3 * sum_comm / timed,
-        sum_comm > 0 ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0, first_val, last_val);
+        1e3 * sum_comm / timed, sum_comm > 0 ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0);
+    if (!isnan(first_val)) say("validation loss %.4f -> %.4f\n", first_val, last_val);
   }
+  if (tr && trace_write(comm, tr, o.trace) != 0)
+    fprintf(stderr, "chorus-train: rank %d: cannot write the trace %s\n", g_rank, o.trace);
+  free(trace_buf.ev);
   if (o.sample > 0) sample_text(m, &o, o.sample);
   if (o.dump && g_rank == 0) {
     FILE *f = fopen(o.dump, "wb");
