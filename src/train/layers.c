@@ -7,7 +7,46 @@
 
 #include <cblas.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
+
+/* The elementwise loops (GELU, softmax) are compiled twice: AVX2 + FMA and
+ * the baseline, picked at load time by the CPU (GCC function multiversioning),
+ * never -march=native.  Their exponential is fast_expf below. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2,fma", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* exp(x) for float, branch-free so loops over it vectorise: x = n ln2 + r
+ * with |r| <= ln2 / 2 (n rounded to nearest), a degree-7 polynomial for exp(r) (Cephes' expf
+ * coefficients), and 2^n built in the exponent bits.  Relative error about
+ * 2e-7 on [-87, 88]; below -87 the result is 0. */
+static inline float fast_expf(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  /* Round to nearest by adding and removing 1.5 * 2^23 (no call, no
+   * branch); the compiler may not fold it without -ffast-math. */
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  union {
+    uint32_t u;
+    float f;
+  } scale = {(uint32_t)((int32_t)n + 127) << 23};
+  return p * scale.f;
+}
+
+/* tanh(u) = 1 - 2 / (exp(2u) + 1): absolute error about 1e-7. */
+static inline float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
 
 /* ------------------------------------------------------------ embeddings */
 
@@ -104,6 +143,21 @@ void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, c
 
 /* ------------------------------------------------------------- attention */
 
+/* In place: the first k entries of row become their softmax, the other
+ * n - k zero (the causal mask). */
+VECTOR_CLONES
+static void softmax_row(float *row, int k, int n) {
+  float mx = row[0], sum = 0;
+  for (int u = 1; u < k; u++) mx = row[u] > mx ? row[u] : mx;
+  for (int u = 0; u < k; u++) {
+    row[u] = fast_expf(row[u] - mx);
+    sum += row[u];
+  }
+  float inv = 1.0f / sum;
+  for (int u = 0; u < k; u++) row[u] *= inv;
+  for (int u = k; u < n; u++) row[u] = 0.0f;
+}
+
 /* For one (b, h): Q, K, V are T x hs with row stride 3C inside qkv; the
  * output rows have stride C. */
 void chorus__attention_fwd(float *out, float *att, const float *qkv, int B, int T, int C, int NH) {
@@ -117,17 +171,7 @@ void chorus__attention_fwd(float *out, float *att, const float *qkv, int B, int 
       /* S = scale Q K^T, then a causal softmax row by row. */
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, Q, ld, K, ld, 0.0f, P,
                   T);
-      for (int t = 0; t < T; t++) {
-        float *row = P + (size_t)t * T, mx = row[0], sum = 0;
-        for (int u = 1; u <= t; u++) mx = row[u] > mx ? row[u] : mx;
-        for (int u = 0; u <= t; u++) {
-          row[u] = expf(row[u] - mx);
-          sum += row[u];
-        }
-        float inv = 1.0f / sum;
-        for (int u = 0; u <= t; u++) row[u] *= inv;
-        for (int u = t + 1; u < T; u++) row[u] = 0.0f;
-      }
+      for (int t = 0; t < T; t++) softmax_row(P + (size_t)t * T, t + 1, T);
       /* Y = P V */
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, P, T, V, ld, 0.0f,
                   out + (size_t)b * T * C + (size_t)h * hs, C);
@@ -174,16 +218,18 @@ void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, con
 #define GELU_K 0.7978845608028654f /* sqrt(2 / pi) */
 #define GELU_A 0.044715f
 
+VECTOR_CLONES
 void chorus__gelu_fwd(float *out, const float *x, size_t n) {
   for (size_t i = 0; i < n; i++) {
     float v = x[i];
-    out[i] = 0.5f * v * (1.0f + tanhf(GELU_K * (v + GELU_A * v * v * v)));
+    out[i] = 0.5f * v * (1.0f + fast_tanhf(GELU_K * (v + GELU_A * v * v * v)));
   }
 }
 
+VECTOR_CLONES
 void chorus__gelu_bwd(float *dx, const float *x, const float *dout, size_t n) {
   for (size_t i = 0; i < n; i++) {
-    float v = x[i], u = GELU_K * (v + GELU_A * v * v * v), th = tanhf(u);
+    float v = x[i], u = GELU_K * (v + GELU_A * v * v * v), th = fast_tanhf(u);
     float du = GELU_K * (1.0f + 3.0f * GELU_A * v * v);
     float grad = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
     dx[i] += grad * dout[i];
@@ -202,7 +248,7 @@ float chorus__xent_fwd(float *probs, float *losses, const float *logits, const i
     for (int v = 1; v < V; v++) mx = l[v] > mx ? l[v] : mx;
     double sum = 0;
     for (int v = 0; v < V; v++) {
-      p[v] = expf(l[v] - mx);
+      p[v] = fast_expf(l[v] - mx);
       sum += p[v];
     }
     float inv = (float)(1.0 / sum);
