@@ -70,6 +70,12 @@ CHORUS_API const chorus_gpt_tensor_t *chorus_gpt_tensor(const chorus_gpt_t *m, i
 CHORUS_API chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens,
                                               const int *targets, int B, int T, float *loss);
 
+/* Makes block layer an identity (skip != 0) or a normal block again, from
+ * the next forward on: its parameters then get no gradient, and backward
+ * announces them ready at once -- what DDP needs for unused parameters
+ * (torch's find_unused_parameters).  Ranks may skip different blocks. */
+CHORUS_API chorus_result_t chorus_gpt_skip_layer(chorus_gpt_t *m, int layer, int skip);
+
 /* Probabilities of the last forward: (B, T, vocab). */
 CHORUS_API const float *chorus_gpt_probs(const chorus_gpt_t *m);
 

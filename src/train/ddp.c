@@ -33,6 +33,7 @@ struct chorus_ddp {
   bucket_t *b;
   int *bucket_of; /* tensor -> bucket */
   int sync;
+  int next; /* buckets are launched in index order: the next one to go */
   chorus_result_t error;
   double comm_s, exposed_s;
 };
@@ -188,10 +189,16 @@ void chorus_ddp_destroy(chorus_ddp_t *d) {
   free(d);
 }
 
+/* Buckets go out strictly in index order (backward's order), like
+ * PyTorch's reducer: collectives of one communicator must be issued in the
+ * same order on every rank, and ranks whose tensors become ready in a
+ * different order (a skipped block, say) must not swap two all_reduces. */
 void chorus_ddp_ready(void *arg, int tensor) {
   chorus_ddp_t *d = arg;
   bucket_t *bk = &d->b[d->bucket_of[tensor]];
-  if (--bk->pending == 0 && d->sync && d->cfg.overlap) launch(d, bk);
+  --bk->pending;
+  if (!d->sync || !d->cfg.overlap) return;
+  while (d->next < d->nb && d->b[d->next].pending == 0) launch(d, &d->b[d->next++]);
 }
 
 chorus_result_t chorus_ddp_wait(chorus_ddp_t *d) {
@@ -203,8 +210,9 @@ chorus_result_t chorus_ddp_wait(chorus_ddp_t *d) {
     bk->pending = bk->hi - bk->lo + 1; /* ready for the next step */
     bk->t0 = bk->t1 = 0;
     if (!d->sync) continue;
-    launch(d, bk); /* no-op when already launched */
+    launch(d, bk); /* in order; a no-op when already launched */
   }
+  d->next = 0;
   for (int i = 0; i < d->nb && d->sync; i++) {
     bucket_t *bk = &d->b[i];
     if (bk->work) {

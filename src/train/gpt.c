@@ -63,6 +63,8 @@ struct chorus_gpt {
   int ntensors;
   chorus_gpt_tensor_t *tensors;
   char *names;
+  unsigned char *skip;   /* per block: identity */
+  unsigned char *skipped; /* per block, as the last forward ran */
   /* activations of the last forward */
   int B, T, have_targets;
   int *tokens, *targets;
@@ -191,9 +193,11 @@ chorus_result_t chorus_gpt_create(const chorus_gpt_config_t *cfg, int max_batch,
   m->arena_size = total;
   m->arena = calloc(total, sizeof(float));
   m->blk = calloc((size_t)L, sizeof *m->blk);
+  m->skip = calloc((size_t)L, 1);
+  m->skipped = calloc((size_t)L, 1);
   m->tokens = calloc(N, sizeof(int));
   m->targets = calloc(N, sizeof(int));
-  if (!m->arena || !m->blk || !m->tokens || !m->targets) goto oom;
+  if (!m->arena || !m->blk || !m->tokens || !m->targets || !m->skip || !m->skipped) goto oom;
   float *p = m->arena;
 #define TAKE(ptr, n) ((ptr) = p, p += (n))
   TAKE(m->x0, N * C);
@@ -248,6 +252,8 @@ void chorus_gpt_destroy(chorus_gpt_t *m) {
   free(m->blk);
   free(m->tokens);
   free(m->targets);
+  free(m->skip);
+  free(m->skipped);
   free(m);
 }
 
@@ -261,6 +267,14 @@ const chorus_gpt_tensor_t *chorus_gpt_tensor(const chorus_gpt_t *m, int i) {
 }
 const float *chorus_gpt_probs(const chorus_gpt_t *m) { return m->probs; }
 void chorus_gpt_zero_grad(chorus_gpt_t *m) { memset(m->grads, 0, sizeof(float) * m->nparams); }
+
+chorus_result_t chorus_gpt_skip_layer(chorus_gpt_t *m, int layer, int skip) {
+  if (layer < 0 || layer >= m->cfg.layers)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_skip_layer: no block %d (the model has %d)",
+                layer, m->cfg.layers);
+  m->skip[layer] = skip != 0;
+  return CHORUS_OK;
+}
 
 /* -------------------------------------------------------------- forward */
 
@@ -291,6 +305,12 @@ chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens, const int
   const float *x = m->x0;
   for (int l = 0; l < L; l++) {
     block_acts_t *a = &m->blk[l];
+    m->skipped[l] = m->skip[l];
+    if (m->skipped[l]) { /* identity: the stream passes through */
+      memcpy(a->res3, x, sizeof(float) * (size_t)N * C);
+      x = a->res3;
+      continue;
+    }
     chorus__layernorm_fwd(a->ln1, a->ln1_mean, a->ln1_rstd, x, PAR(l, P_LN1W), PAR(l, P_LN1B), N,
                           C);
     chorus__linear_fwd(a->qkv, a->ln1, PAR(l, P_QKVW), PAR(l, P_QKVB), N, C, 3 * C);
@@ -343,6 +363,10 @@ chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
     block_acts_t *a = &m->blk[l];
     const float *xin = l ? m->blk[l - 1].res3 : m->x0;
     int base = 2 + l * P_PER_LAYER;
+    if (m->skipped[l]) { /* unused: its gradients are final (untouched) now */
+      for (int w = P_PER_LAYER - 1; w >= 0; w--) ready(fn, arg, base + w);
+      continue;
+    }
     /* MLP: res3 = res2 + proj(gelu(fc(ln2(res2)))); dres flows to res2
      * unchanged, plus through the branch. */
     float *dgelu = m->dbig;

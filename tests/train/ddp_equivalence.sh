@@ -49,6 +49,23 @@ if "$cmp" "$tmp/r1" "$tmp/other" 2e-4 >/dev/null; then
 else
   echo "ok   another seed gives different weights"
 fi
+# Unused parameters: rank 1 skips block 0 every step (its tensors are
+# announced ready at once); the job completes and the ranks stay identical.
+train_run skip 2 --batch 2 --skip-layer 1:0 --dump "$tmp/skip" --dump-all
+same "rank 1 skipping a block: the job completes, both ranks hold the same weights" \
+  skip.rank0 skip.rank1 0
+# Uneven inputs: rank 1 runs out after 3 of 8 steps, then rank 0 after 8;
+# the other way round too.  No hang, and the ranks agree on the weights.
+train_run uneven 2 --batch 2 --uneven 1:3 --dump "$tmp/uneven" --dump-all
+same "uneven inputs (rank 1 has 3 steps of data): ranks agree" uneven.rank0 uneven.rank1 0
+train_run uneven0 2 --batch 2 --uneven 0:5 --dump "$tmp/uneven0" --dump-all
+same "uneven inputs (rank 0 has 5 steps of data): ranks agree" uneven0.rank0 uneven0.rank1 0
+if "$cmp" "$tmp/uneven.rank0" "$tmp/r2" 2e-5 >/dev/null; then
+  echo "FAIL uneven inputs changed nothing"; fails=$((fails + 1))
+else
+  echo "ok   uneven inputs train on less data than the even run"
+fi
+
 # A Chrome trace merged by rank 0: both ranks' compute and bucket tracks.
 train_run traced 2 --batch 2 --trace "$tmp/trace.json"
 t="$tmp/trace.json"

@@ -195,6 +195,11 @@ TEST(encoder) {
 /* ------------------------------------------------------------ the model */
 
 static chorus_gpt_t *g_m;
+static int g_nready_skip;
+static void count_ready(void *arg, int k) {
+  (void)arg, (void)k;
+  g_nready_skip++;
+}
 static int g_tok[2 * 6], g_tgt[2 * 6];
 static double eval_model(void) {
   float loss = 0;
@@ -223,6 +228,39 @@ TEST(model) {
   (void)order, (void)nready;
   for (int k = 0; k < chorus_gpt_num_tensors(g_m); k++) {
     const chorus_gpt_tensor_t *t = chorus_gpt_tensor(g_m, k);
+    CHECK_GRAD(t->name, p + t->offset, t->size, grad + t->offset, eval_model());
+  }
+  free(grad);
+  chorus_gpt_destroy(g_m);
+}
+
+/* A skipped block is the identity: the rest of the model still gets exact
+ * gradients, the block's own stay zero, and it is still announced ready. */
+TEST(model_skipped_block) {
+  chorus_gpt_config_t cfg = {13, 6, 3, 2, 8};
+  ASSERT_EQ(chorus_gpt_create(&cfg, 2, 9, &g_m), CHORUS_OK);
+  ASSERT_EQ(chorus_gpt_skip_layer(g_m, 1, 1), CHORUS_OK);
+  ASSERT_EQ(chorus_gpt_skip_layer(g_m, 3, 1), CHORUS_ERR_INVALID_ARG);
+  for (int i = 0; i < 12; i++) {
+    g_tok[i] = (i * 5 + 1) % 13;
+    g_tgt[i] = (i * 3 + 2) % 13;
+  }
+  float *p = chorus_gpt_params(g_m);
+  size_t np = chorus_gpt_num_params(g_m);
+  for (size_t i = 0; i < np; i++) p[i] += 0.3f * frand();
+  ASSERT_EQ(chorus_gpt_forward(g_m, g_tok, g_tgt, 2, 6, NULL), CHORUS_OK);
+  chorus_gpt_zero_grad(g_m);
+  g_nready_skip = 0;
+  ASSERT_EQ(chorus_gpt_backward(g_m, 1.0f, count_ready, NULL), CHORUS_OK);
+  ASSERT_EQ(g_nready_skip, chorus_gpt_num_tensors(g_m));
+  float *grad = malloc(sizeof(float) * np);
+  memcpy(grad, chorus_gpt_grads(g_m), sizeof(float) * np);
+  for (int k = 0; k < chorus_gpt_num_tensors(g_m); k++) {
+    const chorus_gpt_tensor_t *t = chorus_gpt_tensor(g_m, k);
+    if (t->layer == 1) {
+      for (size_t i = 0; i < t->size; i++) ASSERT_TRUE(grad[t->offset + i] == 0.0f);
+      continue;
+    }
     CHECK_GRAD(t->name, p + t->offset, t->size, grad + t->offset, eval_model());
   }
   free(grad);
@@ -287,6 +325,7 @@ int main(void) {
   RUN(cross_entropy);
   RUN(encoder);
   RUN(model);
+  RUN(model_skipped_block);
   RUN(ready_order);
   RUN(bad_arguments);
   printf("%d derivatives checked\n", g_checked);

@@ -40,6 +40,9 @@ typedef struct {
   uint64_t seed;
   const char *dump, *ckpt_dir, *trace;
   int ckpt_every, keep, stop_after, kill_at;
+  int skip_rank, skip_layer;     /* --skip-layer R:L */
+  int uneven_rank, uneven_steps; /* --uneven R:N */
+  int dump_all;
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer. */
@@ -88,6 +91,11 @@ static void usage(FILE *f) {
           "  --trace FILE         Chrome trace (JSON, Perfetto / chrome://tracing): a track\n"
           "                       per rank for forward, backward, waiting and the optimizer,\n"
           "                       one for each bucket's all_reduce; merged by rank 0\n"
+          "  --skip-layer R:L     rank R skips block L every step (unused parameters)\n"
+          "  --uneven R:N         rank R has data for only N steps, then joins: it shadows\n"
+          "                       the others' gradient all_reduces with zeros (PyTorch's\n"
+          "                       Join) until every rank is out of data\n"
+          "  --dump-all           with --dump, every rank writes FILE.rank<R>\n"
           "  --kill-at N          testing: rank 1 kills itself (SIGKILL) at step N of the\n"
           "                       first generation (CHORUS_RESTART_COUNT 0)\n");
 }
@@ -104,7 +112,8 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"log-every", 1, 0, 'g'}, {"dump", 1, 0, 'D'},        {"help", 0, 0, 'h'},
       {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},    {"checkpoint-dir", 1, 0, 'K'},
       {"checkpoint-every", 1, 0, 'E'}, {"keep", 1, 0, 'P'}, {"stop-after", 1, 0, 'X'},
-      {"kill-at", 1, 0, 'Z'},    {"trace", 1, 0, 'R'},
+      {"kill-at", 1, 0, 'Z'},    {"trace", 1, 0, 'R'},       {"skip-layer", 1, 0, 'Y'},
+      {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -149,6 +158,13 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 'X': o->stop_after = atoi(optarg); break;
       case 'Z': o->kill_at = atoi(optarg); break;
       case 'R': o->trace = optarg; break;
+      case 'Y':
+        if (sscanf(optarg, "%d:%d", &o->skip_rank, &o->skip_layer) != 2) return -1;
+        break;
+      case 'U':
+        if (sscanf(optarg, "%d:%d", &o->uneven_rank, &o->uneven_steps) != 2) return -1;
+        break;
+      case 'A': o->dump_all = 1; break;
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
@@ -386,7 +402,8 @@ int main(int argc, char **argv) {
               .accum = 1, .sample = 300, .threads = 0, .overlap = 1, .log_every = 10,
               .lr = 3e-3f, .min_lr_frac = 0.1f, .weight_decay = 0.1f, .clip = 1.0f,
               .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
-              .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1};
+              .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1,
+              .skip_rank = -1, .uneven_rank = -1};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
@@ -416,6 +433,8 @@ int main(int argc, char **argv) {
   chorus_gpt_t *m = NULL;
   if ((st = chorus_gpt_create(&o.model, o.batch, o.seed, &m)) != CHORUS_OK)
     return die(NULL, "model", st);
+  if (o.skip_rank == g_rank && (st = chorus_gpt_skip_layer(m, o.skip_layer, 1)) != CHORUS_OK)
+    return die(NULL, "--skip-layer", st);
   chorus_ddp_config_t dc = CHORUS_DDP_CONFIG_DEFAULT;
   dc.bucket_mb = o.bucket_mb;
   dc.overlap = o.overlap;
@@ -464,7 +483,21 @@ int main(int argc, char **argv) {
     double t0 = now_s(), tf = 0, tb = 0;
     chorus_gpt_zero_grad(m);
     float loss_sum = 0;
-    for (int a = 0; a < o.accum; a++) {
+    /* Uneven inputs: a rank out of data joins -- it contributes zero
+     * gradients to the others' all_reduces (averaged over all ranks, as
+     * PyTorch's Join does by default) and applies the same update, so every
+     * rank keeps the same weights; training ends when no rank has data. */
+    int32_t have = !(g_rank == o.uneven_rank && step >= o.uneven_steps), active = have;
+    if (o.uneven_rank >= 0 &&
+        (st = chorus_all_reduce(comm, &have, &active, 1, CHORUS_INT32, CHORUS_SUM, NULL)) !=
+            CHORUS_OK)
+      return die(comm, "join", st);
+    if (active == 0) {
+      say("step %d: every rank is out of data\n", step);
+      break;
+    }
+    for (int a = 0; a < o.accum && !have; a++) chorus_ddp_set_sync(ddp, a == o.accum - 1);
+    for (int a = 0; a < o.accum && have; a++) {
       for (int b = 0; b < B; b++) idx[b] = chorus_sampler_next(sp);
       chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
       double f0 = now_s();
@@ -559,10 +592,13 @@ int main(int argc, char **argv) {
     fprintf(stderr, "chorus-train: rank %d: cannot write the trace %s\n", g_rank, o.trace);
   free(trace_buf.ev);
   if (o.sample > 0) sample_text(m, &o, o.sample);
-  if (o.dump && g_rank == 0) {
-    FILE *f = fopen(o.dump, "wb");
+  if (o.dump && (g_rank == 0 || o.dump_all)) {
+    char path[4096];
+    if (o.dump_all) snprintf(path, sizeof path, "%s.rank%d", o.dump, g_rank);
+    else snprintf(path, sizeof path, "%s", o.dump);
+    FILE *f = fopen(path, "wb");
     if (!f || fwrite(chorus_gpt_params(m), sizeof(float), np, f) != np || fclose(f) != 0) {
-      fprintf(stderr, "chorus-train: cannot write %s: %s\n", o.dump, strerror(errno));
+      fprintf(stderr, "chorus-train: cannot write %s: %s\n", path, strerror(errno));
       return 1;
     }
   }
