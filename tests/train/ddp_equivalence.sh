@@ -31,7 +31,7 @@ train_run r2_accum 2 --batch 1 --accum 2
 train_run r1_accum 1 --batch 2 --accum 2
 train_run r2_nooverlap 2 --batch 2 --no-overlap
 train_run r2_bf16 2 --batch 2 --hook bf16
-train_run r2_fp16 2 --batch 2 --hook fp16
+train_run r2_fp16 2 --batch 2 --hook fp16 --loss-scale none
 train_run r1_adamw 1 --batch 4 --optim adamw --lr 3e-3 --clip 1
 train_run r2_adamw 2 --batch 2 --optim adamw --lr 3e-3 --clip 1
 same "1 rank x 4 == 2 ranks x 2" r1 r2 2e-5
@@ -65,6 +65,23 @@ if "$cmp" "$tmp/uneven.rank0" "$tmp/r2" 2e-5 >/dev/null; then
 else
   echo "ok   uneven inputs train on less data than the even run"
 fi
+
+# Dynamic loss scaling: a power-of-two scale changes no bit with float32
+# gradients; an inf on rank 1 at step 3 skips that step on both ranks.
+train_run scaled 2 --batch 2 --loss-scale dynamic
+same "loss scaling by 2^16 (float32 gradients) changes nothing" r2 scaled 0
+train_run inf 2 --batch 2 --loss-scale dynamic --inject-inf 3 --dump "$tmp/inf" --dump-all
+if grep -q "step 3: inf/NaN in the gradients: step skipped on every rank, loss scale now 32768" \
+    "$tmp/inf.log"; then echo "ok   an inf on one rank skips the step everywhere and halves the scale"
+else echo "FAIL no skipped step reported"; fails=$((fails + 1)); fi
+same "after a skipped step the ranks still agree" inf.rank0 inf.rank1 0
+# fp16 with its default dynamic scaling: 2^16 overflows fp16 at the first
+# step, which is skipped on both ranks; training goes on with 2^15.
+train_run fp16s 2 --batch 2 --hook fp16 --dump "$tmp/fp16s" --dump-all
+if grep -q "step 0: inf/NaN in the gradients" "$tmp/fp16s.log"; then
+  echo "ok   fp16 + dynamic scaling: the overflowing first step is skipped"
+else echo "FAIL fp16 + dynamic scaling did not skip its overflowing first step"; fails=$((fails + 1)); fi
+same "fp16 + dynamic scaling: ranks agree" fp16s.rank0 fp16s.rank1 0
 
 # A Chrome trace merged by rank 0: both ranks' compute and bucket tracks.
 train_run traced 2 --batch 2 --trace "$tmp/trace.json"

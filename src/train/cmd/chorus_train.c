@@ -43,6 +43,8 @@ typedef struct {
   int skip_rank, skip_layer;     /* --skip-layer R:L */
   int uneven_rank, uneven_steps; /* --uneven R:N */
   int dump_all;
+  int loss_scale;  /* dynamic loss scaling */
+  int inject_inf;  /* testing: rank 1 puts an inf into its gradient at this step */
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer. */
@@ -96,6 +98,11 @@ static void usage(FILE *f) {
           "                       the others' gradient all_reduces with zeros (PyTorch's\n"
           "                       Join) until every rank is out of data\n"
           "  --dump-all           with --dump, every rank writes FILE.rank<R>\n"
+          "  --loss-scale dynamic scale the loss (2^16 at first) so small gradients survive\n"
+          "                       fp16 compression; a step whose gradients hold inf/NaN on\n"
+          "                       any rank is skipped everywhere and the scale halves; it\n"
+          "                       doubles after 200 good steps (default with --hook fp16)\n"
+          "  --inject-inf N       testing: rank 1 corrupts its gradient at step N\n"
           "  --kill-at N          testing: rank 1 kills itself (SIGKILL) at step N of the\n"
           "                       first generation (CHORUS_RESTART_COUNT 0)\n");
 }
@@ -113,7 +120,8 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},    {"checkpoint-dir", 1, 0, 'K'},
       {"checkpoint-every", 1, 0, 'E'}, {"keep", 1, 0, 'P'}, {"stop-after", 1, 0, 'X'},
       {"kill-at", 1, 0, 'Z'},    {"trace", 1, 0, 'R'},       {"skip-layer", 1, 0, 'Y'},
-      {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},
+      {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},    {"loss-scale", 1, 0, 'Q'},
+      {"inject-inf", 1, 0, 'I'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -165,6 +173,12 @@ static int parse(int argc, char **argv, opts_t *o) {
         if (sscanf(optarg, "%d:%d", &o->uneven_rank, &o->uneven_steps) != 2) return -1;
         break;
       case 'A': o->dump_all = 1; break;
+      case 'Q':
+        if (!strcmp(optarg, "dynamic")) o->loss_scale = 1;
+        else if (!strcmp(optarg, "none")) o->loss_scale = 0;
+        else return -1;
+        break;
+      case 'I': o->inject_inf = atoi(optarg); break;
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
@@ -403,11 +417,12 @@ int main(int argc, char **argv) {
               .lr = 3e-3f, .min_lr_frac = 0.1f, .weight_decay = 0.1f, .clip = 1.0f,
               .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
               .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1,
-              .skip_rank = -1, .uneven_rank = -1};
+              .skip_rank = -1, .uneven_rank = -1, .loss_scale = -1, .inject_inf = -1};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
   }
+  if (o.loss_scale < 0) o.loss_scale = o.hook == CHORUS_DDP_HOOK_FP16;
   chorus_comm_t comm = NULL;
   chorus_result_t st = init_comm(&comm);
   if (st != CHORUS_OK) {
@@ -472,6 +487,8 @@ int main(int argc, char **argv) {
   int timed = 0;
   float first_val = NAN, last_val = NAN;
   long start = o.ckpt_dir ? resume(&o, m, opt, sp) : 0;
+  float scale = o.loss_scale ? 65536.0f : 1.0f;
+  int good_steps = 0, skipped_steps = 0;
   trace_t trace_buf = {0}, *tr = o.trace ? &trace_buf : NULL;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   int first_generation = !rc || !strcmp(rc, "0");
@@ -508,7 +525,8 @@ int main(int argc, char **argv) {
       double f1 = now_s();
       int64_t n1 = now_ns();
       chorus_ddp_set_sync(ddp, a == o.accum - 1);
-      if ((st = chorus_gpt_backward(m, 1.0f / (float)o.accum, chorus_ddp_ready, ddp)) != CHORUS_OK)
+      if ((st = chorus_gpt_backward(m, scale / (float)o.accum, chorus_ddp_ready, ddp)) !=
+          CHORUS_OK)
         return die(NULL, "backward", st);
       trace_add(tr, "forward", 0, step, n0, n1, 0);
       trace_add(tr, "backward", 0, step, n1, now_ns(), 0);
@@ -534,10 +552,36 @@ int main(int argc, char **argv) {
       }
     }
     float *g = chorus_gpt_grads(m);
-    double norm = chorus_grad_norm(g, np);
-    if (o.clip > 0) chorus_grad_clip(g, np, norm, o.clip);
+    if (step == o.inject_inf && g_rank == 1) g[np / 2] = INFINITY;
+    int skip_step = 0;
+    if (o.loss_scale) {
+      /* Unscale; a non-finite value on any rank skips the step on all (the
+       * all_reduce already spread it, but the check must not depend on
+       * that: every rank votes). */
+      int32_t bad = 0, any = 0;
+      for (size_t i = 0; i < np; i++) {
+        g[i] /= scale;
+        bad |= !isfinite(g[i]);
+      }
+      if ((st = chorus_all_reduce(comm, &bad, &any, 1, CHORUS_INT32, CHORUS_MAX, NULL)) !=
+          CHORUS_OK)
+        return die(comm, "loss-scale vote", st);
+      if (any) {
+        skip_step = 1;
+        skipped_steps++;
+        good_steps = 0;
+        scale = scale / 2.0f < 1.0f ? 1.0f : scale / 2.0f;
+        say("step %d: inf/NaN in the gradients: step skipped on every rank, loss scale now %g\n",
+            step, scale);
+      } else if (++good_steps == 200) {
+        good_steps = 0;
+        scale = scale * 2.0f > 16777216.0f ? 16777216.0f : scale * 2.0f;
+      }
+    }
+    double norm = skip_step ? 0.0 : chorus_grad_norm(g, np);
+    if (o.clip > 0 && !skip_step) chorus_grad_clip(g, np, norm, o.clip);
     float lr = chorus_lr_at(step, o.warmup, o.steps, o.lr, o.lr * o.min_lr_frac);
-    chorus_optim_step(opt, chorus_gpt_params(m), g, lr);
+    if (!skip_step) chorus_optim_step(opt, chorus_gpt_params(m), g, lr);
     double t1 = now_s();
     trace_add(tr, "optimizer", 0, step, nw1, now_ns(), 0);
     chorus_ddp_get_stats(ddp, &ds);
@@ -585,7 +629,8 @@ int main(int argc, char **argv) {
         "backward\n",
         sum_tps / timed, 1e3 * step_s, 1e3 * sum_fwd / timed, 1e3 * sum_bwd / timed,
         1e3 * sum_exp / timed, 100.0 * sum_exp / timed / step_s, 1e3 * sum_opt / timed,
-        1e3 * sum_comm / timed, sum_comm > 0 ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0);
+        1e3 * sum_comm / timed,
+        sum_comm > 0 && sum_exp < sum_comm ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0);
     if (!isnan(first_val)) say("validation loss %.4f -> %.4f\n", first_val, last_val);
   }
   if (tr && trace_write(comm, tr, o.trace) != 0)
