@@ -313,6 +313,15 @@ CHORUS_API void chorus_work_timestamps(chorus_work_t work, int64_t *start_ns, in
  */
 CHORUS_API void chorus_work_free(chorus_work_t work);
 
+/* Converts n values from src (of type from) to dst (of type to), for
+ * float32 <-> float16 and float32 <-> bfloat16 (also a type to itself):
+ * round to nearest even, NaN stays NaN, overflow to float16 gives
+ * infinity -- the conversions chorus's own reductions use.  For gradient
+ * compression and the like.  dst and src must not overlap unless equal
+ * types.  CHORUS_ERR_INVALID_ARG for other pairs. */
+CHORUS_API chorus_result_t chorus_convert(void *dst, chorus_dtype_t to, const void *src,
+                                          chorus_dtype_t from, size_t n);
+
 /* ------------------------------------------------------ shared-memory buffers
  *
  * Memory for collective buffers, shared with the other processes of the

@@ -44,58 +44,6 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* float32 <-> bfloat16 / float16, round to nearest even. */
-static uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-static uint16_t to_fp16(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000u, mant = x & 0x7fffffu;
-  int exp = (int)((x >> 23) & 0xffu);
-  if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (mant ? 0x200u | (mant >> 13) : 0u));
-  int e = exp - 127 + 15;
-  if (e >= 0x1f) return (uint16_t)(sign | 0x7c00u); /* overflow: infinity */
-  if (e <= 0) {                                      /* subnormal or zero */
-    if (e < -10) return (uint16_t)sign;
-    mant |= 0x800000u;
-    int shift = 14 - e;
-    uint32_t h = mant >> shift, rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
-    if (rem > halfway || (rem == halfway && (h & 1u))) h++;
-    return (uint16_t)(sign | h);
-  }
-  uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13), rem = mant & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry rounds up the exponent */
-  return (uint16_t)h;
-}
-static float from_fp16(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-  if (e == 0x1f) {
-    u = sign | 0x7f800000u | (m << 13);
-  } else if (e) {
-    u = sign | ((e + 112u) << 23) | (m << 13);
-  } else if (m) { /* subnormal: normalise */
-    int k = 0;
-    while (!(m & 0x400u)) m <<= 1, k++;
-    u = sign | ((uint32_t)(113 - k) << 23) | ((m & 0x3ffu) << 13);
-  } else {
-    u = sign;
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 static void launch(chorus_ddp_t *d, bucket_t *bk) {
   if (bk->launched || d->error != CHORUS_OK) return;
   if (chorus_comm_size(d->comm) == 1) { /* nothing to average */
@@ -107,10 +55,9 @@ static void launch(chorus_ddp_t *d, bucket_t *bk) {
   if (d->cfg.hook == CHORUS_DDP_HOOK_NONE) {
     st = chorus_all_reduce(d->comm, g, g, bk->count, CHORUS_FLOAT32, CHORUS_AVG, &bk->work);
   } else {
-    int bf = d->cfg.hook == CHORUS_DDP_HOOK_BF16;
-    for (size_t i = 0; i < bk->count; i++) bk->half[i] = bf ? to_bf16(g[i]) : to_fp16(g[i]);
-    st = chorus_all_reduce(d->comm, bk->half, bk->half, bk->count,
-                           bf ? CHORUS_BFLOAT16 : CHORUS_FLOAT16, CHORUS_AVG, &bk->work);
+    chorus_dtype_t half = d->cfg.hook == CHORUS_DDP_HOOK_BF16 ? CHORUS_BFLOAT16 : CHORUS_FLOAT16;
+    chorus_convert(bk->half, half, g, CHORUS_FLOAT32, bk->count);
+    st = chorus_all_reduce(d->comm, bk->half, bk->half, bk->count, half, CHORUS_AVG, &bk->work);
   }
   bk->launched = 1;
   if (st != CHORUS_OK) d->error = st;
@@ -222,11 +169,10 @@ chorus_result_t chorus_ddp_wait(chorus_ddp_t *d) {
       chorus_work_timestamps(bk->work, &bk->t0, &bk->t1);
       chorus_work_free(bk->work);
       bk->work = NULL;
-      if (w == CHORUS_OK && bk->half) {
-        float *g = chorus_gpt_grads(d->model) + bk->off;
-        int bf = d->cfg.hook == CHORUS_DDP_HOOK_BF16;
-        for (size_t j = 0; j < bk->count; j++) g[j] = bf ? from_bf16(bk->half[j]) : from_fp16(bk->half[j]);
-      }
+      if (w == CHORUS_OK && bk->half)
+        chorus_convert(chorus_gpt_grads(d->model) + bk->off, CHORUS_FLOAT32, bk->half,
+                       d->cfg.hook == CHORUS_DDP_HOOK_BF16 ? CHORUS_BFLOAT16 : CHORUS_FLOAT16,
+                       bk->count);
     }
     bk->launched = 0;
   }

@@ -1016,7 +1016,38 @@ TEST(simd_bit_identical) {
   }
 }
 
+/* The public chorus_convert: every 16-bit pattern survives float32 and back
+ * (NaNs stay NaN), float -> 16 bit matches the internal conversion, and
+ * other pairs are refused. */
+TEST(public_convert) {
+  static uint16_t in[65536], back[65536], direct[65536];
+  static float f[65536];
+  for (int k = 0; k < 2; k++) {
+    chorus_dtype_t h = k ? CHORUS_BFLOAT16 : CHORUS_FLOAT16;
+    for (int i = 0; i < 65536; i++) in[i] = (uint16_t)i;
+    ASSERT_EQ(chorus_convert(f, CHORUS_FLOAT32, in, h, 65536), CHORUS_OK);
+    ASSERT_EQ(chorus_convert(back, h, f, CHORUS_FLOAT32, 65536), CHORUS_OK);
+    for (int i = 0; i < 65536; i++) {
+      if (f[i] != f[i]) { /* NaN */
+        ASSERT_TRUE(isnan(k ? chorus__bf16_to_float(back[i]) : chorus__half_to_float(back[i])));
+        continue;
+      }
+      ASSERT_EQ(back[i], in[i]);
+      direct[i] = k ? chorus__float_to_bf16(f[i] * 1.001f) : chorus__float_to_half(f[i] * 1.001f);
+      f[i] *= 1.001f;
+    }
+    ASSERT_EQ(chorus_convert(back, h, f, CHORUS_FLOAT32, 65536), CHORUS_OK);
+    for (int i = 0; i < 65536; i++)
+      if (f[i] == f[i]) ASSERT_EQ(back[i], direct[i]);
+  }
+  ASSERT_EQ(chorus_convert(back, CHORUS_INT32, f, CHORUS_FLOAT32, 4), CHORUS_ERR_INVALID_ARG);
+  ASSERT_EQ(chorus_convert(back, CHORUS_FLOAT16, f, CHORUS_BFLOAT16, 4), CHORUS_ERR_INVALID_ARG);
+  ASSERT_EQ(chorus_convert(NULL, CHORUS_FLOAT16, f, CHORUS_FLOAT32, 4), CHORUS_ERR_INVALID_ARG);
+  ASSERT_EQ(chorus_convert(NULL, CHORUS_FLOAT16, NULL, CHORUS_FLOAT32, 0), CHORUS_OK);
+}
+
 int main(void) {
+  RUN(public_convert);
   RUN(supported_table);
   RUN(half_known_values);
   RUN(bf16_known_values);
