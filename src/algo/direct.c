@@ -175,20 +175,23 @@ typedef struct {
 } zc_desc_t;
 _Static_assert(sizeof(zc_desc_t) <= CHORUS__SHM_INLINE, "descriptor fits a control line");
 
-static void zc_describe(const chorus__coll_t *c, zc_desc_t *d) {
-  size_t bytes = c->count * c->esize;
+/* Describes this rank's src (and, when dst is not NULL, dst) of len bytes:
+ * ids 0 unless every one of them is chorus_mem_alloc memory. */
+static void zc_describe(const chorus__coll_t *c, const void *src, const void *dst, size_t len,
+                        zc_desc_t *d) {
   memset(d, 0, sizeof *d);
   if (!c->shm->reg) return;
-  if (!chorus__memreg_find(c->shm->reg, c->sendbuf, bytes, &d->sid, &d->soff) ||
-      !chorus__memreg_find(c->shm->reg, c->recvbuf, bytes, &d->rid, &d->roff))
+  if (!chorus__memreg_find(c->shm->reg, src, len, &d->sid, &d->soff) ||
+      (dst && !chorus__memreg_find(c->shm->reg, dst, len, &d->rid, &d->roff)))
     d->sid = d->rid = 0;
 }
 
-/* Every rank's line of ticket t (already read) describes allocations. */
-static int zc_all(chorus__coll_t *c, uint64_t t) {
+/* Every rank's line of ticket t (already read) describes shared sources,
+ * and shared destinations too when dest. */
+static int zc_all(chorus__coll_t *c, uint64_t t, int dest) {
   for (int r = 0; r < c->shm->n; r++) {
     const zc_desc_t *d = (const zc_desc_t *)chorus__shm_line(c->shm, r, t)->data;
-    if (!d->sid || !d->rid) return 0;
+    if (!d->sid || (dest && !d->rid)) return 0;
   }
   return 1;
 }
@@ -315,11 +318,11 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
      * chorus_mem_alloc memory; if everyone's are, no staging at all. */
     zc_desc_t desc;
     int zc = off == 0 && everyone && c->count > per;
-    if (zc) zc_describe(c, &desc);
+    if (zc) zc_describe(c, c->sendbuf, c->recvbuf, c->count * es, &desc);
     put_line(c, t, zc ? &desc : NULL, zc ? sizeof desc : 0);
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
-    if (zc && zc_all(c, t)) return zc_allreduce(c, t);
+    if (zc && zc_all(c, t, 1)) return zc_allreduce(c, t);
     size_t a = chorus__blk_offset(m, s->n, s->me), k = chorus__blk_count(m, s->n, s->me);
     for (size_t i = 0; i < k; i += blk) {
       size_t kk = CHORUS__MIN(blk, k - i), b = (a + i) * es;
@@ -393,19 +396,13 @@ static int use_cma(const chorus__coll_t *c, int kind) {
  * least ZC_MIN_BYTES. */
 #define ZC_MIN_BYTES ((size_t)64 << 10)
 static void zc_describe_source(const chorus__coll_t *c, int kind, zc_desc_t *d) {
-  memset(d, 0, sizeof *d);
-  if (!c->shm->reg || (kind == K_ALLTOALL && c->sendbuf == c->recvbuf)) return;
-  if (!chorus__memreg_find(c->shm->reg, source_buf(c, kind), source_bytes(c, kind), &d->sid,
-                           &d->soff))
-    d->sid = 0;
+  if (kind == K_ALLTOALL && c->sendbuf == c->recvbuf) /* peers would read what we overwrite */
+    memset(d, 0, sizeof *d);
+  else
+    zc_describe(c, source_buf(c, kind), NULL, source_bytes(c, kind), d);
 }
 static int zc_source(chorus__coll_t *c, int r, uint64_t t) {
   return ((const zc_desc_t *)chorus__shm_line(c->shm, r, t)->data)->sid != 0;
-}
-static int zc_all_sources(chorus__coll_t *c, uint64_t t) {
-  for (int r = 0; r < c->shm->n; r++)
-    if (!zc_source(c, r, t)) return 0;
-  return 1;
 }
 
 /* Copies len bytes at offset off of rank r's source buffer into dst:
@@ -530,7 +527,7 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
     if (receives) {
       st = get_all(c, t);
       if (st != CHORUS_OK) return st;
-      if (zc && zc_all_sources(c, t)) return copy_run(c, K_ALLGATHER, t, 1);
+      if (zc && zc_all(c, t, 0)) return copy_run(c, K_ALLGATHER, t, 1);
       for (int r = 0; r < s->n && m; r++) {
         const unsigned char *from = r == s->me ? in + off * es : src_of(c, r, t, inl);
         unsigned char *to = gather_dst(c, r, off);
@@ -581,7 +578,7 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
     put_line(c, t, zc ? &desc : NULL, zc ? sizeof desc : 0);
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
-    if (zc && zc_all_sources(c, t)) return copy_run(c, kind, t, 1);
+    if (zc && zc_all(c, t, 0)) return copy_run(c, kind, t, 1);
     if (m) {
       const unsigned char *src[CHORUS__SHM_MAX_RANKS];
       for (int r = 0; r < n; r++) src[r] = src_of(c, r, t, inl) + (size_t)s->me * m * es;

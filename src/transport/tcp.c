@@ -119,7 +119,7 @@ struct chorus__ep {
   chorus__fp_t cur_fp;
   chorus_result_t status;
   char msg[1024];
-  char name[256];
+  char name[256]; /* ep_doing's text for the current call, formatted on first use */
   chorus__req_t *recvs; /* posted, unmatched receives (FIFO) */
   int failed;           /* atomic copy of status != OK, read without the lock */
   void (*fail_hook)(void *);
@@ -281,12 +281,6 @@ chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap) {
   if (msg && cap) snprintf(msg, cap, "%s", ep->msg);
   pthread_mutex_unlock(&ep->tp->lock);
   return st;
-}
-
-void chorus__ep_set_name(chorus__ep_t *ep, const char *name) {
-  pthread_mutex_lock(&ep->tp->lock);
-  snprintf(ep->name, sizeof ep->name, "%s", name);
-  pthread_mutex_unlock(&ep->tp->lock);
 }
 
 /* "rank 2 of comm 0x... (world rank 5, 127.0.0.1:4000)" style peer name. */

@@ -139,11 +139,9 @@ void chorus__ep_fail(chorus__ep_t *ep, chorus_result_t code, int notify_peers,
 /* CHORUS_OK or the endpoint's failure; msg (may be NULL) receives the text. */
 chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap);
 
-/* Sets the "what is this rank doing" text used in failure messages; "" means
- * the current collective (formatted only when a message needs it). */
-void chorus__ep_set_name(chorus__ep_t *ep, const char *name);
-
-/* That text, e.g. "all_reduce(count=10, float32, sum, algo ring) (call #3)". */
+/* What this rank is doing, for failure messages: the current collective,
+ * e.g. "all_reduce(count=10, float32, sum, algo ring) (call #3)" (formatted
+ * only when a message needs it), or point-to-point communication. */
 void chorus__ep_doing(chorus__ep_t *ep, char *buf, size_t cap);
 
 /* Non-zero once the endpoint failed; no lock, for polling loops. */
