@@ -313,21 +313,20 @@ chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens, const int
     }
     chorus__layernorm_fwd(a->ln1, a->ln1_mean, a->ln1_rstd, x, PAR(l, P_LN1W), PAR(l, P_LN1B), N,
                           C);
-    chorus__linear_fwd(a->qkv, a->ln1, PAR(l, P_QKVW), PAR(l, P_QKVB), N, C, 3 * C);
+    chorus__linear_fwd(a->qkv, a->ln1, PAR(l, P_QKVW), PAR(l, P_QKVB), NULL, N, C, 3 * C);
     chorus__attention_fwd(a->atty, a->att, a->qkv, B, T, C, NH);
-    chorus__linear_fwd(a->res2, a->atty, PAR(l, P_PROJW), PAR(l, P_PROJB), N, C, C);
-    for (size_t i = 0; i < (size_t)N * C; i++) a->res2[i] += x[i];
+    chorus__linear_fwd(a->res2, a->atty, PAR(l, P_PROJW), PAR(l, P_PROJB), x, N, C, C);
     chorus__layernorm_fwd(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, PAR(l, P_LN2W),
                           PAR(l, P_LN2B), N, C);
-    chorus__linear_fwd(a->fch, a->ln2, PAR(l, P_FCW), PAR(l, P_FCB), N, C, 4 * C);
+    chorus__linear_fwd(a->fch, a->ln2, PAR(l, P_FCW), PAR(l, P_FCB), NULL, N, C, 4 * C);
     chorus__gelu_fwd(a->fch_gelu, a->fch, (size_t)N * 4 * C);
-    chorus__linear_fwd(a->res3, a->fch_gelu, PAR(l, P_FCPW), PAR(l, P_FCPB), N, 4 * C, C);
-    for (size_t i = 0; i < (size_t)N * C; i++) a->res3[i] += a->res2[i];
+    chorus__linear_fwd(a->res3, a->fch_gelu, PAR(l, P_FCPW), PAR(l, P_FCPB), a->res2, N, 4 * C,
+                       C);
     x = a->res3;
   }
   chorus__layernorm_fwd(m->lnf, m->lnf_mean, m->lnf_rstd, x, LNFW(m->params), LNFB(m->params), N,
                         C);
-  chorus__linear_fwd(m->logits, m->lnf, WTE(m->params), NULL, N, C, V);
+  chorus__linear_fwd(m->logits, m->lnf, WTE(m->params), NULL, NULL, N, C, V);
   float l = chorus__xent_fwd(m->probs, m->losses, m->logits, m->targets, N, V);
   if (loss) *loss = l;
   return CHORUS_OK;
@@ -350,7 +349,6 @@ chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
   float *dtmp = m->dtmp;
 
   chorus__xent_bwd(m->dlogits, m->probs, m->targets, loss_scale, N, V);
-  memset(dtmp, 0, sizeof(float) * NC);
   chorus__linear_bwd(dtmp, WTE(m->grads), NULL, m->dlogits, m->lnf, WTE(m->params), N, C, V);
   memset(dres, 0, sizeof(float) * NC);
   const float *xL = L ? m->blk[L - 1].res3 : m->x0;
@@ -370,15 +368,12 @@ chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
     /* MLP: res3 = res2 + proj(gelu(fc(ln2(res2)))); dres flows to res2
      * unchanged, plus through the branch. */
     float *dgelu = m->dbig;
-    memset(dgelu, 0, sizeof(float) * NC * 4);
     chorus__linear_bwd(dgelu, GRD(l, P_FCPW), GRD(l, P_FCPB), dres, a->fch_gelu, PAR(l, P_FCPW),
                        N, 4 * C, C);
     ready(fn, arg, base + P_FCPB);
     ready(fn, arg, base + P_FCPW);
     float *dfch = m->dbig2;
-    memset(dfch, 0, sizeof(float) * NC * 4);
     chorus__gelu_bwd(dfch, a->fch, dgelu, NC * 4);
-    memset(dtmp, 0, sizeof(float) * NC);
     chorus__linear_bwd(dtmp, GRD(l, P_FCW), GRD(l, P_FCB), dfch, a->ln2, PAR(l, P_FCW), N, C,
                        4 * C);
     ready(fn, arg, base + P_FCB);
@@ -388,14 +383,11 @@ chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
     ready(fn, arg, base + P_LN2B);
     ready(fn, arg, base + P_LN2W);
     /* Attention: res2 = x + proj(attn(qkv(ln1(x)))). */
-    memset(dtmp, 0, sizeof(float) * NC);
     chorus__linear_bwd(dtmp, GRD(l, P_PROJW), GRD(l, P_PROJB), dres, a->atty, PAR(l, P_PROJW), N,
                        C, C);
     ready(fn, arg, base + P_PROJB);
     ready(fn, arg, base + P_PROJW);
-    memset(m->dqkv, 0, sizeof(float) * NC * 3);
     chorus__attention_bwd(m->dqkv, dtmp, a->qkv, a->att, m->datt, B, T, C, NH);
-    memset(dtmp, 0, sizeof(float) * NC);
     chorus__linear_bwd(dtmp, GRD(l, P_QKVW), GRD(l, P_QKVB), m->dqkv, a->ln1, PAR(l, P_QKVW), N,
                        C, 3 * C);
     ready(fn, arg, base + P_QKVB);

@@ -48,6 +48,65 @@ static inline float fast_expf(float x) {
 /* tanh(u) = 1 - 2 / (exp(2u) + 1): absolute error about 1e-7. */
 static inline float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
 
+/* Reductions over a row in LANES independent partial results, combined in
+ * a fixed order at the end: GCC vectorises the lane loop without
+ * -ffast-math, and the result does not depend on the machine (the same
+ * partial sums in the same order on every rank). */
+#define LANES 8
+
+static inline float row_sum(const float *x, int n) {
+  float acc[LANES] = {0};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) acc[j] += x[i + j];
+  float s = 0;
+  for (int j = 0; j < LANES; j++) s += acc[j];
+  for (; i < n; i++) s += x[i];
+  return s;
+}
+
+static inline float row_max(const float *x, int n) {
+  float acc[LANES];
+  for (int j = 0; j < LANES; j++) acc[j] = x[0];
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
+  float m = acc[0];
+  for (int j = 1; j < LANES; j++) m = acc[j] > m ? acc[j] : m;
+  for (; i < n; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+/* sum((x - c)^2) */
+static inline float row_sqdev(const float *x, float c, int n) {
+  float acc[LANES] = {0};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) acc[j] += (x[i + j] - c) * (x[i + j] - c);
+  float s = 0;
+  for (int j = 0; j < LANES; j++) s += acc[j];
+  for (; i < n; i++) s += (x[i] - c) * (x[i] - c);
+  return s;
+}
+
+/* x[i] = exp(x[i] - c) for i < n; returns their sum. */
+static inline float row_exp_sum(float *x, float c, int n) {
+  float acc[LANES] = {0};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) {
+      x[i + j] = fast_expf(x[i + j] - c);
+      acc[j] += x[i + j];
+    }
+  float s = 0;
+  for (int j = 0; j < LANES; j++) s += acc[j];
+  for (; i < n; i++) {
+    x[i] = fast_expf(x[i] - c);
+    s += x[i];
+  }
+  return s;
+}
+
 /* ------------------------------------------------------------ embeddings */
 
 void chorus__encoder_fwd(float *x, const int *tok, const float *wte, const float *wpe, int B,
@@ -75,62 +134,80 @@ void chorus__encoder_bwd(float *dwte, float *dwpe, const float *dx, const int *t
 
 /* ------------------------------------------------------------- layernorm */
 
+VECTOR_CLONES
 void chorus__layernorm_fwd(float *out, float *mean, float *rstd, const float *x, const float *w,
                            const float *b, int N, int C) {
   for (int n = 0; n < N; n++) {
     const float *xi = x + (size_t)n * C;
     float *o = out + (size_t)n * C;
-    double m = 0, v = 0;
-    for (int i = 0; i < C; i++) m += xi[i];
-    m /= C;
-    for (int i = 0; i < C; i++) v += (xi[i] - m) * (xi[i] - m);
-    v /= C;
-    float s = (float)(1.0 / sqrt(v + 1e-5));
-    for (int i = 0; i < C; i++) o[i] = ((xi[i] - (float)m) * s) * w[i] + b[i];
-    mean[n] = (float)m;
+    float m = row_sum(xi, C) / (float)C;
+    float s = 1.0f / sqrtf(row_sqdev(xi, m, C) / (float)C + 1e-5f);
+    for (int i = 0; i < C; i++) o[i] = ((xi[i] - m) * s) * w[i] + b[i];
+    mean[n] = m;
     rstd[n] = s;
   }
 }
 
-void chorus__layernorm_bwd(float *dx, float *dw, float *db, const float *dout, const float *x,
-                           const float *w, const float *mean, const float *rstd, int N, int C) {
+VECTOR_CLONES
+void chorus__layernorm_bwd(float *restrict dx, float *restrict dw, float *restrict db,
+                           const float *dout, const float *x, const float *w, const float *mean,
+                           const float *rstd, int N, int C) {
   for (int n = 0; n < N; n++) {
     const float *xi = x + (size_t)n * C, *d = dout + (size_t)n * C;
-    float *dxi = dx + (size_t)n * C;
-    float m = mean[n], s = rstd[n];
+    float *restrict dxi = dx + (size_t)n * C;
+    const float m = mean[n], s = rstd[n];
     /* With xhat = (x - m) s and g = dout * w:
      * dx = s (g - mean(g) - xhat mean(g xhat)). */
-    double gmean = 0, gxmean = 0;
-    for (int i = 0; i < C; i++) {
+    float ga[LANES] = {0}, gxa[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= C; i += LANES)
+      for (int j = 0; j < LANES; j++) {
+        float xhat = (xi[i + j] - m) * s, g = d[i + j] * w[i + j];
+        ga[j] += g;
+        gxa[j] += g * xhat;
+      }
+    float gsum = 0, gxsum = 0;
+    for (int j = 0; j < LANES; j++) gsum += ga[j], gxsum += gxa[j];
+    for (; i < C; i++) {
       float xhat = (xi[i] - m) * s, g = d[i] * w[i];
-      gmean += g;
-      gxmean += g * xhat;
+      gsum += g;
+      gxsum += g * xhat;
     }
-    gmean /= C;
-    gxmean /= C;
-    for (int i = 0; i < C; i++) {
+    const float gmean = gsum / (float)C, gxmean = gxsum / (float)C;
+    for (i = 0; i < C; i++) {
       float xhat = (xi[i] - m) * s, g = d[i] * w[i];
       dw[i] += d[i] * xhat;
       db[i] += d[i];
-      dxi[i] += s * (g - (float)gmean - xhat * (float)gxmean);
+      dxi[i] += s * (g - gmean - xhat * gxmean);
     }
   }
 }
 
 /* ---------------------------------------------------------------- linear */
 
-void chorus__linear_fwd(float *out, const float *x, const float *W, const float *bias, int N,
-                        int IC, int OC) {
-  if (bias)
-    for (int n = 0; n < N; n++) memcpy(out + (size_t)n * OC, bias, sizeof(float) * (size_t)OC);
+void chorus__linear_fwd(float *out, const float *x, const float *W, const float *bias,
+                        const float *res, int N, int IC, int OC) {
+  /* out starts as bias + res and the product is added (beta 1): one pass
+   * over out instead of a separate residual add. */
+  const size_t row = sizeof(float) * (size_t)OC;
+  if (bias && res)
+    for (int n = 0; n < N; n++) {
+      float *o = out + (size_t)n * OC;
+      const float *r = res + (size_t)n * OC;
+      for (int i = 0; i < OC; i++) o[i] = r[i] + bias[i];
+    }
+  else if (bias)
+    for (int n = 0; n < N; n++) memcpy(out + (size_t)n * OC, bias, row);
+  else if (res && res != out)
+    memcpy(out, res, row * (size_t)N);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, x, IC, W, IC,
-              bias ? 1.0f : 0.0f, out, OC);
+              bias || res ? 1.0f : 0.0f, out, OC);
 }
 
 void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, const float *x,
                         const float *W, int N, int IC, int OC) {
   if (dx)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, IC, OC, 1.0f, dout, OC, W, IC, 1.0f,
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, IC, OC, 1.0f, dout, OC, W, IC, 0.0f,
                 dx, IC);
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, IC, N, 1.0f, dout, OC, x, IC, 1.0f, dW,
               IC);
@@ -147,16 +224,31 @@ void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, c
  * n - k zero (the causal mask). */
 VECTOR_CLONES
 static void softmax_row(float *row, int k, int n) {
-  float mx = row[0], sum = 0;
-  for (int u = 1; u < k; u++) mx = row[u] > mx ? row[u] : mx;
-  for (int u = 0; u < k; u++) {
-    row[u] = fast_expf(row[u] - mx);
-    sum += row[u];
-  }
-  float inv = 1.0f / sum;
+  float inv = 1.0f / row_exp_sum(row, row_max(row, k), k);
   for (int u = 0; u < k; u++) row[u] *= inv;
   for (int u = k; u < n; u++) row[u] = 0.0f;
 }
+
+/* dS = P (dP - sum(P dP)) over the first k entries of a row, 0 after. */
+VECTOR_CLONES
+static void softmax_row_bwd(float *d, const float *p, int k, int n) {
+  float acc[LANES] = {0};
+  int u = 0;
+  for (; u + LANES <= k; u += LANES)
+    for (int j = 0; j < LANES; j++) acc[j] += p[u + j] * d[u + j];
+  float dot = 0;
+  for (int j = 0; j < LANES; j++) dot += acc[j];
+  for (; u < k; u++) dot += p[u] * d[u];
+  for (u = 0; u < k; u++) d[u] = p[u] * (d[u] - dot);
+  for (u = k; u < n; u++) d[u] = 0.0f;
+}
+
+/* The causal mask makes the upper right of every T x T score matrix zero,
+ * so the products run over blocks of ATT_ROWS query rows: rows [r0, r1)
+ * only see keys [0, r1).  With T = 128 that is 5/8 of the full products'
+ * work; smaller blocks save more but run OpenBLAS on ever smaller
+ * matrices (measured: 32 rows was the best here). */
+#define ATT_ROWS 32
 
 /* For one (b, h): Q, K, V are T x hs with row stride 3C inside qkv; the
  * output rows have stride C. */
@@ -168,13 +260,18 @@ void chorus__attention_fwd(float *out, float *att, const float *qkv, int B, int 
       const float *Q = qkv + (size_t)b * T * ld + (size_t)h * hs;
       const float *K = Q + C, *V = Q + 2 * C;
       float *P = att + ((size_t)b * NH + h) * T * T;
-      /* S = scale Q K^T, then a causal softmax row by row. */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, Q, ld, K, ld, 0.0f, P,
-                  T);
-      for (int t = 0; t < T; t++) softmax_row(P + (size_t)t * T, t + 1, T);
-      /* Y = P V */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, P, T, V, ld, 0.0f,
-                  out + (size_t)b * T * C + (size_t)h * hs, C);
+      float *Y = out + (size_t)b * T * C + (size_t)h * hs;
+      for (int r0 = 0; r0 < T; r0 += ATT_ROWS) {
+        const int r1 = r0 + ATT_ROWS < T ? r0 + ATT_ROWS : T, M = r1 - r0;
+        float *Pr = P + (size_t)r0 * T;
+        /* S = scale Q K^T, then a causal softmax row by row. */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, r1, hs, scale,
+                    Q + (size_t)r0 * ld, ld, K, ld, 0.0f, Pr, T);
+        for (int t = r0; t < r1; t++) softmax_row(P + (size_t)t * T, t + 1, T);
+        /* Y = P V */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hs, r1, 1.0f, Pr, T, V, ld, 0.0f,
+                    Y + (size_t)r0 * C, C);
+      }
     }
 }
 
@@ -183,6 +280,7 @@ void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, con
   const int hs = C / NH, ld = 3 * C;
   const float scale = 1.0f / sqrtf((float)hs);
   float *dP = scratch;
+  const int last = (T - 1) / ATT_ROWS * ATT_ROWS;
   for (int b = 0; b < B; b++)
     for (int h = 0; h < NH; h++) {
       const float *Q = qkv + (size_t)b * T * ld + (size_t)h * hs;
@@ -191,25 +289,26 @@ void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, con
       float *dK = dQ + C, *dV = dQ + 2 * C;
       const float *P = att + ((size_t)b * NH + h) * T * T;
       const float *dY = dout + (size_t)b * T * C + (size_t)h * hs;
-      /* dP = dY V^T;  dV += P^T dY */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, dY, C, V, ld, 0.0f, dP,
-                  T);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, P, T, dY, C, 1.0f, dV,
-                  ld);
-      /* Softmax backward, row by row: dS = P (dP - sum(P dP)); masked
-       * entries have P = 0 and get 0. */
-      for (int t = 0; t < T; t++) {
-        const float *p = P + (size_t)t * T;
-        float *d = dP + (size_t)t * T, dot = 0;
-        for (int u = 0; u <= t; u++) dot += p[u] * d[u];
-        for (int u = 0; u <= t; u++) d[u] = p[u] * (d[u] - dot);
-        for (int u = t + 1; u < T; u++) d[u] = 0.0f;
+      /* The last block (keys [0, T)) goes first and writes dK and dV; the
+       * others add to their first r1 rows. */
+      for (int r0 = last; r0 >= 0; r0 -= ATT_ROWS) {
+        const int r1 = r0 + ATT_ROWS < T ? r0 + ATT_ROWS : T, M = r1 - r0;
+        const float beta = r0 == last ? 0.0f : 1.0f;
+        const float *Pr = P + (size_t)r0 * T;
+        float *dPr = dP + (size_t)r0 * T;
+        /* dP = dY V^T;  dV += P^T dY */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, r1, hs, 1.0f,
+                    dY + (size_t)r0 * C, C, V, ld, 0.0f, dPr, T);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, M, 1.0f, Pr, T,
+                    dY + (size_t)r0 * C, C, beta, dV, ld);
+        /* Softmax backward: masked entries have P = 0 and get 0. */
+        for (int t = r0; t < r1; t++) softmax_row_bwd(dP + (size_t)t * T, P + (size_t)t * T, t + 1, r1);
+        /* S = scale Q K^T:  dQ = scale dS K;  dK += scale dS^T Q */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hs, r1, scale, dPr, T, K, ld,
+                    0.0f, dQ + (size_t)r0 * ld, ld);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, M, scale, dPr, T,
+                    Q + (size_t)r0 * ld, ld, beta, dK, ld);
       }
-      /* S = scale Q K^T:  dQ += scale dS K;  dK += scale dS^T Q */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, scale, dP, T, K, ld, 1.0f,
-                  dQ, ld);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, scale, dP, T, Q, ld, 1.0f, dK,
-                  ld);
     }
 }
 
@@ -226,39 +325,38 @@ void chorus__gelu_fwd(float *out, const float *x, size_t n) {
   }
 }
 
+/* The derivative recomputes tanh rather than keeping it from the forward:
+ * measured, storing gelu'(x) in the forward made the forward as much
+ * slower as it made this faster. */
 VECTOR_CLONES
-void chorus__gelu_bwd(float *dx, const float *x, const float *dout, size_t n) {
+void chorus__gelu_bwd(float *restrict dx, const float *x, const float *dout, size_t n) {
   for (size_t i = 0; i < n; i++) {
     float v = x[i], u = GELU_K * (v + GELU_A * v * v * v), th = fast_tanhf(u);
     float du = GELU_K * (1.0f + 3.0f * GELU_A * v * v);
     float grad = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
-    dx[i] += grad * dout[i];
+    dx[i] = grad * dout[i];
   }
 }
 
 /* -------------------------------------------------- softmax cross-entropy */
 
+VECTOR_CLONES
 float chorus__xent_fwd(float *probs, float *losses, const float *logits, const int *targets, int N,
                        int V) {
   double total = 0;
   int counted = 0;
   for (int n = 0; n < N; n++) {
     const float *l = logits + (size_t)n * V;
-    float *p = probs + (size_t)n * V, mx = l[0];
-    for (int v = 1; v < V; v++) mx = l[v] > mx ? l[v] : mx;
-    double sum = 0;
-    for (int v = 0; v < V; v++) {
-      p[v] = fast_expf(l[v] - mx);
-      sum += p[v];
-    }
-    float inv = (float)(1.0 / sum);
+    float *p = probs + (size_t)n * V, mx = row_max(l, V);
+    memcpy(p, l, sizeof(float) * (size_t)V);
+    float sum = row_exp_sum(p, mx, V), inv = 1.0f / sum;
     for (int v = 0; v < V; v++) p[v] *= inv;
     if (targets[n] < 0) {
       losses[n] = 0.0f;
       continue;
     }
     /* -log p[target] computed from the logits (no log of a rounded 0). */
-    losses[n] = (float)(log(sum) + mx - l[targets[n]]);
+    losses[n] = logf(sum) + mx - l[targets[n]];
     total += losses[n];
     counted++;
   }

@@ -4,9 +4,12 @@
  * V vocabulary, OC/IC output/input channels of a linear layer.
  *
  * Conventions: a forward writes its output (and whatever its backward needs,
- * passed in explicitly); a backward ADDS into the gradients it produces
- * (d-inputs and d-parameters), so gradients of a tensor used twice (the
- * tied embedding, residual streams) accumulate without extra code.
+ * passed in explicitly).  A backward ADDS into the parameter gradients (so
+ * micro-steps and the tied embedding accumulate) and into the d-input of
+ * layernorm and the encoder (the residual stream's gradient, which several
+ * branches feed); the d-inputs of linear, attention and GELU, which have a
+ * single consumer, are OVERWRITTEN, so the model needs no memset before
+ * them.
  */
 #ifndef CHORUS_TRAIN_LAYERS_H
 #define CHORUS_TRAIN_LAYERS_H
@@ -26,10 +29,11 @@ void chorus__layernorm_fwd(float *out, float *mean, float *rstd, const float *x,
 void chorus__layernorm_bwd(float *dx, float *dw, float *db, const float *dout, const float *x,
                            const float *w, const float *mean, const float *rstd, int N, int C);
 
-/* out (N,OC) = x (N,IC) · W^T (W: OC,IC) + bias (OC, may be NULL). */
-void chorus__linear_fwd(float *out, const float *x, const float *W, const float *bias, int N,
-                        int IC, int OC);
-/* dx += dout · W; dW += dout^T · x; dbias += column sums of dout (dx, dbias
+/* out (N,OC) = x (N,IC) · W^T (W: OC,IC) + bias (OC) + res (N,OC): bias
+ * and the residual res may be NULL; res may be out itself. */
+void chorus__linear_fwd(float *out, const float *x, const float *W, const float *bias,
+                        const float *res, int N, int IC, int OC);
+/* dx = dout · W; dW += dout^T · x; dbias += column sums of dout (dx, dbias
  * may be NULL when not wanted). */
 void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, const float *x,
                         const float *W, int N, int IC, int OC);
@@ -39,12 +43,13 @@ void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, c
  * of each (hs = C/NH).  out (B,T,C); att (B,NH,T,T) saves the softmax
  * probabilities (zero above the diagonal). */
 void chorus__attention_fwd(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
-/* dqkv += ...; scratch needs T*T floats. */
+/* dqkv = ... (overwritten); scratch needs T*T floats. */
 void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, const float *att,
                            float *scratch, int B, int T, int C, int NH);
 
 /* GELU, tanh approximation, elementwise over n. */
 void chorus__gelu_fwd(float *out, const float *x, size_t n);
+/* dx = gelu'(x) dout (overwritten). */
 void chorus__gelu_bwd(float *dx, const float *x, const float *dout, size_t n);
 
 /* Softmax over V of logits (N rows), cross-entropy against targets:

@@ -90,8 +90,8 @@ TEST(layernorm) {
   free(x), free(w), free(b), free(g), free(dx), free(dw), free(db), free(g_out);
 }
 
-static double eval_linear(float *x, float *W, float *bias, int N, int IC, int OC) {
-  chorus__linear_fwd(g_out, x, W, bias, N, IC, OC);
+static double eval_linear(float *x, float *W, float *bias, float *res, int N, int IC, int OC) {
+  chorus__linear_fwd(g_out, x, W, bias, res, N, IC, OC);
   return dot(g_out, g_g, (size_t)N * OC);
 }
 
@@ -99,44 +99,59 @@ TEST(linear) {
   const int N = B * T, IC = 6, OC = 7;
   float *x = rvec((size_t)N * IC, 1), *W = rvec((size_t)OC * IC, 1), *bias = rvec(OC, 1);
   float *g = rvec((size_t)N * OC, 1);
-  float *dx = zvec((size_t)N * IC), *dW = zvec((size_t)OC * IC), *db = zvec(OC);
+  float *res = rvec((size_t)N * OC, 1);
+  float *dx = rvec((size_t)N * IC, 1), *dW = zvec((size_t)OC * IC), *db = zvec(OC);
   g_out = zvec((size_t)N * OC);
   g_g = g;
-  chorus__linear_bwd(dx, dW, db, g, x, W, N, IC, OC);
-  CHECK_GRAD("linear.dx", x, (size_t)N * IC, dx, eval_linear(x, W, bias, N, IC, OC));
-  CHECK_GRAD("linear.dW", W, (size_t)OC * IC, dW, eval_linear(x, W, bias, N, IC, OC));
-  CHECK_GRAD("linear.db", bias, (size_t)OC, db, eval_linear(x, W, bias, N, IC, OC));
-  free(x), free(W), free(bias), free(g), free(dx), free(dW), free(db), free(g_out);
+  chorus__linear_bwd(dx, dW, db, g, x, W, N, IC, OC); /* dx is overwritten */
+  CHECK_GRAD("linear.dx", x, (size_t)N * IC, dx, eval_linear(x, W, bias, NULL, N, IC, OC));
+  CHECK_GRAD("linear.dW", W, (size_t)OC * IC, dW, eval_linear(x, W, bias, NULL, N, IC, OC));
+  CHECK_GRAD("linear.db", bias, (size_t)OC, db, eval_linear(x, W, bias, NULL, N, IC, OC));
+  /* With a residual: d/dres is the identity, and the rest is unchanged. */
+  CHECK_GRAD("linear.dres", res, (size_t)N * OC, g, eval_linear(x, W, bias, res, N, IC, OC));
+  CHECK_GRAD("linear.dW+res", W, (size_t)OC * IC, dW, eval_linear(x, W, NULL, res, N, IC, OC));
+  free(x), free(W), free(bias), free(res), free(g), free(dx), free(dW), free(db), free(g_out);
 }
 
-static float g_att[B * NH * T * T];
+static float *g_att;
+static int g_at, g_ab;
 static double eval_attn(float *qkv) {
-  chorus__attention_fwd(g_out, g_att, qkv, B, T, C, NH);
-  return dot(g_out, g_g, B * T * C);
+  chorus__attention_fwd(g_out, g_att, qkv, g_ab, g_at, C, NH);
+  return dot(g_out, g_g, (size_t)g_ab * g_at * C);
 }
 
-TEST(attention) {
-  size_t n = (size_t)B * T * 3 * C;
-  float *qkv = rvec(n, 1), *g = rvec((size_t)B * T * C, 1), *dqkv = zvec(n);
-  float scratch[T * T];
-  g_out = zvec((size_t)B * T * C);
+/* At T = 5 (one block of query rows) and T = 70 (blocks of 32, 32 and 6:
+ * the causal blocking, the dK/dV accumulation across blocks and a partial
+ * last block). */
+static void check_attention(int b, int t) {
+  g_ab = b, g_at = t;
+  size_t n = (size_t)b * t * 3 * C;
+  float *qkv = rvec(n, 1), *g = rvec((size_t)b * t * C, 1), *dqkv = rvec(n, 5);
+  float *scratch = rvec((size_t)t * t, 5); /* garbage: must not leak in */
+  g_att = rvec((size_t)b * NH * t * t, 5);
+  g_out = rvec((size_t)b * t * C, 5);
   g_g = g;
-  chorus__attention_fwd(g_out, g_att, qkv, B, T, C, NH);
-  /* Causality: row t of every probability matrix is zero above t and sums
+  chorus__attention_fwd(g_out, g_att, qkv, b, t, C, NH);
+  /* Causality: row i of every probability matrix is zero above i and sums
    * to 1. */
-  for (int bh = 0; bh < B * NH; bh++)
-    for (int t = 0; t < T; t++) {
+  for (int bh = 0; bh < b * NH; bh++)
+    for (int i = 0; i < t; i++) {
       double sum = 0;
-      for (int u = 0; u < T; u++) {
-        float p = g_att[(bh * T + t) * T + u];
-        if (u > t) ASSERT_TRUE(p == 0.0f);
+      for (int u = 0; u < t; u++) {
+        float p = g_att[((size_t)bh * t + i) * t + u];
+        if (u > i) ASSERT_TRUE(p == 0.0f);
         sum += p;
       }
       ASSERT_TRUE(fabs(sum - 1.0) < 1e-5);
     }
-  chorus__attention_bwd(dqkv, g, qkv, g_att, scratch, B, T, C, NH);
+  chorus__attention_bwd(dqkv, g, qkv, g_att, scratch, b, t, C, NH);
   CHECK_GRAD("attention.dqkv", qkv, n, dqkv, eval_attn(qkv));
-  free(qkv), free(g), free(dqkv), free(g_out);
+  free(qkv), free(g), free(dqkv), free(scratch), free(g_att), free(g_out);
+}
+
+TEST(attention) {
+  check_attention(B, T);
+  check_attention(1, 70);
 }
 
 static double eval_gelu(float *x, size_t n) {
@@ -146,10 +161,10 @@ static double eval_gelu(float *x, size_t n) {
 
 TEST(gelu) {
   size_t n = 200;
-  float *x = rvec(n, 4), *g = rvec(n, 1), *dx = zvec(n);
+  float *x = rvec(n, 4), *g = rvec(n, 1), *dx = rvec(n, 3);
   g_out = zvec(n);
   g_g = g;
-  chorus__gelu_bwd(dx, x, g, n);
+  chorus__gelu_bwd(dx, x, g, n); /* dx is overwritten */
   CHECK_GRAD("gelu.dx", x, n, dx, eval_gelu(x, n));
   free(x), free(g), free(dx), free(g_out);
 }
@@ -230,6 +245,17 @@ TEST(model) {
     const chorus_gpt_tensor_t *t = chorus_gpt_tensor(g_m, k);
     CHECK_GRAD(t->name, p + t->offset, t->size, grad + t->offset, eval_model());
   }
+  /* The backward's scratch is not cleared between steps (the layers
+   * overwrite it): after a step on other data, the same batch must give
+   * the same gradients bit for bit. */
+  int tok2[12], tgt2[12];
+  for (int i = 0; i < 12; i++) tok2[i] = (i * 7 + 3) % 13, tgt2[i] = (i * 11) % 13;
+  ASSERT_EQ(chorus_gpt_forward(g_m, tok2, tgt2, 2, 6, NULL), CHORUS_OK);
+  ASSERT_EQ(chorus_gpt_backward(g_m, 3.0f, NULL, NULL), CHORUS_OK);
+  ASSERT_EQ(chorus_gpt_forward(g_m, g_tok, g_tgt, 2, 6, NULL), CHORUS_OK);
+  chorus_gpt_zero_grad(g_m);
+  ASSERT_EQ(chorus_gpt_backward(g_m, 1.0f, NULL, NULL), CHORUS_OK);
+  ASSERT_TRUE(memcmp(grad, chorus_gpt_grads(g_m), sizeof(float) * np) == 0);
   free(grad);
   chorus_gpt_destroy(g_m);
 }
