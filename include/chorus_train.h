@@ -193,6 +193,16 @@ CHORUS_API chorus_result_t chorus_ddp_wait(chorus_ddp_t *d);
  * accumulation); 1 (default): they do. */
 CHORUS_API void chorus_ddp_set_sync(chorus_ddp_t *d, int sync);
 CHORUS_API void chorus_ddp_get_stats(const chorus_ddp_t *d, chorus_ddp_stats_t *s);
+/* Buffers: state a model keeps besides its parameters and does not train
+ * with gradients (running statistics, masks, counters).  Register them on
+ * every rank, in the same order and with the same sizes; then
+ * chorus_ddp_broadcast_buffers (a collective) copies rank 0's values to
+ * every rank in one broadcast.  Calling it before each forward gives
+ * PyTorch's broadcast_buffers=True (PyTorch skips it on the forward after a
+ * no_sync one).  The GPT of this library has no buffers. */
+CHORUS_API chorus_result_t chorus_ddp_add_buffer(chorus_ddp_t *d, void *data, size_t count,
+                                                 chorus_dtype_t dtype);
+CHORUS_API chorus_result_t chorus_ddp_broadcast_buffers(chorus_ddp_t *d);
 /* Bucket i's all_reduce of the last step: when it ran (CLOCK_MONOTONIC ns,
  * 0 when it did not) and its bytes; i < stats.buckets. */
 CHORUS_API void chorus_ddp_bucket_times(const chorus_ddp_t *d, int i, int64_t *start_ns,

@@ -9,6 +9,7 @@
  * [offset(lo_b), offset(hi_b) + size(hi_b)).
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -25,6 +26,12 @@ typedef struct {
   int64_t t0, t1;       /* when its last all_reduce ran */
 } bucket_t;
 
+/* A registered buffer: state every rank keeps but rank 0 owns. */
+typedef struct {
+  void *data;
+  size_t bytes;
+} buffer_t;
+
 struct chorus_ddp {
   chorus_comm_t comm;
   chorus_gpt_t *model;
@@ -36,7 +43,15 @@ struct chorus_ddp {
   int next; /* buckets are launched in index order: the next one to go */
   chorus_result_t error;
   double comm_s, exposed_s;
+  buffer_t *bufs;
+  int nbufs;
+  unsigned char *stage; /* the buffers packed for one broadcast */
+  size_t stage_bytes;
 };
+
+/* gpt.c's error recorder (one per thread). */
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 static double now_s(void) {
   struct timespec ts;
@@ -133,7 +148,53 @@ void chorus_ddp_destroy(chorus_ddp_t *d) {
   }
   free(d->b);
   free(d->bucket_of);
+  free(d->bufs);
+  free(d->stage);
   free(d);
+}
+
+chorus_result_t chorus_ddp_add_buffer(chorus_ddp_t *d, void *data, size_t count,
+                                      chorus_dtype_t dtype) {
+  size_t esz = chorus_dtype_size(dtype);
+  if (!d || (!data && count) || !esz || count > SIZE_MAX / esz)
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_ddp_add_buffer: bad arguments (data %p, count %zu, dtype %d)",
+                              data, count, (int)dtype);
+  buffer_t *nb = realloc(d->bufs, sizeof *nb * (size_t)(d->nbufs + 1));
+  if (!nb) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ddp_add_buffer: out of memory");
+  d->bufs = nb;
+  d->bufs[d->nbufs++] = (buffer_t){data, count * esz};
+  return CHORUS_OK;
+}
+
+/* One broadcast for all the buffers (PyTorch coalesces them the same way):
+ * in place when there is one, else packed into a staging area.  Ranks
+ * that registered different buffers send different byte counts, which the
+ * collective reports as a mismatch on every rank. */
+chorus_result_t chorus_ddp_broadcast_buffers(chorus_ddp_t *d) {
+  if (d->nbufs == 0 || chorus_comm_size(d->comm) == 1) return CHORUS_OK;
+  if (d->nbufs == 1)
+    return chorus_broadcast(d->comm, d->bufs[0].data, d->bufs[0].bytes, CHORUS_UINT8, 0, NULL);
+  size_t total = 0;
+  for (int i = 0; i < d->nbufs; i++) total += d->bufs[i].bytes;
+  if (total > d->stage_bytes) {
+    unsigned char *st = realloc(d->stage, total);
+    if (!st)
+      return chorus__train_fail(CHORUS_ERR_NO_MEMORY,
+                                "chorus_ddp_broadcast_buffers: out of memory (%zu bytes)", total);
+    d->stage = st;
+    d->stage_bytes = total;
+  }
+  const int root = chorus_comm_rank(d->comm) == 0;
+  size_t off = 0;
+  for (int i = 0; i < d->nbufs && root; off += d->bufs[i].bytes, i++)
+    memcpy(d->stage + off, d->bufs[i].data, d->bufs[i].bytes);
+  chorus_result_t st = chorus_broadcast(d->comm, d->stage, total, CHORUS_UINT8, 0, NULL);
+  if (st != CHORUS_OK || root) return st;
+  off = 0;
+  for (int i = 0; i < d->nbufs; off += d->bufs[i].bytes, i++)
+    memcpy(d->bufs[i].data, d->stage + off, d->bufs[i].bytes);
+  return CHORUS_OK;
 }
 
 /* Buckets go out strictly in index order (backward's order), like
