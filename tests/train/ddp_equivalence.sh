@@ -94,5 +94,39 @@ if [ -s "$t" ] && head -c 40 "$t" | grep -q '^{"displayTimeUnit":"ms","traceEven
 else
   echo "FAIL --trace output"; head -c 300 "$t"; fails=$((fails + 1))
 fi
+# The merged trace is on one clock: rank 1's estimated offset is -SKEW_US
+# within the uncertainty it reports, and each bucket's all_reduce overlaps
+# in time on both ranks (neither can finish before the other started).
+trace_aligned() { # FILE SKEW_US
+  local t=$1 skew=$2
+  { grep -o '"name":"rank 1","clock_offset_us":[-0-9.]*,"clock_uncertainty_us":[0-9.]*' "$t"
+    grep -o '"name":"all_reduce bucket"[^}]*}' "$t"; } |
+  awk -v skew="$skew" -F'[:,]' '
+    /clock_offset_us/ { off = $4; unc = $6; seen = 1; next }
+    { for (i = 1; i < NF; i++) { k = $i; gsub(/[{}"]/, "", k); v[k] = $(i + 1) }
+      key = v["step"] "/" v["bucket"]; s = v["ts"]; e = v["ts"] + v["dur"]
+      if (v["pid"] == 0) { s0[key] = s; e0[key] = e } else { s1[key] = s; e1[key] = e } }
+    END {
+      if (!seen) { print "no clock offset for rank 1"; exit 1 }
+      d = off + skew; if (d < 0) d = -d
+      if (d > unc) { printf "offset %.3f us, expected %.3f +- %.3f\n", off, -skew, unc; exit 1 }
+      n = 0
+      for (k in s0) {
+        if (!(k in s1)) continue
+        n++
+        if (s0[k] > e1[k] + unc || s1[k] > e0[k] + unc) { printf "bucket %s: rank 0 [%.1f, %.1f], rank 1 [%.1f, %.1f] us do not overlap\n", k, s0[k], e0[k], s1[k], e1[k]; exit 1 }
+      }
+      if (n < 8) { print "only " n " buckets on both ranks"; exit 1 }
+    }'
+}
+if why=$(trace_aligned "$t" 0); then echo "ok   the trace's ranks share one clock"
+else echo "FAIL trace clocks: $why"; fails=$((fails + 1)); fi
+# Rank 1's clock 5 s ahead: the round-trip estimate must find and remove it
+# (what a rank on another host needs).
+train_run skewed 2 --batch 2 --trace "$tmp/skewed.json" --trace-clock ping --clock-skew-ms 5000
+if why=$(trace_aligned "$tmp/skewed.json" 5000000); then
+  echo "ok   a rank 5 s off has its estimated offset removed from the trace"
+else echo "FAIL estimated clock offset: $why"; fails=$((fails + 1)); fi
+
 [ "$fails" -eq 0 ] && echo "all DDP equivalence checks passed" && exit 0
 echo "$fails DDP equivalence check(s) FAILED"; exit 1

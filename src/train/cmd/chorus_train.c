@@ -45,6 +45,8 @@ typedef struct {
   int dump_all;
   int loss_scale;  /* dynamic loss scaling */
   int inject_inf;  /* testing: rank 1 puts an inf into its gradient at this step */
+  int trace_ping;  /* --trace-clock ping: estimate every rank's clock offset */
+  long skew_ms;    /* testing: rank 1's trace clock runs this far ahead */
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer. */
@@ -104,7 +106,11 @@ static void usage(FILE *f) {
           "                       doubles after 200 good steps (default with --hook fp16)\n"
           "  --inject-inf N       testing: rank 1 corrupts its gradient at step N\n"
           "  --kill-at N          testing: rank 1 kills itself (SIGKILL) at step N of the\n"
-          "                       first generation (CHORUS_RESTART_COUNT 0)\n");
+          "                       first generation (CHORUS_RESTART_COUNT 0)\n"
+          "  --trace-clock auto|ping  ranks on rank 0's host share its clock; others\n"
+          "                       estimate their offset by round trips to rank 0 (auto);\n"
+          "                       ping estimates it for every rank\n"
+          "  --clock-skew-ms N    testing: rank 1's trace clock runs N ms ahead\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -121,7 +127,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"checkpoint-every", 1, 0, 'E'}, {"keep", 1, 0, 'P'}, {"stop-after", 1, 0, 'X'},
       {"kill-at", 1, 0, 'Z'},    {"trace", 1, 0, 'R'},       {"skip-layer", 1, 0, 'Y'},
       {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},    {"loss-scale", 1, 0, 'Q'},
-      {"inject-inf", 1, 0, 'I'},
+      {"inject-inf", 1, 0, 'I'}, {"trace-clock", 1, 0, 'G'}, {"clock-skew-ms", 1, 0, 'z'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -179,6 +185,11 @@ static int parse(int argc, char **argv, opts_t *o) {
         else return -1;
         break;
       case 'I': o->inject_inf = atoi(optarg); break;
+      case 'G':
+        if (!strcmp(optarg, "ping")) o->trace_ping = 1;
+        else if (strcmp(optarg, "auto")) return -1;
+        break;
+      case 'z': o->skew_ms = atol(optarg); break;
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
@@ -205,11 +216,12 @@ static uint64_t mix(uint64_t *s) {
 
 /* ----------------------------------------------------------------- trace */
 
-/* Complete events ("ph":"X") of this rank, in CLOCK_MONOTONIC ns. */
+/* Complete events ("ph":"X") of this rank, in its CLOCK_MONOTONIC ns. */
 typedef struct {
   const char *name;
   int tid; /* 0: compute, 1: communication */
   int step;
+  int bucket; /* communication events: the bucket's index */
   int64_t t0, t1;
   size_t bytes;
 } event_t;
@@ -217,6 +229,7 @@ typedef struct {
 typedef struct {
   event_t *ev;
   size_t n, cap;
+  int64_t skew; /* testing (--clock-skew-ms): added to every time of this rank */
 } trace_t;
 
 static int64_t now_ns(void) {
@@ -225,8 +238,8 @@ static int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void trace_add(trace_t *tr, const char *name, int tid, int step, int64_t t0, int64_t t1,
-                      size_t bytes) {
+static void trace_add(trace_t *tr, const char *name, int tid, int step, int bucket, int64_t t0,
+                      int64_t t1, size_t bytes) {
   if (!tr || t1 <= t0 || tr->n >= 1000000) return;
   if (tr->n == tr->cap) {
     size_t cap = tr->cap ? tr->cap * 2 : 1024;
@@ -234,15 +247,74 @@ static void trace_add(trace_t *tr, const char *name, int tid, int step, int64_t 
     if (!ev) return;
     tr->ev = ev, tr->cap = cap;
   }
-  tr->ev[tr->n++] = (event_t){name, tid, step, t0, t1, bytes};
+  tr->ev[tr->n++] = (event_t){name, tid, step, bucket, t0 + tr->skew, t1 + tr->skew, bytes};
 }
 
-/* Every rank turns its events into JSON objects (times relative to the
- * earliest event of any rank: one host shares CLOCK_MONOTONIC); rank 0
- * gathers them and writes one file. */
-static int trace_write(chorus_comm_t comm, const trace_t *tr, const char *path) {
-  int64_t mine = tr->n ? tr->ev[0].t0 : INT64_MAX, base = mine;
-  for (size_t i = 0; i < tr->n; i++) mine = tr->ev[i].t0 < mine ? tr->ev[i].t0 : mine;
+/* This machine: host name and boot id (CLOCK_MONOTONIC counts from boot). */
+static int64_t host_id(void) {
+  char buf[512] = {0};
+  gethostname(buf, 255);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f) {
+    size_t n = strlen(buf);
+    if (!fgets(buf + n, (int)(sizeof buf - n), f)) buf[n] = 0;
+    fclose(f);
+  }
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const char *p = buf; *p; p++) h = (h ^ (unsigned char)*p) * 0x100000001b3ull;
+  return (int64_t)h;
+}
+
+/* The trace's clock is rank 0's CLOCK_MONOTONIC.  Ranks on rank 0's host
+ * read the same clock (offset 0, exact).  Any other rank estimates its
+ * offset by Cristian's method: it sends its time t1, rank 0 answers with
+ * its own t, the answer arrives at t2, so rank 0's clock read t somewhere
+ * in [t1, t2] of ours: offset = t - (t1 + t2) / 2, wrong by at most
+ * (t2 - t1) / 2.  Of 16 round trips the shortest is kept; *unc gets that
+ * bound.  Rank 0 answers the ranks one after the other. */
+static chorus_result_t clock_offset(chorus_comm_t comm, const trace_t *tr, int ping,
+                                    int64_t *off, int64_t *unc) {
+  enum { ROUNDS = 16, TAG = 7001 };
+  *off = *unc = 0;
+  int64_t id = host_id(), *ids = malloc(sizeof(int64_t) * (size_t)g_size);
+  if (!ids) return CHORUS_ERR_NO_MEMORY;
+  chorus_result_t st = chorus_all_gather(comm, &id, ids, 1, CHORUS_INT64, NULL);
+  for (int r = 1; r < g_size && st == CHORUS_OK; r++) {
+    if (!ping && ids[r] == ids[0]) continue;
+    if (g_rank == 0) {
+      for (int k = 0; k < ROUNDS && st == CHORUS_OK; k++) {
+        int64_t t;
+        st = chorus_recv(comm, &t, 1, CHORUS_INT64, r, TAG, NULL);
+        t = now_ns() + tr->skew;
+        if (st == CHORUS_OK) st = chorus_send(comm, &t, 1, CHORUS_INT64, r, TAG, NULL);
+      }
+    } else if (g_rank == r) {
+      int64_t best = INT64_MAX;
+      for (int k = 0; k < ROUNDS && st == CHORUS_OK; k++) {
+        int64_t t1 = now_ns() + tr->skew, t;
+        st = chorus_send(comm, &t1, 1, CHORUS_INT64, 0, TAG, NULL);
+        if (st == CHORUS_OK) st = chorus_recv(comm, &t, 1, CHORUS_INT64, 0, TAG, NULL);
+        int64_t t2 = now_ns() + tr->skew;
+        if (st == CHORUS_OK && t2 - t1 < best) {
+          best = t2 - t1;
+          *off = t - t1 - best / 2;
+          *unc = (best + 1) / 2;
+        }
+      }
+    }
+  }
+  free(ids);
+  return st;
+}
+
+/* Every rank turns its events into JSON objects on rank 0's clock (times
+ * relative to the earliest event of any rank); rank 0 gathers them and
+ * writes one file. */
+static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const char *path) {
+  int64_t off, unc;
+  if (clock_offset(comm, tr, ping, &off, &unc) != CHORUS_OK) return -1;
+  int64_t mine = INT64_MAX, base;
+  for (size_t i = 0; i < tr->n; i++) mine = tr->ev[i].t0 + off < mine ? tr->ev[i].t0 + off : mine;
   if (chorus_all_reduce(comm, &mine, &base, 1, CHORUS_INT64, CHORUS_MIN, NULL) != CHORUS_OK)
     return -1;
   size_t cap = 512 + tr->n * 200, len = 0;
@@ -250,18 +322,19 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, const char *path) 
   if (!buf) return -1;
   len += (size_t)snprintf(buf + len, cap - len,
                           "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":"
-                          "\"rank %d\"}},{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,"
+                          "\"rank %d\",\"clock_offset_us\":%.3f,\"clock_uncertainty_us\":%.3f}},{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,"
                           "\"args\":{\"name\":\"compute\"}},{\"name\":\"thread_name\",\"ph\":\"M\","
                           "\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"all_reduce (buckets)\"}}",
-                          g_rank, g_rank, g_rank, g_rank);
+                          g_rank, g_rank, (double)off / 1e3, (double)unc / 1e3, g_rank, g_rank);
   for (size_t i = 0; i < tr->n && len < cap; i++) {
     const event_t *e = &tr->ev[i];
     len += (size_t)snprintf(buf + len, cap - len,
                             ",{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
-                            "\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"step\":%d,\"bytes\":%zu}}",
+                            "\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"step\":%d,\"bucket\":%d,"
+                            "\"bytes\":%zu}}",
                             e->name, e->tid ? "comm" : "compute", g_rank, e->tid,
-                            (double)(e->t0 - base) / 1e3, (double)(e->t1 - e->t0) / 1e3, e->step,
-                            e->bytes);
+                            (double)(e->t0 + off - base) / 1e3, (double)(e->t1 - e->t0) / 1e3,
+                            e->step, e->bucket, e->bytes);
   }
   if (len >= cap) len = cap - 1;
   void *all = NULL;
@@ -490,6 +563,7 @@ int main(int argc, char **argv) {
   float scale = o.loss_scale ? 65536.0f : 1.0f;
   int good_steps = 0, skipped_steps = 0;
   trace_t trace_buf = {0}, *tr = o.trace ? &trace_buf : NULL;
+  if (g_rank == 1) trace_buf.skew = (int64_t)o.skew_ms * 1000000;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   int first_generation = !rc || !strcmp(rc, "0");
   for (int step = (int)start; step < o.steps; step++) {
@@ -528,8 +602,8 @@ int main(int argc, char **argv) {
       if ((st = chorus_gpt_backward(m, scale / (float)o.accum, chorus_ddp_ready, ddp)) !=
           CHORUS_OK)
         return die(NULL, "backward", st);
-      trace_add(tr, "forward", 0, step, n0, n1, 0);
-      trace_add(tr, "backward", 0, step, n1, now_ns(), 0);
+      trace_add(tr, "forward", 0, step, -1, n0, n1, 0);
+      trace_add(tr, "backward", 0, step, -1, n1, now_ns(), 0);
       tf += f1 - f0;
       tb += now_s() - f1;
       loss_sum += loss;
@@ -540,7 +614,7 @@ int main(int argc, char **argv) {
     if ((st = chorus_ddp_wait(ddp)) != CHORUS_OK) return die(comm, "gradient all_reduce", st);
     double w1 = now_s();
     int64_t nw1 = now_ns();
-    trace_add(tr, "wait for gradients", 0, step, nw0, nw1, 0);
+    trace_add(tr, "wait for gradients", 0, step, -1, nw0, nw1, 0);
     if (tr) {
       chorus_ddp_stats_t bs;
       chorus_ddp_get_stats(ddp, &bs);
@@ -548,7 +622,7 @@ int main(int argc, char **argv) {
         int64_t b0, b1;
         size_t bytes;
         chorus_ddp_bucket_times(ddp, i, &b0, &b1, &bytes);
-        trace_add(tr, "all_reduce bucket", 1, step, b0, b1, bytes);
+        trace_add(tr, "all_reduce bucket", 1, step, i, b0, b1, bytes);
       }
     }
     float *g = chorus_gpt_grads(m);
@@ -583,7 +657,7 @@ int main(int argc, char **argv) {
     float lr = chorus_lr_at(step, o.warmup, o.steps, o.lr, o.lr * o.min_lr_frac);
     if (!skip_step) chorus_optim_step(opt, chorus_gpt_params(m), g, lr);
     double t1 = now_s();
-    trace_add(tr, "optimizer", 0, step, nw1, now_ns(), 0);
+    trace_add(tr, "optimizer", 0, step, -1, nw1, now_ns(), 0);
     chorus_ddp_get_stats(ddp, &ds);
     double dt = t1 - t0, tps = (double)g_size * B * T * o.accum / dt;
     if (step >= 3) { /* after warm-up */
@@ -633,7 +707,7 @@ int main(int argc, char **argv) {
         sum_comm > 0 && sum_exp < sum_comm ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0);
     if (!isnan(first_val)) say("validation loss %.4f -> %.4f\n", first_val, last_val);
   }
-  if (tr && trace_write(comm, tr, o.trace) != 0)
+  if (tr && trace_write(comm, tr, o.trace_ping, o.trace) != 0)
     fprintf(stderr, "chorus-train: rank %d: cannot write the trace %s\n", g_rank, o.trace);
   free(trace_buf.ev);
   if (o.sample > 0) sample_text(m, &o, o.sample);
