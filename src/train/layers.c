@@ -45,8 +45,29 @@ static inline float fast_expf(float x) {
   return p * scale.f;
 }
 
-/* tanh(u) = 1 - 2 / (exp(2u) + 1): absolute error about 1e-7. */
-static inline float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
+/* tanh(u) as an odd rational function, degree 13 over degree 6 in u, on u
+ * clamped to +-7.9 (beyond which float tanh is +-1): the coefficients of
+ * the minimax fit that Eigen uses for float.  Absolute error below 4e-7
+ * (checked against double tanh on [-12, 12] in steps of 1e-4); one
+ * division and eleven multiply-adds, no exponential. */
+static inline float fast_tanhf(float u) {
+  const float lim = 7.90531110763549805f;
+  u = u > lim ? lim : u;
+  u = u < -lim ? -lim : u;
+  const float u2 = u * u;
+  float p = -2.76076847742355e-16f;
+  p = p * u2 + 2.00018790482477e-13f;
+  p = p * u2 - 8.60467152213735e-11f;
+  p = p * u2 + 5.12229709037114e-08f;
+  p = p * u2 + 1.48572235717979e-05f;
+  p = p * u2 + 6.37261928875436e-04f;
+  p = p * u2 + 4.89352455891786e-03f;
+  float q = 1.19825839466702e-06f;
+  q = q * u2 + 1.18534705686654e-04f;
+  q = q * u2 + 2.26843463243900e-03f;
+  q = q * u2 + 4.89352518554385e-03f;
+  return u * p / q;
+}
 
 /* Reductions over a row in LANES independent partial results, combined in
  * a fixed order at the end: GCC vectorises the lane loop without
