@@ -189,7 +189,7 @@ chorus_result_t chorus_gpt_create(const chorus_gpt_config_t *cfg, int max_batch,
   size_t per_block = N * C * 2 + N * 2 + N * 3 * C + (size_t)max_batch * NH * Tm * Tm + N * C +
                      N * C + N * C + N * 2 + N * 4 * C * 2 + N * C;
   size_t total = N * C + per_block * L + N * C + N * 2 + N * V * 2 + N +
-                 /* backward */ N * C * 2 + N * 4 * C * 2 + N * 3 * C + (size_t)Tm * Tm + N * V;
+                 /* backward */ N * C * 2 + N * 4 * C * 2 + N * 3 * C + chorus__attention_scratch(Tm, C, NH) + N * V;
   m->arena_size = total;
   m->arena = calloc(total, sizeof(float));
   m->blk = calloc((size_t)L, sizeof *m->blk);
@@ -228,7 +228,7 @@ chorus_result_t chorus_gpt_create(const chorus_gpt_config_t *cfg, int max_batch,
   TAKE(m->dbig, N * 4 * C);
   TAKE(m->dbig2, N * 4 * C);
   TAKE(m->dqkv, N * 3 * C);
-  TAKE(m->datt, (size_t)Tm * Tm);
+  TAKE(m->datt, chorus__attention_scratch(Tm, C, NH));
   TAKE(m->dlogits, N * V);
 #undef TAKE
   if ((size_t)(p - m->arena) > total) {
@@ -314,7 +314,7 @@ chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens, const int
     chorus__layernorm_fwd(a->ln1, a->ln1_mean, a->ln1_rstd, x, PAR(l, P_LN1W), PAR(l, P_LN1B), N,
                           C);
     chorus__linear_fwd(a->qkv, a->ln1, PAR(l, P_QKVW), PAR(l, P_QKVB), NULL, N, C, 3 * C);
-    chorus__attention_fwd(a->atty, a->att, a->qkv, B, T, C, NH);
+    chorus__attention_fwd(a->atty, a->att, a->qkv, m->datt, B, T, C, NH);
     chorus__linear_fwd(a->res2, a->atty, PAR(l, P_PROJW), PAR(l, P_PROJB), x, N, C, C);
     chorus__layernorm_fwd(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, PAR(l, P_LN2W),
                           PAR(l, P_LN2B), N, C);

@@ -10,12 +10,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The elementwise loops (GELU, softmax) are compiled twice: AVX2 + FMA and
- * the baseline, picked at load time by the CPU (GCC function multiversioning),
- * never -march=native.  Their exponential is fast_expf below. */
+/* The loops written to vectorise (GELU, softmax, layernorm, the attention
+ * kernels) are compiled twice: for x86-64-v3 (AVX2 + FMA + F16C...) and the
+ * baseline, picked at load time by the CPU (GCC function multiversioning),
+ * never -march=native.  One clone string per target: "avx2,fma" would be
+ * two clones, AVX2 without FMA and FMA without AVX2, and the loader picks
+ * the first. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2,fma", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
 #endif
@@ -264,44 +267,197 @@ static void softmax_row_bwd(float *d, const float *p, int k, int n) {
   for (u = k; u < n; u++) d[u] = 0.0f;
 }
 
-/* The causal mask makes the upper right of every T x T score matrix zero,
- * so the products run over blocks of ATT_ROWS query rows: rows [r0, r1)
- * only see keys [0, r1).  With T = 128 that is 5/8 of the full products'
- * work; smaller blocks save more but run OpenBLAS on ever smaller
- * matrices (measured: 32 rows was the best here). */
-#define ATT_ROWS 32
+/* The attention products are small (T x T x hs per head: 128 x 128 x 32 by
+ * default) and causal, which a general sgemm serves badly: thousands of
+ * calls per step, each packing its operands, and the upper triangle either
+ * computed and thrown away or cut into ever smaller calls (the BLAS
+ * version ran at 30-50 GFLOP/s, the linear layers' products at ~90).  So
+ * they are three register-blocked kernels of their own, each computing
+ * KR rows x KW columns of its output in KR x KW accumulators (4 x 16 floats:
+ * eight AVX2 registers) and skipping the masked part by blocks:
+ *
+ *   causal_abt  out[t][u] = alpha sum_d A[t][d] Bt[d][u]   u below t's block end
+ *   causal_pb   out[t][:] = alpha sum_u P[t][u] B[u][:]     u below t's block end
+ *   causal_atb  out[u][:] = alpha sum_t A[t][u] B[t][:]     t from u's block start
+ *
+ * P and A are zero above the diagonal (the softmax and its backward write
+ * those zeros up to the end of each row's block), so the few products
+ * past the diagonal inside a block add nothing.  Operands read as vectors
+ * (Bt, B) have their rows padded to a multiple of KW with zeros: pack_rows
+ * and pack_cols make those copies, or pass rows through when hs is already
+ * a multiple of KW.  Rows past T in a block repeat the last row and are
+ * not stored. */
+#define KR 6
+#define KW 16
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+/* The accumulators are GCC/Clang vector variables (8 floats each), not an
+ * array: GCC keeps an acc[4][16] array on the stack and pays a load and a
+ * store per multiply-add.  The baseline clone gets them as pairs of SSE
+ * registers. */
+typedef float v8 __attribute__((vector_size(32)));
+
+/* (No vector arguments or return values: the baseline clone would pass
+ * them differently from the AVX one.) */
+static inline void load8(v8 *v, const float *p) { memcpy(v, p, sizeof *v); }
+
+/* acc[r][j] for a KR x KW block, as 2 vectors per row. */
+typedef struct {
+  v8 c[KR][2];
+} block_t;
+
+static inline void block_fma(block_t *k, const float x[KR], const float *b) {
+  v8 b0, b1;
+  load8(&b0, b);
+  load8(&b1, b + 8);
+  for (int r = 0; r < KR; r++) {
+    k->c[r][0] += x[r] * b0;
+    k->c[r][1] += x[r] * b1;
+  }
+}
+
+static inline void block_store(const block_t *k, float *out, int ldo, int rows, int w,
+                               float alpha) {
+  for (int r = 0; r < rows; r++) {
+    v8 lo = alpha * k->c[r][0], hi = alpha * k->c[r][1];
+    float *o = out + (size_t)r * ldo;
+    if (w == KW) {
+      memcpy(o, &lo, sizeof lo);
+      memcpy(o + 8, &hi, sizeof hi);
+    } else {
+      float tmp[KW];
+      memcpy(tmp, &lo, sizeof lo);
+      memcpy(tmp + 8, &hi, sizeof hi);
+      for (int j = 0; j < w; j++) o[j] = tmp[j];
+    }
+  }
+}
+
+VECTOR_CLONES
+static void causal_abt(float *restrict out, int ldo, const float *A, int lda,
+                       const float *restrict Bt, int ldb, int T, int K, float alpha) {
+  for (int t0 = 0; t0 < T; t0 += KR) {
+    const int rows = imin(KR, T - t0), ucount = t0 + rows;
+    const float *a[KR];
+    for (int r = 0; r < KR; r++) a[r] = A + (size_t)(t0 + imin(r, rows - 1)) * lda;
+    for (int u0 = 0; u0 < ucount; u0 += KW) {
+      block_t k = {0};
+      for (int d = 0; d < K; d++) {
+        float x[KR];
+        for (int r = 0; r < KR; r++) x[r] = a[r][d];
+        block_fma(&k, x, Bt + (size_t)d * ldb + u0);
+      }
+      /* A whole strip is stored when the rows have room for it: what lands
+       * past the block's diagonal is overwritten by the softmax (forward)
+       * or never read (backward, see chorus__attention_bwd). */
+      block_store(&k, out + (size_t)t0 * ldo + u0, ldo, rows,
+                  u0 + KW <= T ? KW : imin(KW, ucount - u0), alpha);
+    }
+  }
+}
+
+VECTOR_CLONES
+static void causal_pb(float *restrict out, int ldo, const float *P, int ldp,
+                      const float *restrict B, int ldb, int T, int K, float alpha) {
+  for (int t0 = 0; t0 < T; t0 += KR) {
+    const int rows = imin(KR, T - t0), ucount = t0 + rows;
+    const float *p[KR];
+    for (int r = 0; r < KR; r++) p[r] = P + (size_t)(t0 + imin(r, rows - 1)) * ldp;
+    for (int d0 = 0; d0 < K; d0 += KW) {
+      block_t k = {0};
+      for (int u = 0; u < ucount; u++) {
+        float x[KR];
+        for (int r = 0; r < KR; r++) x[r] = p[r][u];
+        block_fma(&k, x, B + (size_t)u * ldb + d0);
+      }
+      block_store(&k, out + (size_t)t0 * ldo + d0, ldo, rows, imin(KW, K - d0), alpha);
+    }
+  }
+}
+
+VECTOR_CLONES
+static void causal_atb(float *restrict out, int ldo, const float *A, int lda,
+                       const float *restrict B, int ldb, int T, int K, float alpha) {
+  for (int u0 = 0; u0 < T; u0 += KR) {
+    const int rows = imin(KR, T - u0);
+    int col[KR];
+    for (int r = 0; r < KR; r++) col[r] = u0 + imin(r, rows - 1);
+    for (int d0 = 0; d0 < K; d0 += KW) {
+      block_t k = {0};
+      for (int t = u0; t < T; t++) {
+        const float *arow = A + (size_t)t * lda;
+        float x[KR];
+        for (int r = 0; r < KR; r++) x[r] = arow[col[r]];
+        block_fma(&k, x, B + (size_t)t * ldb + d0);
+      }
+      block_store(&k, out + (size_t)u0 * ldo + d0, ldo, rows, imin(KW, K - d0), alpha);
+    }
+  }
+}
+
+/* T rows of hs floats (row stride ld) as rows of hsp = hs rounded up to KW
+ * (zero-padded) in dst; the rows themselves when hs already is. */
+static const float *pack_rows(float *dst, const float *src, int ld, int T, int hs, int *ldout) {
+  const int hsp = round_up(hs, KW);
+  if (hsp == hs) {
+    *ldout = ld;
+    return src;
+  }
+  for (int t = 0; t < T; t++) {
+    memcpy(dst + (size_t)t * hsp, src + (size_t)t * ld, sizeof(float) * (size_t)hs);
+    memset(dst + (size_t)t * hsp + hs, 0, sizeof(float) * (size_t)(hsp - hs));
+  }
+  *ldout = hsp;
+  return dst;
+}
+
+/* The transpose: dst[d][t] = src[t][d], rows of T rounded up to KW. */
+static void pack_cols(float *dst, const float *src, int ld, int T, int hs) {
+  const int tp = round_up(T, KW);
+  for (int d = 0; d < hs; d++) {
+    float *row = dst + (size_t)d * tp;
+    for (int t = 0; t < T; t++) row[t] = src[(size_t)t * ld + d];
+    for (int t = T; t < tp; t++) row[t] = 0.0f;
+  }
+}
+
+size_t chorus__attention_scratch(int T, int C, int NH) {
+  const size_t hs = (size_t)(C / NH), tp = (size_t)round_up(T, KW), hsp = (size_t)round_up((int)hs, KW);
+  return (size_t)T * T + 2 * hs * tp + 3 * (size_t)T * hsp;
+}
 
 /* For one (b, h): Q, K, V are T x hs with row stride 3C inside qkv; the
  * output rows have stride C. */
-void chorus__attention_fwd(float *out, float *att, const float *qkv, int B, int T, int C, int NH) {
+void chorus__attention_fwd(float *out, float *att, const float *qkv, float *scratch, int B, int T,
+                           int C, int NH) {
   const int hs = C / NH, ld = 3 * C;
   const float scale = 1.0f / sqrtf((float)hs);
+  float *Kt = scratch, *Vbuf = Kt + (size_t)hs * round_up(T, KW);
   for (int b = 0; b < B; b++)
     for (int h = 0; h < NH; h++) {
       const float *Q = qkv + (size_t)b * T * ld + (size_t)h * hs;
       const float *K = Q + C, *V = Q + 2 * C;
       float *P = att + ((size_t)b * NH + h) * T * T;
-      float *Y = out + (size_t)b * T * C + (size_t)h * hs;
-      for (int r0 = 0; r0 < T; r0 += ATT_ROWS) {
-        const int r1 = r0 + ATT_ROWS < T ? r0 + ATT_ROWS : T, M = r1 - r0;
-        float *Pr = P + (size_t)r0 * T;
-        /* S = scale Q K^T, then a causal softmax row by row. */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, r1, hs, scale,
-                    Q + (size_t)r0 * ld, ld, K, ld, 0.0f, Pr, T);
-        for (int t = r0; t < r1; t++) softmax_row(P + (size_t)t * T, t + 1, T);
-        /* Y = P V */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hs, r1, 1.0f, Pr, T, V, ld, 0.0f,
-                    Y + (size_t)r0 * C, C);
-      }
+      int ldv;
+      pack_cols(Kt, K, ld, T, hs);
+      const float *Vp = pack_rows(Vbuf, V, ld, T, hs, &ldv);
+      /* S = scale Q K^T, then a causal softmax row by row (zeros past the
+       * diagonal to the end of the row). */
+      causal_abt(P, T, Q, ld, Kt, round_up(T, KW), T, hs, scale);
+      for (int t = 0; t < T; t++) softmax_row(P + (size_t)t * T, t + 1, T);
+      /* Y = P V */
+      causal_pb(out + (size_t)b * T * C + (size_t)h * hs, C, P, T, Vp, ldv, T, hs, 1.0f);
     }
 }
 
 void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, const float *att,
                            float *scratch, int B, int T, int C, int NH) {
-  const int hs = C / NH, ld = 3 * C;
+  const int hs = C / NH, ld = 3 * C, tp = round_up(T, KW), hsp = round_up(hs, KW);
   const float scale = 1.0f / sqrtf((float)hs);
-  float *dP = scratch;
-  const int last = (T - 1) / ATT_ROWS * ATT_ROWS;
+  float *dP = scratch, *Vt = dP + (size_t)T * T, *buf = Vt + (size_t)hs * tp;
+  float *Qbuf = buf, *Kbuf = buf + (size_t)T * hsp, *dYbuf = Kbuf + (size_t)T * hsp;
   for (int b = 0; b < B; b++)
     for (int h = 0; h < NH; h++) {
       const float *Q = qkv + (size_t)b * T * ld + (size_t)h * hs;
@@ -310,26 +466,21 @@ void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, con
       float *dK = dQ + C, *dV = dQ + 2 * C;
       const float *P = att + ((size_t)b * NH + h) * T * T;
       const float *dY = dout + (size_t)b * T * C + (size_t)h * hs;
-      /* The last block (keys [0, T)) goes first and writes dK and dV; the
-       * others add to their first r1 rows. */
-      for (int r0 = last; r0 >= 0; r0 -= ATT_ROWS) {
-        const int r1 = r0 + ATT_ROWS < T ? r0 + ATT_ROWS : T, M = r1 - r0;
-        const float beta = r0 == last ? 0.0f : 1.0f;
-        const float *Pr = P + (size_t)r0 * T;
-        float *dPr = dP + (size_t)r0 * T;
-        /* dP = dY V^T;  dV += P^T dY */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, r1, hs, 1.0f,
-                    dY + (size_t)r0 * C, C, V, ld, 0.0f, dPr, T);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, M, 1.0f, Pr, T,
-                    dY + (size_t)r0 * C, C, beta, dV, ld);
-        /* Softmax backward: masked entries have P = 0 and get 0. */
-        for (int t = r0; t < r1; t++) softmax_row_bwd(dP + (size_t)t * T, P + (size_t)t * T, t + 1, r1);
-        /* S = scale Q K^T:  dQ = scale dS K;  dK += scale dS^T Q */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hs, r1, scale, dPr, T, K, ld,
-                    0.0f, dQ + (size_t)r0 * ld, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, M, scale, dPr, T,
-                    Q + (size_t)r0 * ld, ld, beta, dK, ld);
-      }
+      int ldq, ldk, ldy;
+      pack_cols(Vt, V, ld, T, hs);
+      const float *Qp = pack_rows(Qbuf, Q, ld, T, hs, &ldq);
+      const float *Kp = pack_rows(Kbuf, K, ld, T, hs, &ldk);
+      const float *dYp = pack_rows(dYbuf, dY, C, T, hs, &ldy);
+      /* dP = dY V^T;  dV = P^T dY */
+      causal_abt(dP, T, dY, C, Vt, tp, T, hs, 1.0f);
+      causal_atb(dV, ld, P, T, dYp, ldy, T, hs, 1.0f);
+      /* Softmax backward; zeros past the diagonal to the end of the row's
+       * block of KR rows (what the kernels below read). */
+      for (int t = 0; t < T; t++)
+        softmax_row_bwd(dP + (size_t)t * T, P + (size_t)t * T, t + 1, imin(T, (t / KR + 1) * KR));
+      /* S = scale Q K^T:  dQ = scale dS K;  dK = scale dS^T Q */
+      causal_pb(dQ, ld, dP, T, Kp, ldk, T, hs, scale);
+      causal_atb(dK, ld, dP, T, Qp, ldq, T, hs, scale);
     }
 }
 

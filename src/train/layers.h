@@ -42,8 +42,11 @@ void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, c
  * query, C key and C value channels, head h using channels [h*hs, (h+1)*hs)
  * of each (hs = C/NH).  out (B,T,C); att (B,NH,T,T) saves the softmax
  * probabilities (zero above the diagonal). */
-void chorus__attention_fwd(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
-/* dqkv = ... (overwritten); scratch needs T*T floats. */
+void chorus__attention_fwd(float *out, float *att, const float *qkv, float *scratch, int B, int T,
+                           int C, int NH);
+/* dqkv = ... (overwritten).  Both directions need
+ * chorus__attention_scratch(T, C, NH) floats of scratch. */
+size_t chorus__attention_scratch(int T, int C, int NH);
 void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, const float *att,
                            float *scratch, int B, int T, int C, int NH);
 

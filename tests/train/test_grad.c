@@ -113,28 +113,30 @@ TEST(linear) {
   free(x), free(W), free(bias), free(res), free(g), free(dx), free(dW), free(db), free(g_out);
 }
 
-static float *g_att;
-static int g_at, g_ab;
+static float *g_att, *g_scratch;
+static int g_at, g_ab, g_ac, g_anh;
 static double eval_attn(float *qkv) {
-  chorus__attention_fwd(g_out, g_att, qkv, g_ab, g_at, C, NH);
-  return dot(g_out, g_g, (size_t)g_ab * g_at * C);
+  chorus__attention_fwd(g_out, g_att, qkv, g_scratch, g_ab, g_at, g_ac, g_anh);
+  return dot(g_out, g_g, (size_t)g_ab * g_at * g_ac);
 }
 
-/* At T = 5 (one block of query rows) and T = 70 (blocks of 32, 32 and 6:
- * the causal blocking, the dK/dV accumulation across blocks and a partial
- * last block). */
-static void check_attention(int b, int t) {
-  g_ab = b, g_at = t;
-  size_t n = (size_t)b * t * 3 * C;
-  float *qkv = rvec(n, 1), *g = rvec((size_t)b * t * C, 1), *dqkv = rvec(n, 5);
-  float *scratch = rvec((size_t)t * t, 5); /* garbage: must not leak in */
-  g_att = rvec((size_t)b * NH * t * t, 5);
-  g_out = rvec((size_t)b * t * C, 5);
+/* Shapes that exercise the kernels' edges: T not a multiple of the 4-row
+ * blocks or the 16-column strips, head sizes that need padded copies (4)
+ * and that are read in place (16, 32), one row, and the default T = 128.
+ * Every output and scratch buffer starts with garbage. */
+static void check_attention(int b, int t, int c, int nh) {
+  g_ab = b, g_at = t, g_ac = c, g_anh = nh;
+  size_t n = (size_t)b * t * 3 * c;
+  float *qkv = rvec(n, 1), *g = rvec((size_t)b * t * c, 1), *dqkv = rvec(n, 5);
+  float *scratch = rvec(chorus__attention_scratch(t, c, nh), 5);
+  g_scratch = scratch;
+  g_att = rvec((size_t)b * nh * t * t, 5);
+  g_out = rvec((size_t)b * t * c, 5);
   g_g = g;
-  chorus__attention_fwd(g_out, g_att, qkv, b, t, C, NH);
+  chorus__attention_fwd(g_out, g_att, qkv, scratch, b, t, c, nh);
   /* Causality: row i of every probability matrix is zero above i and sums
    * to 1. */
-  for (int bh = 0; bh < b * NH; bh++)
+  for (int bh = 0; bh < b * nh; bh++)
     for (int i = 0; i < t; i++) {
       double sum = 0;
       for (int u = 0; u < t; u++) {
@@ -144,14 +146,19 @@ static void check_attention(int b, int t) {
       }
       ASSERT_TRUE(fabs(sum - 1.0) < 1e-5);
     }
-  chorus__attention_bwd(dqkv, g, qkv, g_att, scratch, b, t, C, NH);
+  chorus__attention_bwd(dqkv, g, qkv, g_att, scratch, b, t, c, nh);
   CHECK_GRAD("attention.dqkv", qkv, n, dqkv, eval_attn(qkv));
   free(qkv), free(g), free(dqkv), free(scratch), free(g_att), free(g_out);
 }
 
 TEST(attention) {
-  check_attention(B, T);
-  check_attention(1, 70);
+  check_attention(B, T, C, NH); /* hs 4 */
+  check_attention(1, 70, C, NH);
+  check_attention(1, 1, C, NH);
+  check_attention(2, 37, 64, 2); /* hs 32, in place */
+  check_attention(1, 19, 16, 1); /* hs 16 */
+  check_attention(1, 23, 40, 2); /* hs 20: one full strip and a padded one */
+  check_attention(1, 128, 64, 2);
 }
 
 static double eval_gelu(float *x, size_t n) {
