@@ -188,12 +188,12 @@ chorus_result_t chorus_ddp_broadcast_buffers(chorus_ddp_t *d) {
   const int root = chorus_comm_rank(d->comm) == 0;
   size_t off = 0;
   for (int i = 0; i < d->nbufs && root; off += d->bufs[i].bytes, i++)
-    memcpy(d->stage + off, d->bufs[i].data, d->bufs[i].bytes);
+    if (d->bufs[i].bytes) memcpy(d->stage + off, d->bufs[i].data, d->bufs[i].bytes);
   chorus_result_t st = chorus_broadcast(d->comm, d->stage, total, CHORUS_UINT8, 0, NULL);
   if (st != CHORUS_OK || root) return st;
   off = 0;
   for (int i = 0; i < d->nbufs; off += d->bufs[i].bytes, i++)
-    memcpy(d->bufs[i].data, d->stage + off, d->bufs[i].bytes);
+    if (d->bufs[i].bytes) memcpy(d->bufs[i].data, d->stage + off, d->bufs[i].bytes);
   return CHORUS_OK;
 }
 
