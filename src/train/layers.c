@@ -72,23 +72,38 @@ static inline float fast_tanhf(float u) {
   return u * p / q;
 }
 
-/* Reductions over a row in LANES independent partial results, combined in
- * a fixed order at the end: GCC vectorises the lane loop without
- * -ffast-math, and the result does not depend on the machine (the same
- * partial sums in the same order on every rank). */
-#define LANES 8
+/* Vectors of 8 floats (GCC/Clang vector extension; the baseline clone gets
+ * pairs of SSE registers).  No function takes or returns one by value: the
+ * baseline and AVX clones would pass them differently. */
+typedef float v8 __attribute__((vector_size(32)));
+#define SPLAT8(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
 
+static inline void load8(v8 *v, const float *p) { memcpy(v, p, sizeof *v); }
+
+/* The 8 lanes added in a fixed order. */
+static inline float lanes_sum(const v8 *acc) {
+  float t[8], s = 0;
+  memcpy(t, acc, sizeof t);
+  for (int j = 0; j < 8; j++) s += t[j];
+  return s;
+}
+
+/* Reductions over a row keep 8 partial results (one vector) combined in a
+ * fixed order at the end, then the tail: the same sums in the same order
+ * on every rank, and vector code without -ffast-math. */
 static inline float row_sum(const float *x, int n) {
-  float acc[LANES] = {0};
+  v8 acc = SPLAT8(0.0f), v;
   int i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; j++) acc[j] += x[i + j];
-  float s = 0;
-  for (int j = 0; j < LANES; j++) s += acc[j];
+  for (; i + 8 <= n; i += 8) {
+    load8(&v, x + i);
+    acc += v;
+  }
+  float s = lanes_sum(&acc);
   for (; i < n; i++) s += x[i];
   return s;
 }
 
+#define LANES 8
 static inline float row_max(const float *x, int n) {
   float acc[LANES];
   for (int j = 0; j < LANES; j++) acc[j] = x[0];
@@ -103,32 +118,23 @@ static inline float row_max(const float *x, int n) {
 
 /* sum((x - c)^2) */
 static inline float row_sqdev(const float *x, float c, int n) {
-  float acc[LANES] = {0};
+  const v8 cv = SPLAT8(c);
+  v8 acc = SPLAT8(0.0f), v;
   int i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; j++) acc[j] += (x[i + j] - c) * (x[i + j] - c);
-  float s = 0;
-  for (int j = 0; j < LANES; j++) s += acc[j];
+  for (; i + 8 <= n; i += 8) {
+    load8(&v, x + i);
+    v -= cv;
+    acc += v * v;
+  }
+  float s = lanes_sum(&acc);
   for (; i < n; i++) s += (x[i] - c) * (x[i] - c);
   return s;
 }
 
 /* x[i] = exp(x[i] - c) for i < n; returns their sum. */
 static inline float row_exp_sum(float *x, float c, int n) {
-  float acc[LANES] = {0};
-  int i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; j++) {
-      x[i + j] = fast_expf(x[i + j] - c);
-      acc[j] += x[i + j];
-    }
-  float s = 0;
-  for (int j = 0; j < LANES; j++) s += acc[j];
-  for (; i < n; i++) {
-    x[i] = fast_expf(x[i] - c);
-    s += x[i];
-  }
-  return s;
+  for (int i = 0; i < n; i++) x[i] = fast_expf(x[i] - c);
+  return row_sum(x, n);
 }
 
 /* ------------------------------------------------------------ embeddings */
@@ -182,16 +188,18 @@ void chorus__layernorm_bwd(float *restrict dx, float *restrict dw, float *restri
     const float m = mean[n], s = rstd[n];
     /* With xhat = (x - m) s and g = dout * w:
      * dx = s (g - mean(g) - xhat mean(g xhat)). */
-    float ga[LANES] = {0}, gxa[LANES] = {0};
+    const v8 mv = SPLAT8(m), sv = SPLAT8(s);
+    v8 ga = SPLAT8(0.0f), gxa = SPLAT8(0.0f), xv, dv, wv;
     int i = 0;
-    for (; i + LANES <= C; i += LANES)
-      for (int j = 0; j < LANES; j++) {
-        float xhat = (xi[i + j] - m) * s, g = d[i + j] * w[i + j];
-        ga[j] += g;
-        gxa[j] += g * xhat;
-      }
-    float gsum = 0, gxsum = 0;
-    for (int j = 0; j < LANES; j++) gsum += ga[j], gxsum += gxa[j];
+    for (; i + 8 <= C; i += 8) {
+      load8(&xv, xi + i);
+      load8(&dv, d + i);
+      load8(&wv, w + i);
+      const v8 xhat = (xv - mv) * sv, g = dv * wv;
+      ga += g;
+      gxa += g * xhat;
+    }
+    float gsum = lanes_sum(&ga), gxsum = lanes_sum(&gxa);
     for (; i < C; i++) {
       float xhat = (xi[i] - m) * s, g = d[i] * w[i];
       gsum += g;
@@ -256,12 +264,14 @@ static void softmax_row(float *row, int k, int n) {
 /* dS = P (dP - sum(P dP)) over the first k entries of a row, 0 after. */
 VECTOR_CLONES
 static void softmax_row_bwd(float *d, const float *p, int k, int n) {
-  float acc[LANES] = {0};
+  v8 acc = SPLAT8(0.0f), pv, dv;
   int u = 0;
-  for (; u + LANES <= k; u += LANES)
-    for (int j = 0; j < LANES; j++) acc[j] += p[u + j] * d[u + j];
-  float dot = 0;
-  for (int j = 0; j < LANES; j++) dot += acc[j];
+  for (; u + 8 <= k; u += 8) {
+    load8(&pv, p + u);
+    load8(&dv, d + u);
+    acc += pv * dv;
+  }
+  float dot = lanes_sum(&acc);
   for (; u < k; u++) dot += p[u] * d[u];
   for (u = 0; u < k; u++) d[u] = p[u] * (d[u] - dot);
   for (u = k; u < n; u++) d[u] = 0.0f;
@@ -293,16 +303,9 @@ static void softmax_row_bwd(float *d, const float *p, int k, int n) {
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-/* The accumulators are GCC/Clang vector variables (8 floats each), not an
- * array: GCC keeps an acc[4][16] array on the stack and pays a load and a
- * store per multiply-add.  The baseline clone gets them as pairs of SSE
- * registers. */
-typedef float v8 __attribute__((vector_size(32)));
-
-/* (No vector arguments or return values: the baseline clone would pass
- * them differently from the AVX one.) */
-static inline void load8(v8 *v, const float *p) { memcpy(v, p, sizeof *v); }
-
+/* The accumulators are vector variables (v8, above), not an array: GCC
+ * keeps an acc[KR][KW] array on the stack and pays a load and a store per
+ * multiply-add. */
 /* acc[r][j] for a KR x KW block, as 2 vectors per row. */
 typedef struct {
   v8 c[KR][2];

