@@ -131,10 +131,10 @@ static inline float row_sqdev(const float *x, float c, int n) {
   return s;
 }
 
-/* x[i] = exp(x[i] - c) for i < n; returns their sum. */
-static inline float row_exp_sum(float *x, float c, int n) {
-  for (int i = 0; i < n; i++) x[i] = fast_expf(x[i] - c);
-  return row_sum(x, n);
+/* y[i] = exp(x[i] - c) for i < n (y may be x); returns their sum. */
+static inline float row_exp_sum(float *y, const float *x, float c, int n) {
+  for (int i = 0; i < n; i++) y[i] = fast_expf(x[i] - c);
+  return row_sum(y, n);
 }
 
 /* ------------------------------------------------------------ embeddings */
@@ -256,7 +256,7 @@ void chorus__linear_bwd(float *dx, float *dW, float *dbias, const float *dout, c
  * n - k zero (the causal mask). */
 VECTOR_CLONES
 static void softmax_row(float *row, int k, int n) {
-  float inv = 1.0f / row_exp_sum(row, row_max(row, k), k);
+  float inv = 1.0f / row_exp_sum(row, row, row_max(row, k), k);
   for (int u = 0; u < k; u++) row[u] *= inv;
   for (int u = k; u < n; u++) row[u] = 0.0f;
 }
@@ -523,8 +523,7 @@ float chorus__xent_fwd(float *probs, float *losses, const float *logits, const i
   for (int n = 0; n < N; n++) {
     const float *l = logits + (size_t)n * V;
     float *p = probs + (size_t)n * V, mx = row_max(l, V);
-    memcpy(p, l, sizeof(float) * (size_t)V);
-    float sum = row_exp_sum(p, mx, V), inv = 1.0f / sum;
+    float sum = row_exp_sum(p, l, mx, V), inv = 1.0f / sum;
     for (int v = 0; v < V; v++) p[v] *= inv;
     if (targets[n] < 0) {
       losses[n] = 0.0f;
