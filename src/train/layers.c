@@ -103,15 +103,20 @@ static inline float row_sum(const float *x, int n) {
   return s;
 }
 
-#define LANES 8
+typedef int i8 __attribute__((vector_size(32)));
+
 static inline float row_max(const float *x, int n) {
-  float acc[LANES];
-  for (int j = 0; j < LANES; j++) acc[j] = x[0];
+  v8 acc = SPLAT8(x[0]), v;
   int i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
-  float m = acc[0];
-  for (int j = 1; j < LANES; j++) m = acc[j] > m ? acc[j] : m;
+  for (; i + 8 <= n; i += 8) {
+    load8(&v, x + i);
+    const i8 gt = v > acc; /* lanes where v wins: all ones */
+    acc = (v8)(((i8)v & gt) | ((i8)acc & ~gt));
+  }
+  float t[8], m;
+  memcpy(t, &acc, sizeof t);
+  m = t[0];
+  for (int j = 1; j < 8; j++) m = t[j] > m ? t[j] : m;
   for (; i < n; i++) m = x[i] > m ? x[i] : m;
   return m;
 }
