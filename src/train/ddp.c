@@ -169,8 +169,8 @@ chorus_result_t chorus_ddp_add_buffer(chorus_ddp_t *d, void *data, size_t count,
 
 /* One broadcast for all the buffers (PyTorch coalesces them the same way):
  * in place when there is one, else packed into a staging area.  Ranks
- * that registered different buffers send different byte counts, which the
- * collective reports as a mismatch on every rank. */
+ * that registered different buffers send different byte counts: the
+ * collective reports a mismatch, and every rank fails by its next call. */
 chorus_result_t chorus_ddp_broadcast_buffers(chorus_ddp_t *d) {
   if (d->nbufs == 0 || chorus_comm_size(d->comm) == 1) return CHORUS_OK;
   if (d->nbufs == 1)
