@@ -233,6 +233,10 @@ CHORUS_API int chorus_comm_size(chorus_comm_t comm);
 /* LOCAL_RANK / LOCAL_WORLD_SIZE when known, else -1. */
 CHORUS_API int chorus_comm_local_rank(chorus_comm_t comm);
 CHORUS_API int chorus_comm_local_size(chorus_comm_t comm);
+/* 1 when rank peer of comm runs on this rank's host (same host name and
+ * boot id, exchanged at rendezvous: they share CLOCK_MONOTONIC and can
+ * share memory), 0 when not, -1 for a peer that is not a rank of comm. */
+CHORUS_API int chorus_comm_same_host(chorus_comm_t comm, int peer);
 
 /* Human-readable reason for the communicator's last error ("" if none).
  * Valid until the next failing call on this communicator. */

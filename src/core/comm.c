@@ -234,8 +234,7 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
   if (!strcasecmp(mode, "tcp") || comm->size < 2) return CHORUS_OK;
   int strict = !strcasecmp(mode, "shm");
   int local = comm->size <= CHORUS__SHM_MAX_RANKS;
-  for (int i = 0; i < comm->size && local; i++)
-    local = ctx->host[comm->world_ranks[i]] == ctx->host[ctx->rank];
+  for (int i = 0; i < comm->size && local; i++) local = chorus_comm_same_host(comm, i) == 1;
   if (!local) {
     if (strict) {
       chorus__comm_set_error(comm, "chorus rank %d/%d: CHORUS_TRANSPORT=shm but the group spans "
@@ -668,6 +667,11 @@ int chorus_comm_rank(chorus_comm_t comm) { return comm ? comm->rank : -1; }
 int chorus_comm_size(chorus_comm_t comm) { return comm ? comm->size : -1; }
 int chorus_comm_local_rank(chorus_comm_t comm) { return comm ? comm->local_rank : -1; }
 int chorus_comm_local_size(chorus_comm_t comm) { return comm ? comm->local_size : -1; }
+int chorus_comm_same_host(chorus_comm_t comm, int peer) {
+  if (!comm || peer < 0 || peer >= comm->size) return -1;
+  const chorus__ctx_t *ctx = comm->ctx;
+  return ctx->host[comm->world_ranks[peer]] == ctx->host[ctx->rank];
+}
 int chorus_comm_timeout_ms(chorus_comm_t comm) { return comm ? comm->timeout_ms : -1; }
 
 const char *chorus_comm_last_error(chorus_comm_t comm) { return comm ? comm->last_error : ""; }

@@ -261,6 +261,14 @@ TEST(invalid_arguments_are_rejected) {
   CHECK_OK(chorus_barrier(g_comm, NULL));
 }
 
+/* chorusrun starts every rank on this host. */
+TEST(same_host) {
+  for (int r = 0; r < g_size; r++) ASSERT_EQ(chorus_comm_same_host(g_comm, r), 1);
+  ASSERT_EQ(chorus_comm_same_host(g_comm, -1), -1);
+  ASSERT_EQ(chorus_comm_same_host(g_comm, g_size), -1);
+  ASSERT_EQ(chorus_comm_same_host(NULL, 0), -1);
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   chorus_result_t st = chorus_comm_init_env(&g_comm);
@@ -279,6 +287,7 @@ int main(void) {
   RUN(p2p_large);
   RUN(overlapping_subgroups_concurrently);
   RUN(invalid_arguments_are_rejected);
+  RUN(same_host);
   chorus_comm_destroy(g_comm);
   return HARNESS_DONE();
 }

@@ -250,23 +250,8 @@ static void trace_add(trace_t *tr, const char *name, int tid, int step, int buck
   tr->ev[tr->n++] = (event_t){name, tid, step, bucket, t0 + tr->skew, t1 + tr->skew, bytes};
 }
 
-/* This machine: host name and boot id (CLOCK_MONOTONIC counts from boot). */
-static int64_t host_id(void) {
-  char buf[512] = {0};
-  gethostname(buf, 255);
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (f) {
-    size_t n = strlen(buf);
-    if (!fgets(buf + n, (int)(sizeof buf - n), f)) buf[n] = 0;
-    fclose(f);
-  }
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const char *p = buf; *p; p++) h = (h ^ (unsigned char)*p) * 0x100000001b3ull;
-  return (int64_t)h;
-}
-
 /* The trace's clock is rank 0's CLOCK_MONOTONIC.  Ranks on rank 0's host
- * read the same clock (offset 0, exact).  Any other rank estimates its
+ * (chorus_comm_same_host) read the same clock (offset 0, exact).  Any other rank estimates its
  * offset by Cristian's method: it sends its time t1, rank 0 answers with
  * its own t, the answer arrives at t2, so rank 0's clock read t somewhere
  * in [t1, t2] of ours: offset = t - (t1 + t2) / 2, wrong by at most
@@ -276,11 +261,10 @@ static chorus_result_t clock_offset(chorus_comm_t comm, const trace_t *tr, int p
                                     int64_t *off, int64_t *unc) {
   enum { ROUNDS = 16, TAG = 7001 };
   *off = *unc = 0;
-  int64_t id = host_id(), *ids = malloc(sizeof(int64_t) * (size_t)g_size);
-  if (!ids) return CHORUS_ERR_NO_MEMORY;
-  chorus_result_t st = chorus_all_gather(comm, &id, ids, 1, CHORUS_INT64, NULL);
+  chorus_result_t st = CHORUS_OK;
   for (int r = 1; r < g_size && st == CHORUS_OK; r++) {
-    if (!ping && ids[r] == ids[0]) continue;
+    /* Rank 0 and rank r see the same answer (one host table). */
+    if (!ping && chorus_comm_same_host(comm, g_rank == 0 ? r : 0) == 1) continue;
     if (g_rank == 0) {
       for (int k = 0; k < ROUNDS && st == CHORUS_OK; k++) {
         int64_t t;
@@ -303,7 +287,6 @@ static chorus_result_t clock_offset(chorus_comm_t comm, const trace_t *tr, int p
       }
     }
   }
-  free(ids);
   return st;
 }
 
@@ -322,7 +305,8 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
   if (!buf) return -1;
   len += (size_t)snprintf(buf + len, cap - len,
                           "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":"
-                          "\"rank %d\",\"clock_offset_us\":%.3f,\"clock_uncertainty_us\":%.3f}},{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,"
+                          "\"rank %d\",\"clock_offset_us\":%.3f,\"clock_uncertainty_us\":%.3f}},"
+                          "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,"
                           "\"args\":{\"name\":\"compute\"}},{\"name\":\"thread_name\",\"ph\":\"M\","
                           "\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"all_reduce (buckets)\"}}",
                           g_rank, g_rank, (double)off / 1e3, (double)unc / 1e3, g_rank, g_rank);
