@@ -189,7 +189,8 @@ chorus_result_t chorus_gpt_create(const chorus_gpt_config_t *cfg, int max_batch,
   size_t per_block = N * C * 2 + N * 2 + N * 3 * C + (size_t)max_batch * NH * Tm * Tm + N * C +
                      N * C + N * C + N * 2 + N * 4 * C * 2 + N * C;
   size_t total = N * C + per_block * L + N * C + N * 2 + N * V * 2 + N +
-                 /* backward */ N * C * 2 + N * 4 * C * 2 + N * 3 * C + chorus__attention_scratch(Tm, C, NH) + N * V;
+                 /* backward */ N * C * 2 + N * 4 * C * 2 + N * 3 * C +
+                 chorus__attention_scratch(Tm, C, NH) + N * V;
   m->arena_size = total;
   m->arena = calloc(total, sizeof(float));
   m->blk = calloc((size_t)L, sizeof *m->blk);

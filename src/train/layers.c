@@ -1,7 +1,8 @@
 /*
  * layers.c - forward and backward of the transformer's layers (layers.h).
- * Matrix products go through CBLAS; the rest are plain loops the compiler
- * vectorises.  Every backward accumulates (+=) into its gradients.
+ * The linear layers' products go through CBLAS; attention has its own
+ * causal kernels; the rest are loops the compiler vectorises.  What a
+ * backward adds into and what it overwrites: layers.h.
  */
 #include "train/layers.h"
 
@@ -24,8 +25,8 @@
 #endif
 
 /* exp(x) for float, branch-free so loops over it vectorise: x = n ln2 + r
- * with |r| <= ln2 / 2 (n rounded to nearest), a degree-7 polynomial for exp(r) (Cephes' expf
- * coefficients), and 2^n built in the exponent bits.  Relative error about
+ * with |r| <= ln2 / 2 (n rounded to nearest), a degree-7 polynomial for
+ * exp(r) (Cephes' expf coefficients), and 2^n built in the exponent bits.  Relative error about
  * 2e-7 on [-87, 88]; below -87 the result is 0. */
 static inline float fast_expf(float x) {
   x = x < -87.0f ? -87.0f : x;
@@ -288,8 +289,10 @@ static void softmax_row_bwd(float *d, const float *p, int k, int n) {
  * computed and thrown away or cut into ever smaller calls (the BLAS
  * version ran at 30-50 GFLOP/s, the linear layers' products at ~90).  So
  * they are three register-blocked kernels of their own, each computing
- * KR rows x KW columns of its output in KR x KW accumulators (4 x 16 floats:
- * eight AVX2 registers) and skipping the masked part by blocks:
+ * KR rows x KW columns of its output in KR x KW accumulators (6 x 16
+ * floats: twelve AVX2 registers, which keep both FMA units busy through the
+ * 4-cycle latency; with 4 rows the backward ran 15 % slower) and skipping
+ * the masked part by blocks:
  *
  *   causal_abt  out[t][u] = alpha sum_d A[t][d] Bt[d][u]   u below t's block end
  *   causal_pb   out[t][:] = alpha sum_u P[t][u] B[u][:]     u below t's block end
@@ -308,10 +311,9 @@ static void softmax_row_bwd(float *d, const float *p, int k, int n) {
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-/* The accumulators are vector variables (v8, above), not an array: GCC
- * keeps an acc[KR][KW] array on the stack and pays a load and a store per
- * multiply-add. */
-/* acc[r][j] for a KR x KW block, as 2 vectors per row. */
+/* A KR x KW block of accumulators, 2 vectors (v8, above) per row, not a
+ * float array: GCC keeps an acc[KR][KW] array on the stack and pays a load
+ * and a store per multiply-add. */
 typedef struct {
   v8 c[KR][2];
 } block_t;
@@ -431,9 +433,11 @@ static void pack_cols(float *dst, const float *src, int ld, int T, int hs) {
   }
 }
 
+/* The backward's layout, which covers the forward's (Kt, then V padded). */
 size_t chorus__attention_scratch(int T, int C, int NH) {
-  const size_t hs = (size_t)(C / NH), tp = (size_t)round_up(T, KW), hsp = (size_t)round_up((int)hs, KW);
-  return (size_t)T * T + 2 * hs * tp + 3 * (size_t)T * hsp;
+  const int hs = C / NH;
+  const size_t tp = (size_t)round_up(T, KW), hsp = (size_t)round_up(hs, KW);
+  return (size_t)T * T + (size_t)hs * tp + 3 * (size_t)T * hsp; /* dP, Vt, Q, K, dY */
 }
 
 /* For one (b, h): Q, K, V are T x hs with row stride 3C inside qkv; the
@@ -484,8 +488,10 @@ void chorus__attention_bwd(float *dqkv, const float *dout, const float *qkv, con
       causal_atb(dV, ld, P, T, dYp, ldy, T, hs, 1.0f);
       /* Softmax backward; zeros past the diagonal to the end of the row's
        * block of KR rows (what the kernels below read). */
-      for (int t = 0; t < T; t++)
-        softmax_row_bwd(dP + (size_t)t * T, P + (size_t)t * T, t + 1, imin(T, (t / KR + 1) * KR));
+      for (int t = 0; t < T; t++) {
+        const int block_end = imin(T, (t / KR + 1) * KR);
+        softmax_row_bwd(dP + (size_t)t * T, P + (size_t)t * T, t + 1, block_end);
+      }
       /* S = scale Q K^T:  dQ = scale dS K;  dK = scale dS^T Q */
       causal_pb(dQ, ld, dP, T, Kp, ldk, T, hs, scale);
       causal_atb(dK, ld, dP, T, Qp, ldq, T, hs, scale);

@@ -229,25 +229,32 @@ static double eval_model(void) {
   return loss;
 }
 
-TEST(model) {
-  chorus_gpt_config_t cfg = {13, 6, 2, 2, 8};
-  ASSERT_EQ(chorus_gpt_create(&cfg, 2, 7, &g_m), CHORUS_OK);
+/* g_m: a 13-token vocabulary, context 6, 2 heads of 4 channels, the given
+ * number of blocks; g_tok / g_tgt: a batch of 2 x 6.  The weights get
+ * random offsets bigger than the initialisation so that every path
+ * matters. */
+static int model_setup(int layers, uint64_t seed) {
+  chorus_gpt_config_t cfg = {13, 6, layers, 2, 8};
+  if (chorus_gpt_create(&cfg, 2, seed, &g_m) != CHORUS_OK) return -1;
   for (int i = 0; i < 12; i++) {
     g_tok[i] = (i * 5 + 1) % 13;
     g_tgt[i] = (i * 3 + 2) % 13;
   }
-  /* Bigger weights than the defaults so that every path matters. */
+  float *p = chorus_gpt_params(g_m);
+  for (size_t i = 0; i < chorus_gpt_num_params(g_m); i++) p[i] += 0.3f * frand();
+  return 0;
+}
+
+TEST(model) {
+  ASSERT_EQ(model_setup(2, 7), 0);
   float *p = chorus_gpt_params(g_m);
   size_t np = chorus_gpt_num_params(g_m);
-  for (size_t i = 0; i < np; i++) p[i] += 0.3f * frand();
   float loss;
   ASSERT_EQ(chorus_gpt_forward(g_m, g_tok, g_tgt, 2, 6, &loss), CHORUS_OK);
   chorus_gpt_zero_grad(g_m);
-  int order[256], nready = 0;
   ASSERT_EQ(chorus_gpt_backward(g_m, 1.0f, NULL, NULL), CHORUS_OK);
   float *grad = malloc(sizeof(float) * np);
   memcpy(grad, chorus_gpt_grads(g_m), sizeof(float) * np);
-  (void)order, (void)nready;
   for (int k = 0; k < chorus_gpt_num_tensors(g_m); k++) {
     const chorus_gpt_tensor_t *t = chorus_gpt_tensor(g_m, k);
     CHECK_GRAD(t->name, p + t->offset, t->size, grad + t->offset, eval_model());
@@ -270,17 +277,11 @@ TEST(model) {
 /* A skipped block is the identity: the rest of the model still gets exact
  * gradients, the block's own stay zero, and it is still announced ready. */
 TEST(model_skipped_block) {
-  chorus_gpt_config_t cfg = {13, 6, 3, 2, 8};
-  ASSERT_EQ(chorus_gpt_create(&cfg, 2, 9, &g_m), CHORUS_OK);
+  ASSERT_EQ(model_setup(3, 9), 0);
   ASSERT_EQ(chorus_gpt_skip_layer(g_m, 1, 1), CHORUS_OK);
   ASSERT_EQ(chorus_gpt_skip_layer(g_m, 3, 1), CHORUS_ERR_INVALID_ARG);
-  for (int i = 0; i < 12; i++) {
-    g_tok[i] = (i * 5 + 1) % 13;
-    g_tgt[i] = (i * 3 + 2) % 13;
-  }
   float *p = chorus_gpt_params(g_m);
   size_t np = chorus_gpt_num_params(g_m);
-  for (size_t i = 0; i < np; i++) p[i] += 0.3f * frand();
   ASSERT_EQ(chorus_gpt_forward(g_m, g_tok, g_tgt, 2, 6, NULL), CHORUS_OK);
   chorus_gpt_zero_grad(g_m);
   g_nready_skip = 0;
