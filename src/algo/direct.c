@@ -139,20 +139,27 @@ static const unsigned char *src_of(chorus__coll_t *c, int r, uint64_t t, int inl
 }
 
 /* dst = src[0] op src[1] op ... op src[n-1] over cnt elements, in rank
- * order (dst may be one of the sources only if it is src[0]). */
+ * order.  dst may be one of the sources (an in-place reduce_scatter
+ * combines into its own input block): then each block is built in a
+ * scratch block first, so no source is overwritten before it is read. */
 static void combine_all(chorus__coll_t *c, unsigned char *dst, const unsigned char *const *src,
                         int n, size_t cnt) {
   if (n == 1) {
     if (dst != src[0]) memcpy(dst, src[0], cnt * c->esize);
     return;
   }
+  int alias = 0;
+  for (int r = 1; r < n; r++) alias |= src[r] == dst;
   /* Block by block, so the partial result stays in L1 between sources:
    * n reads and one write per element instead of 2(n-1) and n-1. */
+  _Alignas(64) unsigned char acc[COMBINE_BLOCK];
   const size_t es = c->esize, blk = COMBINE_BLOCK / es;
   for (size_t off = 0; off < cnt; off += blk) {
     size_t k = CHORUS__MIN(blk, cnt - off), b = off * es;
-    chorus__combine(c, dst + b, src[0] + b, src[1] + b, k);
-    for (int r = 2; r < n; r++) chorus__combine(c, dst + b, dst + b, src[r] + b, k);
+    unsigned char *to = alias ? acc : dst + b;
+    chorus__combine(c, to, src[0] + b, src[1] + b, k);
+    for (int r = 2; r < n; r++) chorus__combine(c, to, to, src[r] + b, k);
+    if (alias) memcpy(dst + b, acc, k * es);
   }
 }
 
@@ -385,10 +392,12 @@ static const unsigned char *source_buf(const chorus__coll_t *c, int kind) {
 static int use_cma(const chorus__coll_t *c, int kind) {
   const chorus__shm_t *s = c->shm;
   size_t block = c->count * c->esize;
-  if (!s->cma || block == 0 || block < s->cma_min) return 0;
-  /* In place, peers would read blocks this rank is overwriting. */
-  if (kind == K_ALLTOALL && c->sendbuf == c->recvbuf) return 0;
-  return 1;
+  /* Only values every rank shares decide (s->cma is agreed when the group
+   * forms; a correct program passes the same count everywhere): ranks must
+   * not run different protocols.  Per-rank choices such as in place are
+   * settled inside the call (cma_run). */
+  (void)kind;
+  return s->cma && block != 0 && block >= s->cma_min;
 }
 
 /* Single copy, chorus_mem_alloc flavour: this rank's source buffer as a
@@ -489,19 +498,32 @@ static chorus_result_t copy_run(chorus__coll_t *c, int kind, uint64_t t, int zc)
 }
 
 /* process_vm_readv single copy: every rank publishes its buffer's address. */
+static chorus_result_t blocks_any(chorus__coll_t *c, int reducing);
+
 static chorus_result_t cma_run(chorus__coll_t *c, int kind) {
   chorus__shm_t *s = c->shm;
   int rooted = kind == K_BCAST || kind == K_SCATTER || kind == K_GATHER;
   uint64_t t;
   chorus_result_t st = chorus__shm_claim(s, &t);
   if (st != CHORUS_OK) return st;
+  /* An in-place all_to_all overwrites blocks its peers would read: such a
+   * rank publishes address 0, and then every rank (all of them read every
+   * line) runs the staged copies instead, which are safe in place. */
   uint64_t mine = (uint64_t)(uintptr_t)source_buf(c, kind);
+  if (kind == K_ALLTOALL && c->sendbuf == c->recvbuf) mine = 0;
   put_line(c, t, &mine, sizeof mine);
   /* Fingerprints: the root (or everyone) reads every line, the others the
    * root's -- as in the staged algorithms. */
   if (!rooted || s->me == c->root) st = get_all(c, t);
   else st = get_line(c, c->root, t, NULL);
   if (st != CHORUS_OK) return st;
+  if (kind == K_ALLTOALL) {
+    for (int r = 0; r < s->n; r++) {
+      if (*(const uint64_t *)chorus__shm_line(s, r, t)->data) continue;
+      finish(c, t);
+      return blocks_any(c, 0);
+    }
+  }
   return copy_run(c, kind, t, 0);
 }
 

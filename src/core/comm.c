@@ -105,8 +105,11 @@ static chorus_result_t apply_env_algos(chorus_comm_t comm) {
         *colon = '\0';
         for (int k = 0; k < CHORUS_COLL_COUNT && !found; k++) {
           if (strcmp(tok, chorus_coll_name((chorus_coll_t)k))) continue;
-          int idx = chorus__algo_find((chorus_coll_t)k, colon + 1);
-          if (idx >= 0) {
+          /* "auto" restores the automatic choice, as in CHORUS_<COLL>_ALGO
+           * and chorus_comm_set_algo (a later entry may undo an earlier). */
+          int idx = strcasecmp(colon + 1, "auto") ? chorus__algo_find((chorus_coll_t)k, colon + 1)
+                                                  : -1;
+          if (idx >= 0 || !strcasecmp(colon + 1, "auto")) {
             comm->forced_algo[k] = idx;
             found = 1;
           }
@@ -124,7 +127,7 @@ static chorus_result_t apply_env_algos(chorus_comm_t comm) {
 chorus_result_t chorus_comm_set_algo(chorus_comm_t comm, chorus_coll_t coll, const char *name) {
   if (!comm || coll < 0 || coll >= CHORUS_COLL_COUNT) return CHORUS_ERR_INVALID_ARG;
   int idx = -1;
-  if (name && strcmp(name, "auto")) {
+  if (name && strcasecmp(name, "auto")) {
     idx = chorus__algo_find(coll, name);
     if (idx < 0) {
       chorus__comm_set_error(comm, "chorus_comm_set_algo: %s has no algorithm named '%s'",

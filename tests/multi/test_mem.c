@@ -121,6 +121,42 @@ static void others(chorus_comm_t comm, float *sh_in, float *sh_out, float *pl_in
   (void)pl_in;
 }
 
+/* Per-rank in-place choices on shared and ordinary memory: reduce_scatter
+ * and all_to_all where the ranks in `inplace` (a bit per rank) pass one
+ * buffer and the others two.  An in-place reduce_scatter on shared memory
+ * once combined into its own input block before reading it (wrong data on
+ * ranks >= 2), and an all_to_all whose ranks disagreed about in place ran
+ * two protocols with CHORUS_SHM_CMA_MIN set (the CTest runs this both
+ * ways). */
+static void in_place_mix(chorus_comm_t comm, float *in, float *out, size_t count, unsigned inplace,
+                         const char *tag) {
+  int me = chorus_comm_rank(comm), n = chorus_comm_size(comm);
+  int ip = (inplace >> me) & 1;
+  char what[200];
+  size_t bad = 0, total = count * (size_t)n;
+  /* reduce_scatter (sum): block b of rank r is value(r, i) + b */
+  for (int b = 0; b < n; b++)
+    for (size_t i = 0; i < count; i++) in[(size_t)b * count + i] = value(me, i) + (float)b;
+  float *rs_out = ip ? in + (size_t)me * count : out;
+  chorus_result_t st =
+      chorus_reduce_scatter(comm, in, rs_out, count, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+  for (size_t i = 0; i < count; i++) bad += rs_out[i] != expected(i, n, CHORUS_SUM) + (float)(me * n);
+  snprintf(what, sizeof what, "%s reduce_scatter count=%zu in-place mask=%#x", tag, count, inplace);
+  CHECK(st == CHORUS_OK && bad == 0, "%s: %s (%s), %zu of %zu wrong", what, chorus_result_name(st),
+        chorus_comm_last_error(comm), bad, count);
+  /* all_to_all: block b of rank r holds value(r * n + b, i) */
+  for (int b = 0; b < n; b++)
+    for (size_t i = 0; i < count; i++) in[(size_t)b * count + i] = value(me * n + b, i);
+  float *a_out = ip ? in : out;
+  st = chorus_all_to_all(comm, in, a_out, count, CHORUS_FLOAT32, NULL);
+  bad = 0;
+  for (int r = 0; r < n; r++)
+    for (size_t i = 0; i < count; i++) bad += a_out[(size_t)r * count + i] != value(r * n + me, i);
+  snprintf(what, sizeof what, "%s all_to_all count=%zu in-place mask=%#x", tag, count, inplace);
+  CHECK(st == CHORUS_OK && bad == 0, "%s: %s (%s), %zu of %zu wrong", what, chorus_result_name(st),
+        chorus_comm_last_error(comm), bad, total);
+}
+
 int main(void) {
   chorus_comm_t comm;
   if (chorus_comm_init_env(&comm) != CHORUS_OK) {
@@ -164,6 +200,15 @@ int main(void) {
     others(comm, in, out, plain, plain + maxc / 2, oc, "shared");
     others(comm, g_rank == 0 ? plain : in, out, plain, plain + maxc / 2, oc, "rank 0 malloc");
     others(comm, in, out, plain, plain + maxc / 2, 100, "shared small");
+    /* Every rank in place, none, only rank 1, all but rank 1; big enough
+     * (>= 64 KiB in all) for the zero-copy and single-copy paths. */
+    static const unsigned masks[] = {~0u, 0u, 2u, ~2u};
+    size_t ic = (1u << 20) / 4 / (size_t)g_size + 5;
+    for (size_t m = 0; m < sizeof masks / sizeof masks[0]; m++) {
+      in_place_mix(comm, in, out, ic, masks[m], "shared");
+      in_place_mix(comm, plain, plain + maxc / 2, ic, masks[m], "malloc");
+      in_place_mix(comm, in, out, 1000, masks[m], "shared 1000");
+    }
   }
 
   /* 3. The world's allocations from a subgroup (odd ranks, even ranks). */
