@@ -81,16 +81,17 @@ static void stream_fence(int stream) {
 }
 
 static chorus_result_t mismatch(chorus__coll_t *c, int r, const chorus__fp_t *theirs) {
-  char mine[200], other[200], doing[300];
+  char mine[200], other[200], doing[300], rd[64];
   chorus__fp_format(&c->fp, mine, sizeof mine);
   chorus__fp_format(theirs, other, sizeof other);
   chorus__ep_doing(c->ep, doing, sizeof doing);
+  chorus__ep_rank_desc(c->ep, r, rd, sizeof rd);
   chorus__ep_fail(c->ep, CHORUS_ERR_MISMATCH, 1,
-                  "chorus rank %d/%d: collective mismatch in %s: this rank called %s, rank %d "
+                  "chorus rank %d/%d: collective mismatch in %s: this rank called %s, %s "
                   "called %s (every rank must call the same collectives in the same order with "
                   "the same counts, dtype, op and root)",
-                  c->rank, c->size, doing, mine, r, other);
-  snprintf(c->err, sizeof c->err, "collective mismatch with rank %d", r);
+                  c->rank, c->size, doing, mine, rd, other);
+  snprintf(c->err, sizeof c->err, "collective mismatch with %s", rd);
   return CHORUS_ERR_MISMATCH;
 }
 

@@ -210,9 +210,11 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
 
 /* ---------------------------------------------------------- work handles */
 
-/* Completes a point-to-point handle: waits (timeout_ms < 0: the
- * communicator's timeout, which fails the communicator when it passes) and
- * records the result.  Returns CHORUS_INPROGRESS if still pending. */
+/* Completes a point-to-point handle: waits up to timeout_ms (< 0: until
+ * the outcome) and records the result.  Returns CHORUS_INPROGRESS if still
+ * pending.  Whoever waits, and however (wait(-1), wait(t), test in a
+ * loop), a send or recv pending for the communicator's timeout since it
+ * was posted fails the communicator: polling must not hang either. */
 static chorus_result_t p2p_progress(struct chorus_work *w, int timeout_ms) {
   chorus_comm_t comm = w->comm;
   pthread_mutex_lock(&comm->lock);
@@ -220,8 +222,12 @@ static chorus_result_t p2p_progress(struct chorus_work *w, int timeout_ms) {
   pthread_mutex_unlock(&comm->lock);
   if (done) return w->result;
   chorus__req_t *reqs[1] = {&w->req};
-  chorus_result_t st = timeout_ms < 0 ? chorus__ep_wait(comm->ep, reqs, 1, comm->timeout_ms)
-                                      : chorus__ep_wait_soft(comm->ep, reqs, 1, timeout_ms);
+  int64_t op_deadline = w->t_start + (int64_t)comm->timeout_ms * 1000000;
+  chorus_result_t st;
+  if (timeout_ms >= 0 && chorus__deadline_ms(timeout_ms) < op_deadline)
+    st = chorus__ep_wait_soft(comm->ep, reqs, 1, timeout_ms);
+  else
+    st = chorus__ep_wait_until(comm->ep, reqs, 1, op_deadline, comm->timeout_ms);
   if (st == CHORUS_INPROGRESS) return st;
   pthread_mutex_lock(&comm->lock);
   if (w->state != CHORUS__WORK_DONE) {

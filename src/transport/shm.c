@@ -204,10 +204,11 @@ void chorus__shm_ring(chorus__shm_t *s) {
 /* Fails the endpoint with a timeout naming the peer and where it is. */
 static chorus_result_t wait_timeout(chorus__shm_t *s, const uint64_t *word, uint64_t target,
                                     int peer, const char *what) {
-  char who[256];
+  char who[256], rd[64];
   uint64_t at = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-  snprintf(who, sizeof who, "waiting for rank %d in shared memory (%s: step %" PRIu64
-           " needed, it is at step %" PRIu64 ")", peer, what, target, at);
+  chorus__ep_rank_desc(s->ep, peer, rd, sizeof rd);
+  snprintf(who, sizeof who, "waiting for %s in shared memory (%s: step %" PRIu64
+           " needed, it is at step %" PRIu64 ")", rd, what, target, at);
   chorus__ep_fail_timeout(s->ep, s->timeout_ms, who);
   return CHORUS_ERR_TIMEOUT;
 }

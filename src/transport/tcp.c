@@ -283,6 +283,12 @@ chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap) {
   return st;
 }
 
+int chorus__ep_rank_desc(const chorus__ep_t *ep, int g, char *buf, size_t cap) {
+  if (g < 0 || g >= ep->n || (ep->n == ep->tp->size && ep->members[g] == g))
+    return snprintf(buf, cap, "rank %d", g);
+  return snprintf(buf, cap, "rank %d (world rank %d)", g, ep->members[g]);
+}
+
 /* "rank 2 of comm 0x... (world rank 5, 127.0.0.1:4000)" style peer name. */
 static void peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
   int g = ep->w2g[world];
@@ -344,9 +350,12 @@ static void ep_fail_timeout_locked(chorus__ep_t *ep, int timeout_ms, const char 
     conn_t *pc = &tp->conns[ep->members[g]];
     if (g == ep->me || pc->dead) continue;
     int64_t quiet_ms = (now - pc->last_heard) / 1000000;
-    if (quiet_ms > 4 * HEARTBEAT_MS)
-      so += (size_t)snprintf(silent + so, sizeof silent - so, "%srank %d (silent for %lld ms)",
-                             so ? ", " : "", g, (long long)quiet_ms);
+    if (quiet_ms > 4 * HEARTBEAT_MS) {
+      char rd[64];
+      chorus__ep_rank_desc(ep, g, rd, sizeof rd);
+      so += (size_t)snprintf(silent + so, sizeof silent - so, "%s%s (silent for %lld ms)",
+                             so ? ", " : "", rd, (long long)quiet_ms);
+    }
   }
   ep_fail_locked(ep, CHORUS_ERR_TIMEOUT, 1, "chorus rank %d/%d: %s timed out after %d ms %s; %s%s%s",
                  ep->me, ep->n, ep_doing(ep), timeout_ms, who,
@@ -694,11 +703,14 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
   } else if (c->rx_abort) {
     chorus__ep_t *ep = find_ep(tp, c->h.ep_id);
     if (ep) {
-      if (ep->w2g[c->rank] >= 0)
+      if (ep->w2g[c->rank] >= 0) {
         /* Forward it: whatever this rank sends later (a goodbye, say) must
          * not reach a peer before the cause does. */
-        ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: rank %d reported an error: %s",
-                       ep->me, ep->n, ep->w2g[c->rank], c->rx_abort);
+        char rd[64];
+        chorus__ep_rank_desc(ep, ep->w2g[c->rank], rd, sizeof rd);
+        ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: %s reported an error: %s",
+                       ep->me, ep->n, rd, c->rx_abort);
+      }
       free(c->rx_abort);
     } else {
       /* For an endpoint not created yet: keep it; ep_create will see it. */
@@ -840,8 +852,10 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
     if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {
-      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: rank %d reported an error: %s",
-                     me, n, ep->w2g[u->src], u->buf ? u->buf : "");
+      char rd[64];
+      chorus__ep_rank_desc(ep, ep->w2g[u->src], rd, sizeof rd);
+      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: %s reported an error: %s",
+                     me, n, rd, u->buf ? u->buf : "");
       break;
     }
   }
@@ -979,22 +993,26 @@ out:
   return st;
 }
 
-static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms,
-                               int fatal);
+static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int64_t deadline,
+                               int timeout_ms, int fatal);
 
 chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms) {
-  return ep_wait(ep, reqs, n, timeout_ms, 1);
+  return ep_wait(ep, reqs, n, chorus__deadline_ms(timeout_ms), timeout_ms, 1);
 }
 
 chorus_result_t chorus__ep_wait_soft(chorus__ep_t *ep, chorus__req_t **reqs, int n,
                                      int timeout_ms) {
-  return ep_wait(ep, reqs, n, timeout_ms, 0);
+  return ep_wait(ep, reqs, n, chorus__deadline_ms(timeout_ms), timeout_ms, 0);
 }
 
-static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms,
-                               int fatal) {
+chorus_result_t chorus__ep_wait_until(chorus__ep_t *ep, chorus__req_t **reqs, int n,
+                                      int64_t deadline, int timeout_ms) {
+  return ep_wait(ep, reqs, n, deadline, timeout_ms, 1);
+}
+
+static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int64_t deadline,
+                               int timeout_ms, int fatal) {
   chorus__tp_t *tp = ep->tp;
-  int64_t deadline = chorus__deadline_ms(timeout_ms);
   pthread_mutex_lock(&tp->lock);
   for (;;) {
     if (ep->status != CHORUS_OK) break;
@@ -1010,13 +1028,13 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
       char who[512];
       size_t off = 0;
       who[0] = '\0';
-      for (int i = 0; i < n; i++) {
+      for (int i = 0; i < n && off < sizeof who; i++) {
         if (!reqs[i] || reqs[i]->done) continue;
-        off += (size_t)snprintf(who + off, sizeof who - CHORUS__MIN(off, sizeof who),
-                                "%s%s rank %d", off ? ", " : "",
+        char rd[64];
+        chorus__ep_rank_desc(ep, reqs[i]->peer, rd, sizeof rd);
+        off += (size_t)snprintf(who + off, sizeof who - off, "%s%s %s", off ? ", " : "",
                                 reqs[i]->type == CHORUS__REQ_SEND ? "sending to" : "receiving from",
-                                reqs[i]->peer);
-        if (off >= sizeof who) break;
+                                rd);
       }
       ep_fail_timeout_locked(ep, timeout_ms, who);
       break;
@@ -1305,15 +1323,23 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   tp->bye_sent = 1;
   for (int r = 0; r < tp->size; r++)
     if (r != tp->rank) send_control(tp, &tp->conns[r], T_BYE, 0, NULL);
+  /* A peer that sent nothing, not even a heartbeat, for SILENT_MS is
+   * stopped or hung: its goodbye is not worth waiting for (a survivor of a
+   * failure would otherwise linger the whole bye timeout). */
+  const int64_t silent_ns = (int64_t)4 * HEARTBEAT_MS * 1000000;
   for (;;) {
     int waiting = 0;
+    int64_t now = chorus__now_ns();
     for (int r = 0; r < tp->size; r++) {
       conn_t *c = &tp->conns[r];
       if (r == tp->rank || c->dead) continue;
+      if (now - c->last_heard > silent_ns) continue;
       if (!c->bye_received || c->tx_head) waiting = 1;
     }
     if (!waiting || chorus__ms_left(bye_deadline) == 0) break;
-    struct timespec ts = chorus__deadline_timespec(bye_deadline);
+    /* Wake at least once a heartbeat to notice peers falling silent. */
+    int64_t until = now + (int64_t)HEARTBEAT_MS * 1000000;
+    struct timespec ts = chorus__deadline_timespec(until < bye_deadline ? until : bye_deadline);
     pthread_cond_timedwait(&tp->cond, &tp->lock, &ts);
   }
   __atomic_store_n(&tp->stopping, 1, __ATOMIC_RELEASE);

@@ -130,6 +130,12 @@ chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n,
 chorus_result_t chorus__ep_wait_soft(chorus__ep_t *ep, chorus__req_t **reqs, int n,
                                      int timeout_ms);
 
+/* chorus__ep_wait with an absolute deadline (CLOCK_MONOTONIC ns, possibly
+ * past already); timeout_ms is the communicator's timeout the deadline was
+ * derived from, for the message. */
+chorus_result_t chorus__ep_wait_until(chorus__ep_t *ep, chorus__req_t **reqs, int n,
+                                      int64_t deadline, int timeout_ms);
+
 /* Fails the endpoint (first failure wins): records code and message, fails
  * pending requests, wakes waiters and, if notify_peers, sends ABORT with the
  * message to every member.  Safe from any thread. */
@@ -143,6 +149,11 @@ chorus_result_t chorus__ep_status(chorus__ep_t *ep, char *msg, size_t cap);
  * e.g. "all_reduce(count=10, float32, sum, algo ring) (call #3)" (formatted
  * only when a message needs it), or point-to-point communication. */
 void chorus__ep_doing(chorus__ep_t *ep, char *buf, size_t cap);
+
+/* Group rank g of ep for messages: "rank g" in a world endpoint, "rank g
+ * (world rank w)" in a subgroup, so a message never seems to name a
+ * healthy world rank.  Returns what snprintf returns. */
+int chorus__ep_rank_desc(const chorus__ep_t *ep, int g, char *buf, size_t cap);
 
 /* Non-zero once the endpoint failed; no lock, for polling loops. */
 int chorus__ep_failed(chorus__ep_t *ep);

@@ -420,6 +420,111 @@ TEST(data_survives_goodbye) {
   ASSERT_CONTAINS(reps[0].msg, "got 42");
 }
 
+/* ------------------------------------------- stopped peers, polled */
+
+/* Slack for the timing bounds below in slow builds (the sanitizer passes
+ * set CHORUS_TEST_SLACK to their timeout multiplier). */
+static double slack(void) {
+  const char *v = getenv("CHORUS_TEST_SLACK");
+  double k = v ? atof(v) : 1.0;
+  return k >= 1.0 ? k : 1.0;
+}
+
+#define POLL_TIMEOUT_MS 2000
+
+/* Reports the failing call, then times chorus_comm_destroy and reports
+ * that too ("destroyed"), then exits: a survivor's whole way out. */
+static void fail_and_leave(chorus_comm_t comm, chorus_comm_t sub, chorus_result_t st,
+                           double call_ms, const char *msg) {
+  report(st, call_ms, msg);
+  double t0 = now_ms();
+  chorus_comm_destroy(sub);
+  chorus_comm_destroy(comm);
+  report(CHORUS_OK, now_ms() - t0, "destroyed");
+  _exit(0);
+}
+
+/* g_variant: 0 = recv polled with chorus_work_test, 1 = with
+ * chorus_work_wait(w, 20) in a loop, 2 = blocking all_reduce, 3 = recv
+ * polled inside a subgroup.  Rank `victim` (world) is stopped by the
+ * driver after "ready"; everyone else waits for it. */
+static void polled_rank(int rank, int n) {
+  chorus_comm_t comm = join(rank, n, POLL_TIMEOUT_MS), sub = NULL, c = comm;
+  /* The subgroup lists world ranks backwards: the stopped world rank n-1
+   * is subgroup rank 0, a name that belongs to a healthy world rank. */
+  int ranks[MAXR];
+  for (int i = 0; i < n; i++) ranks[i] = n - 1 - i;
+  if (g_variant == 3) {
+    chorus_result_t st = chorus_comm_new_group(comm, ranks, n, &sub);
+    if (st != CHORUS_OK) fail_and_leave(comm, NULL, st, 0, chorus_comm_last_error(comm));
+    c = sub;
+  }
+  /* Everyone is connected and alive before the stop. */
+  chorus_result_t st = chorus_barrier(c, NULL);
+  if (st != CHORUS_OK) fail_and_leave(comm, sub, st, 0, chorus_comm_last_error(c));
+  report(CHORUS_OK, 0, "ready");
+  if (rank == n - 1) {
+    for (;;) pause(); /* stopped, later killed by the driver */
+  }
+  double t0 = now_ms();
+  float x = 0;
+  int from = g_variant == 3 ? 0 : n - 1; /* the stopped rank, in c's numbering */
+  if (g_variant == 2) {
+    st = chorus_all_reduce(c, &x, &x, 1, CHORUS_FLOAT32, CHORUS_SUM, NULL);
+    fail_and_leave(comm, sub, st, now_ms() - t0, chorus_comm_last_error(c));
+  }
+  chorus_work_t w = NULL;
+  st = chorus_recv(c, &x, 1, CHORUS_FLOAT32, from, 5, &w);
+  if (st != CHORUS_OK) fail_and_leave(comm, sub, st, 0, chorus_comm_last_error(c));
+  /* Poll for up to 6 timeouts: the library must end it long before. */
+  while (now_ms() - t0 < 6.0 * POLL_TIMEOUT_MS) {
+    st = g_variant == 1 ? chorus_work_wait(w, 20) : chorus_work_test(w);
+    if (st != CHORUS_INPROGRESS) break;
+    if (g_variant != 1) usleep(1000);
+  }
+  char msg[1300];
+  snprintf(msg, sizeof msg, "%s", st == CHORUS_INPROGRESS ? "still in progress"
+                                                           : chorus_work_error(w));
+  double ms = now_ms() - t0;
+  chorus_work_free(w); /* failed already: returns at once */
+  fail_and_leave(comm, sub, st, ms, msg);
+}
+
+TEST(sigstop_polled) {
+  static const char *names[] = {"recv polled with test", "recv polled with wait(20 ms)",
+                                "blocking all_reduce", "recv polled in a subgroup"};
+  const double t = POLL_TIMEOUT_MS, k = slack();
+  for (g_variant = 0; g_variant < 4; g_variant++) {
+    int n = 3;
+    spawn(n, polled_rank);
+    rep_t ready[MAXR] = {0};
+    int got = collect(0x7, ready, 20000);
+    if (got != n) kill_all();
+    ASSERT_EQ(got, n);
+    usleep(100 * 1000);
+    double t_stop = now_ms();
+    kill(g_pids[n - 1], SIGSTOP);
+    rep_t reps[MAXR] = {0}, gone[MAXR] = {0};
+    got = collect(0x3, reps, 6 * t + 5000);
+    collect(0x3, gone, 5000);
+    kill_all();
+    printf("  %s:\n", names[g_variant]);
+    ASSERT_EQ(got, 2);
+    for (int r = 0; r < 2; r++) {
+      double fail_at = reps[r].arrival - t_stop, exit_at = gone[r].arrival - t_stop;
+      printf("    rank %d failed %.0f ms after the stop, out of destroy %.0f ms after: %s\n", r,
+             fail_at, gone[r].got ? exit_at : -1.0, reps[r].msg);
+      ASSERT_TRUE(reps[r].status == CHORUS_ERR_TIMEOUT || reps[r].status == CHORUS_ERR_REMOTE);
+      ASSERT_CONTAINS(reps[r].msg, "timed out");
+      /* The culprit by the name it has in the world. */
+      ASSERT_CONTAINS(reps[r].msg, g_variant == 3 ? "rank 0 (world rank 2)" : "rank 2");
+      ASSERT_TRUE(fail_at < (t + 500) * k);
+      ASSERT_TRUE(gone[r].got);
+      ASSERT_TRUE(exit_at < (t + 1000) * k);
+    }
+  }
+}
+
 /* A stranger talks garbage to the store while a job uses it. */
 static void busy_rank(int rank, int n) {
   chorus_comm_t comm = join(rank, n, 20000);
@@ -549,6 +654,7 @@ int main(void) {
   } while (0)
   RUN_SCENARIO(sigkill_during_allreduce);
   RUN_SCENARIO(sigstop_times_out);
+  RUN_SCENARIO(sigstop_polled);
   RUN_SCENARIO(mismatches);
   RUN_SCENARIO(abort_from_other_thread);
   RUN_SCENARIO(peer_left_early);
