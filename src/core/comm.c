@@ -214,6 +214,40 @@ static int online_cpus(void) {
   return n > 0 ? (int)n : 1;
 }
 
+/* Writes this rank's CPU mask into its area of the segment (all ones when
+ * it cannot be read or names CPUs past 255). */
+static void publish_cpus(chorus__shm_t *shm) {
+  uint64_t *m = shm->area[shm->me].cpus;
+  cpu_set_t set;
+  memset(m, 0, sizeof shm->area[0].cpus);
+  int known = sched_getaffinity(0, sizeof set, &set) == 0;
+  for (int i = 0; known && i < CPU_SETSIZE; i++) {
+    if (!CPU_ISSET(i, &set)) continue;
+    if (i >= 256) known = 0;
+    else m[i / 64] |= (uint64_t)1 << (i % 64);
+  }
+  if (!known) memset(m, 0xff, sizeof shm->area[0].cpus);
+}
+
+/* Whether this rank may share a core with a rank it waits for, from the
+ * masks every member published: when they are all equal (nobody bound the
+ * ranks), if the host has more ranks (local_count) than CPUs; when ranks
+ * are bound (chorusrun's --cpu-bind), if another member's CPUs overlap
+ * this rank's. */
+static int cpus_shared(chorus__shm_t *shm, int local_count) {
+  const uint64_t *mine = shm->area[shm->me].cpus;
+  int same = 1, overlap = 0;
+  for (int r = 0; r < shm->n; r++) {
+    if (r == shm->me) continue;
+    const uint64_t *theirs = shm->area[r].cpus;
+    for (int w = 0; w < 4; w++) {
+      same &= theirs[w] == mine[w];
+      overlap |= (theirs[w] & mine[w]) != 0;
+    }
+  }
+  return same ? local_count > online_cpus() : overlap;
+}
+
 /* One all_reduce(MIN) of an int over comm on the network path (the
  * communicator is not handed out yet, so nothing else runs on it). */
 static chorus_result_t agree_min(chorus_comm_t comm, int32_t *v) {
@@ -302,27 +336,31 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
                 "refused on another rank");
   shm->cma = cma;
   shm->cma_min = (size_t)(env->SHM_CMA_MIN >= 0 ? env->SHM_CMA_MIN : 0);
-  int oversubscribed = ctx->local_count > online_cpus();
   /* Measured on 2 cores (bench/README.md): a short spin catches a peer
    * running on another core; after it, sched_yield (nearly free when
    * nobody else wants the core) lets a peer that shares our core run --
    * with a long spin instead, two ranks on one core took 100 us per flag.
    * With more ranks than cores any spinning steals the time slice of the
-   * rank being waited for.  After the yields, sleep on the futex. */
-  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 50;
+   * rank being waited for.  After the yields, sleep on the futex.  The
+   * spin is settled below, once every member's CPU mask is known. */
   int yields = env->SHM_YIELD >= 0 ? (int)env->SHM_YIELD : 1000;
-  chorus__shm_bind(shm, comm->ep, comm->timeout_ms, spin, yields);
+  chorus__shm_bind(shm, comm->ep, comm->timeout_ms, 0, yields);
   shm->reg = ctx->memreg;
   shm->world = comm->world_ranks;
   comm->shm = shm;
+  publish_cpus(shm);
   /* End with a barrier in shared memory: a rank returns from it once it
    * sees every other rank's flag, so a fast rank's failure in a later call
-   * (say a mismatch it detects alone) cannot fail this rank's setup. */
+   * (say a mismatch it detects alone) cannot fail this rank's setup.  It
+   * also publishes the CPU masks written above. */
   int saved = comm->forced_algo[CHORUS_COLL_BARRIER];
   comm->forced_algo[CHORUS_COLL_BARRIER] = -1;
   st = chorus_barrier(comm, NULL);
   comm->forced_algo[CHORUS_COLL_BARRIER] = saved;
   if (st != CHORUS_OK) return st;
+  int oversubscribed = cpus_shared(shm, ctx->local_count);
+  int spin = env->SHM_SPIN >= 0 ? (int)env->SHM_SPIN : oversubscribed ? 0 : 50;
+  shm->spin = spin;
   CHORUS_INFO(CHORUS__SUB_INIT, "group of %d ranks on one host: shared memory %s (%zu KiB "
               "buffers, spin %d, yield %d, single copy %s)", comm->size, name, shm->chunk >> 10,
               spin, yields, cma ? "on" : "off");

@@ -68,6 +68,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -129,6 +130,7 @@ typedef struct {
   int master_port;
   int max_restarts;
   int prefix;
+  int bind;     /* 1: each worker on its own share of our CPUs (--cpu-bind) */
   int64_t grace_ns;
   char **argv;  /* program and its arguments (NULL-terminated) */
   char *prog;   /* resolved path of argv[0] */
@@ -477,6 +479,11 @@ static void usage(FILE *f) {
       "  --grace-period S        seconds between SIGTERM and SIGKILL when\n"
       "                          stopping workers (default 5)\n"
       "  --no-prefix             do not prefix output lines\n"
+      "  --cpu-bind auto|none    auto (default; CHORUS_CPU_BIND): worker i runs\n"
+      "                          on its own share of chorusrun's CPUs (CPU i mod\n"
+      "                          C when there are more workers than CPUs), so\n"
+      "                          the scheduler cannot stack ranks that wait on\n"
+      "                          each other on one core; none: no binding\n"
       "  --print-env             list chorus's environment variables, exit\n"
       "  --env-markdown          the same list as a markdown table\n"
       "  -h, --help              this text\n"
@@ -511,6 +518,9 @@ static action_t parse_args(int argc, char **argv, job_t *job) {
   job->master_port = 29500;
   job->max_restarts = 0;
   job->prefix = 1;
+  /* CHORUS_CPU_BIND sets the default; --cpu-bind overrides it. */
+  const char *bind_env = chorus__env()->CPU_BIND;
+  job->bind = !bind_env || strcmp(bind_env, "none") != 0;
   job->grace_ns = 5000000000LL;
   int i = 1;
   for (; i < argc; i++) {
@@ -555,7 +565,7 @@ static action_t parse_args(int argc, char **argv, job_t *job) {
 
     static const char *const with_value[] = {
         "nproc-per-node", "master-addr", "master-port", "rdzv-endpoint", "nnodes",
-        "node-rank",      "max-restarts", "grace-period"};
+        "node-rank",      "max-restarts", "grace-period", "cpu-bind"};
     int known = 0;
     for (size_t k = 0; k < CHORUS__ARRAY_LEN(with_value); k++)
       if (!strcmp(name, with_value[k])) known = 1;
@@ -604,6 +614,10 @@ static action_t parse_args(int argc, char **argv, job_t *job) {
     } else if (!strcmp(name, "node-rank")) {
       if (strcmp(val, "0") != 0)
         die_usage("multi-node not supported yet (--node-rank %s; only 0 is)", val);
+    } else if (!strcmp(name, "cpu-bind")) {
+      if (!strcmp(val, "auto") || !strcmp(val, "core")) job->bind = 1;
+      else if (!strcmp(val, "none")) job->bind = 0;
+      else die_usage("invalid value '%s' for --cpu-bind (auto or none)", val);
     } else if (!strcmp(name, "max-restarts")) {
       job->max_restarts = (int)parse_int_opt("--max-restarts", val, 0, 1000000);
     } else if (!strcmp(name, "grace-period")) {
@@ -792,6 +806,35 @@ static void child_exec_failed(const char *path, int err) {
   (void)!writev(2, iov, (int)CHORUS__ARRAY_LEN(iov));
 }
 
+/* The CPUs worker `rank` of n is bound to: of the C CPUs chorusrun may
+ * use, a contiguous share of C/n (the first C mod n workers get one more)
+ * when n <= C, else CPU rank mod C.  Ranks of a job wait on each other
+ * constantly; left to itself the scheduler often starts them stacked on
+ * one core and, because each always ran a moment ago ("cache hot"), keeps
+ * them there: a 2-rank 8-byte all_reduce then takes 8-15 us instead of
+ * under 1 us, depending on luck (bench/README.md, "Stability").  Open MPI
+ * binds to cores by default for the same reason.  Returns 0 (leave the
+ * worker unbound) when the mask cannot be read. */
+static int worker_cpus(int n, int rank, cpu_set_t *out) {
+  cpu_set_t mine;
+  if (sched_getaffinity(0, sizeof mine, &mine) != 0) return 0;
+  int c = CPU_COUNT(&mine);
+  if (c <= 1) return 0;
+  int list[CPU_SETSIZE], k = 0;
+  for (int i = 0; i < CPU_SETSIZE && k < c; i++)
+    if (CPU_ISSET(i, &mine)) list[k++] = i;
+  CPU_ZERO(out);
+  if (n > c) {
+    CPU_SET(list[rank % c], out);
+    return 1;
+  }
+  int share = c / n, extra = c % n;
+  int first = rank * share + (rank < extra ? rank : extra);
+  int count = share + (rank < extra);
+  for (int i = 0; i < count; i++) CPU_SET(list[first + i], out);
+  return 1;
+}
+
 /* Starts worker w.  Returns 0 or -errno (nothing left behind on failure). */
 static int spawn_worker(job_t *job, worker_t *w, int restart) {
   int outp[2] = {-1, -1}, errp[2] = {-1, -1};
@@ -802,6 +845,8 @@ static int spawn_worker(job_t *job, worker_t *w, int restart) {
   }
   char **env = build_env(job, w->rank, restart);
   pid_t parent = getpid();
+  cpu_set_t cpus;
+  int bind = job->bind && worker_cpus(job->nproc, w->rank, &cpus);
 
   sigset_t all, old;
   sigfillset(&all);
@@ -814,6 +859,7 @@ static int spawn_worker(job_t *job, worker_t *w, int restart) {
     if (getppid() != parent) _exit(128 + SIGKILL); /* chorusrun already gone */
     if (dup2(outp[1], 1) < 0 || dup2(errp[1], 2) < 0) _exit(127);
     child_reset_signals();
+    if (bind) sched_setaffinity(0, sizeof cpus, &cpus); /* a raw system call */
     execve(job->prog, job->argv, env);
     int err = errno;
     child_exec_failed(job->prog, err);

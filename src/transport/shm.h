@@ -63,7 +63,8 @@ typedef struct chorus__shm_area {
   uint64_t done;   /* atomic */
   int64_t pid;     /* the rank's process id (for process_vm_readv) */
   uint64_t probe;  /* an address in that process holding SHM magic */
-  unsigned char pad[104];
+  uint64_t cpus[4]; /* the CPUs (0..255) the rank may run on; all ones: unknown */
+  unsigned char pad[72];
 } chorus__shm_area_t;
 
 /* Memory handed to the user by chorus_mem_alloc (one shm object each), and
