@@ -101,7 +101,7 @@ static void put_line(chorus__coll_t *c, uint64_t t, const void *data, size_t len
   chorus__shm_line_t *l = chorus__shm_line(s, s->me, t);
   l->fp = c->fp;
   if (len) memcpy(l->data, data, len);
-  chorus__shm_set(s, &l->seq, t);
+  chorus__shm_post(s, &l->seq, t); /* the step's finish() or next wait rings */
 }
 
 /* Waits for rank r's line of ticket t and checks its fingerprint. */

@@ -135,9 +135,7 @@ chorus_result_t chorus_comm_set_algo(chorus_comm_t comm, chorus_coll_t coll, con
       return CHORUS_ERR_INVALID_ARG;
     }
   }
-  pthread_mutex_lock(&comm->lock);
-  comm->forced_algo[coll] = idx;
-  pthread_mutex_unlock(&comm->lock);
+  __atomic_store_n(&comm->forced_algo[coll], idx, __ATOMIC_RELAXED); /* read without the lock */
   return CHORUS_OK;
 }
 

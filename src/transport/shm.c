@@ -216,6 +216,8 @@ static chorus_result_t wait_timeout(chorus__shm_t *s, const uint64_t *word, uint
 chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, uint64_t target,
                                       int peer, const char *what) {
 #define REACHED() (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target)
+  /* The peer may be asleep waiting for what this rank posted last. */
+  chorus__shm_flush(s);
   for (int i = 0; i < s->spin; i++) {
     cpu_relax();
     if (REACHED()) return CHORUS_OK;
@@ -237,6 +239,7 @@ chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, ui
     if (left <= 0) return wait_timeout(s, word, target, peer, what);
     uint32_t bell = __atomic_load_n(&s->hdr->bell, __ATOMIC_SEQ_CST);
     __atomic_fetch_add(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* pairs with chorus__shm_flush's */
     if (!REACHED() && !chorus__ep_failed(s->ep)) {
       int64_t ms = left < 1000 ? left : 1000;
       struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};

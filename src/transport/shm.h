@@ -106,6 +106,7 @@ typedef struct chorus__shm {
   uint64_t ticket;          /* last ticket taken */
   uint64_t all_done;        /* every peer finished reading tickets <= this */
   int spin, yields;         /* wait policy */
+  int unrung;               /* posted a flag without checking for sleepers */
   int cma;                  /* every rank can process_vm_readv every other */
   size_t cma_min;           /* bytes per rank from which collectives use it */
   chorus__ep_t *ep;
@@ -155,11 +156,33 @@ static inline chorus__shm_line_t *chorus__shm_line(chorus__shm_t *s, int r, uint
   return &s->area[r].line[t & 1];
 }
 
-/* Stores v into a flag word of this rank's area and rings the bell if
- * anyone sleeps. */
-static inline void chorus__shm_set(chorus__shm_t *s, uint64_t *word, uint64_t v) {
-  __atomic_store_n(word, v, __ATOMIC_SEQ_CST); /* a full fence: pairs with the sleeper count */
+/* Rings the bell if anyone sleeps and this rank published something since
+ * it last looked.  The fence pairs with the sleeper count a waiter raises
+ * before its last look at the flag (shm.c): either the waiter sees the
+ * flag or this sees the sleeper. */
+static inline void chorus__shm_flush(chorus__shm_t *s) {
+  if (!s->unrung) return;
+  s->unrung = 0;
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
   if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST)) chorus__shm_ring(s);
+}
+
+/* Stores v into a flag word of this rank's area, without the fence: the
+ * store drains from the store buffer while this rank goes on (to read its
+ * peers' lines), instead of stalling it for a full cache-line round trip.
+ * Sleepers are woken by the next chorus__shm_flush: chorus__shm_set, or
+ * any wait of this rank that does not succeed at once (a rank never blocks
+ * with a publication it has not rung for). */
+static inline void chorus__shm_post(chorus__shm_t *s, uint64_t *word, uint64_t v) {
+  __atomic_store_n(word, v, __ATOMIC_RELEASE);
+  s->unrung = 1;
+}
+
+/* chorus__shm_post, then chorus__shm_flush: what ends every step a peer
+ * may be asleep for. */
+static inline void chorus__shm_set(chorus__shm_t *s, uint64_t *word, uint64_t v) {
+  chorus__shm_post(s, word, v);
+  chorus__shm_flush(s);
 }
 
 /* Waits until *word >= target (word belongs to rank peer; what names the
