@@ -238,8 +238,9 @@ chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, ui
     int64_t left = chorus__ms_left(deadline);
     if (left <= 0) return wait_timeout(s, word, target, peer, what);
     uint32_t bell = __atomic_load_n(&s->hdr->bell, __ATOMIC_SEQ_CST);
+    /* An RMW: it orders against chorus__shm_flush's fence (or its RMW of
+     * the same word under ThreadSanitizer). */
     __atomic_fetch_add(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* pairs with chorus__shm_flush's */
     if (!REACHED() && !chorus__ep_failed(s->ep)) {
       int64_t ms = left < 1000 ? left : 1000;
       struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};

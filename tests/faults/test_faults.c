@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -525,6 +526,171 @@ TEST(sigstop_polled) {
   }
 }
 
+/* ------------------------------------------------ random fault trials */
+
+/* Each trial: n ranks (2..5) on shared memory or TCP run the same random
+ * sequence of collectives, async handles polled with test and wait(t),
+ * and a send/recv ring; at a random moment the driver SIGKILLs or
+ * SIGSTOPs a random rank.  Every survivor must fail (timeout or remote
+ * error) naming the victim, within 2 s of a SIGKILL or T + 0.5 s of a
+ * SIGSTOP (T = POLL_TIMEOUT_MS), be out of chorus_comm_destroy within
+ * T + 1 s, and exit by itself; no /dev/shm name may be left.
+ * CHORUS_FAULT_TRIALS sets the number of trials (CI runs a few; the
+ * release check in tests/README.md runs 200), CHORUS_FAULT_SEED the first
+ * seed. */
+static uint64_t g_trial_seed;
+static int g_trial_tcp;
+
+static uint64_t mix64(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Polls w with test or wait(10) (by the draw) until it is done. */
+static chorus_result_t poll_work(chorus_work_t w, int by_wait) {
+  for (;;) {
+    chorus_result_t st = by_wait ? chorus_work_wait(w, 10) : chorus_work_test(w);
+    if (st != CHORUS_INPROGRESS) return st;
+    if (!by_wait) usleep(200);
+  }
+}
+
+static void trial_rank(int rank, int n) {
+  if (g_trial_tcp) setenv("CHORUS_TRANSPORT", "tcp", 1);
+  chorus_comm_t comm = join(rank, n, POLL_TIMEOUT_MS);
+  size_t big = (1u << 20) / sizeof(float);
+  float *a = calloc(big * (size_t)n, sizeof(float)), *b = calloc(big * (size_t)n, sizeof(float));
+  chorus_result_t st = chorus_barrier(comm, NULL);
+  if (st != CHORUS_OK || !a || !b) fail_and_leave(comm, NULL, st, 0, chorus_comm_last_error(comm));
+  report(CHORUS_OK, 0, "ready");
+  uint64_t seq = g_trial_seed; /* the same draws on every rank */
+  for (;;) {
+    uint64_t r = mix64(&seq);
+    int kind = (int)(r % 7), flag = (int)(r >> 8) & 1;
+    size_t count = (size_t)1 << (r >> 16) % 19; /* 1 .. 256 Ki floats */
+    chorus_work_t w = NULL, w2 = NULL;
+    double t0 = now_ms();
+    switch (kind) {
+      case 0: st = chorus_all_reduce(comm, a, flag ? a : b, count, CHORUS_FLOAT32, CHORUS_SUM, NULL); break;
+      case 1: st = chorus_broadcast(comm, a, count, CHORUS_FLOAT32, (int)(r >> 40) % n, NULL); break;
+      case 2: st = chorus_all_gather(comm, a, b, count / 4 + 1, CHORUS_FLOAT32, NULL); break;
+      case 3: st = chorus_barrier(comm, NULL); break;
+      case 4: /* async all_reduce, polled */
+        st = chorus_all_reduce(comm, a, b, count, CHORUS_FLOAT32, CHORUS_MAX, &w);
+        if (st == CHORUS_OK) st = poll_work(w, flag);
+        break;
+      case 5: /* ring: recv from the left polled, send to the right */
+        if (n < 2) break;
+        st = chorus_recv(comm, b, count, CHORUS_FLOAT32, (rank + n - 1) % n, 1, &w);
+        if (st == CHORUS_OK) st = chorus_send(comm, a, count, CHORUS_FLOAT32, (rank + 1) % n, 1, &w2);
+        if (st == CHORUS_OK) st = poll_work(w, flag);
+        if (st == CHORUS_OK) st = poll_work(w2, !flag);
+        break;
+      case 6: st = chorus_reduce_scatter(comm, a, b, count / 8 + 1, CHORUS_FLOAT32, CHORUS_SUM, NULL); break;
+    }
+    if (st != CHORUS_OK) {
+      char msg[1300];
+      const char *e = w && chorus_work_error(w)[0] ? chorus_work_error(w)
+                      : w2 && chorus_work_error(w2)[0] ? chorus_work_error(w2)
+                                                       : chorus_comm_last_error(comm);
+      snprintf(msg, sizeof msg, "%s", e);
+      chorus_work_free(w);
+      chorus_work_free(w2);
+      free(a);
+      free(b);
+      fail_and_leave(comm, NULL, st, now_ms() - t0, msg);
+    }
+    chorus_work_free(w);
+    chorus_work_free(w2);
+  }
+}
+
+/* Names in /dev/shm that start with "chorus-", as one string. */
+static void shm_names(char *buf, size_t cap) {
+  FILE *p = popen("ls /dev/shm 2>/dev/null | grep '^chorus-' | sort | tr '\\n' ' '", "r");
+  buf[0] = '\0';
+  if (!p) return;
+  if (!fgets(buf, (int)cap, p)) buf[0] = '\0';
+  pclose(p);
+}
+
+TEST(random_faults) {
+  const char *v = getenv("CHORUS_FAULT_TRIALS");
+  int trials = v ? atoi(v) : 6;
+  v = getenv("CHORUS_FAULT_SEED");
+  uint64_t seed = v ? strtoull(v, NULL, 10) : 1;
+  const double t = POLL_TIMEOUT_MS, k = slack();
+  int failed = 0;
+  for (int i = 0; i < trials && !failed; i++) {
+    uint64_t s = seed + (uint64_t)i, draw = s * 0x2545f4914f6cdd1dull;
+    int n = 2 + (int)(mix64(&draw) % 4), victim = (int)(mix64(&draw) % (uint64_t)n);
+    int sig = mix64(&draw) % 2 ? SIGKILL : SIGSTOP;
+    int delay_ms = 20 + (int)(mix64(&draw) % 400);
+    g_trial_tcp = (int)(mix64(&draw) % 2);
+    g_trial_seed = mix64(&draw);
+    char before[2048], after[2048];
+    shm_names(before, sizeof before);
+    spawn(n, trial_rank);
+    unsigned all = (1u << n) - 1, survivors = all & ~(1u << victim);
+    rep_t ready[MAXR] = {0};
+    int got = collect(all, ready, 20000);
+    if (got != n) {
+      printf("  trial seed %llu: only %d of %d ranks got ready\n", (unsigned long long)s, got, n);
+      kill_all();
+      failed = 1;
+      break;
+    }
+    usleep((useconds_t)delay_ms * 1000);
+    double t_fault = now_ms();
+    kill(g_pids[victim], sig);
+    rep_t reps[MAXR] = {0}, gone[MAXR] = {0};
+    int nrep = collect(survivors, reps, 3 * t + 5000);
+    collect(survivors, gone, 5000);
+    /* Survivors exit by themselves after "destroyed". */
+    int exited = 1;
+    for (int r = 0; r < n; r++) {
+      if (r == victim) continue;
+      double until = now_ms() + 2000;
+      int done = 0;
+      while (!done && now_ms() < until) {
+        done = waitpid(g_pids[r], NULL, WNOHANG) == g_pids[r];
+        if (!done) usleep(10000);
+      }
+      if (done) g_pids[r] = 0;
+      else exited = 0;
+    }
+    kill_all();
+    shm_names(after, sizeof after);
+    double bound = sig == SIGKILL ? 2000 : t + 500;
+    char name[16];
+    snprintf(name, sizeof name, "rank %d", victim);
+    int ok = nrep == n - 1 && exited && !strcmp(before, after);
+    for (int r = 0; r < n && ok; r++) {
+      if (r == victim) continue;
+      double fail_at = reps[r].arrival - t_fault, gone_at = gone[r].arrival - t_fault;
+      ok = (reps[r].status == CHORUS_ERR_TIMEOUT || reps[r].status == CHORUS_ERR_REMOTE) &&
+           strstr(reps[r].msg, name) && fail_at < bound * k && gone[r].got &&
+           gone_at < (sig == SIGKILL ? 3000 : t + 1000) * k;
+    }
+    printf("  trial seed %llu: %d ranks over %s, %s rank %d after %d ms: %s\n",
+           (unsigned long long)s, n, g_trial_tcp ? "tcp" : "shared memory",
+           sig == SIGKILL ? "SIGKILL" : "SIGSTOP", victim, delay_ms, ok ? "ok" : "FAILED");
+    if (!ok) {
+      failed = 1;
+      printf("    reports %d of %d, survivors exited by themselves: %s, /dev/shm before [%s] "
+             "after [%s]\n", nrep, n - 1, exited ? "yes" : "no", before, after);
+      for (int r = 0; r < n; r++)
+        if (r != victim)
+          printf("    rank %d: status %d, failed %.0f ms after the fault, out of destroy %.0f ms "
+                 "after: %s\n", r, reps[r].status, reps[r].arrival - t_fault,
+                 gone[r].got ? gone[r].arrival - t_fault : -1.0, reps[r].msg);
+    }
+  }
+  ASSERT_TRUE(!failed);
+}
+
 /* A stranger talks garbage to the store while a job uses it. */
 static void busy_rank(int rank, int n) {
   chorus_comm_t comm = join(rank, n, 20000);
@@ -655,6 +821,7 @@ int main(void) {
   RUN_SCENARIO(sigkill_during_allreduce);
   RUN_SCENARIO(sigstop_times_out);
   RUN_SCENARIO(sigstop_polled);
+  RUN_SCENARIO(random_faults);
   RUN_SCENARIO(mismatches);
   RUN_SCENARIO(abort_from_other_thread);
   RUN_SCENARIO(peer_left_early);
