@@ -8,6 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "core/comm.h"
 #include "reduce/reduce.h"
@@ -133,26 +136,37 @@ static void finish_locked(chorus_comm_t comm, struct chorus_work *w) {
   pthread_cond_broadcast(&comm->cond);
 }
 
+/* comm->executing is written under the lock except at the end of an
+ * inline call (submit), which clears it without the lock and takes the
+ * lock only when something is queued (comm->nqueued): the worker, or a
+ * blocking caller, may be waiting for it.  Both are sequentially consistent
+ * atomics, so either that call sees the count or the waiter, which raised
+ * it under the lock before sleeping, sees executing cleared. */
+static int executing(chorus_comm_t comm) {
+  return __atomic_load_n(&comm->executing, __ATOMIC_SEQ_CST);
+}
+
 static void *worker_main(void *arg) {
   chorus_comm_t comm = arg;
   pthread_mutex_lock(&comm->lock);
   for (;;) {
-    while (!comm->stopping && (!comm->q_head || comm->executing))
+    while (!comm->stopping && (!comm->q_head || executing(comm)))
       pthread_cond_wait(&comm->cond, &comm->lock);
     if (!comm->q_head) break; /* stopping and drained */
-    if (comm->executing) {    /* stopping, but a caller runs one inline */
+    if (executing(comm)) {    /* stopping, but a caller runs one inline */
       pthread_cond_wait(&comm->cond, &comm->lock);
       continue;
     }
     struct chorus_work *w = comm->q_head;
     comm->q_head = w->next;
     if (!comm->q_head) comm->q_tail = NULL;
-    comm->executing = 1;
+    __atomic_store_n(&comm->executing, 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_sub(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
     w->state = CHORUS__WORK_RUNNING;
     pthread_mutex_unlock(&comm->lock);
     run_op(w);
     pthread_mutex_lock(&comm->lock);
-    comm->executing = 0;
+    __atomic_store_n(&comm->executing, 0, __ATOMIC_SEQ_CST);
     finish_locked(comm, w);
     work_release_locked(w);
   }
@@ -170,16 +184,27 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
     return CHORUS_ERR_INVALID_ARG;
   }
   if (w->c.coll != CHORUS_COLL_SEND && w->c.coll != CHORUS_COLL_RECV) w->seq = ++comm->next_seq;
-  if (!out && !comm->executing && !comm->q_head) {
+  if (!out && !executing(comm) && !comm->q_head) {
     /* Idle communicator: run on this thread, no hand-off. */
-    comm->executing = 1;
+    __atomic_store_n(&comm->executing, 1, __ATOMIC_SEQ_CST);
     w->state = CHORUS__WORK_RUNNING;
     pthread_mutex_unlock(&comm->lock);
     run_op(w);
-    pthread_mutex_lock(&comm->lock);
-    comm->executing = 0;
-    finish_locked(comm, w);
     chorus_result_t st = w->result;
+    if (st == CHORUS_OK) {
+      /* Nobody else knows w (its record is on our stack): without a
+       * failure to record and with nothing queued, no lock is needed. */
+      __atomic_store_n(&comm->executing, 0, __ATOMIC_SEQ_CST);
+      if (!__atomic_load_n(&comm->nqueued, __ATOMIC_SEQ_CST)) {
+        work_release_locked(w);
+        return st;
+      }
+      pthread_mutex_lock(&comm->lock);
+    } else {
+      pthread_mutex_lock(&comm->lock);
+      __atomic_store_n(&comm->executing, 0, __ATOMIC_SEQ_CST);
+    }
+    finish_locked(comm, w);
     work_release_locked(w);
     pthread_mutex_unlock(&comm->lock);
     return st;
@@ -199,6 +224,7 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
   }
   w->refs = 2;
   w->state = CHORUS__WORK_QUEUED;
+  __atomic_fetch_add(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
   if (comm->q_tail) comm->q_tail->next = w;
   else comm->q_head = w;
   comm->q_tail = w;
@@ -333,6 +359,25 @@ static chorus_result_t bad(chorus_comm_t comm, const char *coll, const char *fmt
 
 /* Allocates and fills the common part of an operation; NULL on bad args
  * (*st says why). */
+/* memset for the few hundred bytes of an operation record, with plain
+ * 16-byte stores: GCC turns a memset of this size into `rep stos`, whose
+ * start-up alone is a tenth of a small collective's own cost on the AMD
+ * cores we measure on (kept out of line, or the loop becomes memset again). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((noinline, optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void zero_small(void *p, size_t n) {
+#if defined(__SSE2__)
+  unsigned char *b = p;
+  const __m128i z = _mm_setzero_si128();
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i *)(b + i), z);
+  for (; i < n; i++) b[i] = 0;
+#else
+  memset(p, 0, n);
+#endif
+}
+
 /* Discards an operation that was never submitted. */
 static __attribute__((noinline)) void drop_op(struct chorus_work *w) {
   if (!w->on_stack) free(w);
@@ -375,8 +420,11 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
     /* A blocking call's record lives on its caller's stack (no allocation
      * on the small-message path); the error text is written only on
      * failure, so it is not cleared. */
-    memset(w, 0, offsetof(struct chorus_work, err));
-    w->err[0] = '\0';
+    const size_t c_err = offsetof(struct chorus_work, c) + offsetof(chorus__coll_t, err);
+    const size_t after_c = offsetof(struct chorus_work, c) + sizeof(chorus__coll_t);
+    zero_small(w, c_err);
+    zero_small((char *)w + after_c, offsetof(struct chorus_work, err) - after_c);
+    w->c.err[0] = w->err[0] = '\0';
     w->on_stack = 1;
   } else if (!(w = calloc(1, sizeof *w))) {
     *st = CHORUS_ERR_NO_MEMORY;

@@ -76,7 +76,8 @@ struct chorus_comm {
   pthread_mutex_t lock;
   pthread_cond_t cond;
   struct chorus_work *q_head, *q_tail;
-  int executing;
+  int executing; /* atomic: an operation runs (inline or on the worker) */
+  int nqueued;   /* atomic: operations in the queue */
   int stopping;
   pthread_t worker;
   int worker_started;
