@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "chorus.h"
+#include "dtype_values.h"
 
 #define WINDOW 3   /* async operations in flight at most */
 #define MAXR 64
@@ -64,65 +65,6 @@ static uint64_t per_rank(uint64_t draw, int rank) {
 }
 
 /* ---------------------------------------------------------------- values */
-
-static int is_float(chorus_dtype_t dt) {
-  return dt == CHORUS_FLOAT16 || dt == CHORUS_BFLOAT16 || dt == CHORUS_FLOAT32 ||
-         dt == CHORUS_FLOAT64;
-}
-
-/* Small non-negative integers to 16-bit floats, written here (not with the
- * library's converter) so the test does not check chorus against itself. */
-static uint16_t to_half(unsigned v) {
-  if (!v) return 0;
-  int e = 31 - __builtin_clz(v);
-  unsigned mant = e >= 10 ? v >> (e - 10) : v << (10 - e);
-  return (uint16_t)(((unsigned)(e + 15) << 10) | (mant & 0x3ff));
-}
-static double from_half(uint16_t h) {
-  int e = (h >> 10) & 0x1f;
-  double m = h & 0x3ff, v = e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
-  return (h & 0x8000) ? -v : v;
-}
-static uint16_t to_bf16(unsigned v) {
-  float f = (float)v;
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return (uint16_t)(u >> 16);
-}
-static double from_bf16(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static void put(void *buf, size_t i, chorus_dtype_t dt, unsigned v) {
-  switch (dt) {
-    case CHORUS_INT8: ((int8_t *)buf)[i] = (int8_t)v; break;
-    case CHORUS_UINT8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
-    case CHORUS_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
-    case CHORUS_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
-    case CHORUS_FLOAT16: ((uint16_t *)buf)[i] = to_half(v); break;
-    case CHORUS_BFLOAT16: ((uint16_t *)buf)[i] = to_bf16(v); break;
-    case CHORUS_FLOAT32: ((float *)buf)[i] = (float)v; break;
-    case CHORUS_FLOAT64: ((double *)buf)[i] = (double)v; break;
-    default: break;
-  }
-}
-
-static double get(const void *buf, size_t i, chorus_dtype_t dt) {
-  switch (dt) {
-    case CHORUS_INT8: return ((const int8_t *)buf)[i];
-    case CHORUS_UINT8: return ((const uint8_t *)buf)[i];
-    case CHORUS_INT32: return ((const int32_t *)buf)[i];
-    case CHORUS_INT64: return (double)((const int64_t *)buf)[i];
-    case CHORUS_FLOAT16: return from_half(((const uint16_t *)buf)[i]);
-    case CHORUS_BFLOAT16: return from_bf16(((const uint16_t *)buf)[i]);
-    case CHORUS_FLOAT32: return ((const float *)buf)[i];
-    case CHORUS_FLOAT64: return ((const double *)buf)[i];
-    default: return 0;
-  }
-}
 
 /* Element i of rank r's input of an operation salted with salt.  For
  * reductions, small enough that n <= 64 of them combine exactly in every
@@ -286,7 +228,7 @@ static chorus_result_t start(chorus_comm_t c, op_t *o, arena_t *a, int slot) {
     }
   }
   for (size_t i = 0; i < nin; i++)
-    put(o->in, i, o->dt, input(me, i, o->salt, rop, n));
+    store_val(o->in, i, o->dt, input(me, i, o->salt, rop, n));
   if (o->kind == OP_BCAST) {
     o->out = o->in;
     if (me != o->root) memset(o->in, 0xee, cnt * es);
@@ -351,7 +293,7 @@ static chorus_result_t start(chorus_comm_t c, op_t *o, arena_t *a, int slot) {
       /* To the right, from the left, cnt elements, tag from the salt. */
       o->sr_in = A;
       o->sr_out = B;
-      for (size_t i = 0; i < cnt; i++) put(A, i, o->dt, input(me, i, o->salt, CHORUS_OP_COUNT, n));
+      for (size_t i = 0; i < cnt; i++) store_val(A, i, o->dt, input(me, i, o->salt, CHORUS_OP_COUNT, n));
       memset(B, 0xee, cnt * es);
       int tag = (int)(o->salt & 0xffff);
       chorus_result_t st = chorus_recv(c, B, cnt, o->dt, (me + n - 1) % n, tag, &o->w);
@@ -380,7 +322,7 @@ static void check(op_t *o) {
   double got = 0, want = 0;
 #define EXPECT(buf, idx, value)                                                 \
   do {                                                                         \
-    double g_ = get((buf), (idx), o->dt), w_ = (value);                        \
+    double g_ = load_double((buf), (idx), o->dt), w_ = (value);                        \
     int ok_ = o->op == CHORUS_AVG && is_float(o->dt) && o->kind != OP_BCAST    \
                   ? fabs(g_ - w_) <= 1e-2 * fabs(w_) + 1e-3                    \
                   : g_ == w_;                                                  \
