@@ -76,4 +76,19 @@ static inline double load_double(const void *buf, size_t i, chorus_dtype_t dt) {
   }
 }
 
+/* acc op v on integers, wrapping like two's complement (AVG sums). */
+static inline int64_t combine_int(chorus_op_t op, int64_t acc, int64_t v) {
+  switch (op) {
+    case CHORUS_SUM:
+    case CHORUS_AVG: return (int64_t)((uint64_t)acc + (uint64_t)v);
+    case CHORUS_PROD: return (int64_t)((uint64_t)acc * (uint64_t)v);
+    case CHORUS_MIN: return v < acc ? v : acc;
+    case CHORUS_MAX: return v > acc ? v : acc;
+    case CHORUS_BAND: return acc & v;
+    case CHORUS_BOR: return acc | v;
+    case CHORUS_BXOR: return acc ^ v;
+    default: return acc;
+  }
+}
+
 #endif

@@ -61,17 +61,7 @@ static int64_t expect_red(size_t i, chorus_dtype_t dt, chorus_op_t op, int n) {
   int64_t acc = red_input(0, i, dt, op);
   for (int r = 1; r < n; r++) {
     int64_t v = red_input(r, i, dt, op);
-    switch (op) {
-      case CHORUS_SUM:
-      case CHORUS_AVG: acc = (int64_t)((uint64_t)acc + (uint64_t)v); break;
-      case CHORUS_PROD: acc = (int64_t)((uint64_t)acc * (uint64_t)v); break;
-      case CHORUS_MIN: acc = v < acc ? v : acc; break;
-      case CHORUS_MAX: acc = v > acc ? v : acc; break;
-      case CHORUS_BAND: acc &= v; break;
-      case CHORUS_BOR: acc |= v; break;
-      case CHORUS_BXOR: acc ^= v; break;
-      default: break;
-    }
+    acc = combine_int(op, acc, v);
   }
   return acc;
 }

@@ -84,16 +84,7 @@ static double reduce_expect(size_t i, uint64_t salt, chorus_dtype_t dt, chorus_o
   int64_t acc = input(0, i, salt, op, n);
   for (int r = 1; r < n; r++) {
     int64_t v = input(r, i, salt, op, n);
-    switch (op) {
-      case CHORUS_SUM: case CHORUS_AVG: acc += v; break;
-      case CHORUS_PROD: acc *= v; break;
-      case CHORUS_MIN: acc = v < acc ? v : acc; break;
-      case CHORUS_MAX: acc = v > acc ? v : acc; break;
-      case CHORUS_BAND: acc &= v; break;
-      case CHORUS_BOR: acc |= v; break;
-      case CHORUS_BXOR: acc ^= v; break;
-      default: break;
-    }
+    acc = combine_int(op, acc, v);
   }
   if (op == CHORUS_AVG) return is_float(dt) ? (double)acc / n : (double)(acc / n);
   return (double)acc;
