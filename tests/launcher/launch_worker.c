@@ -148,6 +148,18 @@ int main(int argc, char **argv) {
   }
   const char *mode = argv[1];
 
+  if (!strcmp(mode, "cpus")) { /* the CPUs this process may run on */
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+    put(1, "CPUS=");
+    for (int i = 0, first = 1; i < CPU_SETSIZE; i++)
+      if (CPU_ISSET(i, &set)) {
+        put(1, first ? "%d" : ",%d", i);
+        first = 0;
+      }
+    put(1, "\n");
+    return 0;
+  }
   if (!strcmp(mode, "env")) {
     static const char *const vars[] = {
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

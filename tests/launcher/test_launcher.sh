@@ -349,7 +349,40 @@ case_shm() {
   no_leftovers shm
 }
 
+# ----------------------------------------------------------- CPU binding
+# --cpu-bind auto (default): workers get disjoint CPU sets when there are
+# at most as many workers as CPUs, one CPU each beyond that; none: every
+# worker keeps chorusrun's whole set; anything else is a usage error.
+case_cpu_bind() {
+  local ncpu a b
+  ncpu=$(nproc)
+  run -n 2 --standalone "$WORKER" cpus
+  check "cpu-bind: exit 0" rc_is 0
+  a=$(sed -n 's/^\[rank0\]:CPUS=//p' "$OUT")
+  b=$(sed -n 's/^\[rank1\]:CPUS=//p' "$OUT")
+  if [ "$ncpu" -ge 2 ]; then
+    check "cpu-bind: 2 workers on disjoint CPUs ($a | $b)" \
+      eval '[ -n "$a" ] && [ -n "$b" ] && [ -z "$(comm -12 <(tr , "\n" <<<"$a" | sort) <(tr , "\n" <<<"$b" | sort))" ]'
+    run -n $((ncpu + 1)) --standalone "$WORKER" cpus
+    check "cpu-bind: more workers than CPUs: one CPU each" \
+      eval '[ "$(grep -c "^\[rank[0-9]*\]:CPUS=[0-9]*$" "$OUT")" -eq $((ncpu + 1)) ]'
+  else
+    ok "cpu-bind: one CPU only, nothing to bind (skipped: nproc is $ncpu)"
+  fi
+  run -n 2 --standalone --cpu-bind none "$WORKER" cpus
+  a=$(sed -n 's/^\[rank0\]:CPUS=//p' "$OUT")
+  b=$(sed -n 's/^\[rank1\]:CPUS=//p' "$OUT")
+  check "cpu-bind none: both workers keep every CPU" eval '[ -n "$a" ] && [ "$a" = "$b" ]'
+  CHORUS_CPU_BIND=none run -n 2 --standalone "$WORKER" cpus
+  b=$(sed -n 's/^\[rank1\]:CPUS=//p' "$OUT")
+  check "CHORUS_CPU_BIND=none: the same" eval '[ "$a" = "$b" ]'
+  run -n 1 --standalone --cpu-bind sideways "$WORKER" cpus
+  check "cpu-bind: a bad value is a usage error" rc_is 2
+  no_leftovers "cpu-bind"
+}
+
 case_usage
+case_cpu_bind
 case_shm
 case_env
 case_output
