@@ -357,8 +357,6 @@ static chorus_result_t bad(chorus_comm_t comm, const char *coll, const char *fmt
   return CHORUS_ERR_INVALID_ARG;
 }
 
-/* Allocates and fills the common part of an operation; NULL on bad args
- * (*st says why). */
 /* memset for the few hundred bytes of an operation record, with plain
  * 16-byte stores: GCC turns a memset of this size into `rep stos`, whose
  * start-up alone is a tenth of a small collective's own cost on the AMD
@@ -383,6 +381,8 @@ static __attribute__((noinline)) void drop_op(struct chorus_work *w) {
   if (!w->on_stack) free(w);
 }
 
+/* Allocates and fills the common part of an operation; NULL on bad args
+ * (*st says why). */
 static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const void *sendbuf,
                                   void *recvbuf, size_t count, chorus_dtype_t dtype,
                                   chorus_op_t op, int root, chorus_result_t *st,
