@@ -10,6 +10,9 @@ command -v pgrep >/dev/null 2>&1 || need+=(procps)
 # CBLAS for the training runtime's matrix products (OpenBLAS).
 [[ "$(dpkg-query -W -f='${Status}' libopenblas-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libopenblas-dev)
+# libcrypto (OpenSSL 3) for authentication and encryption (src/util/crypto.c).
+[[ "$(dpkg-query -W -f='${Status}' libssl-dev 2>/dev/null)" == "install ok installed" ]] ||
+  need+=(libssl-dev)
 if ((${#need[@]})); then
   echo "deps: installing ${need[*]}"
   sudo=""

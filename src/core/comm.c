@@ -29,7 +29,9 @@
 #include "store/store.h"
 #include "util/clock.h"
 #include "util/env.h"
+#include "util/crypto.h"
 #include "util/net.h"
+#include "util/secret.h"
 #include "util/util.h"
 
 static __thread char g_init_error[1024];
@@ -257,6 +259,15 @@ static chorus_result_t agree_min(chorus_comm_t comm, int32_t *v) {
   return st;
 }
 
+/* Rank 0's value of *v on every rank, on the network path (like agree_min). */
+static chorus_result_t agree_bcast(chorus_comm_t comm, uint64_t *v) {
+  int saved = comm->forced_algo[CHORUS_COLL_BROADCAST];
+  comm->forced_algo[CHORUS_COLL_BROADCAST] = -1;
+  chorus_result_t st = chorus_broadcast(comm, v, 1, CHORUS_INT64, 0, NULL);
+  comm->forced_algo[CHORUS_COLL_BROADCAST] = saved;
+  return st;
+}
+
 /* Gives comm its shared-memory segment when every member is on this host:
  * rank 0 creates it, everyone agrees it exists, the others map it,
  * everyone agrees they did, rank 0 unlinks the name.  Any failure to create
@@ -279,7 +290,6 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
     return CHORUS_OK; /* every member computes the same answer */
   }
   char name[128], err[512] = "";
-  chorus__shm_name(name, sizeof name, env->JOB_ID, ctx->world_id, comm->id);
   long chunk = env->SHM_CHUNK;
   if (chunk < 16384) chunk = 16384;
   if (chunk > (64L << 20)) chunk = 64L << 20;
@@ -289,10 +299,25 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
   chorus__shm_t *shm = NULL;
   int32_t ok = 1;
   chorus_result_t st = CHORUS_OK;
-  if (comm->rank == 0) ok = chorus__shm_create(name, comm->size, (size_t)chunk, &shm, err,
-                                               sizeof err) == CHORUS_OK;
+  /* Rank 0 picks a random name (another one if a stranger holds it) and
+   * tells the others over the authenticated connections; 0: it failed. */
+  uint64_t nonce = 0;
+  for (int attempt = 0; comm->rank == 0 && attempt < 8; attempt++) {
+    int exists = 0;
+    if (chorus__random_bytes(&nonce, sizeof nonce) < 0 || nonce == 0) nonce = 1 + (uint64_t)attempt;
+    chorus__shm_name(name, sizeof name, env->JOB_ID, comm->id, nonce);
+    if (chorus__shm_create(name, comm->size, (size_t)chunk, &shm, err, sizeof err, &exists) ==
+        CHORUS_OK)
+      break;
+    nonce = 0;
+    if (!exists) break;
+    CHORUS_WARN(CHORUS__SUB_INIT, "/dev/shm%s exists already (made by someone else); trying "
+                "another name", name);
+  }
   if (shm) chorus__shm_publish_self(shm);
-  st = agree_min(comm, &ok);
+  st = agree_bcast(comm, &nonce);
+  ok = nonce != 0;
+  if (comm->rank != 0) chorus__shm_name(name, sizeof name, env->JOB_ID, comm->id, nonce);
   if (st == CHORUS_OK && ok && comm->rank != 0) {
     ok = chorus__shm_attach(name, comm->size, comm->rank, &shm, err, sizeof err) == CHORUS_OK;
     if (!ok) CHORUS_WARN(CHORUS__SUB_INIT, "rank %d/%d: %s", comm->rank, comm->size, err);
@@ -365,6 +390,115 @@ static chorus_result_t shm_setup(chorus_comm_t comm) {
   return CHORUS_OK;
 }
 
+/* ------------------------------------------------------------ job secret */
+
+/* How this world found its secret (docs/security.md). */
+typedef struct world_secret {
+  char secret[CHORUS__SECRET_MAX];
+  char file[4096]; /* the per-user agreement file, when that is the source */
+  int from_file;   /* read from file: it may be replaced, read again on refusal */
+  int wrote_file;  /* this rank made file (it serves the store) */
+  chorus__key_t key;
+} world_secret_t;
+
+/* Finds the world's secret and derives its key: the API's, CHORUS_JOB_SECRET,
+ * CHORUS_JOB_SECRET_FILE; else, when the store is on this host, a fresh one
+ * that the rank serving the store writes to a file only this user can read
+ * and the others read; else CHORUS_INSECURE=1 or an error. */
+static chorus_result_t world_secret(const chorus_config_t *cfg, int rank, int host, int port,
+                                    int64_t deadline, world_secret_t *ws) {
+  const chorus__env_t *env = chorus__env();
+  char why[600];
+  int have = 0;
+  if (cfg->job_secret && *cfg->job_secret) {
+    snprintf(ws->secret, sizeof ws->secret, "%s", cfg->job_secret);
+    have = 1;
+  } else {
+    have = chorus__secret_configured(ws->secret, sizeof ws->secret, why, sizeof why);
+    if (have < 0) return init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: %s", rank, why);
+    ws->from_file = have && !(env->JOB_SECRET && *env->JOB_SECRET);
+    if (ws->from_file) snprintf(ws->file, sizeof ws->file, "%s", env->JOB_SECRET_FILE);
+  }
+  if (!have && chorus__net_is_local(cfg->store_host)) {
+    char dir[4000];
+    if (chorus__runtime_dir(dir, sizeof dir, why, sizeof why) < 0)
+      return init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: no job secret, and no private "
+                       "directory to agree on one: %s", rank, why);
+    snprintf(ws->file, sizeof ws->file, "%s/store-%d.key", dir, port);
+    ws->from_file = 1;
+    if (host) {
+      int rc = chorus__secret_generate(ws->secret, sizeof ws->secret);
+      if (rc == 0) rc = chorus__secret_write_file(ws->file, ws->secret);
+      if (rc < 0)
+        return init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot write the job secret to "
+                         "%s: %s", rank, ws->file, strerror(-rc));
+      ws->wrote_file = 1;
+    } else {
+      /* Wait for the rank serving the store to write it. */
+      for (;;) {
+        int rc = chorus__secret_read_file(ws->file, ws->secret, sizeof ws->secret, why, sizeof why);
+        if (rc == 0) break;
+        if (rc != -ENOENT || chorus__ms_left(deadline) == 0)
+          return init_fail(rc == -ENOENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_INVALID_ARG,
+                           "chorus rank %d: no job secret: %s%s", rank, why, rc == -ENOENT ?
+                           " (rank 0 writes it when it starts the store; is it running on this "
+                           "host?)" : "");
+        struct timespec ts = {0, 20 * 1000000};
+        nanosleep(&ts, NULL);
+      }
+    }
+    have = 1;
+    CHORUS_INFO(CHORUS__SUB_INIT, "no job secret given: the ranks on this host use a fresh one "
+                "from %s", ws->file);
+  }
+  if (!have && !env->INSECURE)
+    return init_fail(CHORUS_ERR_INVALID_ARG,
+                     "chorus rank %d: no job secret, and the store at %s:%d is not on this host, "
+                     "so the ranks cannot agree on one by themselves: give every rank the same "
+                     "CHORUS_JOB_SECRET or CHORUS_JOB_SECRET_FILE (chorusrun does this), or set "
+                     "CHORUS_INSECURE=1 to let anyone who reaches the ports join "
+                     "(docs/security.md)", rank, cfg->store_host, port);
+  if (!have)
+    CHORUS_WARN(CHORUS__SUB_INIT, "chorus rank %d: CHORUS_INSECURE=1 and no job secret: anyone "
+                "who can reach this job's ports can join it, read and change its data",
+                rank);
+  int rc = chorus__job_key(have ? ws->secret : NULL, env->JOB_ID, &ws->key);
+  if (rc < 0)
+    return init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot derive the job key: %s", rank,
+                     strerror(-rc));
+  return CHORUS_OK;
+}
+
+/* Reads the secret file again after the store refused our key (it was
+ * replaced: an earlier world on the same port, or a restart).  1 when it
+ * changed. */
+static int world_secret_reread(world_secret_t *ws) {
+  char fresh[CHORUS__SECRET_MAX], why[600];
+  if (!ws->from_file || ws->wrote_file) return 0;
+  if (chorus__secret_read_file(ws->file, fresh, sizeof fresh, why, sizeof why) < 0) return 0;
+  int changed = strcmp(fresh, ws->secret) != 0;
+  if (changed) {
+    snprintf(ws->secret, sizeof ws->secret, "%s", fresh);
+    if (chorus__job_key(ws->secret, chorus__env()->JOB_ID, &ws->key) < 0) changed = 0;
+  }
+  chorus__wipe(fresh, sizeof fresh);
+  return changed;
+}
+
+/* The agreement file is needed until every rank holds the key: once the
+ * world formed, the rank that wrote it removes it. */
+static void world_secret_done(world_secret_t *ws) {
+  if (ws->wrote_file) {
+    char cur[CHORUS__SECRET_MAX], why[600];
+    if (chorus__secret_read_file(ws->file, cur, sizeof cur, why, sizeof why) == 0 &&
+        !strcmp(cur, ws->secret))
+      unlink(ws->file);
+    chorus__wipe(cur, sizeof cur);
+    ws->wrote_file = 0;
+  }
+  chorus__wipe(ws, sizeof *ws);
+}
+
 static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out) {
   const chorus__env_t *env = chorus__env();
   chorus__log_init();
@@ -384,7 +518,6 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   int rank = cfg->rank, size = cfg->world_size;
   long env_timeout_s = env->TIMEOUT > 0 && env->TIMEOUT < 2000000 ? env->TIMEOUT : 300;
   int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : (int)(env_timeout_s * 1000);
-  const char *secret = cfg->job_secret ? cfg->job_secret : env->JOB_SECRET;
   char prefix[256];
   if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
   else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
@@ -392,15 +525,29 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   int64_t deadline = chorus__deadline_ms(timeout_ms);
   chorus_result_t st;
 
+  world_secret_t *ws = calloc(1, sizeof *ws);
+  if (!ws) return init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  st = world_secret(cfg, rank, host, cfg->store_port, deadline, ws);
+  if (st != CHORUS_OK) {
+    world_secret_done(ws);
+    free(ws);
+    return st;
+  }
   chorus__ctx_t *ctx = calloc(1, sizeof *ctx);
-  if (!ctx) return init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  if (!ctx) {
+    world_secret_done(ws);
+    free(ws);
+    return init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  }
   pthread_mutex_init(&ctx->lock, NULL);
   ctx->rank = rank;
   ctx->size = size;
   int port = cfg->store_port;
   char **addrs = NULL;
   if (host) {
-    st = chorus_store_server_start(NULL, port, secret, &ctx->server);
+    /* On MASTER_ADDR's address only: all interfaces when asked. */
+    st = chorus__store_server_start_key(env->STORE_BIND_ALL ? NULL : cfg->store_host, port,
+                                        &ws->key, &ctx->server);
     if (st != CHORUS_OK) {
       init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another job "
                 "using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
@@ -413,7 +560,16 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
                    "rank that serves the store", rank);
     goto fail;
   }
-  st = chorus_store_connect(cfg->store_host, port, secret, timeout_ms, &ctx->store);
+  for (;;) {
+    st = chorus__store_connect_key(cfg->store_host, port, &ws->key, chorus__ms_left(deadline),
+                                   &ctx->store);
+    if (st == CHORUS_OK || !chorus__store_connect_denied() || chorus__ms_left(deadline) == 0)
+      break;
+    /* Refused: the agreement file we read may have been stale. */
+    struct timespec ts = {0, 20 * 1000000};
+    nanosleep(&ts, NULL);
+    world_secret_reread(ws);
+  }
   if (st != CHORUS_OK) {
     init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s (is rank 0 or chorusrun "
               "running, are MASTER_ADDR/MASTER_PORT and the job secret right?)", rank, size,
@@ -466,7 +622,7 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
     init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
     goto fail;
   }
-  chorus__tp_config_t tcfg = {.rank = rank, .size = size, .secret = secret, .world_id = world_id,
+  chorus__tp_config_t tcfg = {.rank = rank, .size = size, .key = &ws->key, .world_id = world_id,
                               .listen_fd = lfd, .addrs = (const char *const *)addrs,
                               .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
                               .fp_format = chorus__fp_format};
@@ -477,6 +633,9 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   }
   chorus__rdzv_free(addrs, size);
   addrs = NULL;
+  world_secret_done(ws); /* every rank holds the key now */
+  free(ws);
+  ws = NULL;
   /* Which ranks share this host (for shared memory). */
   char ident[400];
   host_identity(ident, sizeof ident);
@@ -531,6 +690,10 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   *out = comm;
   return CHORUS_OK;
 fail:
+  if (ws) {
+    world_secret_done(ws);
+    free(ws);
+  }
   chorus__rdzv_free(addrs, size);
   if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
   chorus__memreg_free(ctx->memreg);

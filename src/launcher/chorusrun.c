@@ -87,7 +87,10 @@
 #include "chorus.h"
 #include "util/clock.h"
 #include "util/env.h"
+#include "store/store.h"
+#include "util/crypto.h"
 #include "util/log.h"
+#include "util/secret.h"
 #include "util/util.h"
 
 extern char **environ;
@@ -137,7 +140,8 @@ typedef struct {
   /* runtime */
   int port;     /* the store's actual port */
   char job_id[17];
-  char secret[33];
+  char secret[CHORUS__SECRET_MAX];
+  char secret_file[4096]; /* what workers get as CHORUS_JOB_SECRET_FILE */
   worker_t *w;
   int out_broken[3];  /* our stdout/stderr gave EPIPE: drop their output */
   int got_sig;        /* first SIGINT/SIGTERM/SIGHUP/SIGQUIT, else 0 */
@@ -222,6 +226,7 @@ static void child_reset_signals(void) {
 static int g_guard_fd = -1;
 static pid_t g_guard_pid = -1;
 static char g_job_id[17]; /* for removing the job's shared-memory names */
+static char g_secret_file[4096]; /* the secret file we made, removed at exit */
 
 /* Workers unlink their shared-memory segments as soon as every rank mapped
  * them; a crash inside that window leaves a name in /dev/shm.  Names of
@@ -272,6 +277,7 @@ static void guard_main(int rfd) {
   }
   for (size_t i = 0; i < n; i++) kill(-pids[i], SIGKILL);
   if (n) remove_job_segments();
+  if (g_secret_file[0]) unlink(g_secret_file);
   _exit(0);
 }
 
@@ -406,6 +412,42 @@ static int random_hex(char *out, size_t n) {
   return 0;
 }
 
+/* The job's secret: CHORUS_JOB_SECRET_FILE as given (workers read the same
+ * file), else CHORUS_JOB_SECRET's value or a fresh random one, written to a
+ * file of our own in the per-user runtime directory.  0, or -1 after a
+ * message. */
+static int job_secret(job_t *job) {
+  char why[600];
+  int have = chorus__secret_configured(job->secret, sizeof job->secret, why, sizeof why);
+  if (have < 0) {
+    fprintf(stderr, "chorusrun: %s\n", why);
+    return -1;
+  }
+  const chorus__env_t *env = chorus__env();
+  if (have && env->JOB_SECRET_FILE && *env->JOB_SECRET_FILE &&
+      !(env->JOB_SECRET && *env->JOB_SECRET)) {
+    snprintf(job->secret_file, sizeof job->secret_file, "%s", env->JOB_SECRET_FILE);
+    return 0;
+  }
+  if (!have && chorus__secret_generate(job->secret, sizeof job->secret) != 0) {
+    fprintf(stderr, "chorusrun: cannot get random bytes for the job secret\n");
+    return -1;
+  }
+  char dir[3900];
+  if (chorus__runtime_dir(dir, sizeof dir, why, sizeof why) < 0) {
+    fprintf(stderr, "chorusrun: no private directory for the job secret: %s\n", why);
+    return -1;
+  }
+  snprintf(job->secret_file, sizeof job->secret_file, "%s/job-%s.key", dir, job->job_id);
+  int rc = chorus__secret_write_file(job->secret_file, job->secret);
+  if (rc < 0) {
+    fprintf(stderr, "chorusrun: cannot write %s: %s\n", job->secret_file, strerror(-rc));
+    return -1;
+  }
+  snprintf(g_secret_file, sizeof g_secret_file, "%s", job->secret_file);
+  return 0;
+}
+
 /* Two pipes per worker need descriptors: raise the soft limit towards the
  * hard one if the default (often 1024) is too small for nproc workers. */
 static void raise_nofile(int nproc) {
@@ -489,7 +531,8 @@ static void usage(FILE *f) {
       "  -h, --help              this text\n"
       "Underscores may replace dashes (--nproc_per_node); --opt=value works.\n"
       "\n"
-      "Workers also get CHORUS_JOB_ID, CHORUS_JOB_SECRET,\n"
+      "Workers also get CHORUS_JOB_ID, CHORUS_JOB_SECRET_FILE (a file only this\n"
+      "user can read, holding a fresh random secret, or CHORUS_JOB_SECRET's value),\n"
       "CHORUS_STORE_EXTERNAL=1 and CHORUS_RESTART_COUNT (0, 1, ... per restart;\n"
       "the store keeps running across restarts and keys are separated by it).\n"
       "\n"
@@ -737,7 +780,8 @@ static void stream_read(job_t *job, worker_t *w, stream_t *s) {
 static const char *const g_contract_vars[] = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-    "CHORUS_JOB_ID", "CHORUS_JOB_SECRET", "CHORUS_STORE_EXTERNAL", "CHORUS_RESTART_COUNT",
+    "CHORUS_JOB_ID", "CHORUS_JOB_SECRET", "CHORUS_JOB_SECRET_FILE", "CHORUS_STORE_EXTERNAL",
+    "CHORUS_RESTART_COUNT",
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"};
 
 /* The worker's environment: ours minus the contract variables, plus their
@@ -768,7 +812,10 @@ static char **build_env(const job_t *job, int rank, int restart) {
   env[k++] = xasprintf("MASTER_ADDR=%s", job->master_addr);
   env[k++] = xasprintf("MASTER_PORT=%d", job->port);
   env[k++] = xasprintf("CHORUS_JOB_ID=%s", job->job_id);
-  env[k++] = xasprintf("CHORUS_JOB_SECRET=%s", job->secret);
+  /* The secret itself stays out of the environment (children inherit it,
+   * crash reports print it): workers read this file, which only our user
+   * can read, and chorusrun removes it when the job ends. */
+  env[k++] = xasprintf("CHORUS_JOB_SECRET_FILE=%s", job->secret_file);
   env[k++] = xasprintf("CHORUS_STORE_EXTERNAL=1");
   env[k++] = xasprintf("CHORUS_RESTART_COUNT=%d", restart);
   env[k++] = xasprintf("TORCHELASTIC_RESTART_COUNT=%d", restart);
@@ -1199,11 +1246,12 @@ int main(int argc, char **argv) {
             strchr(job.argv[0], '/') ? "" : " (searched PATH)");
     return EXIT_NOT_FOUND;
   }
-  if (random_hex(job.job_id, 8) != 0 || random_hex(job.secret, 16) != 0) {
-    fprintf(stderr, "chorusrun: cannot get random bytes for the job secret\n");
+  if (random_hex(job.job_id, 8) != 0) {
+    fprintf(stderr, "chorusrun: cannot get random bytes for the job id\n");
     return EXIT_LAUNCHER;
   }
   memcpy(g_job_id, job.job_id, sizeof g_job_id);
+  if (job_secret(&job) != 0) return EXIT_LAUNCHER;
   guard_start(); /* before any handler or thread exists */
   if (install_signals() != 0) {
     fprintf(stderr, "chorusrun: cannot set up signal handling: %s\n", strerror(errno));
@@ -1220,7 +1268,12 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) sigaddset(&sigs, g_sigs[i]);
   pthread_sigmask(SIG_BLOCK, &sigs, &old);
   chorus_store_server_t *srv = NULL;
-  chorus_result_t src = chorus_store_server_start(job.master_addr, job.master_port, job.secret, &srv);
+  chorus__key_t key;
+  chorus_result_t src = CHORUS_ERR_SYSTEM;
+  if (chorus__job_key(job.secret, job.job_id, &key) == 0)
+    src = chorus__store_server_start_key(job.master_addr, job.master_port, &key, &srv);
+  chorus__wipe(&key, sizeof key);
+  chorus__wipe(job.secret, sizeof job.secret);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (src != CHORUS_OK) {
     /* The store has logged the system error (WARN) just before. */
@@ -1229,6 +1282,7 @@ int main(int argc, char **argv) {
             job.master_port ? "; is the port in use? try --standalone or another --master-port"
                             : "");
     guard_stop();
+    if (g_secret_file[0]) unlink(g_secret_file);
     return EXIT_LAUNCHER;
   }
   job.port = chorus_store_server_port(srv);
@@ -1275,6 +1329,7 @@ int main(int argc, char **argv) {
 
   chorus_store_server_stop(srv);
   guard_stop();
+  if (g_secret_file[0]) unlink(g_secret_file);
   for (int r = 0; r < job.nproc; r++) {
     tail_clear(&job.w[r]);
     free(job.w[r].st[0].buf);

@@ -5,11 +5,15 @@
  * Wire protocol (all integers little-endian):
  *   every frame:   u32 length of what follows, then that many bytes; the
  *                  three handshake messages are frames too
- *   handshake:     server -> client  "CHST" u32 version, 16-byte nonce
- *                  client -> server  "CHST" u32 version, u64 siphash(key, nonce)
+ *   handshake:     server -> client  "CHST" u32 version, 32-byte nonce Ns
+ *                  client -> server  "CHST" u32 version, 32-byte nonce Nc,
+ *                                    HMAC(key, "chorus store client" Ns Nc)
  *                  server -> client  u8 status (0 ok, 1 wrong secret, 2 bad
- *                  magic/version; anything but 0 closes the connection)
- *                  where key = chorus__secret_key(job secret).
+ *                                    magic/version; anything but 0 closes
+ *                                    the connection), and after a 0
+ *                                    HMAC(key, "chorus store server" Ns Nc)
+ *                  where key is the job key (util/crypto.h) and HMAC is
+ *                  HMAC-SHA256; the client checks the server's proof too.
  *   request body:  u8 command, then command fields; strings and values are
  *                  u32 length + bytes.  Responses: u8 status (0 ok, 1 timeout
  *                  (reserved, never sent: clients apply their own deadline),
@@ -20,7 +24,7 @@
  * Frames longer than CHORUS__STORE_MAX_FRAME, keys longer than
  * CHORUS__STORE_MAX_KEY and malformed bodies close the connection (the
  * server logs the peer's address:port) without disturbing other clients.
- * Before the handshake completes no frame may exceed the client's 16-byte
+ * Before the handshake completes no frame may exceed the client's 72-byte
  * answer, and a connection that has not answered within 5 s is closed.
  */
 #ifndef CHORUS_STORE_STORE_H
@@ -29,9 +33,24 @@
 #include <stdint.h>
 
 #include "chorus.h"
+#include "util/crypto.h"
 
 #define CHORUS__STORE_MAX_FRAME (64u << 20)
 #define CHORUS__STORE_MAX_KEY 4096u
+
+/* The public chorus_store_server_start / chorus_store_connect with the job
+ * key already derived (the communicator and chorusrun derive it once).  key
+ * must be set (chorus__job_key); an insecure key is the caller's decision. */
+chorus_result_t chorus__store_server_start_key(const char *host, int port,
+                                               const chorus__key_t *key,
+                                               chorus_store_server_t **server);
+chorus_result_t chorus__store_connect_key(const char *host, int port, const chorus__key_t *key,
+                                          int timeout_ms, chorus_store_t **client);
+
+/* 1 when the last failed connect of this thread failed because the store
+ * refused the key (so a caller that reads its secret from a file may read
+ * it again: it may have been replaced). */
+int chorus__store_connect_denied(void);
 
 /* Changes the default timeout of a client's blocking calls (<= 0: the
  * CHORUS_TIMEOUT default).  chorus_store_connect()'s timeout_ms is the

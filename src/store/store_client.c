@@ -45,6 +45,7 @@
 
 #include "util/env.h"
 #include "util/net.h"
+#include "util/secret.h"
 #include "util/util.h"
 
 #define RECONNECT_WINDOW_MS 1000
@@ -58,7 +59,7 @@ struct chorus_store {
   char host[256];
   int port;
   char addr[300]; /* "host:port" ("[v6]:port"), in every message */
-  uint8_t key[16];
+  chorus__key_t key;
   int fd;         /* -1: disconnected; the next call reconnects */
   int timeout_ms; /* bound of every call without an explicit one */
   int retry_ms;   /* pause between connection attempts */
@@ -66,6 +67,7 @@ struct chorus_store {
 };
 
 static _Thread_local char g_connect_err[ERR_CAP];
+static _Thread_local int g_connect_denied;
 
 /* Writes "store <addr>: " and the formatted message into err (ERR_CAP). */
 static void set_err(char *err, const char *addr, const char *fmt, ...)
@@ -132,15 +134,27 @@ static void sleep_ms(int ms) {
 }
 
 /* Runs the client side of the handshake on a fresh connection.  Returns 0;
- * -EACCES when the store rejected our secret; -EPROTONOSUPPORT on a protocol
- * version mismatch (*server_version receives the store's version, or 0 if it
- * did not say); -EPROTO when the peer does not speak the store protocol; or
- * a negative errno from the socket (-ETIMEDOUT when the deadline passed). */
-static int handshake(const uint8_t key[16], int fd, int64_t deadline, uint32_t *server_version) {
+ * -EACCES when the store rejected our key; -EPERM when the server did not
+ * prove that it holds the key (not our store); -EPROTONOSUPPORT on a
+ * protocol version mismatch (*server_version receives the store's version,
+ * or 0 if it did not say); -EPROTO when the peer does not speak the store
+ * protocol; or a negative errno from the socket (-ETIMEDOUT when the
+ * deadline passed). */
+static int handshake(const chorus__key_t *key, int fd, int64_t deadline, uint32_t *server_version) {
   uint8_t hello[4 + CHORUS__STORE_HELLO_LEN];
   int rc = chorus__net_read_full(fd, hello, 4, deadline);
   if (rc < 0) return rc;
-  if (chorus__le32_get(hello) != CHORUS__STORE_HELLO_LEN) return -EPROTO;
+  if (chorus__le32_get(hello) != CHORUS__STORE_HELLO_LEN) {
+    /* A store of another protocol version sends a hello of another size;
+     * its version field is where ours is. */
+    uint8_t head[8];
+    if (chorus__le32_get(hello) >= 8 && chorus__net_read_full(fd, head, 8, deadline) == 0 &&
+        memcmp(head, CHORUS__STORE_MAGIC, 4) == 0) {
+      *server_version = chorus__le32_get(head + 4);
+      return -EPROTONOSUPPORT;
+    }
+    return -EPROTO;
+  }
   if ((rc = chorus__net_read_full(fd, hello + 4, CHORUS__STORE_HELLO_LEN, deadline)) < 0) return rc;
   if (memcmp(hello + 4, CHORUS__STORE_MAGIC, 4) != 0) return -EPROTO;
   uint32_t version = chorus__le32_get(hello + 8);
@@ -148,19 +162,28 @@ static int handshake(const uint8_t key[16], int fd, int64_t deadline, uint32_t *
     *server_version = version;
     return -EPROTONOSUPPORT;
   }
-  const uint8_t *nonce = hello + 12;
+  const uint8_t *server_nonce = hello + 12;
   uint8_t answer[4 + CHORUS__STORE_AUTH_LEN];
+  uint8_t *client_nonce = answer + 12;
   chorus__le32_put(answer, CHORUS__STORE_AUTH_LEN);
   memcpy(answer + 4, CHORUS__STORE_MAGIC, 4);
   chorus__le32_put(answer + 8, CHORUS__STORE_VERSION);
-  chorus__le64_put(answer + 12, chorus__siphash(key, nonce, CHORUS__STORE_NONCE_LEN));
+  if ((rc = chorus__random_bytes(client_nonce, CHORUS__STORE_NONCE_LEN)) < 0) return rc;
+  chorus__store_mac(key, 0, server_nonce, client_nonce, answer + 12 + CHORUS__STORE_NONCE_LEN);
   if ((rc = chorus__net_write_full(fd, answer, sizeof answer, deadline)) < 0) return rc;
-  uint8_t verdict[5];
-  if ((rc = chorus__net_read_full(fd, verdict, sizeof verdict, deadline)) < 0) return rc;
-  if (chorus__le32_get(verdict) != 1) return -EPROTO;
+  uint8_t verdict[4 + CHORUS__STORE_VERDICT_OK_LEN];
+  if ((rc = chorus__net_read_full(fd, verdict, 5, deadline)) < 0) return rc;
+  uint32_t len = chorus__le32_get(verdict);
+  if (verdict[4] == CHORUS__STORE_HS_OK) {
+    if (len != CHORUS__STORE_VERDICT_OK_LEN) return -EPROTO;
+    if ((rc = chorus__net_read_full(fd, verdict + 5, CHORUS__STORE_MAC_LEN, deadline)) < 0)
+      return rc;
+    uint8_t want[CHORUS__STORE_MAC_LEN];
+    chorus__store_mac(key, 1, server_nonce, client_nonce, want);
+    return chorus__ct_equal(want, verdict + 5, sizeof want) ? 0 : -EPERM;
+  }
+  if (len != 1) return -EPROTO;
   switch (verdict[4]) {
-    case CHORUS__STORE_HS_OK:
-      return 0;
     case CHORUS__STORE_HS_DENIED:
       return -EACCES;
     case CHORUS__STORE_HS_VERSION:
@@ -189,7 +212,7 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
       return CHORUS_ERR_STORE;
     }
     uint32_t server_version = 0;
-    int rc = handshake(c->key, fd, deadline, &server_version);
+    int rc = handshake(&c->key, fd, deadline, &server_version);
     if (rc == 0) {
       c->fd = fd;
       return CHORUS_OK;
@@ -198,9 +221,18 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
     switch (rc) {
       case -EACCES:
         set_err(err, c->addr,
-                "%s: authentication failed: the store rejected this job secret "
-                "(check CHORUS_JOB_SECRET)",
+                "%s: authentication failed: the store rejected this job's key (the processes "
+                "were given different secrets, or a different CHORUS_JOB_ID; see "
+                "docs/security.md)",
                 what);
+        g_connect_denied = 1;
+        return CHORUS_ERR_PROTOCOL;
+      case -EPERM:
+        set_err(err, c->addr,
+                "%s: the server there did not prove that it holds the job key: it is not "
+                "this job's store (another job or a stranger is on that port)",
+                what);
+        g_connect_denied = 1;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTONOSUPPORT:
         set_err(err, c->addr, "%s: store protocol version mismatch (store %" PRIu32 ", client %u)",
@@ -422,7 +454,25 @@ static int default_timeout_ms(void) {
 
 chorus_result_t chorus_store_connect(const char *host, int port, const char *secret, int timeout_ms,
                                      chorus_store_t **client) {
+  chorus__key_t key;
   g_connect_err[0] = '\0';
+  g_connect_denied = 0;
+  if (client) *client = NULL;
+  if (chorus__key_for_api(secret, &key, g_connect_err, sizeof g_connect_err) < 0) {
+    CHORUS_WARN(CHORUS__SUB_STORE, "store %.64s:%d: %s", host ? host : "", port, g_connect_err);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  chorus_result_t res = chorus__store_connect_key(host, port, &key, timeout_ms, client);
+  chorus__wipe(&key, sizeof key);
+  return res;
+}
+
+int chorus__store_connect_denied(void) { return g_connect_denied; }
+
+chorus_result_t chorus__store_connect_key(const char *host, int port, const chorus__key_t *key,
+                                          int timeout_ms, chorus_store_t **client) {
+  g_connect_err[0] = '\0';
+  g_connect_denied = 0;
   if (!client) return CHORUS_ERR_INVALID_ARG;
   *client = NULL;
   if (!host || !*host) host = "127.0.0.1";
@@ -440,7 +490,7 @@ chorus_result_t chorus_store_connect(const char *host, int port, const char *sec
   snprintf(c->host, sizeof c->host, "%s", host);
   c->port = port;
   snprintf(c->addr, sizeof c->addr, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
-  chorus__secret_key(secret, c->key);
+  c->key = *key;
   c->fd = -1;
   c->timeout_ms = timeout_ms > 0 ? timeout_ms : default_timeout_ms();
   long retry = chorus__env()->CONNECT_RETRY_MS;
@@ -460,6 +510,7 @@ chorus_result_t chorus_store_connect(const char *host, int port, const char *sec
 void chorus_store_close(chorus_store_t *client) {
   if (!client) return;
   disconnect(client);
+  chorus__wipe(&client->key, sizeof client->key);
   pthread_mutex_destroy(&client->mu);
   free(client);
 }

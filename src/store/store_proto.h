@@ -35,14 +35,18 @@
 #include <string.h>
 
 #include "store.h"
+#include "util/crypto.h"
 
 #define CHORUS__STORE_MAGIC "CHST"
-#define CHORUS__STORE_VERSION 1u
-#define CHORUS__STORE_NONCE_LEN 16u
-/* Server hello body: magic, u32 version, nonce. */
+#define CHORUS__STORE_VERSION 2u
+#define CHORUS__STORE_NONCE_LEN 32u
+#define CHORUS__STORE_MAC_LEN 32u
+/* Server hello body: magic, u32 version, server nonce. */
 #define CHORUS__STORE_HELLO_LEN (4u + 4u + CHORUS__STORE_NONCE_LEN)
-/* Client answer body: magic, u32 version, u64 siphash(key, nonce). */
-#define CHORUS__STORE_AUTH_LEN (4u + 4u + 8u)
+/* Client answer body: magic, u32 version, client nonce, client MAC. */
+#define CHORUS__STORE_AUTH_LEN (4u + 4u + CHORUS__STORE_NONCE_LEN + CHORUS__STORE_MAC_LEN)
+/* Server verdict body: u8 verdict, then the server MAC when it is OK. */
+#define CHORUS__STORE_VERDICT_OK_LEN (1u + CHORUS__STORE_MAC_LEN)
 /* Most keys one CHECK or WAIT may name. */
 #define CHORUS__STORE_MAX_KEYS 65536u
 /* Longest reason a BAD_REQUEST response carries. */
@@ -243,6 +247,19 @@ static inline const uint8_t *chorus__srd_raw(chorus__srd_t *r, size_t n) {
   r->p += n;
   r->left -= n;
   return at;
+}
+
+/* The handshake's proofs: HMAC-SHA256 under the job key of a label (which
+ * side proves), the server's nonce and the client's.  Each side checks the
+ * other's, so neither a stranger client nor a stranger server listening on
+ * the store's port gets anywhere without the key. */
+static inline void chorus__store_mac(const chorus__key_t *key, int server_side,
+                                     const uint8_t *server_nonce, const uint8_t *client_nonce,
+                                     uint8_t mac[CHORUS__STORE_MAC_LEN]) {
+  static const char lc[] = "chorus store client", ls[] = "chorus store server";
+  const void *parts[3] = {server_side ? ls : lc, server_nonce, client_nonce};
+  size_t lens[3] = {sizeof lc, CHORUS__STORE_NONCE_LEN, CHORUS__STORE_NONCE_LEN};
+  chorus__hmac(key, parts, lens, 3, mac);
 }
 
 /* Name of a command for logs and error messages. */

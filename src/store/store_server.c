@@ -31,8 +31,9 @@
  * loop iteration, so an event of the same batch never touches freed memory.
  *
  * Untrusted input.  A new connection first receives a random nonce and must
- * answer with siphash(secret key, nonce) within the handshake timeout (5 s by
- * default); until then its frames may not exceed the answer's 16 bytes, so a
+ * answer with its own nonce and HMAC-SHA256(job key, both nonces) within the
+ * handshake timeout (5 s by default; the server then proves the key back,
+ * store.h); until then its frames may not exceed the answer's 72 bytes, so a
  * stranger can make the server hold at most a few dozen bytes.  Every length
  * in a request is checked against the frame and the limits in store.h and
  * store_proto.h, and the body must be consumed exactly.  Anything malformed
@@ -62,6 +63,7 @@
 #include <unistd.h>
 
 #include "util/net.h"
+#include "util/secret.h"
 #include "util/util.h"
 
 #define CHORUS__STORE_MAX_CONNS 4096
@@ -168,7 +170,7 @@ struct chorus_store_server {
   int listen_fd, epoll_fd, stop_fd;
   int port;
   char name[96]; /* "store server *:29500", prefix of every log line */
-  uint8_t auth_key[16];
+  chorus__key_t auth_key;
   uint8_t hash_key[16];
   entry_t **buckets;
   size_t nbuckets, nentries;
@@ -181,6 +183,7 @@ struct chorus_store_server {
   int listen_paused;
   int64_t listen_resume_at;
   int64_t last_refusal_warn;
+  chorus__ratelimit_t reject_log; /* rejected handshakes */
   int stopping;
 };
 
@@ -362,7 +365,10 @@ static void conn_drop(chorus_store_server_t *srv, conn_t *c, int level, const ch
   va_start(ap, fmt);
   vsnprintf(why, sizeof why, fmt, ap);
   va_end(ap);
-  if (level == CHORUS__LOG_WARN)
+  if (level == CHORUS__LOG_WARN && c->state != CONN_READY) /* a stranger: rate-limited */
+    chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE, "%s: closing connection from %s: %s",
+                        srv->name, c->peer, why);
+  else if (level == CHORUS__LOG_WARN)
     CHORUS_WARN(CHORUS__SUB_STORE, "%s: closing connection from %s: %s", srv->name, c->peer, why);
   else if (level == CHORUS__LOG_INFO)
     CHORUS_INFO(CHORUS__SUB_STORE, "%s: closing connection from %s: %s", srv->name, c->peer, why);
@@ -531,28 +537,35 @@ static int conn_handshake(chorus_store_server_t *srv, conn_t *c, const uint8_t *
   chorus__srd_t r = chorus__srd_make(body, len);
   const uint8_t *magic = chorus__srd_raw(&r, 4);
   uint32_t version = chorus__srd_u32(&r);
-  uint64_t mac = chorus__srd_u64(&r);
+  const uint8_t *client_nonce = chorus__srd_raw(&r, CHORUS__STORE_NONCE_LEN);
+  const uint8_t *mac = chorus__srd_raw(&r, CHORUS__STORE_MAC_LEN);
   uint8_t verdict = CHORUS__STORE_HS_OK;
   if (r.bad || r.left || memcmp(magic, CHORUS__STORE_MAGIC, 4) != 0) {
-    CHORUS_WARN(CHORUS__SUB_STORE, "%s: malformed handshake from %s", srv->name, c->peer);
+    chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE, "%s: malformed handshake from %s",
+                        srv->name, c->peer);
     verdict = CHORUS__STORE_HS_VERSION;
   } else if (version != CHORUS__STORE_VERSION) {
-    CHORUS_WARN(CHORUS__SUB_STORE, "%s: %s speaks store protocol version %u, this server %u",
-                srv->name, c->peer, version, CHORUS__STORE_VERSION);
+    chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE,
+                        "%s: %s speaks store protocol version %u, this server %u", srv->name,
+                        c->peer, version, CHORUS__STORE_VERSION);
     verdict = CHORUS__STORE_HS_VERSION;
   } else {
-    uint8_t got[8], want[8];
-    chorus__le64_put(got, mac);
-    chorus__le64_put(want, chorus__siphash(srv->auth_key, c->nonce, sizeof c->nonce));
-    if (chorus__memcmp_ct(got, want, sizeof got) != 0) {
-      CHORUS_WARN(CHORUS__SUB_STORE,
-                  "%s: authentication failed for %s (wrong job secret?); closing", srv->name,
-                  c->peer);
+    uint8_t want[CHORUS__STORE_MAC_LEN];
+    chorus__store_mac(&srv->auth_key, 0, c->nonce, client_nonce, want);
+    if (!chorus__ct_equal(want, mac, sizeof want)) {
+      chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE,
+                          "%s: authentication failed for %s (wrong job secret?); closing",
+                          srv->name, c->peer);
       verdict = CHORUS__STORE_HS_DENIED;
     }
   }
   size_t at = chorus__sbuf_frame_begin(&c->out);
   chorus__sbuf_u8(&c->out, verdict);
+  if (verdict == CHORUS__STORE_HS_OK) {
+    uint8_t proof[CHORUS__STORE_MAC_LEN];
+    chorus__store_mac(&srv->auth_key, 1, c->nonce, client_nonce, proof);
+    chorus__sbuf_raw(&c->out, proof, sizeof proof);
+  }
   chorus__sbuf_frame_end(&c->out, at);
   if (c->out.oom) return out_of_memory(srv, c);
   if (verdict == CHORUS__STORE_HS_OK) {
@@ -1041,6 +1054,23 @@ chorus_result_t chorus_store_server_start(const char *host, int port, const char
                                           chorus_store_server_t **server) {
   if (!server) return CHORUS_ERR_INVALID_ARG;
   *server = NULL;
+  chorus__key_t key;
+  char why[400];
+  if (chorus__key_for_api(secret, &key, why, sizeof why) < 0) {
+    CHORUS_WARN(CHORUS__SUB_STORE, "store server %s:%d: %s", host && *host ? host : "*", port,
+                why);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  chorus_result_t res = chorus__store_server_start_key(host, port, &key, server);
+  chorus__wipe(&key, sizeof key);
+  return res;
+}
+
+chorus_result_t chorus__store_server_start_key(const char *host, int port,
+                                               const chorus__key_t *key,
+                                               chorus_store_server_t **server) {
+  if (!server || !key) return CHORUS_ERR_INVALID_ARG;
+  *server = NULL;
   const char *shown = host && *host ? host : "*";
   if (port < 0 || port > 65535) {
     CHORUS_WARN(CHORUS__SUB_STORE, "store server %s:%d: invalid port", shown, port);
@@ -1055,7 +1085,7 @@ chorus_result_t chorus_store_server_start(const char *host, int port, const char
   list_init(&srv->again);
   list_init(&srv->dead);
   atomic_init(&srv->handshake_ms, HANDSHAKE_MS_DEFAULT);
-  chorus__secret_key(secret, srv->auth_key);
+  srv->auth_key = *key;
   chorus_result_t res = CHORUS_ERR_SYSTEM;
   const char *what = NULL;
   int rc = chorus__random_bytes(srv->hash_key, sizeof srv->hash_key);

@@ -49,16 +49,16 @@ size_t chorus__shm_bytes(int n, size_t chunk) {
   return data_offset(n) + (size_t)n * 2 * chunk;
 }
 
-void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t world_id,
-                      uint64_t group_id) {
+void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t group_id,
+                      uint64_t nonce) {
   char clean[24];
   size_t k = 0;
   for (const char *p = job ? job : ""; *p && k + 1 < sizeof clean; p++)
     if ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z'))
       clean[k++] = *p;
   clean[k] = '\0';
-  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-%016" PRIx64, k ? clean : "nojob", world_id,
-           group_id);
+  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-%016" PRIx64, k ? clean : "nojob", group_id,
+           nonce);
 }
 
 static chorus__shm_t *wrap(void *base, size_t bytes, int n, int me, size_t chunk) {
@@ -76,14 +76,37 @@ static chorus__shm_t *wrap(void *base, size_t bytes, int n, int me, size_t chunk
   return s;
 }
 
+/* Opens an existing segment for mapping; it must be a file of this user
+ * that nobody else may open (what create_mapped makes), or someone else
+ * put it there.  Returns the fd or -1 with errmsg filled. */
+static int open_own(const char *name, struct stat *sb, char *errmsg, size_t cap) {
+  int fd = shm_open(name, O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
+  if (fd < 0) {
+    snprintf(errmsg, cap, "shm_open(%s) failed: %s (is /dev/shm shared between the ranks?)", name,
+             strerror(errno));
+    return -1;
+  }
+  if (fstat(fd, sb) < 0 || !S_ISREG(sb->st_mode) || sb->st_uid != geteuid() ||
+      (sb->st_mode & 077)) {
+    snprintf(errmsg, cap, "%s is not a segment of this job (owner uid %u, mode %03o; expected "
+             "uid %u, mode 600): refusing it", name, (unsigned)sb->st_uid,
+             (unsigned)(sb->st_mode & 0777), (unsigned)geteuid());
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 /* Creates shm object name (O_EXCL, 0600) of bytes bytes, reserves its memory
  * (a tmpfs that runs out later would SIGBUS us) and maps it; on failure
  * removes the name, says why in errmsg and returns NULL with *st set. */
 static void *create_mapped(const char *name, size_t bytes, char *errmsg, size_t cap,
-                           chorus_result_t *st) {
+                           chorus_result_t *st, int *exists) {
+  *exists = 0;
   int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
     snprintf(errmsg, cap, "shm_open(%s) failed: %s", name, strerror(errno));
+    *exists = errno == EEXIST;
     *st = CHORUS_ERR_SYSTEM;
     return NULL;
   }
@@ -109,11 +132,11 @@ static void *create_mapped(const char *name, size_t bytes, char *errmsg, size_t 
 }
 
 chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus__shm_t **out,
-                                   char *errmsg, size_t cap) {
+                                   char *errmsg, size_t cap, int *exists) {
   *out = NULL;
   size_t bytes = chorus__shm_bytes(n, chunk);
   chorus_result_t st;
-  void *base = create_mapped(name, bytes, errmsg, cap, &st);
+  void *base = create_mapped(name, bytes, errmsg, cap, &st, exists);
   if (!base) return st;
   /* fallocate zero-filled everything: every flag starts at ticket 0. */
   chorus__shm_hdr_t *h = base;
@@ -135,14 +158,10 @@ chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus
 chorus_result_t chorus__shm_attach(const char *name, int n, int me, chorus__shm_t **out,
                                    char *errmsg, size_t cap) {
   *out = NULL;
-  int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    snprintf(errmsg, cap, "shm_open(%s) failed: %s (is /dev/shm shared between the ranks?)", name,
-             strerror(errno));
-    return CHORUS_ERR_SYSTEM;
-  }
   struct stat sb;
-  if (fstat(fd, &sb) < 0 || sb.st_size < (off_t)sizeof(chorus__shm_hdr_t)) {
+  int fd = open_own(name, &sb, errmsg, cap);
+  if (fd < 0) return CHORUS_ERR_SYSTEM;
+  if (sb.st_size < (off_t)sizeof(chorus__shm_hdr_t)) {
     snprintf(errmsg, cap, "%s is too small to be a chorus segment", name);
     close(fd);
     return CHORUS_ERR_SYSTEM;
@@ -324,13 +343,12 @@ struct chorus__memreg {
   char job[24];
   uint64_t world_id;
   int me;
-  uint64_t next_id;
   region_t *mine, *peers;
 };
 
 static void region_name(const chorus__memreg_t *reg, int owner, uint64_t id, char *buf,
                         size_t cap) {
-  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-m%d-%" PRIu64, reg->job, reg->world_id, owner,
+  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-m%d-%016" PRIx64, reg->job, reg->world_id, owner,
            id);
 }
 
@@ -345,7 +363,6 @@ chorus__memreg_t *chorus__memreg_new(const char *job, uint64_t world_id, int wor
   if (!k) snprintf(reg->job, sizeof reg->job, "nojob");
   reg->world_id = world_id;
   reg->me = world_rank;
-  reg->next_id = 1;
   return reg;
 }
 
@@ -378,14 +395,23 @@ chorus_result_t chorus__memreg_alloc(chorus__memreg_t *reg, size_t size, void **
   size_t mapped = (size + SHM_PAGE - 1) / SHM_PAGE * SHM_PAGE;
   region_t *r = calloc(1, sizeof *r);
   if (!r) return CHORUS_ERR_NO_MEMORY;
-  pthread_mutex_lock(&reg->lock);
-  r->id = reg->next_id++;
-  pthread_mutex_unlock(&reg->lock);
   r->owner = reg->me;
+  /* Ids are random (peers learn them from the collective that uses the
+   * memory), so nobody can create the next name first; a name that exists
+   * anyway is skipped. */
   char name[128];
-  region_name(reg, r->owner, r->id, name, sizeof name);
-  chorus_result_t st;
-  void *base = create_mapped(name, mapped, err, cap, &st);
+  chorus_result_t st = CHORUS_ERR_SYSTEM;
+  void *base = NULL;
+  for (int attempt = 0; attempt < 8 && !base; attempt++) {
+    if (chorus__random_bytes(&r->id, sizeof r->id) < 0) break;
+    region_name(reg, r->owner, r->id, name, sizeof name);
+    int exists;
+    base = create_mapped(name, mapped, err, cap, &st, &exists);
+    if (!base && !exists) break;
+    if (!base)
+      CHORUS_WARN(CHORUS__SUB_INIT, "/dev/shm%s exists already (made by someone else); trying "
+                  "another name", name);
+  }
   if (!base) {
     free(r);
     return st;
@@ -443,12 +469,15 @@ unsigned char *chorus__memreg_peer(chorus__memreg_t *reg, int w, uint64_t id, si
     }
   }
   pthread_mutex_unlock(&reg->lock);
-  char name[128];
+  char name[128], why[256];
   region_name(reg, w, id, name, sizeof name);
-  int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) return NULL;
   struct stat sb;
-  if (fstat(fd, &sb) < 0 || sb.st_size <= 0) {
+  int fd = open_own(name, &sb, why, sizeof why);
+  if (fd < 0) {
+    CHORUS_WARN(CHORUS__SUB_INIT, "chorus_mem_alloc memory of world rank %d: %s", w, why);
+    return NULL;
+  }
+  if (sb.st_size <= 0) {
     close(fd);
     return NULL;
   }

@@ -115,16 +115,20 @@ typedef struct chorus__shm {
   const int *world;      /* group rank -> world rank */
 } chorus__shm_t;
 
-/* "/chorus-<job>-<world id>-<group id>" into buf. */
-void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t world_id, uint64_t group_id);
+/* "/chorus-<job>-<group id>-<nonce>" into buf.  The nonce is random (the
+ * creator picks it and tells the others over authenticated connections),
+ * so no other user can create the name first. */
+void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t group_id, uint64_t nonce);
 
 /* Bytes a segment for n ranks with the given chunk needs. */
 size_t chorus__shm_bytes(int n, size_t chunk);
 
-/* Rank 0: creates, sizes and initialises the segment.  Others: map it.
- * On failure errmsg says why (ENOSPC, permissions, ...). */
+/* Rank 0: creates (O_EXCL, mode 600), sizes and initialises the segment;
+ * *exists tells that the name was taken.  Others: map it, after checking
+ * that it belongs to this user and nobody else can open it.  On failure
+ * errmsg says why (ENOSPC, permissions, a stranger's file, ...). */
 chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus__shm_t **out,
-                                   char *errmsg, size_t cap);
+                                   char *errmsg, size_t cap, int *exists);
 chorus_result_t chorus__shm_attach(const char *name, int n, int me, chorus__shm_t **out,
                                    char *errmsg, size_t cap);
 void chorus__shm_unlink(const char *name);

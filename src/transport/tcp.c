@@ -36,6 +36,7 @@
 #include "util/clock.h"
 #include "util/env.h"
 #include "util/net.h"
+#include "util/crypto.h"
 #include "util/util.h"
 
 /* Short names for wire.h's header constants. */
@@ -53,7 +54,22 @@ typedef chorus__wire_hdr_t hdr_t;
 #define HS_ACCEPT 0x41524843u   /* "CHRA" */
 #define HS_CONNECT 0x43524843u  /* "CHRC" */
 #define HS_OK 0x4b524843u       /* "CHRK" */
-#define HS_VERSION 1u
+#define HS_DENY 0x44524843u     /* "CHRD" */
+#define HS_VERSION 2u
+/* Handshake messages (docs/design.md, "Authentication"):
+ *   hello    acceptor -> connector  "CHRA" u32 version, nonce Na
+ *   connect  connector -> acceptor  "CHRC" u32 version, u32 rank c, nonce Nc,
+ *                                   HMAC(key, "chorus data connect" W c a Na Nc)
+ *   ok       acceptor -> connector  "CHRK" u32 rank a,
+ *                                   HMAC(key, "chorus data accept" W c a Na Nc)
+ *   deny     acceptor -> connector  "CHRD" u32 reason (HS_DENY_*)
+ * W is the world id, never sent: a peer of another world fails the MAC like
+ * one without the key, and a stranger learns nothing about the world. */
+#define HS_HELLO_LEN (8 + CHORUS__NONCE_LEN)
+#define HS_CONNECT_LEN (12 + CHORUS__NONCE_LEN + CHORUS__MAC_LEN)
+#define HS_OK_LEN (8 + CHORUS__MAC_LEN)
+#define HS_DENY_LEN 8
+enum { HS_DENY_AUTH = 1, HS_DENY_RANK = 2, HS_DENY_VERSION = 3 };
 #define DISCARD_BUF 65536
 
 /* Every live connection carries a heartbeat at least this often, so a
@@ -80,6 +96,7 @@ typedef struct unexp {
   int src; /* world rank */
   char *buf;
   size_t got;
+  size_t cost; /* charged to the sender's budget (payload + this record) */
   int complete;
   chorus__req_t *req; /* receive waiting for the rest, if any */
 } unexp_t;
@@ -103,6 +120,14 @@ typedef struct conn {
   unexp_t *rx_unexp;
   char *rx_abort;  /* ABORT text being received */
   size_t rx_abort_len;
+  /* Back-pressure: bytes of this peer's messages buffered before their
+   * receive was posted.  A message that would take it past tp->budget
+   * stays in the socket (paused: its header is read, nothing more) until
+   * a receive for it is posted or buffered messages are taken; the
+   * kernel's flow control then slows the sender. */
+  size_t unexp_bytes;
+  int paused;
+  int64_t paused_since;
   /* Send queue. */
   txitem_t *tx_head, *tx_tail;
 } conn_t;
@@ -128,7 +153,7 @@ struct chorus__ep {
 
 struct chorus__tp {
   int rank, size;
-  uint8_t key[16];
+  chorus__key_t key;
   uint64_t world_id;
   conn_t *conns; /* indexed by world rank; conns[rank] unused */
   int epfd, evfd;
@@ -142,6 +167,8 @@ struct chorus__tp {
   chorus__fp_format_fn fp_format;
   int64_t last_ping;
   int bye_sent;
+  size_t budget; /* CHORUS_RECV_BUFFER_MAX */
+  chorus__ratelimit_t reject_log; /* strangers turned away (accept_all) */
   char discard[DISCARD_BUF];
 };
 
@@ -152,7 +179,6 @@ struct chorus__tp {
 static void put32(uint8_t *p, uint32_t v) { chorus__wire_put32(p, v); }
 static void put64(uint8_t *p, uint64_t v) { chorus__wire_put64(p, v); }
 static uint32_t get32(const uint8_t *p) { return chorus__wire_get32(p); }
-static uint64_t get64(const uint8_t *p) { return chorus__wire_get64(p); }
 
 int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
   return a->coll == b->coll && a->dtype == b->dtype && a->op == b->op &&
@@ -164,6 +190,7 @@ int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
 static void wake_all(chorus__tp_t *tp) { pthread_cond_broadcast(&tp->cond); }
 
 static void queue_tx(chorus__tp_t *tp, conn_t *c, txitem_t *it);
+static void resume_all(chorus__tp_t *tp);
 static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why);
 
 static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
@@ -247,6 +274,7 @@ static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
   /* Not logged here: a write to a full stderr pipe under the transport lock
    * would stall every wait and abort.  The core logs it when it returns. */
   detach_requests(ep->tp, ep);
+  resume_all(ep->tp); /* held-back messages for it are discarded now */
   if (notify) {
     for (int g = 0; g < ep->n; g++) {
       if (g == ep->me) continue;
@@ -350,7 +378,17 @@ static void ep_fail_timeout_locked(chorus__ep_t *ep, int timeout_ms, const char 
     conn_t *pc = &tp->conns[ep->members[g]];
     if (g == ep->me || pc->dead) continue;
     int64_t quiet_ms = (now - pc->last_heard) / 1000000;
-    if (quiet_ms > 4 * HEARTBEAT_MS) {
+    if (pc->paused) {
+      char rd[64];
+      chorus__ep_rank_desc(ep, g, rd, sizeof rd);
+      so += (size_t)snprintf(silent + so, sizeof silent - so,
+                             "%sthis rank stopped reading from %s %lld ms ago: %zu bytes of its "
+                             "messages wait for receives, which is CHORUS_RECV_BUFFER_MAX (%zu); "
+                             "the ranks receive in an order that needs more buffering",
+                             so ? ", " : "", rd,
+                             (long long)((now - pc->paused_since) / 1000000), pc->unexp_bytes,
+                             tp->budget);
+    } else if (quiet_ms > 4 * HEARTBEAT_MS) {
       char rd[64];
       chorus__ep_rank_desc(ep, g, rd, sizeof rd);
       so += (size_t)snprintf(silent + so, sizeof silent - so, "%s%s (silent for %lld ms)",
@@ -449,10 +487,17 @@ static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
 
 /* ------------------------------------------------------------ sending */
 
+/* The events c waits for: input unless paused, output while its queue is
+ * blocked. */
+static int update_events(chorus__tp_t *tp, conn_t *c, int paused, int out) {
+  struct epoll_event ev = {.events = (paused ? 0u : (uint32_t)EPOLLIN) | (out ? (uint32_t)EPOLLOUT : 0u),
+                           .data.u32 = (uint32_t)c->rank};
+  return epoll_ctl(tp->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
 static void set_epoll_out(chorus__tp_t *tp, conn_t *c, int on) {
   if (c->epoll_out == on || c->dead) return;
-  struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.u32 = (uint32_t)c->rank};
-  if (epoll_ctl(tp->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0) c->epoll_out = on;
+  if (update_events(tp, c, c->paused, on) == 0) c->epoll_out = on;
 }
 
 /* Writes as much of the queue as the socket takes. */
@@ -579,9 +624,12 @@ static unexp_t *new_unexp(chorus__tp_t *tp, const hdr_t *h, int src) {
   if (!u) return NULL;
   u->h = *h;
   u->src = src;
+  u->cost = (size_t)h->len + sizeof *u;
+  tp->conns[src].unexp_bytes += u->cost;
   if (h->len) {
     u->buf = malloc(h->len);
     if (!u->buf) {
+      tp->conns[src].unexp_bytes -= u->cost;
       free(u);
       return NULL;
     }
@@ -590,6 +638,25 @@ static unexp_t *new_unexp(chorus__tp_t *tp, const hdr_t *h, int src) {
   else tp->unexp_head = u;
   tp->unexp_tail = u;
   return u;
+}
+
+static void try_resume(chorus__tp_t *tp, conn_t *c);
+static void on_payload_done(chorus__tp_t *tp, conn_t *c);
+
+/* Frees a buffered message (already unlinked) and gives its bytes back to
+ * its sender's budget. */
+static void free_unexp(chorus__tp_t *tp, unexp_t *u) {
+  conn_t *c = &tp->conns[u->src];
+  c->unexp_bytes -= u->cost;
+  free(u->buf);
+  free(u);
+  if (c->paused) try_resume(tp, c);
+}
+
+/* Whether a message of len bytes from c may be buffered now. */
+static int budget_allows(const chorus__tp_t *tp, const conn_t *c, uint64_t len) {
+  uint64_t cost = len + sizeof(unexp_t);
+  return cost <= tp->budget && c->unexp_bytes <= tp->budget - cost;
 }
 
 static void unlink_unexp(chorus__tp_t *tp, unexp_t *u) {
@@ -601,6 +668,88 @@ static void unlink_unexp(chorus__tp_t *tp, unexp_t *u) {
   if (!*pp) return;
   *pp = u->next;
   if (tp->unexp_tail == u) tp->unexp_tail = prev;
+}
+
+/* Where the payload of the data message whose header c holds goes: a posted
+ * receive, a new buffer (within the sender's budget), or nowhere (discard).
+ * Returns 0 when it can go nowhere yet -- no receive and no budget -- after
+ * pausing c; try_resume runs this again.  Every check here may run twice
+ * for one message: failing an endpoint that failed already does nothing. */
+static int route_data(chorus__tp_t *tp, conn_t *c) {
+  hdr_t *h = &c->h;
+  c->dst = NULL;
+  c->rx_req = NULL;
+  c->rx_unexp = NULL;
+  if (tp->bye_sent) return 1; /* leaving: nothing will receive it */
+  chorus__ep_t *ep = find_ep(tp, h->ep_id);
+  if (ep) {
+    int g = ep->w2g[c->rank];
+    if (g < 0) {
+      /* Ranks disagree on who is in this group (new_group with different
+       * lists): fail the group, keep the connection. */
+      if (ep->status == CHORUS_OK)
+        ep_fail_locked(ep, CHORUS_ERR_MISMATCH, 1,
+                       "chorus rank %d/%d: world rank %d (%s) sent data for this group but "
+                       "is not a member here: the ranks created the group with different "
+                       "member lists", ep->me, ep->n, c->rank, c->addr);
+      return 1; /* discard */
+    }
+    if (ep->status != CHORUS_OK) return 1; /* discard */
+    if (check_data_header(ep, h, c->rank) < 0) return 1;
+    for (chorus__req_t **pp = &ep->recvs; *pp; pp = &(*pp)->next) {
+      chorus__req_t *r = *pp;
+      if (!req_matches(r, h, g)) continue;
+      *pp = r->next;
+      if (check_length(ep, r, h, c->rank) < 0) return 1;
+      c->rx_req = r;
+      c->dst = r->buf;
+      return 1;
+    }
+  }
+  if (!budget_allows(tp, c, h->len)) {
+    if (!c->paused) {
+      c->paused = 1;
+      c->paused_since = chorus__now_ns();
+      update_events(tp, c, 1, c->epoll_out);
+      CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus: pausing world rank %d (%s): %zu bytes of its "
+                   "messages wait for receives, the next is %" PRIu64 " bytes (budget %zu)",
+                   c->rank, c->addr, c->unexp_bytes, h->len, tp->budget);
+    }
+    return 0;
+  }
+  c->rx_unexp = new_unexp(tp, h, c->rank);
+  if (!c->rx_unexp) {
+    if (ep)
+      ep_fail_locked(ep, CHORUS_ERR_NO_MEMORY, 1,
+                     "chorus: out of memory buffering a %" PRIu64 "-byte message from "
+                     "world rank %d", h->len, c->rank);
+    return 1;
+  }
+  c->dst = c->rx_unexp->buf;
+  return 1;
+}
+
+/* Runs a paused connection's message through route_data again (a receive
+ * was posted, buffered bytes were taken, an endpoint failed or went away,
+ * or this rank is leaving); reading resumes if it can go somewhere now. */
+static void try_resume(chorus__tp_t *tp, conn_t *c) {
+  if (!c->paused || c->dead) return;
+  /* Cleared first: route_data may fail an endpoint, which resumes every
+   * paused connection -- not this one a second time. */
+  c->paused = 0;
+  if (!route_data(tp, c)) return; /* paused again */
+  c->last_heard = chorus__now_ns(); /* it was not silent, we were not listening */
+  update_events(tp, c, 0, c->epoll_out);
+  c->in_payload = 1;
+  c->left = c->h.len;
+  if (c->left == 0) on_payload_done(tp, c);
+  /* The progress thread reads the rest: its level-triggered epoll sees the
+   * waiting bytes now that EPOLLIN is back. */
+}
+
+static void resume_all(chorus__tp_t *tp) {
+  for (int r = 0; r < tp->size; r++)
+    if (r != tp->rank && tp->conns[r].paused) try_resume(tp, &tp->conns[r]);
 }
 
 /* A complete header arrived on c: decide where its payload goes. */
@@ -633,51 +782,18 @@ static void on_header(chorus__tp_t *tp, conn_t *c) {
       wake_all(tp);
       break;
     case T_ABORT:
+      /* At most MAX_ABORT_TEXT bytes (chorus__wire_check); kept for a
+       * later endpoint only within the sender's budget (on_payload_done). */
       c->rx_abort = calloc(1, h->len + 1);
       c->rx_abort_len = h->len;
-      c->dst = c->rx_abort;
+      c->dst = c->rx_abort; /* NULL (out of memory): the text is discarded */
       break;
-    case T_DATA: {
-      chorus__ep_t *ep = find_ep(tp, h->ep_id);
-      if (ep) {
-        int g = ep->w2g[c->rank];
-        if (g < 0) {
-          /* Ranks disagree on who is in this group (new_group with
-           * different lists): fail the group, keep the connection. */
-          if (ep->status == CHORUS_OK)
-            ep_fail_locked(ep, CHORUS_ERR_MISMATCH, 1,
-                           "chorus rank %d/%d: world rank %d (%s) sent data for this group but "
-                           "is not a member here: the ranks created the group with different "
-                           "member lists", ep->me, ep->n, c->rank, c->addr);
-          break; /* discard */
-        }
-        if (ep->status != CHORUS_OK) break; /* discard */
-        if (check_data_header(ep, h, c->rank) < 0) break;
-        for (chorus__req_t **pp = &ep->recvs; *pp; pp = &(*pp)->next) {
-          chorus__req_t *r = *pp;
-          if (!req_matches(r, h, g)) continue;
-          *pp = r->next;
-          if (check_length(ep, r, h, c->rank) < 0) goto payload;
-          c->rx_req = r;
-          c->dst = r->buf;
-          goto payload;
-        }
-      }
-      c->rx_unexp = new_unexp(tp, h, c->rank);
-      if (!c->rx_unexp) {
-        if (ep)
-          ep_fail_locked(ep, CHORUS_ERR_NO_MEMORY, 1,
-                         "chorus: out of memory buffering a %" PRIu64 "-byte message from "
-                         "world rank %d", h->len, c->rank);
-        break;
-      }
-      c->dst = c->rx_unexp->buf;
+    case T_DATA:
+      if (!route_data(tp, c)) return; /* paused: the payload stays in the socket */
       break;
-    }
     default: /* rejected by chorus__wire_check */
       return protocol_error(tp, c, "unknown message type");
   }
-payload:
   c->in_payload = 1;
   c->left = h->len;
 }
@@ -697,8 +813,7 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
       if (u->h.len) memcpy(u->req->buf, u->buf, u->h.len);
       u->req->done = 1;
       unlink_unexp(tp, u);
-      free(u->buf);
-      free(u);
+      free_unexp(tp, u);
       wake_all(tp);
     }
   } else if (c->rx_abort) {
@@ -707,12 +822,16 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
       if (ep->w2g[c->rank] >= 0) {
         /* Forward it: whatever this rank sends later (a goodbye, say) must
          * not reach a peer before the cause does. */
-        char rd[64];
+        char rd[64], text[MAX_ABORT_TEXT + 1];
         chorus__ep_rank_desc(ep, ep->w2g[c->rank], rd, sizeof rd);
+        /* The peer's text is untrusted: escaped before any log or message. */
+        chorus__escape(c->rx_abort, c->rx_abort_len, text, sizeof text);
         ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: %s reported an error: %s",
-                       ep->me, ep->n, rd, c->rx_abort);
+                       ep->me, ep->n, rd, text);
       }
       free(c->rx_abort);
+    } else if (!budget_allows(tp, c, c->h.len)) {
+      free(c->rx_abort); /* a flood of records for unknown endpoints */
     } else {
       /* For an endpoint not created yet: keep it; ep_create will see it. */
       unexp_t *u = new_unexp(tp, &c->h, c->rank);
@@ -738,6 +857,7 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
         c->hgot += (size_t)n;
         if (c->hgot == HDR_SIZE) {
           on_header(tp, c);
+          if (c->paused) return; /* try_resume takes it from here */
           if (c->in_payload && c->left == 0) on_payload_done(tp, c);
         }
         continue;
@@ -853,10 +973,11 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
     if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {
-      char rd[64];
+      char rd[64], text[MAX_ABORT_TEXT + 1];
       chorus__ep_rank_desc(ep, ep->w2g[u->src], rd, sizeof rd);
+      chorus__escape(u->buf ? u->buf : "", u->h.len, text, sizeof text);
       ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: %s reported an error: %s",
-                     me, n, rd, u->buf ? u->buf : "");
+                     me, n, rd, text);
       break;
     }
   }
@@ -883,13 +1004,13 @@ void chorus__ep_destroy(chorus__ep_t *ep) {
     if (u->h.ep_id == ep->id && u->complete) {
       *pp = u->next;
       if (tp->unexp_tail == u) tp->unexp_tail = prev;
-      free(u->buf);
-      free(u);
+      free_unexp(tp, u);
       continue;
     }
     prev = u;
     pp = &u->next;
   }
+  resume_all(tp); /* messages for it that wait in sockets are discarded */
   pthread_mutex_unlock(&tp->lock);
   free(ep->members);
   free(ep->w2g);
@@ -977,8 +1098,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
       if (u->h.len) memcpy(req->buf, u->buf, u->h.len);
       req->done = 1;
       unlink_unexp(tp, u);
-      free(u->buf);
-      free(u);
+      free_unexp(tp, u);
     } else {
       u->req = req;
     }
@@ -993,6 +1113,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   chorus__req_t **pp = &ep->recvs;
   while (*pp) pp = &(*pp)->next;
   *pp = req;
+  if (c->paused) try_resume(tp, c); /* its held-back message may be this one */
 out:
   pthread_mutex_unlock(&tp->lock);
   return st;
@@ -1054,104 +1175,286 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
 
 /* ---------------------------------------------------------- handshake */
 
-typedef struct {
-  uint8_t b[64];
-} hsbuf_t;
-
-static uint64_t hs_mac(const uint8_t key[16], const uint8_t nonce[16], uint64_t world_id,
-                       uint32_t a, uint32_t b, uint32_t what) {
-  uint8_t m[16 + 8 + 12];
-  memcpy(m, nonce, 16);
-  put64(m + 16, world_id);
-  put32(m + 24, a);
-  put32(m + 28, b);
-  put32(m + 32, what);
-  return chorus__siphash(key, m, sizeof m);
+static void hs_mac(const chorus__tp_t *tp, int accept_side, uint32_t connector, uint32_t acceptor,
+                   const uint8_t *na, const uint8_t *nc, uint8_t mac[CHORUS__MAC_LEN]) {
+  static const char lc[] = "chorus data connect", la[] = "chorus data accept";
+  uint8_t ids[16];
+  put64(ids, tp->world_id);
+  put32(ids + 8, connector);
+  put32(ids + 12, acceptor);
+  const void *parts[4] = {accept_side ? (const void *)la : (const void *)lc, ids, na, nc};
+  size_t lens[4] = {accept_side ? sizeof la : sizeof lc, sizeof ids, CHORUS__NONCE_LEN,
+                    CHORUS__NONCE_LEN};
+  chorus__hmac(&tp->key, parts, lens, 4, mac);
 }
 
-/* Acceptor side: returns the authenticated peer rank or a negative errno;
- * why receives the reason for a rejection. */
-static int hs_accept(chorus__tp_t *tp, int fd, int64_t deadline, char *why, size_t cap) {
-  uint8_t nonce[16], out[32], in[28];
-  if (chorus__random_bytes(nonce, 16) < 0) memset(nonce, 0x5a, 16);
-  put32(out, HS_ACCEPT);
-  put32(out + 4, HS_VERSION);
-  memcpy(out + 8, nonce, 16);
-  put64(out + 24, tp->world_id);
-  int rc = chorus__net_write_full(fd, out, 32, deadline);
-  if (rc == 0) rc = chorus__net_read_full(fd, in, sizeof in, deadline);
-  if (rc < 0) {
-    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
-    return rc;
-  }
-  uint32_t magic = get32(in), version = get32(in + 4), peer = get32(in + 16);
-  uint64_t wid = get64(in + 8), mac = get64(in + 20);
-  if (magic != HS_CONNECT || version != HS_VERSION) {
-    snprintf(why, cap, "not a chorus peer (bad magic/version)");
-    return -EPROTO;
-  }
-  if (wid != tp->world_id) {
-    snprintf(why, cap, "peer belongs to another job or generation (world id differs)");
-    return -EPROTO;
-  }
-  if (peer >= (uint32_t)tp->size || (int)peer <= tp->rank) {
-    snprintf(why, cap, "peer claims impossible rank %u", peer);
-    return -EPROTO;
-  }
-  uint64_t want = hs_mac(tp->key, nonce, tp->world_id, peer, (uint32_t)tp->rank, 1);
-  if (chorus__memcmp_ct(&want, &mac, 8)) {
-    snprintf(why, cap, "authentication failed (wrong job secret)");
-    return -EACCES;
-  }
-  uint8_t ok[16];
-  put32(ok, HS_OK);
-  put32(ok + 4, (uint32_t)tp->rank);
-  put64(ok + 8, hs_mac(tp->key, nonce, tp->world_id, (uint32_t)tp->rank, peer, 2));
-  rc = chorus__net_write_full(fd, ok, sizeof ok, deadline);
-  if (rc < 0) {
-    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
-    return rc;
-  }
-  return (int)peer;
-}
-
+/* Connector side, on a fresh blocking connection to rank peer.  Returns 0;
+ * -EACCES when the acceptor refused us (wrong key or world, or it has that
+ * rank already), -EPERM when the acceptor did not prove the key, -EPROTO
+ * for a peer that does not speak the protocol, or a negative errno of the
+ * socket (the acceptor may have dropped us: worth another try). */
 static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char *why,
                       size_t cap) {
-  uint8_t in[32], out[28], ok[16];
+  uint8_t in[HS_HELLO_LEN], out[HS_CONNECT_LEN], ok[HS_OK_LEN];
   int rc = chorus__net_read_full(fd, in, sizeof in, deadline);
   if (rc < 0) {
     snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
     return rc;
   }
   if (get32(in) != HS_ACCEPT || get32(in + 4) != HS_VERSION) {
-    snprintf(why, cap, "not a chorus peer (bad magic/version)");
+    snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)", get32(in),
+             get32(in + 4));
     return -EPROTO;
   }
-  if (get64(in + 24) != tp->world_id) {
-    snprintf(why, cap, "that address belongs to another job or generation");
-    return -EPROTO;
-  }
-  const uint8_t *nonce = in + 8;
+  const uint8_t *na = in + 8;
+  uint8_t *nc = out + 12;
   put32(out, HS_CONNECT);
   put32(out + 4, HS_VERSION);
-  put64(out + 8, tp->world_id);
-  put32(out + 16, (uint32_t)tp->rank);
-  put64(out + 20, hs_mac(tp->key, nonce, tp->world_id, (uint32_t)tp->rank, (uint32_t)peer, 1));
-  rc = chorus__net_write_full(fd, out, sizeof out, deadline);
-  if (rc == 0) rc = chorus__net_read_full(fd, ok, sizeof ok, deadline);
-  if (rc < 0) {
-    snprintf(why, cap, rc == -ECONNRESET ? "peer rejected the handshake (job secret differs?)"
-                                         : "handshake I/O failed: %s",
-             strerror(-rc));
+  put32(out + 8, (uint32_t)tp->rank);
+  if ((rc = chorus__random_bytes(nc, CHORUS__NONCE_LEN)) < 0) {
+    snprintf(why, cap, "no randomness: %s", strerror(-rc));
     return rc;
   }
-  uint64_t want = hs_mac(tp->key, nonce, tp->world_id, (uint32_t)peer, (uint32_t)tp->rank, 2);
-  uint64_t got = get64(ok + 8);
-  if (get32(ok) != HS_OK || get32(ok + 4) != (uint32_t)peer || chorus__memcmp_ct(&want, &got, 8)) {
-    snprintf(why, cap, "peer failed to authenticate (wrong rank or job secret)");
+  hs_mac(tp, 0, (uint32_t)tp->rank, (uint32_t)peer, na, nc, out + 12 + CHORUS__NONCE_LEN);
+  rc = chorus__net_write_full(fd, out, sizeof out, deadline);
+  if (rc == 0) rc = chorus__net_read_full(fd, ok, HS_DENY_LEN, deadline);
+  if (rc < 0) {
+    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
+    return rc;
+  }
+  if (get32(ok) == HS_DENY) {
+    uint32_t reason = get32(ok + 4);
+    snprintf(why, cap, "%s", reason == HS_DENY_AUTH ? "it refused our proof: the ranks have "
+             "different job secrets, or the address belongs to another world or generation"
+             : reason == HS_DENY_RANK ? "it already has a connection from this rank"
+                                      : "it speaks another handshake version");
     return -EACCES;
   }
+  if (get32(ok) != HS_OK || get32(ok + 4) != (uint32_t)peer) {
+    snprintf(why, cap, "unexpected answer (not rank %d of this world?)", peer);
+    return -EPROTO;
+  }
+  if ((rc = chorus__net_read_full(fd, ok + HS_DENY_LEN, HS_OK_LEN - HS_DENY_LEN, deadline)) < 0) {
+    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
+    return rc;
+  }
+  uint8_t want[CHORUS__MAC_LEN];
+  hs_mac(tp, 1, (uint32_t)tp->rank, (uint32_t)peer, na, nc, want);
+  if (!chorus__ct_equal(want, ok + 8, sizeof want)) {
+    snprintf(why, cap, "it did not prove the job key (a stranger on that port?)");
+    return -EPERM;
+  }
   return 0;
+}
+
+/* The acceptor side runs for every pending connection at once (accept_all
+ * below): one stranger that stays silent costs one slot until its short
+ * deadline, never the world's time. */
+typedef struct pending {
+  int fd;
+  int64_t deadline;
+  size_t got;
+  uint8_t na[CHORUS__NONCE_LEN];
+  uint8_t in[HS_CONNECT_LEN];
+  char addr[80];
+} pending_t;
+
+/* Checks a complete connect message; returns the peer's rank, or a negative
+ * HS_DENY_* reason with why filled. */
+static int hs_verify(chorus__tp_t *tp, const pending_t *p, char *why, size_t cap) {
+  const uint8_t *in = p->in;
+  if (get32(in) != HS_CONNECT || get32(in + 4) != HS_VERSION) {
+    snprintf(why, cap, "not a chorus peer of this version");
+    return -HS_DENY_VERSION;
+  }
+  uint32_t peer = get32(in + 8);
+  uint8_t want[CHORUS__MAC_LEN];
+  /* The MAC is checked before the claimed rank is believed. */
+  hs_mac(tp, 0, peer, (uint32_t)tp->rank, p->na, in + 12, want);
+  if (!chorus__ct_equal(want, in + 12 + CHORUS__NONCE_LEN, sizeof want)) {
+    snprintf(why, cap, "authentication failed (no job key, or another world)");
+    return -HS_DENY_AUTH;
+  }
+  if (peer >= (uint32_t)tp->size || (int)peer <= tp->rank) {
+    snprintf(why, cap, "authenticated peer claims impossible rank %u", peer);
+    return -HS_DENY_RANK;
+  }
+  if (tp->conns[peer].fd >= 0) {
+    snprintf(why, cap, "rank %u is already connected", peer);
+    return -HS_DENY_RANK;
+  }
+  return (int)peer;
+}
+
+static void pending_drop(pending_t *ps, int *n, int i) {
+  close(ps[i].fd);
+  ps[i] = ps[--*n];
+}
+
+/* Accepts every higher rank on listen_fd until all are connected or
+ * deadline passes.  Returns CHORUS_OK or an error with errmsg filled. */
+static chorus_result_t accept_all(chorus__tp_t *tp, int listen_fd, int64_t deadline,
+                                  char *errmsg, size_t errcap) {
+  const chorus__env_t *env = chorus__env();
+  int need = tp->size - 1 - tp->rank;
+  int max_pending = env->HANDSHAKE_MAX_PENDING > 0 && env->HANDSHAKE_MAX_PENDING <= 65536
+                        ? (int)env->HANDSHAKE_MAX_PENDING : 256;
+  int hs_ms = env->HANDSHAKE_TIMEOUT_MS > 0 ? (int)env->HANDSHAKE_TIMEOUT_MS : 1000;
+  if (need <= 0) return CHORUS_OK;
+  pending_t *ps = calloc((size_t)max_pending, sizeof *ps);
+  struct pollfd *pfd = calloc((size_t)max_pending + 1, sizeof *pfd);
+  if (!ps || !pfd) {
+    free(ps);
+    free(pfd);
+    snprintf(errmsg, errcap, "out of memory");
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  chorus__net_set_nonblock(listen_fd, 1);
+  int n = 0;
+  unsigned long rejected = 0;
+  chorus_result_t st = CHORUS_OK;
+  while (need > 0) {
+    int64_t now = chorus__now_ns();
+    /* Strangers past their deadline go; the world's deadline is separate. */
+    for (int i = 0; i < n;) {
+      if (ps[i].deadline > now) {
+        i++;
+        continue;
+      }
+      chorus__log_limited(&tp->reject_log, CHORUS__SUB_TCP,
+                          "chorus rank %d: dropped a connection from %s: no handshake within "
+                          "%d ms", tp->rank, ps[i].addr, hs_ms);
+      rejected++;
+      pending_drop(ps, &n, i);
+    }
+    int64_t wake = deadline;
+    for (int i = 0; i < n; i++)
+      if (ps[i].deadline < wake) wake = ps[i].deadline;
+    int left = chorus__ms_left(wake);
+    if (chorus__ms_left(deadline) == 0) {
+      char missing[256];
+      size_t off = 0;
+      missing[0] = '\0';
+      for (int r = tp->rank + 1; r < tp->size && off < sizeof missing; r++)
+        if (tp->conns[r].fd < 0)
+          off += (size_t)snprintf(missing + off, sizeof missing - off, "%s%d", off ? ", " : "", r);
+      snprintf(errmsg, errcap, "timed out waiting for rank(s) %s to connect%s", missing,
+               rejected ? " (connections from strangers were rejected meanwhile)" : "");
+      st = CHORUS_ERR_TIMEOUT;
+      break;
+    }
+    pfd[0].fd = listen_fd;
+    pfd[0].events = POLLIN;
+    for (int i = 0; i < n; i++) {
+      pfd[i + 1].fd = ps[i].fd;
+      pfd[i + 1].events = POLLIN;
+      pfd[i + 1].revents = 0;
+    }
+    int rc = poll(pfd, (nfds_t)n + 1, left < 0 ? 0 : left);
+    if (rc < 0 && errno != EINTR) {
+      snprintf(errmsg, errcap, "poll: %s", strerror(errno));
+      st = CHORUS_ERR_SYSTEM;
+      break;
+    }
+    if (rc <= 0) continue;
+    /* Pending connections first (indices shift as entries go). */
+    for (int i = n - 1; i >= 0; i--) {
+      if (!pfd[i + 1].revents) continue;
+      pending_t *p = &ps[i];
+      ssize_t got = recv(p->fd, p->in + p->got, sizeof p->in - p->got, MSG_DONTWAIT);
+      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (got <= 0) {
+        chorus__log_limited(&tp->reject_log, CHORUS__SUB_TCP,
+                            "chorus rank %d: dropped a connection from %s: %s before the "
+                            "handshake completed", tp->rank, p->addr,
+                            got == 0 ? "closed" : strerror(errno));
+        rejected++;
+        pending_drop(ps, &n, i);
+        continue;
+      }
+      p->got += (size_t)got;
+      if (p->got < sizeof p->in) continue;
+      char why[160];
+      int peer = hs_verify(tp, p, why, sizeof why);
+      uint8_t reply[HS_OK_LEN];
+      size_t rlen;
+      if (peer < 0) {
+        put32(reply, HS_DENY);
+        put32(reply + 4, (uint32_t)-peer);
+        rlen = HS_DENY_LEN;
+      } else {
+        put32(reply, HS_OK);
+        put32(reply + 4, (uint32_t)tp->rank);
+        hs_mac(tp, 1, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12, reply + 8);
+        rlen = HS_OK_LEN;
+      }
+      /* A fresh socket's buffer takes these few bytes at once. */
+      ssize_t w = send(p->fd, reply, rlen, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (peer < 0 || w != (ssize_t)rlen) {
+        chorus__log_limited(&tp->reject_log, CHORUS__SUB_TCP,
+                            "chorus rank %d: rejected a connection from %s: %s", tp->rank,
+                            p->addr, peer < 0 ? why : "could not answer it");
+        rejected++;
+        pending_drop(ps, &n, i);
+        continue;
+      }
+      chorus__net_set_nonblock(p->fd, 0);
+      chorus__net_set_nodelay(p->fd);
+      tp->conns[peer].fd = p->fd;
+      ps[i] = ps[--n];
+      need--;
+    }
+    if (!(pfd[0].revents & POLLIN)) continue;
+    for (int k = 0; k < 64 && need > 0; k++) {
+      int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+          chorus__log_limited(&tp->reject_log, CHORUS__SUB_TCP, "chorus rank %d: accept: %s",
+                              tp->rank, strerror(errno));
+        break;
+      }
+      if (n == max_pending) { /* the oldest stranger makes room */
+        int oldest = 0;
+        for (int i = 1; i < n; i++)
+          if (ps[i].deadline < ps[oldest].deadline) oldest = i;
+        chorus__log_limited(&tp->reject_log, CHORUS__SUB_TCP,
+                            "chorus rank %d: %d connections are handshaking "
+                            "(CHORUS_HANDSHAKE_MAX_PENDING); dropped the oldest, from %s",
+                            tp->rank, max_pending, ps[oldest].addr);
+        rejected++;
+        pending_drop(ps, &n, oldest);
+      }
+      pending_t *p = &ps[n];
+      memset(p, 0, sizeof *p);
+      p->fd = fd;
+      p->deadline = chorus__now_ns() + (int64_t)hs_ms * 1000000;
+      char host[64] = "?";
+      int port = 0;
+      chorus__net_peer_addr(fd, host, sizeof host, &port);
+      snprintf(p->addr, sizeof p->addr, "%s:%d", host, port);
+      uint8_t hello[HS_HELLO_LEN];
+      put32(hello, HS_ACCEPT);
+      put32(hello + 4, HS_VERSION);
+      if (chorus__random_bytes(p->na, sizeof p->na) < 0) {
+        close(fd);
+        continue;
+      }
+      memcpy(hello + 8, p->na, sizeof p->na);
+      if (send(fd, hello, sizeof hello, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof hello) {
+        close(fd);
+        continue;
+      }
+      n++;
+    }
+  }
+  for (int i = 0; i < n; i++) close(ps[i].fd);
+  free(ps);
+  free(pfd);
+  if (rejected)
+    CHORUS_INFO(CHORUS__SUB_TCP, "chorus rank %d: %lu connection(s) from strangers rejected while "
+                "the world formed", tp->rank, rejected);
+  return st;
 }
 
 static int parse_addr(const char *s, char *host, size_t cap, int *port) {
@@ -1207,7 +1510,9 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   tp->world_id = cfg->world_id;
   tp->fp_format = cfg->fp_format;
   tp->epfd = tp->evfd = -1;
-  chorus__secret_key(cfg->secret, tp->key);
+  tp->key = *cfg->key;
+  long budget = chorus__env()->RECV_BUFFER_MAX;
+  tp->budget = budget > 0 ? (size_t)budget : (size_t)64 << 20;
   pthread_mutex_init(&tp->lock, NULL);
   chorus__cond_init_monotonic(&tp->cond);
   chorus_result_t st = CHORUS_OK;
@@ -1238,51 +1543,36 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
       st = CHORUS_ERR_PROTOCOL;
       break;
     }
-    int fd = chorus__net_connect(host, port, cfg->deadline, cfg->retry_ms);
-    if (fd < 0) {
-      snprintf(errmsg, errcap, "cannot connect to rank %d at %s:%d: %s", r, host, port,
-               strerror(-fd));
-      st = fd == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_SYSTEM;
-      break;
-    }
-    if (hs_connect(tp, fd, r, cfg->deadline, why, sizeof why) < 0) {
+    /* The acceptor may drop us (its handshake slots were full of strangers,
+     * or it was too slow to answer in time): connect again until the
+     * deadline.  A refusal is final. */
+    for (;;) {
+      int fd = chorus__net_connect(host, port, cfg->deadline, cfg->retry_ms);
+      if (fd < 0) {
+        snprintf(errmsg, errcap, "cannot connect to rank %d at %s:%d: %s", r, host, port,
+                 strerror(-fd));
+        st = fd == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_SYSTEM;
+        break;
+      }
+      int rc = hs_connect(tp, fd, r, cfg->deadline, why, sizeof why);
+      if (rc == 0) {
+        tp->conns[r].fd = fd;
+        break;
+      }
       close(fd);
+      if ((rc == -ECONNRESET || rc == -EPIPE || rc == -ECONNABORTED) &&
+          chorus__ms_left(cfg->deadline) > 0) {
+        struct timespec ts = {0, (long)(cfg->retry_ms > 0 ? cfg->retry_ms : 50) * 1000000};
+        nanosleep(&ts, NULL);
+        continue;
+      }
       snprintf(errmsg, errcap, "handshake with rank %d at %s:%d failed: %s", r, host, port, why);
-      st = CHORUS_ERR_PROTOCOL;
+      st = rc == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_PROTOCOL;
       break;
     }
-    tp->conns[r].fd = fd;
   }
-  /* Accept every higher rank; strangers are logged and dropped. */
-  int need = cfg->size - 1 - cfg->rank;
-  while (st == CHORUS_OK && need > 0) {
-    int fd = chorus__net_accept(cfg->listen_fd, cfg->deadline);
-    if (fd < 0) {
-      char missing[256];
-      size_t off = 0;
-      missing[0] = '\0';
-      for (int r = cfg->rank + 1; r < cfg->size && off < sizeof missing; r++)
-        if (tp->conns[r].fd < 0)
-          off += (size_t)snprintf(missing + off, sizeof missing - off, "%s%d", off ? ", " : "", r);
-      snprintf(errmsg, errcap, "timed out waiting for rank(s) %s to connect: %s", missing,
-               strerror(-fd));
-      st = fd == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_SYSTEM;
-      break;
-    }
-    char paddr[64] = "?";
-    int pport = 0;
-    chorus__net_peer_addr(fd, paddr, sizeof paddr, &pport);
-    int64_t hs_deadline = CHORUS__MIN(cfg->deadline, chorus__deadline_ms(5000));
-    int peer = hs_accept(tp, fd, hs_deadline, why, sizeof why);
-    if (peer < 0 || tp->conns[peer].fd >= 0) {
-      CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: rejected a connection from %s:%d: %s",
-                  cfg->rank, paddr, pport, peer < 0 ? why : "rank already connected");
-      close(fd);
-      continue;
-    }
-    tp->conns[peer].fd = fd;
-    need--;
-  }
+  /* Accept every higher rank; strangers are rejected (rate-limited log). */
+  if (st == CHORUS_OK) st = accept_all(tp, cfg->listen_fd, cfg->deadline, errmsg, errcap);
   close(cfg->listen_fd);
   if (st != CHORUS_OK) {
     tp_free(tp);
@@ -1326,6 +1616,7 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   if (!tp) return;
   pthread_mutex_lock(&tp->lock);
   tp->bye_sent = 1;
+  resume_all(tp); /* leaving: held-back messages are read and dropped */
   for (int r = 0; r < tp->size; r++)
     if (r != tp->rank) send_control(tp, &tp->conns[r], T_BYE, 0, NULL);
   /* A peer that sent nothing, not even a heartbeat, for SILENT_MS is

@@ -36,6 +36,7 @@
 #include <stdint.h>
 
 #include "chorus.h"
+#include "util/crypto.h"
 
 typedef struct chorus__tp chorus__tp_t;
 typedef struct chorus__ep chorus__ep_t;
@@ -82,7 +83,7 @@ typedef struct chorus__req {
 
 typedef struct chorus__tp_config {
   int rank, size;           /* world rank and size */
-  const char *secret;       /* job secret ("" or NULL: none) */
+  const chorus__key_t *key; /* the job key (util/crypto.h) */
   uint64_t world_id;        /* random id every rank of this world agreed on */
   int listen_fd;            /* already listening socket (ownership passes) */
   const char *const *addrs; /* "host port" of every rank's listener */
@@ -92,7 +93,7 @@ typedef struct chorus__tp_config {
 } chorus__tp_config_t;
 
 /* Connects the full mesh (connects to lower ranks, accepts from higher ones,
- * authenticating both ways with the secret) and starts the progress thread.
+ * authenticating both ways with the job key) and starts the progress thread.
  * Blocking until every connection is made or the deadline passes; on failure
  * errmsg receives a reason naming the peer and its address. */
 chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t **tp,

@@ -51,6 +51,27 @@ static void add_error(const char *name, const char *val, const char *what,
            name, val, what, def);
 }
 
+/* The job secret is copied out of the environment and erased there: the
+ * copy in environ's memory is overwritten (it is what /proc/PID/environ
+ * shows) and the variable removed, so neither children nor an environment
+ * dump in a crash report carry it. */
+static char g_secret[1024];
+
+static void take_secret(void) {
+  char *v = getenv("CHORUS_JOB_SECRET");
+  if (!v) return;
+  size_t n = strlen(v);
+  if (n >= sizeof g_secret) {
+    add_error("JOB_SECRET", "...", "at most 1023 bytes", "(none)");
+    n = 0;
+  }
+  memcpy(g_secret, v, n);
+  g_secret[n] = '\0';
+  g_env.JOB_SECRET = g_secret;
+  memset(v, 0, strlen(v));
+  unsetenv("CHORUS_JOB_SECRET");
+}
+
 static void env_parse(void) {
   char full[128];
   const char *v;
@@ -73,6 +94,7 @@ static void env_parse(void) {
 #define CHORUS__ENV_PARSE_STR(name, def) g_env.name = (v ? v : def);
 #include "env.def"
 #undef X
+  take_secret();
 }
 
 const chorus__env_t *chorus__env(void) {
@@ -103,7 +125,8 @@ void chorus__env_dump(FILE *f, int markdown) {
 #define X(name, type, def, doc)                                                 \
   snprintf(full, sizeof full, "CHORUS_%s", #name);                              \
   fprintf(f, "%-28s = %-12s (default %s) %s\n", full,                           \
-          getenv(full) ? getenv(full) : "<unset>", def, doc);
+          !strcmp(#name, "JOB_SECRET") ? (chorus__env()->JOB_SECRET[0] ? "<hidden>" : "<unset>") \
+          : getenv(full) ? getenv(full) : "<unset>", def, doc);
 #include "env.def"
 #undef X
 #define X(name, doc)                                                            \

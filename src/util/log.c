@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "env.h"
 
 int chorus__log_level = CHORUS__LOG_WARN;
@@ -139,4 +140,56 @@ void chorus__log(int level, unsigned sub, const char *file, int line,
   }
   buf[len++] = '\n';
   (void)!write(__atomic_load_n(&g_fd, __ATOMIC_ACQUIRE), buf, len);
+}
+
+void chorus__log_limited(chorus__ratelimit_t *rl, unsigned sub, const char *fmt, ...) {
+  if (!CHORUS__LOG_ON(CHORUS__LOG_WARN, sub)) return;
+  long long now = chorus__now_ns();
+  if (now - rl->window_start_ns >= (long long)CHORUS__LOG_WINDOW_MS * 1000000 ||
+      rl->window_start_ns == 0) {
+    rl->window_start_ns = now;
+    rl->in_window = 0;
+  }
+  if (rl->in_window >= CHORUS__LOG_BURST) {
+    rl->suppressed++;
+    return;
+  }
+  rl->in_window++;
+  char msg[1536];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (rl->suppressed) {
+    unsigned s = rl->suppressed;
+    rl->suppressed = 0;
+    chorus__log(CHORUS__LOG_WARN, sub, __FILE__, __LINE__,
+                "%s (and %u similar messages suppressed in the last %d s)", msg, s,
+                CHORUS__LOG_WINDOW_MS / 1000);
+  } else {
+    chorus__log(CHORUS__LOG_WARN, sub, __FILE__, __LINE__, "%s%s", msg,
+                rl->in_window == CHORUS__LOG_BURST ? " (more like this are suppressed for a while)"
+                                                   : "");
+  }
+}
+
+char *chorus__escape(const char *in, size_t n, char *out, size_t cap) {
+  static const char hex[] = "0123456789abcdef";
+  size_t o = 0;
+  if (!cap) return out;
+  for (size_t i = 0; i < n && in[i]; i++) {
+    unsigned char ch = (unsigned char)in[i];
+    if (ch >= 0x20 && ch < 0x7f && ch != '\\') {
+      if (o + 1 >= cap) break;
+      out[o++] = (char)ch;
+    } else {
+      if (o + 4 >= cap) break;
+      out[o++] = '\\';
+      out[o++] = 'x';
+      out[o++] = hex[ch >> 4];
+      out[o++] = hex[ch & 15];
+    }
+  }
+  out[o] = '\0';
+  return out;
 }

@@ -13,6 +13,8 @@
 #ifndef CHORUS_UTIL_LOG_H
 #define CHORUS_UTIL_LOG_H
 
+#include <stddef.h>
+
 enum {
   CHORUS__LOG_NONE = 0,
   CHORUS__LOG_WARN = 1,
@@ -58,6 +60,26 @@ void chorus__log(int level, unsigned sub, const char *file, int line,
 #define CHORUS__LOG_ON(level, sub)                                              \
   ((level) <= CHORUS_LOG_MAX_LEVEL &&                                          \
    (chorus__log_init(), (level) <= chorus__log_level && ((sub)&chorus__log_mask)))
+
+/* Rate limit for warnings a stranger can cause (rejected connections): at
+ * most CHORUS__LOG_BURST lines per CHORUS__LOG_WINDOW_MS; the first line
+ * after a quiet window says how many were suppressed.  Zero-initialise; the
+ * owner serialises its use (one thread, or under its lock). */
+#define CHORUS__LOG_BURST 5
+#define CHORUS__LOG_WINDOW_MS 10000
+typedef struct chorus__ratelimit {
+  long long window_start_ns;
+  unsigned in_window, suppressed;
+} chorus__ratelimit_t;
+
+/* A WARN line through rl. */
+void chorus__log_limited(chorus__ratelimit_t *rl, unsigned sub, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Copies n bytes of untrusted text (a peer's message) into out (cap bytes,
+ * NUL-terminated), printable ASCII as it is and everything else -- control
+ * characters, escapes, bytes >= 0x7f -- as \xNN, cut to fit.  Returns out. */
+char *chorus__escape(const char *in, size_t n, char *out, size_t cap);
 
 #define CHORUS_WARN(sub, ...) CHORUS__LOG(CHORUS__LOG_WARN, sub, __VA_ARGS__)
 #define CHORUS_INFO(sub, ...) CHORUS__LOG(CHORUS__LOG_INFO, sub, __VA_ARGS__)

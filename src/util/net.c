@@ -239,3 +239,19 @@ int chorus__net_peer_addr(int fd, char *host, size_t cap, int *port) {
   if (getpeername(fd, (struct sockaddr *)&ss, &len) < 0) return -errno;
   return sockaddr_str(&ss, host, cap, port);
 }
+
+int chorus__net_is_local(const char *host) {
+  struct addrinfo *res = NULL;
+  if (!host || !*host || resolve(host, 0, 0, &res) < 0) return 0;
+  int local = 0;
+  for (struct addrinfo *ai = res; ai && !local; ai = ai->ai_next) {
+    /* Binding to an address succeeds exactly when it is one of this host's
+     * (loopback included); port 0 touches no real port. */
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0) local = 1;
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return local;
+}

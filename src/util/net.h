@@ -34,4 +34,8 @@ int chorus__net_read_full(int fd, void *buf, size_t len, int64_t deadline);
 int chorus__net_local_addr(int fd, char *host, size_t cap, int *port);
 int chorus__net_peer_addr(int fd, char *host, size_t cap, int *port);
 
+/* 1 when host resolves to an address of this machine (loopback included),
+ * so every process that reaches it through that name runs here. */
+int chorus__net_is_local(const char *host);
+
 #endif

@@ -1,9 +1,9 @@
 /*
- * util.c - randomness and the keyed hash used for authentication.
+ * util.c - randomness and a keyed hash for tables.
  *
- * SipHash-2-4 (Aumasson and Bernstein, 2012) is a PRF on short inputs: with
- * the job secret as key, siphash(nonce) proves knowledge of the secret
- * without revealing it.  Written from the paper's description.
+ * SipHash-2-4 (Aumasson and Bernstein, 2012) is a PRF on short inputs: keyed
+ * with random bytes it spreads peer-chosen keys over a hash table without
+ * letting the peer choose collisions.  Written from the paper's description.
  */
 #include "util.h"
 
@@ -73,24 +73,4 @@ uint64_t chorus__siphash(const uint8_t key[16], const void *data, size_t len) {
   SIPROUND;
   SIPROUND;
   return v0 ^ v1 ^ v2 ^ v3;
-}
-
-void chorus__secret_key(const char *secret, uint8_t key[16]) {
-  static const uint8_t base[16] = "chorus-nosecret";
-  memcpy(key, base, 16);
-  if (!secret || !*secret) return;
-  uint64_t h0 = chorus__siphash(base, secret, strlen(secret));
-  uint8_t base2[16];
-  memcpy(base2, base, 16);
-  base2[0] ^= 0x5a;
-  uint64_t h1 = chorus__siphash(base2, secret, strlen(secret));
-  memcpy(key, &h0, 8);
-  memcpy(key + 8, &h1, 8);
-}
-
-int chorus__memcmp_ct(const void *a, const void *b, size_t n) {
-  const uint8_t *x = a, *y = b;
-  uint8_t d = 0;
-  for (size_t i = 0; i < n; i++) d |= x[i] ^ y[i];
-  return d;
 }

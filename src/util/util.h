@@ -55,14 +55,9 @@ static inline int chorus__cond_init_monotonic(pthread_cond_t *cond) {
  * returns 0 or -errno. */
 int chorus__random_bytes(void *buf, size_t n);
 
-/* SipHash-2-4 of data under a 16-byte key: used to authenticate connections
- * with a challenge (nonce) and the job secret without sending the secret. */
+/* SipHash-2-4 of data under a 16-byte key: a keyed hash for hash tables
+ * and ids that peers must not be able to steer (not for authentication:
+ * that is HMAC-SHA256 in crypto.h). */
 uint64_t chorus__siphash(const uint8_t key[16], const void *data, size_t len);
-
-/* Derives a 16-byte key from a secret string (empty/NULL -> fixed key). */
-void chorus__secret_key(const char *secret, uint8_t key[16]);
-
-/* Constant-time comparison of n bytes; 0 when equal. */
-int chorus__memcmp_ct(const void *a, const void *b, size_t n);
 
 #endif

@@ -22,7 +22,8 @@
  *   restart-fail R CODE     rank R exits CODE while CHORUS_RESTART_COUNT is 0;
  *                           every rank succeeds on later restarts
  *   store                   connect to the store (MASTER_ADDR, MASTER_PORT,
- *                           CHORUS_JOB_SECRET), set a key, read every rank's
+ *                           the secret from CHORUS_JOB_SECRET_FILE), set a key,
+ *                           read every rank's
  *                           key (the only mode that uses libchorus)
  *
  * Sleeping workers print "rankN ready" first so the script can wait for
@@ -38,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "chorus.h"
@@ -95,7 +97,7 @@ static void pattern_lines(int fd, int count) {
 
 static int store_mode(void) {
   const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
-  const char *secret = getenv("CHORUS_JOB_SECRET"), *ws = getenv("WORLD_SIZE");
+  const char *secret = NULL, *ws = getenv("WORLD_SIZE"); /* NULL: the library finds it */
   const char *restart = getenv("CHORUS_RESTART_COUNT");
   if (!addr || !port || !ws) {
     put(2, "rank%d: MASTER_ADDR/MASTER_PORT/WORLD_SIZE missing\n", g_rank);
@@ -163,12 +165,21 @@ int main(int argc, char **argv) {
   if (!strcmp(mode, "env")) {
     static const char *const vars[] = {
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-        "MASTER_PORT", "CHORUS_JOB_ID", "CHORUS_JOB_SECRET", "CHORUS_STORE_EXTERNAL",
-        "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"};
+        "MASTER_PORT", "CHORUS_JOB_ID", "CHORUS_JOB_SECRET", "CHORUS_JOB_SECRET_FILE",
+        "CHORUS_STORE_EXTERNAL", "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
       const char *v = getenv(vars[i]);
       put(1, "%s=%s\n", vars[i], v ? v : "<unset>");
     }
+    /* The secret file's mode and first line, for the script to check. */
+    const char *path = getenv("CHORUS_JOB_SECRET_FILE");
+    struct stat sb;
+    char secret[256] = "<unreadable>";
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (f && fgets(secret, sizeof secret, f)) secret[strcspn(secret, "\n")] = '\0';
+    if (f) fclose(f);
+    put(1, "SECRET_FILE_MODE=%o\n", path && stat(path, &sb) == 0 ? (unsigned)(sb.st_mode & 0777) : 0u);
+    put(1, "SECRET=%s\n", secret);
     return 0;
   }
   if (!strcmp(mode, "lines") && argc >= 3) {

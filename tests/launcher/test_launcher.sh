@@ -126,17 +126,21 @@ case_env() {
       check "env: rank $r has $v" hasx "$OUT" "\[rank$r\]:$v"
     done
     check "env: rank $r MASTER_PORT is a port" grep -Eqx "\[rank$r\]:MASTER_PORT=[1-9][0-9]*" "$OUT"
-    check "env: rank $r job secret is 32 hex" grep -Eqx "\[rank$r\]:CHORUS_JOB_SECRET=[0-9a-f]{32}" "$OUT"
+    check "env: rank $r has no secret in its environment" hasx "$OUT" "\[rank$r\]:CHORUS_JOB_SECRET=<unset>"
+    check "env: rank $r secret file is private" hasx "$OUT" "\[rank$r\]:SECRET_FILE_MODE=600"
+    check "env: rank $r job secret is 64 hex" grep -Eqx "\[rank$r\]:SECRET=[0-9a-f]{64}" "$OUT"
     check "env: rank $r job id is 16 hex" grep -Eqx "\[rank$r\]:CHORUS_JOB_ID=[0-9a-f]{16}" "$OUT"
   done
   port=$(grep -o 'MASTER_PORT=.*' "$OUT" | sort -u | wc -l)
-  secret=$(grep -o 'CHORUS_JOB_SECRET=.*' "$OUT" | sort -u | wc -l)
+  secret=$(grep -o ':SECRET=.*' "$OUT" | sort -u | wc -l)
   id=$(grep -o 'CHORUS_JOB_ID=.*' "$OUT" | sort -u | wc -l)
   check "env: one port, one secret, one job id for all ranks" [ "$port$secret$id" = 111 ]
-  check "env: 36 lines, all prefixed" [ "$(grep -c '^\[rank[0-2]\]:' "$OUT")" -eq 36 ] \
-    && [ "$(wc -l <"$OUT")" -eq 36 ]
-  local first_secret
-  first_secret=$(grep -m1 -o 'CHORUS_JOB_SECRET=.*' "$OUT")
+  check "env: 45 lines, all prefixed" [ "$(grep -c '^\[rank[0-2]\]:' "$OUT")" -eq 45 ] \
+    && [ "$(wc -l <"$OUT")" -eq 45 ]
+  local first_secret secret_file
+  first_secret=$(grep -m1 -o ':SECRET=.*' "$OUT")
+  secret_file=$(grep -m1 -o 'CHORUS_JOB_SECRET_FILE=.*' "$OUT" | cut -d= -f2-)
+  check "env: the secret file is gone after the run" [ -n "$secret_file" ] && [ ! -e "$secret_file" ]
   no_leftovers env
 
   # Inherited contract variables are replaced, not kept.
@@ -145,6 +149,14 @@ case_env() {
     eval 'hasx "$OUT" "\[rank1\]:RANK=1" && hasx "$OUT" "\[rank1\]:WORLD_SIZE=2" &&
           hasx "$OUT" "\[rank1\]:CHORUS_RESTART_COUNT=0" && ! has "$OUT" "MASTER_PORT=1$"'
   check "env: a fresh secret per run" not_has "$OUT" "$first_secret"
+
+  # A secret given to chorusrun reaches the workers (by file), not the
+  # environment; --print-env never shows it.
+  CHORUS_JOB_SECRET=given-secret-123 run -n 2 --standalone "$WORKER" env
+  check "env: CHORUS_JOB_SECRET passed on by file" hasx "$OUT" "\[rank1\]:SECRET=given-secret-123"
+  check "env: and not in the environment" hasx "$OUT" "\[rank1\]:CHORUS_JOB_SECRET=<unset>"
+  CHORUS_JOB_SECRET=given-secret-123 run --print-env
+  check "print-env: the secret is hidden" eval 'has "$OUT" "CHORUS_JOB_SECRET.*<hidden>" && not_has "$OUT" given-secret-123'
 
   # --no-prefix, torchrun spellings, --nnodes 1 / --node-rank 0 accepted.
   run --nproc_per_node=1 --nnodes 1:1 --node_rank 0 --standalone --no-prefix -- "$WORKER" env

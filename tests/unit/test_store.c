@@ -35,8 +35,12 @@ static void sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
+/* Every store needs a job secret; NULL in these tests means this one. */
+#define TEST_SECRET "store-test-secret"
+
 static chorus_store_server_t *start_server(const char *secret, int *port) {
   chorus_store_server_t *s = NULL;
+  if (!secret) secret = TEST_SECRET;
   if (chorus_store_server_start("127.0.0.1", 0, secret, &s) != CHORUS_OK) return NULL;
   *port = chorus_store_server_port(s);
   return s;
@@ -44,6 +48,7 @@ static chorus_store_server_t *start_server(const char *secret, int *port) {
 
 static chorus_store_t *connect_to(int port, const char *secret, int timeout_ms) {
   chorus_store_t *c = NULL;
+  if (!secret) secret = TEST_SECRET;
   if (chorus_store_connect("127.0.0.1", port, secret, timeout_ms, &c) != CHORUS_OK) return NULL;
   return c;
 }
@@ -92,16 +97,23 @@ static int raw_auth(int fd, const char *secret) {
   int64_t dl = chorus__deadline_ms(2000);
   uint8_t hello[4 + CHORUS__STORE_HELLO_LEN];
   if (chorus__net_read_full(fd, hello, sizeof hello, dl) < 0) return -1;
-  uint8_t key[16];
-  chorus__secret_key(secret, key);
+  chorus__key_t key;
+  if (chorus__job_key(secret ? secret : TEST_SECRET, "", &key) < 0) return -1;
   uint8_t ans[4 + CHORUS__STORE_AUTH_LEN];
   chorus__le32_put(ans, CHORUS__STORE_AUTH_LEN);
   memcpy(ans + 4, CHORUS__STORE_MAGIC, 4);
   chorus__le32_put(ans + 8, CHORUS__STORE_VERSION);
-  chorus__le64_put(ans + 12, chorus__siphash(key, hello + 12, CHORUS__STORE_NONCE_LEN));
+  memset(ans + 12, 7, CHORUS__STORE_NONCE_LEN);
+  chorus__store_mac(&key, 0, hello + 12, ans + 12, ans + 12 + CHORUS__STORE_NONCE_LEN);
   if (chorus__net_write_full(fd, ans, sizeof ans, dl) < 0) return -1;
   uint8_t verdict[5];
   if (chorus__net_read_full(fd, verdict, sizeof verdict, dl) < 0) return -1;
+  if (verdict[4] == 0) { /* the server's proof follows */
+    uint8_t proof[CHORUS__STORE_MAC_LEN], want[CHORUS__STORE_MAC_LEN];
+    if (chorus__net_read_full(fd, proof, sizeof proof, dl) < 0) return -1;
+    chorus__store_mac(&key, 1, hello + 12, ans + 12, want);
+    if (memcmp(proof, want, sizeof want)) return -1;
+  }
   return verdict[4];
 }
 
@@ -506,8 +518,12 @@ TEST(job_secret) {
   ASSERT_TRUE(now_ms() - t0 < 2000); /* a rejection is final, not retried */
   ASSERT_CONTAINS(chorus__store_connect_error(), addr_of(port));
   ASSERT_CONTAINS(chorus__store_connect_error(), "authentication failed");
-  ASSERT_EQ(chorus_store_connect("127.0.0.1", port, NULL, 3000, &c), CHORUS_ERR_PROTOCOL);
+  /* No secret at all: refused before connecting (CHORUS_INSECURE is not set). */
+  ASSERT_EQ(chorus_store_connect("127.0.0.1", port, NULL, 3000, &c), CHORUS_ERR_INVALID_ARG);
   ASSERT_TRUE(c == NULL);
+  ASSERT_CONTAINS(chorus__store_connect_error(), "no job secret");
+  chorus_store_server_t *open_srv = NULL;
+  ASSERT_EQ(chorus_store_server_start("127.0.0.1", 0, NULL, &open_srv), CHORUS_ERR_INVALID_ARG);
 
   c = connect_to(port, "s3cret", 3000);
   ASSERT_TRUE(c != NULL);
@@ -766,13 +782,13 @@ TEST(connect_errors) {
 
   /* A second server cannot take the same port. */
   chorus_store_server_t *s2 = NULL;
-  ASSERT_EQ(chorus_store_server_start("127.0.0.1", port, NULL, &s2), CHORUS_ERR_STORE);
+  ASSERT_EQ(chorus_store_server_start("127.0.0.1", port, TEST_SECRET, &s2), CHORUS_ERR_STORE);
   ASSERT_TRUE(s2 == NULL);
   chorus_store_server_stop(s);
 
   chorus_store_t *c = NULL;
   int64_t t0 = now_ms();
-  chorus_result_t rc = chorus_store_connect("127.0.0.1", port, NULL, 300, &c);
+  chorus_result_t rc = chorus_store_connect("127.0.0.1", port, TEST_SECRET, 300, &c);
   int64_t took = now_ms() - t0;
   ASSERT_EQ(rc, CHORUS_ERR_STORE);
   ASSERT_TRUE(c == NULL);
@@ -780,8 +796,8 @@ TEST(connect_errors) {
   ASSERT_CONTAINS(chorus__store_connect_error(), addr_of(port));
   ASSERT_CONTAINS(chorus__store_connect_error(), strerror(ECONNREFUSED));
 
-  ASSERT_EQ(chorus_store_connect("127.0.0.1", 0, NULL, 300, &c), CHORUS_ERR_INVALID_ARG);
-  ASSERT_EQ(chorus_store_server_start(NULL, 70000, NULL, &s2), CHORUS_ERR_INVALID_ARG);
+  ASSERT_EQ(chorus_store_connect("127.0.0.1", 0, TEST_SECRET, 300, &c), CHORUS_ERR_INVALID_ARG);
+  ASSERT_EQ(chorus_store_server_start(NULL, 70000, TEST_SECRET, &s2), CHORUS_ERR_INVALID_ARG);
 }
 
 int main(void) {

@@ -1,0 +1,157 @@
+/*
+ * secret.c - see secret.h.
+ */
+#include "secret.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "env.h"
+#include "log.h"
+#include "util.h"
+
+int chorus__secret_read_file(const char *path, char *buf, size_t cap, char *why, size_t why_cap) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    int e = errno;
+    snprintf(why, why_cap, "cannot open the secret file %s: %s", path, strerror(e));
+    return -e;
+  }
+  struct stat st;
+  if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    snprintf(why, why_cap, "the secret file %s is not a regular file", path);
+    return -EINVAL;
+  }
+  if (st.st_uid != geteuid() || (st.st_mode & 077)) {
+    close(fd);
+    snprintf(why, why_cap, "the secret file %s must belong to this user (uid %u) and be "
+             "readable by nobody else (chmod 600); it is owned by uid %u, mode %03o",
+             path, (unsigned)geteuid(), (unsigned)st.st_uid, (unsigned)(st.st_mode & 0777));
+    return -EPERM;
+  }
+  ssize_t n = read(fd, buf, cap - 1);
+  int e = errno;
+  close(fd);
+  if (n < 0) {
+    snprintf(why, why_cap, "cannot read the secret file %s: %s", path, strerror(e));
+    return -e;
+  }
+  buf[n] = '\0';
+  buf[strcspn(buf, "\r\n")] = '\0';
+  if (!buf[0]) {
+    snprintf(why, why_cap, "the secret file %s is empty", path);
+    return -EINVAL;
+  }
+  return 0;
+}
+
+int chorus__secret_write_file(const char *path, const char *secret) {
+  char tmp[4096];
+  char rnd[9];
+  uint32_t r = 0;
+  chorus__random_bytes(&r, sizeof r);
+  snprintf(rnd, sizeof rnd, "%08x", r);
+  if (snprintf(tmp, sizeof tmp, "%s.%s.tmp", path, rnd) >= (int)sizeof tmp) return -ENAMETOOLONG;
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return -errno;
+  size_t n = strlen(secret);
+  int rc = write(fd, secret, n) == (ssize_t)n && write(fd, "\n", 1) == 1 ? 0 : -EIO;
+  if (close(fd) < 0 && rc == 0) rc = -errno;
+  if (rc == 0 && rename(tmp, path) < 0) rc = -errno;
+  if (rc < 0) unlink(tmp);
+  return rc;
+}
+
+int chorus__secret_configured(char *buf, size_t cap, char *why, size_t why_cap) {
+  const chorus__env_t *env = chorus__env();
+  if (env->JOB_SECRET && *env->JOB_SECRET) {
+    snprintf(buf, cap, "%s", env->JOB_SECRET);
+    return 1;
+  }
+  if (env->JOB_SECRET_FILE && *env->JOB_SECRET_FILE) {
+    if (chorus__secret_read_file(env->JOB_SECRET_FILE, buf, cap, why, why_cap) < 0) return -1;
+    return 1;
+  }
+  return 0;
+}
+
+int chorus__key_for_api(const char *secret, chorus__key_t *key, char *why, size_t why_cap) {
+  char buf[CHORUS__SECRET_MAX];
+  const chorus__env_t *env = chorus__env();
+  int have = 1;
+  if (!secret || !*secret) {
+    have = chorus__secret_configured(buf, sizeof buf, why, why_cap);
+    if (have < 0) return -1;
+    secret = have ? buf : NULL;
+  }
+  if (!have && !env->INSECURE) {
+    snprintf(why, why_cap, "no job secret: pass one, set CHORUS_JOB_SECRET or "
+             "CHORUS_JOB_SECRET_FILE (the same on every process), or CHORUS_INSECURE=1 to "
+             "accept anyone who can reach the port (docs/security.md)");
+    return -1;
+  }
+  if (!have)
+    CHORUS_WARN(CHORUS__SUB_STORE, "CHORUS_INSECURE=1 and no job secret: this store accepts "
+                "anyone who can reach its port (docs/security.md)");
+  int rc = chorus__job_key(secret, env->JOB_ID, key);
+  chorus__wipe(buf, sizeof buf);
+  if (rc < 0) {
+    snprintf(why, why_cap, "cannot derive the job key: %s", strerror(-rc));
+    return -1;
+  }
+  return 0;
+}
+
+static int check_dir(const char *path, char *why, size_t why_cap) {
+  struct stat st;
+  if (lstat(path, &st) < 0) {
+    int e = errno;
+    snprintf(why, why_cap, "%s: %s", path, strerror(e));
+    return -e;
+  }
+  if (!S_ISDIR(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077)) {
+    snprintf(why, why_cap, "%s must be a directory of this user (uid %u) with mode 700; it is "
+             "%s, owned by uid %u, mode %03o", path, (unsigned)geteuid(),
+             S_ISDIR(st.st_mode) ? "a directory" : "not a directory", (unsigned)st.st_uid,
+             (unsigned)(st.st_mode & 0777));
+    return -EPERM;
+  }
+  return 0;
+}
+
+int chorus__runtime_dir(char *buf, size_t cap, char *why, size_t why_cap) {
+  const char *xdg = getenv("XDG_RUNTIME_DIR");
+  struct stat st;
+  int n;
+  if (xdg && *xdg == '/' && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) &&
+      st.st_uid == geteuid())
+    n = snprintf(buf, cap, "%s/chorus", xdg);
+  else
+    n = snprintf(buf, cap, "/tmp/chorus-%u", (unsigned)geteuid());
+  if (n < 0 || (size_t)n >= cap) {
+    snprintf(why, why_cap, "runtime directory name too long");
+    return -ENAMETOOLONG;
+  }
+  if (mkdir(buf, 0700) < 0 && errno != EEXIST) {
+    int e = errno;
+    snprintf(why, why_cap, "cannot create %s: %s", buf, strerror(e));
+    return -e;
+  }
+  return check_dir(buf, why, why_cap);
+}
+
+int chorus__secret_generate(char *buf, size_t cap) {
+  uint8_t r[32];
+  if (cap < 2 * sizeof r + 1) return -EINVAL;
+  int rc = chorus__random_bytes(r, sizeof r);
+  if (rc < 0) return rc;
+  for (size_t i = 0; i < sizeof r; i++) snprintf(buf + 2 * i, 3, "%02x", r[i]);
+  chorus__wipe(r, sizeof r);
+  return 0;
+}
