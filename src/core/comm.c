@@ -607,7 +607,7 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   else if (chorus__net_local_addr(chorus__store_fd(ctx->store), ifaddr, sizeof ifaddr, &ignored) < 0)
     snprintf(ifaddr, sizeof ifaddr, "127.0.0.1");
   int data_port = 0;
-  int lfd = chorus__net_listen(ifaddr, 0, size + 64, &data_port);
+  int lfd = chorus__net_listen(ifaddr, 0, 4096, &data_port); /* strangers must not fill it */
   if (lfd < 0) {
     st = init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot listen on %s: %s", rank, ifaddr,
                    strerror(-lfd));

@@ -1451,9 +1451,13 @@ static chorus_result_t accept_all(chorus__tp_t *tp, int listen_fd, int64_t deadl
   for (int i = 0; i < n; i++) close(ps[i].fd);
   free(ps);
   free(pfd);
-  if (rejected)
-    CHORUS_INFO(CHORUS__SUB_TCP, "chorus rank %d: %lu connection(s) from strangers rejected while "
-                "the world formed", tp->rank, rejected);
+  /* The total, once: the rate limiter may have hidden most of them. */
+  if (rejected > CHORUS__LOG_BURST)
+    CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: %lu connections rejected in all while the "
+                "world formed", tp->rank, rejected);
+  else if (rejected)
+    CHORUS_INFO(CHORUS__SUB_TCP, "chorus rank %d: %lu connection(s) rejected while the world "
+                "formed", tp->rank, rejected);
   return st;
 }
 
