@@ -1649,3 +1649,73 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   if (tp->thread_started) pthread_join(tp->thread, NULL);
   tp_free(tp);
 }
+
+/* ------------------------------------------------------------- fuzzing
+ *
+ * The fuzzers (fuzz/) drive the receive path and the acceptor's handshake
+ * check with their bytes.  A fuzzing transport has no connections and no
+ * progress thread; each peer's bytes arrive through a socket pair whose
+ * other end the fuzzer writes, and are parsed by read_conn exactly as
+ * socket data is. */
+
+static void fuzz_fp_format(const chorus__fp_t *fp, char *buf, size_t cap) {
+  snprintf(buf, cap, "coll %u dtype %u count %" PRIu64, fp->coll, fp->dtype, fp->count);
+}
+
+chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, uint64_t world) {
+  chorus__tp_t *tp = calloc(1, sizeof *tp);
+  if (!tp) return NULL;
+  tp->rank = rank;
+  tp->size = size;
+  tp->key = *key;
+  tp->world_id = world;
+  tp->budget = (size_t)1 << 20;
+  tp->fp_format = fuzz_fp_format;
+  pthread_mutex_init(&tp->lock, NULL);
+  chorus__cond_init_monotonic(&tp->cond);
+  tp->conns = calloc((size_t)size, sizeof(conn_t));
+  tp->epfd = epoll_create1(EPOLL_CLOEXEC);
+  tp->evfd = -1;
+  if (!tp->conns || tp->epfd < 0) {
+    tp_free(tp);
+    return NULL;
+  }
+  for (int r = 0; r < size; r++) {
+    tp->conns[r].fd = -1;
+    tp->conns[r].rank = r;
+    snprintf(tp->conns[r].addr, sizeof tp->conns[r].addr, "fuzz:%d", r);
+  }
+  return tp;
+}
+
+void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn) { tp->fp_format = fn; }
+
+int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd) {
+  conn_t *c = &tp->conns[peer];
+  if (c->fd < 0) {
+    int sp[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sp) < 0) return -1;
+    c->fd = sp[0];
+    *wfd = sp[1];
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)peer};
+    epoll_ctl(tp->epfd, EPOLL_CTL_ADD, c->fd, &ev);
+  }
+  if (n && send(*wfd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) return -1;
+  pthread_mutex_lock(&tp->lock);
+  if (!c->dead && !c->paused) read_conn(tp, c);
+  int dead = c->dead;
+  pthread_mutex_unlock(&tp->lock);
+  return dead ? -1 : 0;
+}
+
+int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n) {
+  pending_t p;
+  memset(&p, 0, sizeof p);
+  memcpy(p.in, msg, n < sizeof p.in ? n : sizeof p.in);
+  char why[160];
+  return hs_verify(tp, &p, why, sizeof why);
+}
+
+void chorus__tp_fuzz_free(chorus__tp_t *tp) {
+  if (tp) tp_free(tp);
+}

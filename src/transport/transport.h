@@ -178,4 +178,17 @@ chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *ne
  * waiters.  NULL removes it. */
 void chorus__ep_set_fail_hook(chorus__ep_t *ep, void (*fn)(void *), void *arg);
 
+/* For the fuzzers (fuzz/) only: a transport without connections or progress
+ * thread whose receive path is fed by chorus__tp_fuzz_feed: the bytes are
+ * written to a socket pair (its other end returned in *wfd, created on the
+ * first call for that peer; the caller closes it) and parsed as bytes from
+ * world rank peer.  Returns -1 once that connection is dead (a protocol
+ * violation).  chorus__tp_fuzz_handshake runs the acceptor's check of a
+ * connect message (returns the peer's rank or a negative reason). */
+chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, uint64_t world);
+void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn);
+int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd);
+int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n);
+void chorus__tp_fuzz_free(chorus__tp_t *tp);
+
 #endif
