@@ -56,6 +56,10 @@ typedef chorus__wire_hdr_t hdr_t;
 #define HS_OK 0x4b524843u       /* "CHRK" */
 #define HS_DENY 0x44524843u     /* "CHRD" */
 #define HS_VERSION 2u
+/* Set in the version field of hello and connect when the sender encrypts
+ * (CHORUS_ENCRYPT=1): both ends must agree. */
+#define HS_FLAG_ENCRYPT 0x10000u
+#define HS_VERSION_MASK 0xffffu
 /* Handshake messages (docs/design.md, "Authentication"):
  *   hello    acceptor -> connector  "CHRA" u32 version, nonce Na
  *   connect  connector -> acceptor  "CHRC" u32 version, u32 rank c, nonce Nc,
@@ -69,7 +73,17 @@ typedef chorus__wire_hdr_t hdr_t;
 #define HS_CONNECT_LEN (12 + CHORUS__NONCE_LEN + CHORUS__MAC_LEN)
 #define HS_OK_LEN (8 + CHORUS__MAC_LEN)
 #define HS_DENY_LEN 8
-enum { HS_DENY_AUTH = 1, HS_DENY_RANK = 2, HS_DENY_VERSION = 3 };
+enum { HS_DENY_AUTH = 1, HS_DENY_RANK = 2, HS_DENY_VERSION = 3, HS_DENY_ENCRYPT = 4 };
+
+/* CHORUS_ENCRYPT=1: after the handshake every byte of a connection travels
+ * in AES-256-GCM records, u32 plaintext length (authenticated too) | that
+ * many ciphertext bytes | 16-byte tag, each direction with its own key from
+ * the handshake (HKDF of the job key over both nonces, the world and both
+ * ranks) and a counter nonce, so a record that is altered, dropped,
+ * replayed or reordered fails the connection.  Records pack the message
+ * stream (headers and payloads) in pieces of at most REC_MAX bytes. */
+#define REC_MAX ((size_t)128 << 10)
+#define REC_OVERHEAD (4 + CHORUS__AEAD_TAG_LEN)
 #define DISCARD_BUF 65536
 
 /* Every live connection carries a heartbeat at least this often, so a
@@ -128,6 +142,14 @@ typedef struct conn {
   size_t unexp_bytes;
   int paused;
   int64_t paused_since;
+  /* Encryption (NULL when off): the directions' ciphers, the record being
+   * written (tx_rec[tx_off..tx_len)) and the record being read
+   * (rx_got bytes so far; once opened, plaintext at rx_rec + 4 + rx_poff,
+   * rx_pleft bytes of it not yet parsed). */
+  chorus__aead_t *tx_aead, *rx_aead;
+  uint8_t *tx_rec, *rx_rec;
+  size_t tx_len, tx_off, rx_got, rx_poff, rx_pleft;
+  uint8_t keys[64]; /* from the handshake: connector->acceptor, acceptor->connector */
   /* Send queue. */
   txitem_t *tx_head, *tx_tail;
 } conn_t;
@@ -168,6 +190,7 @@ struct chorus__tp {
   int64_t last_ping;
   int bye_sent;
   size_t budget; /* CHORUS_RECV_BUFFER_MAX */
+  int encrypt;   /* CHORUS_ENCRYPT */
   chorus__ratelimit_t reject_log; /* strangers turned away (accept_all) */
   char discard[DISCARD_BUF];
 };
@@ -192,6 +215,7 @@ static void wake_all(chorus__tp_t *tp) { pthread_cond_broadcast(&tp->cond); }
 static void queue_tx(chorus__tp_t *tp, conn_t *c, txitem_t *it);
 static void resume_all(chorus__tp_t *tp);
 static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why);
+static void conn_fail_locked(chorus__tp_t *tp, conn_t *c, const char *why, chorus_result_t code);
 
 static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
                          const char *text) {
@@ -441,6 +465,12 @@ static void wake_hooks_of(chorus__tp_t *tp, int w) {
 /* A peer's connection ended.  Members of every endpoint containing it fail,
  * unless it said goodbye first and nothing is pending with it. */
 static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
+  conn_fail_locked(tp, c, why, CHORUS_ERR_REMOTE);
+}
+
+/* The same with the code the endpoints fail with: CHORUS_ERR_PROTOCOL when
+ * the peer (or something on the wire) broke the protocol. */
+static void conn_fail_locked(chorus__tp_t *tp, conn_t *c, const char *why, chorus_result_t code) {
   if (c->dead) return;
   c->dead = 1;
   if (c->fd >= 0) {
@@ -466,7 +496,11 @@ static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
     }
     char pd[160];
     peer_desc(ep, c->rank, pd, sizeof pd);
-    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1,
+    if (code == CHORUS_ERR_PROTOCOL)
+      ep_fail_locked(ep, code, 1, "chorus rank %d/%d: the connection with %s failed during %s: "
+                     "%s; every other rank fails too", ep->me, ep->n, pd, ep_doing(ep), why);
+    else
+      ep_fail_locked(ep, code, 1,
                      "chorus rank %d/%d: %s %s during %s; the process probably died "
                      "(check its output); every other rank fails too",
                      ep->me, ep->n, pd, why, ep_doing(ep));
@@ -500,8 +534,93 @@ static void set_epoll_out(chorus__tp_t *tp, conn_t *c, int on) {
   if (update_events(tp, c, c->paused, on) == 0) c->epoll_out = on;
 }
 
+/* Takes an item off the head of c's queue once all its bytes are out (or
+ * sealed in a record): its request is complete, the caller may reuse the
+ * buffer. */
+static void tx_item_done(chorus__tp_t *tp, conn_t *c, txitem_t *it) {
+  c->tx_head = it->next;
+  if (!c->tx_head) c->tx_tail = NULL;
+  if (it->req) {
+    it->req->done = 1;
+    wake_all(tp);
+  }
+  free(it->owned);
+  free(it);
+}
+
+/* Seals the next record from the head of the queue into c->tx_rec: as many
+ * bytes of as many queued messages as fit in REC_MAX.  0, or -1 after
+ * failing the connection. */
+static int seal_record(chorus__tp_t *tp, conn_t *c) {
+  size_t plen = 0;
+  for (txitem_t *it = c->tx_head; it && plen < REC_MAX; it = it->next)
+    plen += CHORUS__MIN(REC_MAX - plen, HDR_SIZE + it->len - it->off);
+  uint8_t *rec = c->tx_rec, *out = rec + 4;
+  put32(rec, (uint32_t)plen);
+  int rc = chorus__aead_begin(c->tx_aead, rec, 4);
+  size_t left = plen;
+  while (rc == 0 && left > 0) {
+    txitem_t *it = c->tx_head;
+    const uint8_t *in;
+    size_t k;
+    if (it->off < HDR_SIZE) {
+      in = it->hdr + it->off;
+      k = HDR_SIZE - it->off;
+    } else {
+      in = (const uint8_t *)it->payload + (it->off - HDR_SIZE);
+      k = HDR_SIZE + it->len - it->off;
+    }
+    if (k > left) k = left;
+    rc = chorus__aead_update(c->tx_aead, in, out, k);
+    out += k;
+    left -= k;
+    it->off += k;
+    if (it->off == HDR_SIZE + it->len) tx_item_done(tp, c, it);
+  }
+  if (rc == 0) rc = chorus__aead_seal_end(c->tx_aead, rec + 4 + plen);
+  if (rc < 0) {
+    conn_fail_locked(tp, c, "encryption failed (libcrypto)", CHORUS_ERR_SYSTEM);
+    return -1;
+  }
+  c->tx_len = plen + REC_OVERHEAD;
+  c->tx_off = 0;
+  return 0;
+}
+
+/* flush_tx when the connection is encrypted: records instead of messages. */
+static void flush_tx_sealed(chorus__tp_t *tp, conn_t *c) {
+  while (!c->dead) {
+    if (c->tx_off == c->tx_len) {
+      if (!c->tx_head) break;
+      if (seal_record(tp, c) < 0) return;
+    }
+    ssize_t n = send(c->fd, c->tx_rec + c->tx_off, c->tx_len - c->tx_off,
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        set_epoll_out(tp, c, 1);
+        return;
+      }
+      char why[128];
+      snprintf(why, sizeof why, "write failed (%s)", strerror(errno));
+      conn_dead_locked(tp, c, why);
+      return;
+    }
+    c->tx_off += (size_t)n;
+  }
+  if (!c->tx_head && c->tx_off == c->tx_len) {
+    set_epoll_out(tp, c, 0);
+    wake_all(tp);
+  }
+}
+
 /* Writes as much of the queue as the socket takes. */
 static void flush_tx(chorus__tp_t *tp, conn_t *c) {
+  if (c->tx_aead) {
+    flush_tx_sealed(tp, c);
+    return;
+  }
   while (c->tx_head && !c->dead) {
     txitem_t *it = c->tx_head;
     struct iovec iov[2];
@@ -533,14 +652,7 @@ static void flush_tx(chorus__tp_t *tp, conn_t *c) {
     }
     it->off += (size_t)n;
     if (it->off < HDR_SIZE + it->len) continue;
-    c->tx_head = it->next;
-    if (!c->tx_head) c->tx_tail = NULL;
-    if (it->req) {
-      it->req->done = 1;
-      wake_all(tp);
-    }
-    free(it->owned);
-    free(it);
+    tx_item_done(tp, c, it);
   }
   if (!c->tx_head) {
     set_epoll_out(tp, c, 0);
@@ -615,8 +727,8 @@ static void protocol_error(chorus__tp_t *tp, conn_t *c, const char *what) {
   CHORUS_WARN(CHORUS__SUB_TCP, "chorus: protocol violation from world rank %d (%s): %s; "
               "closing the connection", c->rank, c->addr, what);
   char why[200];
-  snprintf(why, sizeof why, "sent a malformed message (%s)", what);
-  conn_dead_locked(tp, c, why);
+  snprintf(why, sizeof why, "it sent a malformed message (%s)", what);
+  conn_fail_locked(tp, c, why, CHORUS_ERR_PROTOCOL);
 }
 
 static unexp_t *new_unexp(chorus__tp_t *tp, const hdr_t *h, int src) {
@@ -744,7 +856,10 @@ static void try_resume(chorus__tp_t *tp, conn_t *c) {
   c->left = c->h.len;
   if (c->left == 0) on_payload_done(tp, c);
   /* The progress thread reads the rest: its level-triggered epoll sees the
-   * waiting bytes now that EPOLLIN is back. */
+   * waiting bytes now that EPOLLIN is back; plaintext already opened needs
+   * a wake-up. */
+  uint64_t one = 1;
+  if (c->rx_pleft && tp->evfd >= 0) (void)!write(tp->evfd, &one, sizeof one);
 }
 
 static void resume_all(chorus__tp_t *tp) {
@@ -847,11 +962,61 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
   }
 }
 
+/* Reads and opens the next record of an encrypted connection.  1 when its
+ * plaintext is ready, 0 at end of stream, -1 with errno set (EAGAIN: the
+ * rest has not arrived; EBADMSG: the connection failed, it was altered). */
+static int open_record(chorus__tp_t *tp, conn_t *c) {
+  uint8_t *rec = c->rx_rec;
+  for (;;) {
+    size_t need = c->rx_got < 4 ? 4 : REC_OVERHEAD + get32(rec);
+    if (c->rx_got == 4 && get32(rec) > REC_MAX) {
+      protocol_error(tp, c, "encrypted record longer than the protocol allows");
+      errno = EBADMSG;
+      return -1;
+    }
+    if (c->rx_got == need && need > 4) break;
+    ssize_t n = recv(c->fd, rec + c->rx_got, need - c->rx_got, MSG_DONTWAIT);
+    if (n <= 0) return n == 0 ? 0 : -1;
+    c->rx_got += (size_t)n;
+  }
+  size_t plen = get32(rec);
+  int rc = chorus__aead_begin(c->rx_aead, rec, 4);
+  if (rc == 0) rc = chorus__aead_update(c->rx_aead, rec + 4, rec + 4, plen);
+  if (rc == 0) rc = chorus__aead_open_end(c->rx_aead, rec + 4 + plen);
+  c->rx_got = 0;
+  if (rc < 0) {
+    CHORUS_WARN(CHORUS__SUB_TCP, "chorus: a record from world rank %d (%s) failed "
+                "authentication; closing the connection", c->rank, c->addr);
+    conn_fail_locked(tp, c, "an encrypted record failed authentication: its bytes were changed "
+                     "on the way, or do not come from that rank", CHORUS_ERR_PROTOCOL);
+    errno = EBADMSG;
+    return -1;
+  }
+  c->rx_poff = 0;
+  c->rx_pleft = plen;
+  return 1;
+}
+
+/* recv() for the parser: from the socket, or from opened records when the
+ * connection is encrypted. */
+static ssize_t conn_recv(chorus__tp_t *tp, conn_t *c, void *dst, size_t want) {
+  if (!c->rx_aead) return recv(c->fd, dst, want, MSG_DONTWAIT);
+  while (c->rx_pleft == 0) {
+    int rc = open_record(tp, c);
+    if (rc <= 0) return rc;
+  }
+  size_t k = CHORUS__MIN(want, c->rx_pleft);
+  memcpy(dst, c->rx_rec + 4 + c->rx_poff, k);
+  c->rx_poff += k;
+  c->rx_pleft -= k;
+  return (ssize_t)k;
+}
+
 static void read_conn(chorus__tp_t *tp, conn_t *c) {
   while (!c->dead) {
     ssize_t n;
     if (!c->in_payload) {
-      n = recv(c->fd, c->hbuf + c->hgot, HDR_SIZE - c->hgot, MSG_DONTWAIT);
+      n = conn_recv(tp, c, c->hbuf + c->hgot, HDR_SIZE - c->hgot);
       if (n > 0) c->last_heard = chorus__now_ns();
       if (n > 0) {
         c->hgot += (size_t)n;
@@ -865,7 +1030,7 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
     } else {
       char *dst = c->dst ? c->dst + (c->h.len - c->left) : tp->discard;
       size_t want = c->dst ? c->left : CHORUS__MIN(c->left, (size_t)DISCARD_BUF);
-      n = recv(c->fd, dst, want, MSG_DONTWAIT);
+      n = conn_recv(tp, c, dst, want);
       if (n > 0) {
         c->last_heard = chorus__now_ns();
         c->left -= (size_t)n;
@@ -874,6 +1039,7 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
         continue;
       }
     }
+    if (c->dead) return; /* a record failed authentication */
     if (n == 0) {
       conn_dead_locked(tp, c, c->in_payload || c->hgot ? "closed its connection in the middle "
                                                         "of a message"
@@ -914,6 +1080,12 @@ static void *progress_main(void *arg) {
       if (c->dead) continue;
       if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) read_conn(tp, c);
       if (!c->dead && (evs[i].events & EPOLLOUT)) flush_tx(tp, c);
+    }
+    /* Opened records whose rest was not parsed (the connection was paused;
+     * try_resume woke us): no socket event will say so. */
+    for (int r = 0; tp->encrypt && r < tp->size; r++) {
+      conn_t *c = &tp->conns[r];
+      if (r != tp->rank && c->rx_pleft && !c->paused && !c->dead) read_conn(tp, c);
     }
     int64_t now = chorus__now_ns();
     if (now - tp->last_ping >= (int64_t)HEARTBEAT_MS * 1000000) {
@@ -1188,6 +1360,22 @@ static void hs_mac(const chorus__tp_t *tp, int accept_side, uint32_t connector, 
   chorus__hmac(&tp->key, parts, lens, 4, mac);
 }
 
+/* The connection's two record keys (CHORUS_ENCRYPT): HKDF of the job key
+ * over both nonces, the world and both ranks; connector->acceptor first. */
+static int hs_keys(const chorus__tp_t *tp, uint32_t connector, uint32_t acceptor,
+                   const uint8_t *na, const uint8_t *nc, uint8_t out[64]) {
+  uint8_t salt[2 * CHORUS__NONCE_LEN], info[16 + 16];
+  memcpy(salt, na, CHORUS__NONCE_LEN);
+  memcpy(salt + CHORUS__NONCE_LEN, nc, CHORUS__NONCE_LEN);
+  memcpy(info, "chorus data keys", 16);
+  put64(info + 16, tp->world_id);
+  put32(info + 24, connector);
+  put32(info + 28, acceptor);
+  int rc = chorus__hkdf(&tp->key, salt, sizeof salt, info, sizeof info, out, 64);
+  chorus__wipe(salt, sizeof salt);
+  return rc;
+}
+
 /* Connector side, on a fresh blocking connection to rank peer.  Returns 0;
  * -EACCES when the acceptor refused us (wrong key or world, or it has that
  * rank already), -EPERM when the acceptor did not prove the key, -EPROTO
@@ -1201,15 +1389,21 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
     snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
     return rc;
   }
-  if (get32(in) != HS_ACCEPT || get32(in + 4) != HS_VERSION) {
+  uint32_t version = get32(in + 4);
+  if (get32(in) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
     snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)", get32(in),
-             get32(in + 4));
+             version & HS_VERSION_MASK);
+    return -EPROTO;
+  }
+  if (!!(version & HS_FLAG_ENCRYPT) != tp->encrypt) {
+    snprintf(why, cap, "the ranks disagree on CHORUS_ENCRYPT (this rank %d, rank %d %d): set it "
+             "the same on every rank", tp->encrypt, peer, !tp->encrypt);
     return -EPROTO;
   }
   const uint8_t *na = in + 8;
   uint8_t *nc = out + 12;
   put32(out, HS_CONNECT);
-  put32(out + 4, HS_VERSION);
+  put32(out + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
   put32(out + 8, (uint32_t)tp->rank);
   if ((rc = chorus__random_bytes(nc, CHORUS__NONCE_LEN)) < 0) {
     snprintf(why, cap, "no randomness: %s", strerror(-rc));
@@ -1226,8 +1420,10 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
     uint32_t reason = get32(ok + 4);
     snprintf(why, cap, "%s", reason == HS_DENY_AUTH ? "it refused our proof: the ranks have "
              "different job secrets, or the address belongs to another world or generation"
-             : reason == HS_DENY_RANK ? "it already has a connection from this rank"
-                                      : "it speaks another handshake version");
+             : reason == HS_DENY_RANK    ? "it already has a connection from this rank"
+             : reason == HS_DENY_ENCRYPT ? "the ranks disagree on CHORUS_ENCRYPT: set it the "
+                                           "same on every rank"
+                                         : "it speaks another handshake version");
     return -EACCES;
   }
   if (get32(ok) != HS_OK || get32(ok + 4) != (uint32_t)peer) {
@@ -1243,6 +1439,11 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
   if (!chorus__ct_equal(want, ok + 8, sizeof want)) {
     snprintf(why, cap, "it did not prove the job key (a stranger on that port?)");
     return -EPERM;
+  }
+  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, na, nc,
+                             tp->conns[peer].keys) < 0) {
+    snprintf(why, cap, "cannot derive the connection's keys (libcrypto)");
+    return -EIO;
   }
   return 0;
 }
@@ -1263,7 +1464,8 @@ typedef struct pending {
  * HS_DENY_* reason with why filled. */
 static int hs_verify(chorus__tp_t *tp, const pending_t *p, char *why, size_t cap) {
   const uint8_t *in = p->in;
-  if (get32(in) != HS_CONNECT || get32(in + 4) != HS_VERSION) {
+  uint32_t version = get32(in + 4);
+  if (get32(in) != HS_CONNECT || (version & HS_VERSION_MASK) != HS_VERSION) {
     snprintf(why, cap, "not a chorus peer of this version");
     return -HS_DENY_VERSION;
   }
@@ -1282,6 +1484,14 @@ static int hs_verify(chorus__tp_t *tp, const pending_t *p, char *why, size_t cap
   if (tp->conns[peer].fd >= 0) {
     snprintf(why, cap, "rank %u is already connected", peer);
     return -HS_DENY_RANK;
+  }
+  if (!!(version & HS_FLAG_ENCRYPT) != tp->encrypt) {
+    snprintf(why, cap, "rank %u and this rank disagree on CHORUS_ENCRYPT", peer);
+    return -HS_DENY_ENCRYPT;
+  }
+  if (tp->encrypt && hs_keys(tp, peer, (uint32_t)tp->rank, p->na, in + 12, tp->conns[peer].keys) < 0) {
+    snprintf(why, cap, "cannot derive the connection's keys (libcrypto)");
+    return -HS_DENY_AUTH;
   }
   return (int)peer;
 }
@@ -1435,7 +1645,7 @@ static chorus_result_t accept_all(chorus__tp_t *tp, int listen_fd, int64_t deadl
       snprintf(p->addr, sizeof p->addr, "%s:%d", host, port);
       uint8_t hello[HS_HELLO_LEN];
       put32(hello, HS_ACCEPT);
-      put32(hello + 4, HS_VERSION);
+      put32(hello + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
       if (chorus__random_bytes(p->na, sizeof p->na) < 0) {
         close(fd);
         continue;
@@ -1486,6 +1696,11 @@ static void tp_free(chorus__tp_t *tp) {
         free(it);
       }
       free(c->rx_abort);
+      chorus__aead_free(c->tx_aead);
+      chorus__aead_free(c->rx_aead);
+      free(c->tx_rec);
+      free(c->rx_rec);
+      chorus__wipe(c->keys, sizeof c->keys);
     }
   }
   while (tp->unexp_head) {
@@ -1517,6 +1732,7 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   tp->key = *cfg->key;
   long budget = chorus__env()->RECV_BUFFER_MAX;
   tp->budget = budget > 0 ? (size_t)budget : (size_t)64 << 20;
+  tp->encrypt = chorus__env()->ENCRYPT;
   pthread_mutex_init(&tp->lock, NULL);
   chorus__cond_init_monotonic(&tp->cond);
   chorus_result_t st = CHORUS_OK;
@@ -1594,6 +1810,20 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   for (int r = 0; r < cfg->size; r++) {
     conn_t *c = &tp->conns[r];
     if (r == cfg->rank) continue;
+    if (tp->encrypt) {
+      /* Lower ranks are the ones we connected to: we sent on keys[0..32). */
+      int connector = cfg->rank > r;
+      c->tx_aead = chorus__aead_new(c->keys + (connector ? 0 : 32), connector ? 1 : 2, 1);
+      c->rx_aead = chorus__aead_new(c->keys + (connector ? 32 : 0), connector ? 2 : 1, 0);
+      c->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
+      c->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
+      chorus__wipe(c->keys, sizeof c->keys);
+      if (!c->tx_aead || !c->rx_aead || !c->tx_rec || !c->rx_rec) {
+        snprintf(errmsg, errcap, "out of memory for the encryption state");
+        tp_free(tp);
+        return CHORUS_ERR_NO_MEMORY;
+      }
+    }
     chorus__net_set_nonblock(c->fd, 1);
     int sz = 4 << 20;
     setsockopt(c->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
@@ -1634,7 +1864,7 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
       conn_t *c = &tp->conns[r];
       if (r == tp->rank || c->dead) continue;
       if (now - c->last_heard > silent_ns) continue;
-      if (!c->bye_received || c->tx_head) waiting = 1;
+      if (!c->bye_received || c->tx_head || c->tx_off < c->tx_len) waiting = 1;
     }
     if (!waiting || chorus__ms_left(bye_deadline) == 0) break;
     /* Wake at least once a heartbeat to notice peers falling silent. */

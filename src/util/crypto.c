@@ -186,32 +186,53 @@ static int update(EVP_CIPHER_CTX *ctx, uint8_t *out, const uint8_t *in, size_t l
   return 0;
 }
 
-int chorus__aead_seal(chorus__aead_t *a, const void *aad, size_t aad_len, const void *in,
-                      void *out, size_t len, uint8_t tag[CHORUS__AEAD_TAG_LEN]) {
+int chorus__aead_begin(chorus__aead_t *a, const void *aad, size_t aad_len) {
   uint8_t iv[12];
   int got = 0;
   make_iv(a, iv);
-  if (!a->encrypt || EVP_CipherInit_ex(a->ctx, NULL, NULL, NULL, iv, 1) != 1) return -EIO;
+  if (EVP_CipherInit_ex(a->ctx, NULL, NULL, NULL, iv, a->encrypt) != 1) return -EIO;
   if (aad_len && EVP_CipherUpdate(a->ctx, NULL, &got, aad, (int)aad_len) != 1) return -EIO;
-  if (update(a->ctx, out, in, len) < 0) return -EIO;
-  if (EVP_CipherFinal_ex(a->ctx, (uint8_t *)out + len, &got) != 1) return -EIO;
-  if (EVP_CIPHER_CTX_ctrl(a->ctx, EVP_CTRL_GCM_GET_TAG, CHORUS__AEAD_TAG_LEN, tag) != 1)
+  return 0;
+}
+
+int chorus__aead_update(chorus__aead_t *a, const void *in, void *out, size_t len) {
+  return update(a->ctx, out, in, len) < 0 ? -EIO : 0;
+}
+
+int chorus__aead_seal_end(chorus__aead_t *a, uint8_t tag[CHORUS__AEAD_TAG_LEN]) {
+  uint8_t scratch[16];
+  int got = 0;
+  a->counter++;
+  if (!a->encrypt || EVP_CipherFinal_ex(a->ctx, scratch, &got) != 1) return -EIO;
+  return EVP_CIPHER_CTX_ctrl(a->ctx, EVP_CTRL_GCM_GET_TAG, CHORUS__AEAD_TAG_LEN, tag) == 1 ? 0
+                                                                                          : -EIO;
+}
+
+int chorus__aead_open_end(chorus__aead_t *a, const uint8_t tag[CHORUS__AEAD_TAG_LEN]) {
+  uint8_t scratch[16];
+  int got = 0;
+  if (a->encrypt ||
+      EVP_CIPHER_CTX_ctrl(a->ctx, EVP_CTRL_GCM_SET_TAG, CHORUS__AEAD_TAG_LEN, (void *)tag) != 1)
     return -EIO;
+  if (EVP_CipherFinal_ex(a->ctx, scratch, &got) != 1) return -EBADMSG;
   a->counter++;
   return 0;
 }
 
+int chorus__aead_seal(chorus__aead_t *a, const void *aad, size_t aad_len, const void *in,
+                      void *out, size_t len, uint8_t tag[CHORUS__AEAD_TAG_LEN]) {
+  if (!a->encrypt) return -EIO;
+  int rc = chorus__aead_begin(a, aad, aad_len);
+  if (rc == 0) rc = chorus__aead_update(a, in, out, len);
+  if (rc == 0) rc = chorus__aead_seal_end(a, tag);
+  return rc;
+}
+
 int chorus__aead_open(chorus__aead_t *a, const void *aad, size_t aad_len, const void *in,
                       void *out, size_t len, const uint8_t tag[CHORUS__AEAD_TAG_LEN]) {
-  uint8_t iv[12];
-  int got = 0;
-  make_iv(a, iv);
-  if (a->encrypt || EVP_CipherInit_ex(a->ctx, NULL, NULL, NULL, iv, 0) != 1) return -EIO;
-  if (aad_len && EVP_CipherUpdate(a->ctx, NULL, &got, aad, (int)aad_len) != 1) return -EIO;
-  if (update(a->ctx, out, in, len) < 0) return -EIO;
-  if (EVP_CIPHER_CTX_ctrl(a->ctx, EVP_CTRL_GCM_SET_TAG, CHORUS__AEAD_TAG_LEN, (void *)tag) != 1)
-    return -EIO;
-  if (EVP_CipherFinal_ex(a->ctx, (uint8_t *)out + len, &got) != 1) return -EBADMSG;
-  a->counter++;
-  return 0;
+  if (a->encrypt) return -EIO;
+  int rc = chorus__aead_begin(a, aad, aad_len);
+  if (rc == 0) rc = chorus__aead_update(a, in, out, len);
+  if (rc == 0) rc = chorus__aead_open_end(a, tag);
+  return rc;
 }

@@ -68,6 +68,16 @@ typedef struct chorus__aead chorus__aead_t;
 /* key: 32 bytes; encrypt: 1 to seal, 0 to open.  NULL when out of memory. */
 chorus__aead_t *chorus__aead_new(const uint8_t key[32], uint32_t label, int encrypt);
 void chorus__aead_free(chorus__aead_t *a);
+/* A record in pieces: begin (with the associated data), update as often as
+ * needed (in place allowed), then seal_end writes the tag, or open_end
+ * checks it (-EBADMSG when the record was altered, reordered or not made
+ * with this key; the plaintext already written must then be discarded).
+ * Each record uses the next counter value. */
+int chorus__aead_begin(chorus__aead_t *a, const void *aad, size_t aad_len);
+int chorus__aead_update(chorus__aead_t *a, const void *in, void *out, size_t len);
+int chorus__aead_seal_end(chorus__aead_t *a, uint8_t tag[CHORUS__AEAD_TAG_LEN]);
+int chorus__aead_open_end(chorus__aead_t *a, const uint8_t tag[CHORUS__AEAD_TAG_LEN]);
+
 /* Seals len bytes of in (in place allowed) with aad into out and tag.
  * Returns 0 or -EIO. */
 int chorus__aead_seal(chorus__aead_t *a, const void *aad, size_t aad_len, const void *in,
