@@ -44,6 +44,7 @@
 #include "util/crypto.h"
 #include "util/log.h"
 #include "util/net.h"
+#include "util/secret.h"
 
 #define SECRET "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0"
 #define MAXR 4
@@ -115,6 +116,9 @@ static int start_store(void) {
 /* ------------------------------------------------------------- the ranks */
 
 static int g_wfd;
+/* For no_secret: ranks serve their own store at g_own_port with no secret
+ * configured, and linger after reporting so the driver can probe it. */
+static int g_own_port, g_linger_ms;
 
 /* What a rank does: join after delay_ms, all_reduce 1.0, report
  * "<status> <init ms> <sum> <message>". */
@@ -131,6 +135,11 @@ static void rank_main(int rank, int n, int delay_ms) {
   cfg.timeout_ms = (int)(20000 * g_slack);
   cfg.store_prefix = prefix;
   cfg.job_secret = SECRET;
+  if (g_own_port) {
+    cfg.store_port = g_own_port;
+    cfg.host_store = rank == 0;
+    cfg.job_secret = NULL;
+  }
   double t0 = now_ms();
   chorus_comm_t comm = NULL;
   chorus_result_t st = chorus_comm_init(&cfg, &comm);
@@ -144,6 +153,7 @@ static void rank_main(int rank, int n, int delay_ms) {
   for (char *p = line; p < line + len - 1; p++)
     if (*p == '\n') *p = ' ';
   (void)!write(g_wfd, line, (size_t)len < sizeof line ? (size_t)len : sizeof line);
+  if (g_linger_ms) sleep_ms(g_linger_ms);
   if (comm) chorus_comm_destroy(comm);
 }
 
@@ -707,6 +717,55 @@ TEST(peer_budget) {
   chorus__tp_destroy(t.tp, chorus__deadline_ms(2000));
 }
 
+/* Finding 1, "no secret means a public key": a world started the torchrun
+ * way (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, no chorusrun, no secret)
+ * works, and the store its rank 0 serves refuses the old public key and a
+ * client without a secret.  Before: such a world used the fixed key, and
+ * anyone could read and write its store. */
+TEST(no_secret_one_host) {
+  int pfd = chorus__net_listen("127.0.0.1", 0, 1, &g_own_port);
+  ASSERT_TRUE(pfd >= 0);
+  close(pfd);
+  g_linger_ms = (int)(3000 * g_slack);
+  spawn(2, NULL);
+  rep_t reps[2] = {0};
+  int got = collect(reps, 30000);
+  int port = g_own_port;
+  g_own_port = 0;
+  g_linger_ms = 0;
+  ASSERT_EQ(got, 2);
+  for (int r = 0; r < 2; r++) {
+    if (reps[r].status != CHORUS_OK) printf("  rank %d: %s\n", r, reps[r].msg);
+    ASSERT_EQ(reps[r].status, CHORUS_OK);
+    ASSERT_TRUE(reps[r].sum == 2.0);
+  }
+  /* The agreement file is gone once the world formed. */
+  char dir[4096], why[300], path[4200];
+  ASSERT_EQ(chorus__runtime_dir(dir, sizeof dir, why, sizeof why), 0);
+  snprintf(path, sizeof path, "%s/store-%d.key", dir, port);
+  ASSERT_TRUE(access(path, F_OK) != 0);
+  /* A client without a secret is refused before it connects. */
+  chorus_store_t *c = NULL;
+  ASSERT_EQ(chorus_store_connect("127.0.0.1", port, NULL, 2000, &c), CHORUS_ERR_INVALID_ARG);
+  /* The old public key is refused by the store. */
+  int fd = raw_connect("127.0.0.1", port);
+  ASSERT_TRUE(fd >= 0);
+  int64_t dl = chorus__deadline_ms(5000);
+  uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], ans[4 + CHORUS__STORE_AUTH_LEN], verdict[5];
+  ASSERT_EQ(chorus__net_read_full(fd, hello, sizeof hello, dl), 0);
+  chorus__key_t open_key;
+  ASSERT_EQ(chorus__job_key(NULL, "", &open_key), 0);
+  chorus__le32_put(ans, CHORUS__STORE_AUTH_LEN);
+  memcpy(ans + 4, CHORUS__STORE_MAGIC, 4);
+  chorus__le32_put(ans + 8, CHORUS__STORE_VERSION);
+  memset(ans + 12, 1, CHORUS__STORE_NONCE_LEN);
+  chorus__store_mac(&open_key, 0, hello + 12, ans + 12, ans + 12 + CHORUS__STORE_NONCE_LEN);
+  ASSERT_EQ(chorus__net_write_full(fd, ans, sizeof ans, dl), 0);
+  ASSERT_EQ(chorus__net_read_full(fd, verdict, sizeof verdict, dl), 0);
+  close(fd);
+  ASSERT_EQ(verdict[4], CHORUS__STORE_HS_DENIED);
+}
+
 /* CHORUS_ENCRYPT=1 against a man in the middle: a proxy between rank 1 and
  * rank 0 (the test points rank 1 at it through the store) relays the
  * handshake and then flips one bit of rank 1's records.  Rank 0 must fail
@@ -818,6 +877,7 @@ int main(int argc, char **argv) {
   CASE(store);
   CASE(acceptor);
   CASE(world_with_impostors);
+  CASE(no_secret_one_host);
   CASE(silent_strangers);
   CASE(store_binds_master_addr);
   CASE(shm_squatter);
