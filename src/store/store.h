@@ -26,6 +26,13 @@
  * server logs the peer's address:port) without disturbing other clients.
  * Before the handshake completes no frame may exceed the client's 72-byte
  * answer, and a connection that has not answered within 5 s is closed.
+ * After it, the server bounds what each client may hold (store_server.c,
+ * "Limits"): a connection idle for CHORUS_STORE_IDLE_TIMEOUT_MS is closed
+ * (the client resends its next request on a fresh one), as is one that
+ * stops halfway through a frame for CHORUS_STORE_FRAME_TIMEOUT_MS; a request
+ * that would pass CHORUS_STORE_DATA_MAX or CHORUS_STORE_KEYS_MAX, or is
+ * larger than CHORUS_STORE_BUFFER_MAX, is answered with status 2 and a
+ * reason naming the variable ("store full: CHORUS_STORE_DATA_MAX=...").
  */
 #ifndef CHORUS_STORE_STORE_H
 #define CHORUS_STORE_STORE_H

@@ -15,7 +15,11 @@
  * and authenticates again, transparently; a late reply can never be taken for
  * the answer to another request.  The reconnection retries a refused server
  * for at most RECONNECT_WINDOW_MS: the store was up before, so a refusal now
- * most likely means it is gone, and the caller should hear so quickly.
+ * most likely means it is gone, and the caller should hear so quickly.  The
+ * store closes connections left idle (CHORUS_STORE_IDLE_TIMEOUT_MS) but
+ * never one with a request in flight, so a request that finds its kept
+ * connection closed before any answer arrives is sent once more on a fresh
+ * one (call()); the caller does not notice.
  *
  * Errors.  Every message starts with "store host:port: " and names the call
  * and its keys, e.g. "store 127.0.0.1:29500: get('rank/3') timed out after
@@ -306,15 +310,29 @@ static chorus_result_t call(chorus_store_t *c, const char *what, chorus__sbuf_t 
     return CHORUS_ERR_INVALID_ARG;
   }
   int64_t deadline = chorus__deadline_ms(timeout_ms);
-  if (c->fd < 0) {
-    int64_t connect_deadline = chorus__deadline_ms(RECONNECT_WINDOW_MS);
-    if (connect_deadline > deadline) connect_deadline = deadline;
-    chorus_result_t res = open_conn(c, c->err, connect_deadline, deadline, timeout_ms, what);
-    if (res != CHORUS_OK) return res;
-  }
   uint8_t hdr[4];
-  int rc = chorus__net_write_full(c->fd, req->data, req->len, deadline);
-  if (rc == 0) rc = chorus__net_read_full(c->fd, hdr, sizeof hdr, deadline);
+  int rc;
+  for (int reused = c->fd >= 0;; reused = 0) {
+    if (c->fd < 0) {
+      int64_t connect_deadline = chorus__deadline_ms(RECONNECT_WINDOW_MS);
+      if (connect_deadline > deadline) connect_deadline = deadline;
+      chorus_result_t res = open_conn(c, c->err, connect_deadline, deadline, timeout_ms, what);
+      if (res != CHORUS_OK) return res;
+    }
+    rc = chorus__net_write_full(c->fd, req->data, req->len, deadline);
+    if (rc == 0) rc = chorus__net_read_full(c->fd, hdr, sizeof hdr, deadline);
+    /* The store closes a connection that sat idle (CHORUS_STORE_IDLE_TIMEOUT_MS),
+     * and only one with no request in flight: a request that found a kept
+     * connection closed before any answer was never run, so it goes once
+     * more on a fresh connection. */
+    if (reused && (rc == -ECONNRESET || rc == -EPIPE)) {
+      CHORUS_DEBUG(CHORUS__SUB_STORE, "store %s: %s: the store closed the connection; resending",
+                   c->addr, what);
+      disconnect(c);
+      continue;
+    }
+    break;
+  }
   if (rc < 0) return io_failed(c, what, rc, deadline, timeout_ms);
   uint32_t len = chorus__le32_get(hdr);
   if (len == 0 || len > CHORUS__STORE_MAX_FRAME) return bad_response(c, what);

@@ -26,7 +26,8 @@
  * few reads, a few dozen requests); one with complete requests left goes on
  * the "again" list and the next epoll_wait does not sleep.  Every way a turn
  * can end leaves something that brings the connection back (a key being set,
- * EPOLLIN, EPOLLOUT or the again list), so no buffered request is stranded.
+ * EPOLLIN, EPOLLOUT, the again list, or input budget coming free), so no
+ * buffered request is stranded.
  * Closed connections are unlinked at once but freed only at the end of the
  * loop iteration, so an event of the same batch never touches freed memory.
  *
@@ -34,21 +35,56 @@
  * answer with its own nonce and HMAC-SHA256(job key, both nonces) within the
  * handshake timeout (5 s by default; the server then proves the key back,
  * store.h); until then its frames may not exceed the answer's 72 bytes, so a
- * stranger can make the server hold at most a few dozen bytes.  Every length
- * in a request is checked against the frame and the limits in store.h and
- * store_proto.h, and the body must be consumed exactly.  Anything malformed
- * closes that one connection with a WARN naming the peer's address:port.  At
- * most CHORUS__STORE_MAX_CONNS connections are kept; further ones are accepted
- * and closed at once so the listening socket never stalls the loop.  A client
- * that stops reading its responses is not read from either once its output
- * buffer passes OUT_HIGH_WATER.  Allocation failures close the connection
- * concerned, never the server.
+ * stranger can make the server hold at most a few dozen bytes.  At most
+ * HANDSHAKING_MAX connections handshake at once: a new one pushes out the
+ * oldest, like a short queue, so a flood of silent strangers delays a real
+ * client by one queue's worth at most.  Every length in a request is checked
+ * against the frame and the limits in store.h and store_proto.h, and the body
+ * must be consumed exactly.  Anything malformed closes that one connection
+ * with a WARN naming the peer's address:port.  Allocation failures close the
+ * connection concerned, never the server.
+ *
+ * Limits.  Every resource a connection can hold is bounded, by the CHORUS_
+ * variables of util/env.def (read once, when the server starts); each limit,
+ * when hit, is logged with its variable's name, rate-limited where a client
+ * can hit it again and again.
+ *   Descriptors: at most CHORUS__STORE_MAX_CONNS connections, at most
+ *   CHORUS_STORE_CONNS_PER_ADDR of them from one IP address, and none that
+ *   would bring the process within CHORUS_STORE_FD_RESERVE descriptors of
+ *   RLIMIT_NOFILE, so that its own sockets still open.  Refused connections
+ *   are accepted and closed at once so the listening socket never stalls the
+ *   loop; when accept() itself fails (EMFILE) listening pauses briefly
+ *   instead of spinning.
+ *   Time: an authenticated connection with nothing in flight (no parked
+ *   request, no unsent response, no partial frame) that has been silent for
+ *   CHORUS_STORE_IDLE_TIMEOUT_MS is closed (INFO: clients reconnect and resend
+ *   transparently, store_client.c).  One that sent part of a frame, or leaves
+ *   its responses unread, and nothing more for CHORUS_STORE_FRAME_TIMEOUT_MS
+ *   is closed (WARN).  Parked requests are not timed: the client's deadline
+ *   is.  One sweep over the connections runs at the earliest deadline.
+ *   Input memory: a frame larger than IN_CHUNK first reserves its announced
+ *   length from CHORUS_STORE_BUFFER_MAX (shared by all connections); its
+ *   buffer then grows only as bytes arrive and never past the frame's end, so
+ *   a connection buffers one frame at most.  When the reservation does not
+ *   fit, the connection is paused (not read: TCP's flow control holds the
+ *   sender back) rather than failed, and paused connections are resumed in
+ *   FIFO order whenever reservations are released (see buffer_resume).  A
+ *   frame larger than the whole budget could never fit: its body is read and
+ *   discarded and the request answered with an error naming the variable.
+ *   Stored data: CHORUS_STORE_DATA_MAX bytes of keys and values and
+ *   CHORUS_STORE_KEYS_MAX entries (placeholders of awaited keys included);
+ *   a request that would pass one is answered with an error naming it, and
+ *   the connection stays.
+ *   Output: a client that stops reading its responses is not read from
+ *   either once its output buffer passes OUT_HIGH_WATER (and is closed after
+ *   CHORUS_STORE_FRAME_TIMEOUT_MS without progress).
  */
 #include "store.h"
 #include "store_proto.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -59,9 +95,11 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "util/env.h"
 #include "util/net.h"
 #include "util/secret.h"
 #include "util/util.h"
@@ -70,9 +108,11 @@
 #define HANDSHAKE_MS_DEFAULT 5000
 /* Stop processing a client's requests while more than this is unsent. */
 #define OUT_HIGH_WATER ((size_t)256 << 10)
-/* Buffers larger than this are released once empty. */
+/* Output buffers larger than this are released once empty (input buffers
+ * larger than IN_CHUNK always are: they hold a share of the input budget). */
 #define BUF_KEEP ((size_t)64 << 10)
-/* Initial input buffer of an authenticated connection. */
+/* Initial input buffer of an authenticated connection; frames up to this
+ * size need no share of CHORUS_STORE_BUFFER_MAX. */
 #define IN_CHUNK ((size_t)4096)
 /* recv() calls and requests per connection per turn before others get one. */
 #define READS_PER_TURN 16
@@ -80,6 +120,18 @@
 #define INITIAL_BUCKETS 64
 #define LISTEN_BACKLOG 1024
 #define ACCEPT_PAUSE_MS 100
+/* Connections that may be handshaking at once; a new one drops the oldest. */
+#define HANDSHAKING_MAX 256
+/* Buckets of the per-address connection counts (at most MAX_CONNS entries). */
+#define ADDR_BUCKETS 1024
+/* Sweeps for timed-out connections run at most this often. */
+#define SWEEP_MIN_NS ((int64_t)10 * 1000000)
+/* The defaults of util/env.def, for values <= 0 where 0 cannot mean "off". */
+#define FRAME_TIMEOUT_MS_DEFAULT 30000
+#define BUFFER_MAX_DEFAULT ((size_t)256 << 20)
+#define DATA_MAX_DEFAULT ((size_t)1 << 30)
+#define KEYS_MAX_DEFAULT ((size_t)1000000)
+#define CONNS_PER_ADDR_DEFAULT 1024
 
 /* ------------------------------------------------------- intrusive lists */
 
@@ -144,6 +196,14 @@ enum {
   CONN_DEAD,    /* closed; freed at the end of the loop iteration */
 };
 
+/* Connections from one IP address (CHORUS_STORE_CONNS_PER_ADDR). */
+typedef struct addr_count {
+  struct addr_count *next; /* hash chain */
+  uint64_t hash;
+  long n;
+  char host[64];
+} addr_count_t;
+
 typedef struct conn {
   int fd;
   int state;
@@ -152,6 +212,7 @@ typedef struct conn {
   link_t all_link;     /* server's conns list, or its dead list once closed */
   link_t timer_link;   /* server's handshaking list while HELLO or CLOSING */
   link_t wait_link;    /* an entry's waiters, or the ready or again list */
+  link_t pause_link;   /* server's paused list while waiting for input budget */
   entry_t *waiting_on; /* entry whose waiters hold wait_link, or NULL */
   int ready;           /* wait_link is on the ready or again list */
   int eof;             /* the peer closed its side */
@@ -160,10 +221,24 @@ typedef struct conn {
   uint8_t nonce[CHORUS__STORE_NONCE_LEN];
   uint8_t *in; /* received bytes; frames start at in_off */
   size_t in_off, in_len, in_cap;
+  size_t reserved;    /* bytes of CHORUS_STORE_BUFFER_MAX held for the frame */
+  size_t want;        /* while paused: the frame's size, to reserve on resuming */
+  size_t skip;        /* body bytes of an over-budget frame still to discard */
+  int64_t active_ns;  /* last byte received or sent (or resumption) */
+  addr_count_t *addr; /* this connection's count of its address */
   chorus__sbuf_t out; /* responses; bytes before out_off are sent */
   size_t out_off;
   char peer[80]; /* "address:port" for logs */
 } conn_t;
+
+/* The CHORUS_STORE_* limits (util/env.def). */
+typedef struct limits {
+  int64_t idle_ns;  /* 0: never */
+  int64_t frame_ns; /* > 0 */
+  size_t buffer_max, data_max, keys_max;
+  long conns_per_addr; /* > 0 */
+  long fd_reserve;     /* >= 0 */
+} limits_t;
 
 struct chorus_store_server {
   pthread_t thread;
@@ -175,15 +250,21 @@ struct chorus_store_server {
   entry_t **buckets;
   size_t nbuckets, nentries;
   int64_t npresent;
+  size_t data_bytes; /* keys and values of present entries */
   link_t conns, handshaking, dead;
-  link_t ready; /* connections to run after the current batch of events */
-  link_t again; /* connections that used up their turn with work left */
-  size_t nconns;
+  link_t ready;  /* connections to run after the current batch of events */
+  link_t again;  /* connections that used up their turn with work left */
+  link_t paused; /* connections waiting for input budget, oldest first */
+  size_t nconns, nhandshaking;
+  size_t buffered; /* reserved input bytes, at most lim.buffer_max */
+  limits_t lim;
+  int64_t next_sweep; /* earliest idle/frame deadline, or CHORUS__NO_DEADLINE */
+  addr_count_t *addrs[ADDR_BUCKETS];
   atomic_int handshake_ms;
   int listen_paused;
   int64_t listen_resume_at;
-  int64_t last_refusal_warn;
-  chorus__ratelimit_t reject_log; /* rejected handshakes */
+  chorus__ratelimit_t reject_log; /* strangers: handshakes, refused connections */
+  chorus__ratelimit_t limit_log;  /* limits hit by authenticated clients */
   int stopping;
 };
 
@@ -255,7 +336,10 @@ static void table_remove(chorus_store_server_t *srv, entry_t *e) {
       break;
     }
   }
-  if (e->present) srv->npresent--;
+  if (e->present) {
+    srv->npresent--;
+    srv->data_bytes -= e->klen + e->vlen;
+  }
   srv->nentries--;
   free(e->val);
   free(e);
@@ -272,6 +356,8 @@ static int entry_store(chorus_store_server_t *srv, entry_t *e, const void *val, 
   uint8_t *copy = malloc(vlen ? vlen : 1);
   if (!copy) return -1;
   if (vlen) memcpy(copy, val, vlen);
+  if (e->present) srv->data_bytes -= e->klen + e->vlen;
+  srv->data_bytes += e->klen + vlen;
   free(e->val);
   e->val = copy;
   e->vlen = vlen;
@@ -324,7 +410,117 @@ static int parse_i64(const uint8_t *p, size_t n, int64_t *out) {
   return 0;
 }
 
+/* ----------------------------------------------------- per-address counts */
+
+/* The count of host, added at 0 if needed; NULL when memory is short. */
+static addr_count_t *addr_get(chorus_store_server_t *srv, const char *host) {
+  size_t len = strlen(host);
+  uint64_t h = chorus__siphash(srv->hash_key, host, len);
+  addr_count_t **slot = &srv->addrs[h % ADDR_BUCKETS];
+  for (addr_count_t *a = *slot; a; a = a->next)
+    if (a->hash == h && !strcmp(a->host, host)) return a;
+  addr_count_t *a = calloc(1, sizeof *a);
+  if (!a) return NULL;
+  a->hash = h;
+  snprintf(a->host, sizeof a->host, "%s", host);
+  a->next = *slot;
+  *slot = a;
+  return a;
+}
+
+/* Forgets a count that has dropped to zero. */
+static void addr_maybe_drop(chorus_store_server_t *srv, addr_count_t *a) {
+  if (a->n > 0) return;
+  for (addr_count_t **p = &srv->addrs[a->hash % ADDR_BUCKETS]; *p; p = &(*p)->next) {
+    if (*p == a) {
+      *p = a->next;
+      break;
+    }
+  }
+  free(a);
+}
+
+static void addrs_free(chorus_store_server_t *srv) {
+  for (size_t i = 0; i < ADDR_BUCKETS; i++) {
+    while (srv->addrs[i]) {
+      addr_count_t *a = srv->addrs[i];
+      srv->addrs[i] = a->next;
+      free(a);
+    }
+  }
+}
+
+/* ------------------------------------------------------------ input budget
+ *
+ * A frame larger than IN_CHUNK reserves its whole announced size before its
+ * body is read past the first chunk, and keeps the reservation until it has
+ * been handled (or the connection closes).  A connection whose reservation
+ * does not fit holds none and is paused.  So paused connections never hold
+ * budget that others wait for, and every reservation comes back: its frame
+ * either arrives and is handled, or the connection goes silent and the frame
+ * timeout closes it; a parked request keeps its frame until its key is set or
+ * its client gives up.  Smaller frames need no reservation: the IN_CHUNK
+ * every authenticated connection may keep is bounded by the connection
+ * limits instead. */
+
+static int conn_paused(const conn_t *c) {
+  return c->pause_link.next != &c->pause_link;
+}
+
+/* Resumes paused connections in FIFO order while the oldest one's frame
+ * fits, reserving for it at once so that newcomers cannot take the freed
+ * budget first.  FIFO rather than smallest-first: a large frame is never
+ * passed over forever by a stream of smaller ones. */
+static void buffer_resume(chorus_store_server_t *srv) {
+  while (!list_empty(&srv->paused)) {
+    conn_t *c = CONTAINER_OF(srv->paused.next, conn_t, pause_link);
+    if (c->want - c->reserved > srv->lim.buffer_max - srv->buffered) return;
+    list_remove(&c->pause_link);
+    srv->buffered += c->want - c->reserved;
+    c->reserved = c->want;
+    c->active_ns = chorus__now_ns(); /* its silence was ours: restart its clock */
+    CHORUS_DEBUG(CHORUS__SUB_STORE, "%s: resuming %s (a %zu-byte request)", srv->name, c->peer,
+                 c->want);
+    if (!c->ready) {
+      c->ready = 1;
+      list_push_back(&srv->ready, &c->wait_link);
+    }
+  }
+}
+
+/* Returns the connection's reservation (its frame is done or it closed). */
+static void buffer_release(chorus_store_server_t *srv, conn_t *c) {
+  if (!c->reserved) return;
+  srv->buffered -= c->reserved;
+  c->reserved = 0;
+  buffer_resume(srv);
+}
+
+/* Reserves frame bytes for the frame being received.  Returns 1 when they
+ * are reserved, 0 when the connection was paused instead. */
+static int buffer_admit(chorus_store_server_t *srv, conn_t *c, size_t frame) {
+  if (c->reserved >= frame) return 1;
+  if (list_empty(&srv->paused) && frame - c->reserved <= srv->lim.buffer_max - srv->buffered) {
+    srv->buffered += frame - c->reserved;
+    c->reserved = frame;
+    return 1;
+  }
+  c->want = frame;
+  list_push_back(&srv->paused, &c->pause_link);
+  chorus__log_limited(&srv->limit_log, CHORUS__SUB_STORE,
+                      "%s: CHORUS_STORE_BUFFER_MAX=%zu bytes reached (%zu reserved for partly "
+                      "received requests); not reading %s's %zu-byte request until some are done",
+                      srv->name, srv->lim.buffer_max, srv->buffered, c->peer, frame);
+  return 0;
+}
+
 /* ----------------------------------------------------------- connections */
+
+static void handshaking_remove(chorus_store_server_t *srv, conn_t *c) {
+  if (c->timer_link.next == &c->timer_link) return;
+  list_remove(&c->timer_link);
+  srv->nhandshaking--;
+}
 
 /* Closes a connection and unlinks it from everything but the dead list, where
  * it stays until the end of the loop iteration so that events of the current
@@ -335,8 +531,14 @@ static void conn_close(chorus_store_server_t *srv, conn_t *c) {
   close(c->fd);
   c->fd = -1;
   c->state = CONN_DEAD;
-  list_remove(&c->timer_link);
+  handshaking_remove(srv, c);
   list_remove(&c->wait_link);
+  list_remove(&c->pause_link);
+  if (c->addr) {
+    c->addr->n--;
+    addr_maybe_drop(srv, c->addr);
+    c->addr = NULL;
+  }
   c->ready = 0;
   if (c->waiting_on) {
     entry_t *e = c->waiting_on;
@@ -346,6 +548,7 @@ static void conn_close(chorus_store_server_t *srv, conn_t *c) {
   list_remove(&c->all_link);
   list_push_back(&srv->dead, &c->all_link);
   srv->nconns--;
+  buffer_release(srv, c); /* last: it may resume paused connections */
 }
 
 static void conn_free(conn_t *c) {
@@ -382,7 +585,8 @@ static void conn_drop(chorus_store_server_t *srv, conn_t *c, int level, const ch
  * that went away. */
 static void conn_lost(chorus_store_server_t *srv, conn_t *c, int err) {
   size_t avail = c->in_len - c->in_off;
-  int partial = avail > 0 && (avail < 4 || avail - 4 < chorus__le32_get(c->in + c->in_off));
+  int partial =
+      c->skip || (avail > 0 && (avail < 4 || avail - 4 < chorus__le32_get(c->in + c->in_off)));
   int midway = c->state == CONN_HELLO || partial;
   conn_drop(srv, c, midway ? CHORUS__LOG_WARN : CHORUS__LOG_DEBUG, "%s: %s",
             c->state == CONN_HELLO ? "connection lost during the handshake"
@@ -398,13 +602,38 @@ static size_t conn_unsent(const conn_t *c) {
 /* Whether the connection should be read from now. */
 static int conn_can_read(const conn_t *c) {
   return (c->state == CONN_HELLO || c->state == CONN_READY) && !c->waiting_on &&
-         conn_unsent(c) <= OUT_HIGH_WATER;
+         !conn_paused(c) && conn_unsent(c) <= OUT_HIGH_WATER;
+}
+
+/* What an authenticated connection is timed for now. */
+enum { TIMER_NONE, TIMER_IDLE, TIMER_PARTIAL, TIMER_UNREAD };
+
+/* Returns the connection's timer and sets *deadline to when it fires.
+ * Parked and paused connections are not timed: they wait on others. */
+static int conn_timer(const chorus_store_server_t *srv, const conn_t *c, int64_t *deadline) {
+  if (c->state != CONN_READY || c->waiting_on || conn_paused(c)) return TIMER_NONE;
+  int timer = conn_unsent(c)                         ? TIMER_UNREAD
+              : c->skip || c->in_len > c->in_off ? TIMER_PARTIAL
+              : srv->lim.idle_ns                 ? TIMER_IDLE
+                                                 : TIMER_NONE;
+  if (timer != TIMER_NONE)
+    *deadline = c->active_ns + (timer == TIMER_IDLE ? srv->lim.idle_ns : srv->lim.frame_ns);
+  return timer;
+}
+
+/* Brings the next sweep forward to the connection's deadline; called at the
+ * end of every turn, which is where a connection's timer can change. */
+static void conn_arm(chorus_store_server_t *srv, const conn_t *c) {
+  int64_t deadline;
+  if (conn_timer(srv, c, &deadline) != TIMER_NONE && deadline < srv->next_sweep)
+    srv->next_sweep = deadline;
 }
 
 /* Registers the epoll interest the connection needs now.  Returns 0, or -1
  * when the connection was closed. */
 static int conn_update_events(chorus_store_server_t *srv, conn_t *c) {
   if (c->state == CONN_DEAD) return -1;
+  conn_arm(srv, c);
   /* EPOLLRDHUP also while not reading: it tells a blocked waiter's client
    * went away. */
   uint32_t ev = EPOLLRDHUP;
@@ -428,6 +657,7 @@ static int conn_flush(chorus_store_server_t *srv, conn_t *c) {
     ssize_t n = send(c->fd, c->out.data + c->out_off, conn_unsent(c), MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       c->out_off += (size_t)n;
+      c->active_ns = chorus__now_ns();
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -490,6 +720,39 @@ static int reply_bad_request(chorus_store_server_t *srv, conn_t *c, const char *
   return reply_end(srv, c, at);
 }
 
+/* A request that would pass a limit: answered with the reason, which names
+ * the limit's variable; logged, rate-limited (a client may keep trying). */
+static int reply_limit(chorus_store_server_t *srv, conn_t *c, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int reply_limit(chorus_store_server_t *srv, conn_t *c, const char *fmt, ...) {
+  char why[CHORUS__STORE_MAX_REASON];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  chorus__log_limited(&srv->limit_log, CHORUS__SUB_STORE, "%s: refusing a request from %s: %s",
+                      srv->name, c->peer, why);
+  return reply_bad_request(srv, c, "%s", why);
+}
+
+/* Checks that storing vlen bytes under a key of klen bytes whose entry is e
+ * (NULL: a new key) keeps the store within CHORUS_STORE_KEYS_MAX and
+ * CHORUS_STORE_DATA_MAX.  Returns -1 when it does; otherwise answers the
+ * request with the limit and returns RQ_DONE or RQ_CLOSED. */
+static int refuse_if_full(chorus_store_server_t *srv, conn_t *c, const entry_t *e, size_t klen,
+                          size_t vlen) {
+  if (!e && srv->nentries >= srv->lim.keys_max)
+    return reply_limit(srv, c, "store full: CHORUS_STORE_KEYS_MAX=%zu keys", srv->lim.keys_max);
+  size_t old = e && e->present ? klen + e->vlen : 0, add = klen + vlen;
+  if (add > old && add - old > srv->lim.data_max - CHORUS__MIN(srv->data_bytes, srv->lim.data_max))
+    return reply_limit(srv, c,
+                       "store full: CHORUS_STORE_DATA_MAX=%zu bytes (%zu stored; this needs %zu "
+                       "more)",
+                       srv->lim.data_max, srv->data_bytes, add - old);
+  return -1;
+}
+
 static int reply_value(chorus_store_server_t *srv, conn_t *c, const void *val, size_t len) {
   size_t at = reply_begin(c, CHORUS__STORE_ST_OK);
   chorus__sbuf_str(&c->out, val, len);
@@ -521,9 +784,16 @@ static int out_of_memory(chorus_store_server_t *srv, conn_t *c) {
   return RQ_CLOSED;
 }
 
-/* Parks the connection's head request until key exists. */
+/* Parks the connection's head request until key exists.  The placeholder
+ * entry that holds the waiters counts toward CHORUS_STORE_KEYS_MAX. */
 static int wait_on(chorus_store_server_t *srv, conn_t *c, const uint8_t *key, size_t klen) {
-  entry_t *e = table_find_or_add(srv, key, klen);
+  entry_t *e = table_find(srv, key, klen);
+  if (!e && srv->nentries >= srv->lim.keys_max) {
+    c->resume_idx = 0; /* the WAIT is answered: the next frame starts fresh */
+    c->resume_off = 0;
+    return reply_limit(srv, c, "store full: CHORUS_STORE_KEYS_MAX=%zu keys", srv->lim.keys_max);
+  }
+  if (!e) e = table_find_or_add(srv, key, klen);
   if (!e) return out_of_memory(srv, c);
   c->waiting_on = e;
   list_push_back(&e->waiters, &c->wait_link);
@@ -570,7 +840,7 @@ static int conn_handshake(chorus_store_server_t *srv, conn_t *c, const uint8_t *
   if (c->out.oom) return out_of_memory(srv, c);
   if (verdict == CHORUS__STORE_HS_OK) {
     c->state = CONN_READY;
-    list_remove(&c->timer_link);
+    handshaking_remove(srv, c);
     CHORUS_DEBUG(CHORUS__SUB_STORE, "%s: %s authenticated", srv->name, c->peer);
   } else {
     c->state = CONN_CLOSING; /* keeps its handshake deadline */
@@ -626,7 +896,10 @@ static int conn_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *bo
       chorus__srd_str(&r, CHORUS__STORE_MAX_KEY, &key, &klen);
       chorus__srd_str(&r, CHORUS__STORE_MAX_FRAME, &val, &vlen);
       if (r.bad || r.left) return malformed(srv, c, cmd);
-      entry_t *e = table_find_or_add(srv, key, klen);
+      entry_t *e = table_find(srv, key, klen);
+      int full = refuse_if_full(srv, c, e, klen, vlen);
+      if (full >= 0) return full;
+      if (!e) e = table_find_or_add(srv, key, klen);
       if (!e) return out_of_memory(srv, c);
       if (entry_store(srv, e, val, vlen) < 0) {
         entry_maybe_drop(srv, e);
@@ -655,6 +928,8 @@ static int conn_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *bo
                                  cur);
       char text[32];
       int tlen = snprintf(text, sizeof text, "%" PRId64, sum);
+      int full = refuse_if_full(srv, c, e, klen, (size_t)tlen);
+      if (full >= 0) return full;
       if (!e) e = table_find_or_add(srv, key, klen);
       if (!e) return out_of_memory(srv, c);
       if (entry_store(srv, e, text, (size_t)tlen) < 0) {
@@ -676,6 +951,8 @@ static int conn_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *bo
       } else if (e->vlen != vlen || (vlen && memcmp(e->val, val, vlen) != 0)) {
         return reply_value(srv, c, e->val, e->vlen);
       }
+      int full = refuse_if_full(srv, c, e, klen, vlen2);
+      if (full >= 0) return full;
       if (!e) e = table_find_or_add(srv, key, klen);
       if (!e) return out_of_memory(srv, c);
       if (entry_store(srv, e, val2, vlen2) < 0) {
@@ -703,6 +980,7 @@ static int conn_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *bo
       entry_t *e = table_find(srv, key, klen);
       int existed = e && e->present;
       if (existed) {
+        srv->data_bytes -= e->klen + e->vlen;
         free(e->val);
         e->val = NULL;
         e->vlen = 0;
@@ -722,6 +1000,34 @@ static int conn_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *bo
   }
 }
 
+/* Drops the frame just handled (n bytes) from the input buffer.  A buffer
+ * larger than IN_CHUNK held that frame alone (conn_read stops at its end): it
+ * is freed and its reservation returned, which may resume paused
+ * connections. */
+static void conn_consume(chorus_store_server_t *srv, conn_t *c, size_t n) {
+  c->in_off += n;
+  if (c->in_off < c->in_len) return;
+  c->in_off = c->in_len = 0;
+  if (c->in_cap > IN_CHUNK) {
+    free(c->in);
+    c->in = NULL;
+    c->in_cap = 0;
+  }
+  buffer_release(srv, c);
+}
+
+/* A frame larger than the whole of CHORUS_STORE_BUFFER_MAX could never be
+ * admitted: its request is answered with the limit now and its body, of
+ * which at most the first chunk is buffered, is read and thrown away. */
+static int conn_refuse_frame(chorus_store_server_t *srv, conn_t *c, uint32_t len) {
+  size_t avail = c->in_len - c->in_off;
+  c->skip = 4 + (size_t)len - avail;
+  c->in_off = c->in_len = 0;
+  return reply_limit(srv, c,
+                     "request of %" PRIu32 " bytes exceeds CHORUS_STORE_BUFFER_MAX=%zu bytes", len,
+                     srv->lim.buffer_max);
+}
+
 /* Handles the complete frames at the head of the input buffer, in order, at
  * most *budget of them.  Returns PF_NEED_MORE (the next frame is incomplete),
  * PF_STALLED (parked on a key, too much unsent output, or closing),
@@ -731,7 +1037,7 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c, int *budget) {
   for (;;) {
     if (!conn_can_read(c)) return PF_STALLED;
     size_t avail = c->in_len - c->in_off;
-    if (avail < 4) return PF_NEED_MORE;
+    if (c->skip || avail < 4) return PF_NEED_MORE;
     uint32_t len = chorus__le32_get(c->in + c->in_off);
     uint32_t limit = c->state == CONN_HELLO ? CHORUS__STORE_AUTH_LEN : CHORUS__STORE_MAX_FRAME;
     if (len > limit) {
@@ -744,7 +1050,15 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c, int *budget) {
       conn_drop(srv, c, CHORUS__LOG_WARN, "empty frame");
       return PF_CLOSED;
     }
-    if (avail - 4 < len) return PF_NEED_MORE;
+    if (avail - 4 < len) {
+      size_t frame = 4 + (size_t)len;
+      if (c->state != CONN_READY || frame <= IN_CHUNK || frame <= srv->lim.buffer_max)
+        return PF_NEED_MORE;
+      if (*budget == 0) return PF_BUDGET;
+      --*budget;
+      if (conn_refuse_frame(srv, c, len) == RQ_CLOSED) return PF_CLOSED;
+      continue;
+    }
     if (*budget == 0) return PF_BUDGET;
     --*budget;
     const uint8_t *body = c->in + c->in_off + 4;
@@ -752,33 +1066,55 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c, int *budget) {
                                     : conn_request(srv, c, body, len);
     if (rc == RQ_CLOSED) return PF_CLOSED;
     if (rc == RQ_WAIT) return PF_STALLED;
-    c->in_off += 4 + (size_t)len;
-    if (c->in_off == c->in_len) {
-      c->in_off = c->in_len = 0;
-      if (c->in_cap > BUF_KEEP) {
-        free(c->in);
-        c->in = NULL;
-        c->in_cap = 0;
-      }
+    conn_consume(srv, c, 4 + (size_t)len);
+  }
+}
+
+/* Reads and throws away up to the rest of a refused frame's body.  Returns
+ * like conn_read. */
+static ssize_t conn_discard(chorus_store_server_t *srv, conn_t *c) {
+  uint8_t sink[16384];
+  for (;;) {
+    ssize_t n = recv(c->fd, sink, CHORUS__MIN(c->skip, sizeof sink), 0);
+    if (n > 0) {
+      c->skip -= (size_t)n;
+      c->active_ns = chorus__now_ns();
+      return n;
     }
+    if (n == 0) {
+      c->eof = 1;
+      return 0;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    conn_lost(srv, c, errno);
+    return -1;
   }
 }
 
 /* One recv() into the input buffer, which grows toward the size of the frame
- * being received.  Returns the bytes read, 0 when none are available (or the
- * peer closed: c->eof), or -1 when the connection was closed. */
+ * being received as its bytes arrive.  A frame larger than IN_CHUNK must
+ * first reserve its size from the input budget (or the connection pauses),
+ * and is read up to its end only, so that its buffer holds it alone.  Returns
+ * the bytes read, 0 when none are available (or the peer closed: c->eof, or
+ * the connection paused), or -1 when the connection was closed. */
 static ssize_t conn_read(chorus_store_server_t *srv, conn_t *c) {
+  if (c->skip) return conn_discard(srv, c);
   if (c->in_off) {
     memmove(c->in, c->in + c->in_off, c->in_len - c->in_off);
     c->in_len -= c->in_off;
     c->in_off = 0;
   }
-  size_t target;
+  size_t target, end = SIZE_MAX;
   if (c->state == CONN_HELLO) {
     target = 4 + CHORUS__STORE_AUTH_LEN; /* nothing larger is accepted yet */
   } else {
     /* conn_process has checked the length of a complete header. */
     size_t frame = c->in_len >= 4 ? 4 + (size_t)chorus__le32_get(c->in) : 0;
+    if (frame > IN_CHUNK) {
+      if (!buffer_admit(srv, c, frame)) return 0;
+      end = frame;
+    }
     target = CHORUS__MAX(IN_CHUNK, CHORUS__MIN(frame, c->in_cap * 2));
   }
   if (c->in_cap < target) {
@@ -790,10 +1126,12 @@ static ssize_t conn_read(chorus_store_server_t *srv, conn_t *c) {
     c->in = p;
     c->in_cap = target;
   }
+  end = CHORUS__MIN(end, c->in_cap);
   for (;;) {
-    ssize_t n = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+    ssize_t n = recv(c->fd, c->in + c->in_len, end - c->in_len, 0);
     if (n > 0) {
       c->in_len += (size_t)n;
+      c->active_ns = chorus__now_ns();
       return n;
     }
     if (n == 0) {
@@ -830,7 +1168,10 @@ static void conn_service(chorus_store_server_t *srv, conn_t *c) {
     if (c->eof) {
       /* Frames that arrived before the goodbye have been handled. */
       size_t partial = c->in_len - c->in_off;
-      if (partial && rc == PF_NEED_MORE)
+      if (c->skip)
+        conn_drop(srv, c, CHORUS__LOG_WARN,
+                  "peer closed in the middle of a refused frame (%zu bytes short)", c->skip);
+      else if (partial && rc == PF_NEED_MORE)
         conn_drop(srv, c, CHORUS__LOG_WARN, "peer closed in the middle of a frame (%zu bytes)",
                   partial);
       else if (c->state == CONN_HELLO)
@@ -840,7 +1181,7 @@ static void conn_service(chorus_store_server_t *srv, conn_t *c) {
       return;
     }
     if (rc == PF_STALLED) {
-      if (c->waiting_on || c->state != CONN_READY) break;
+      if (c->waiting_on || conn_paused(c) || c->state != CONN_READY) break;
       /* Too much unsent output: send what the socket takes now and go on
        * if that was enough; otherwise EPOLLOUT resumes the connection. */
       if (conn_flush(srv, c) < 0) return;
@@ -886,30 +1227,54 @@ static void handshaking_insert(chorus_store_server_t *srv, conn_t *c) {
   list_insert_after(pos, &c->timer_link);
 }
 
+/* Frees a connection that never made it into the lists. */
+static void conn_discard_new(chorus_store_server_t *srv, conn_t *c) {
+  close(c->fd);
+  c->addr->n--;
+  addr_maybe_drop(srv, c->addr);
+  conn_free(c);
+}
+
 static void conn_accept(chorus_store_server_t *srv, int fd) {
-  conn_t *c = calloc(1, sizeof *c);
-  if (!c) {
+  char host[64], peer[80];
+  int port = 0;
+  if (chorus__net_peer_addr(fd, host, sizeof host, &port) == 0) {
+    snprintf(peer, sizeof peer, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
+  } else {
+    snprintf(host, sizeof host, "?"); /* all unknown peers share one count */
+    snprintf(peer, sizeof peer, "unknown peer (fd %d)", fd);
+  }
+  addr_count_t *a = addr_get(srv, host);
+  if (!a || a->n >= srv->lim.conns_per_addr) {
+    if (a)
+      chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE,
+                          "%s: %ld connections from %s already (CHORUS_STORE_CONNS_PER_ADDR); "
+                          "refusing %s",
+                          srv->name, a->n, host, peer);
     close(fd);
     return;
   }
+  conn_t *c = calloc(1, sizeof *c);
+  if (!c) {
+    addr_maybe_drop(srv, a);
+    close(fd);
+    return;
+  }
+  a->n++;
+  c->addr = a;
   c->fd = fd;
   c->state = CONN_HELLO;
   list_init(&c->all_link);
   list_init(&c->timer_link);
   list_init(&c->wait_link);
-  char host[64];
-  int port = 0;
-  if (chorus__net_peer_addr(fd, host, sizeof host, &port) == 0)
-    snprintf(c->peer, sizeof c->peer, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
-  else
-    snprintf(c->peer, sizeof c->peer, "unknown peer (fd %d)", fd);
+  list_init(&c->pause_link);
+  memcpy(c->peer, peer, sizeof c->peer);
   chorus__net_set_nodelay(fd);
   int rc = chorus__random_bytes(c->nonce, sizeof c->nonce);
   if (rc < 0) {
     CHORUS_WARN(CHORUS__SUB_STORE, "%s: no randomness for %s: %s", srv->name, c->peer,
                 strerror(-rc));
-    close(fd);
-    conn_free(c);
+    conn_discard_new(srv, c);
     return;
   }
   size_t at = chorus__sbuf_frame_begin(&c->out);
@@ -922,13 +1287,19 @@ static void conn_accept(chorus_store_server_t *srv, int fd) {
   if (c->out.oom || epoll_ctl(srv->epoll_fd, EPOLL_CTL_ADD, fd, &e) < 0) {
     CHORUS_WARN(CHORUS__SUB_STORE, "%s: cannot take connection from %s: %s", srv->name, c->peer,
                 c->out.oom ? "out of memory" : strerror(errno));
-    close(fd);
-    conn_free(c);
+    conn_discard_new(srv, c);
     return;
   }
+  /* A full handshake queue drops its oldest: a stranger that stays silent
+   * loses its slot to the next comer rather than keeping everyone out. */
+  if (srv->nhandshaking >= HANDSHAKING_MAX)
+    conn_drop(srv, CONTAINER_OF(srv->handshaking.next, conn_t, timer_link), CHORUS__LOG_WARN,
+              "%d connections are handshaking; dropping the oldest", HANDSHAKING_MAX);
   c->deadline = chorus__now_ns() + (int64_t)atomic_load(&srv->handshake_ms) * 1000000;
+  c->active_ns = chorus__now_ns();
   list_push_back(&srv->conns, &c->all_link);
   handshaking_insert(srv, c);
+  srv->nhandshaking++;
   srv->nconns++;
   CHORUS_DEBUG(CHORUS__SUB_STORE, "%s: connection from %s", srv->name, c->peer);
   if (conn_flush(srv, c) < 0) return;
@@ -949,7 +1320,21 @@ static void listen_resume(chorus_store_server_t *srv) {
   srv->listen_paused = 0;
 }
 
+/* The lowest descriptor number at which new connections are refused to keep
+ * CHORUS_STORE_FD_RESERVE descriptors free (INT_MAX: no limit).  Descriptors
+ * are handed out lowest first, so when accept() returns number fd, at least
+ * fd + 1 are open: refusing from RLIMIT_NOFILE - reserve on leaves the
+ * reserve to the process's own sockets. */
+static long fd_ceiling(const chorus_store_server_t *srv) {
+  struct rlimit rl;
+  if (srv->lim.fd_reserve <= 0 || getrlimit(RLIMIT_NOFILE, &rl) < 0 ||
+      rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > (rlim_t)INT_MAX)
+    return INT_MAX;
+  return (long)rl.rlim_cur - srv->lim.fd_reserve;
+}
+
 static void accept_ready(chorus_store_server_t *srv) {
+  long ceiling = fd_ceiling(srv);
   for (int i = 0; i < 64; i++) {
     int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
@@ -962,13 +1347,18 @@ static void accept_ready(chorus_store_server_t *srv) {
       listen_pause(srv);
       return;
     }
+    if (fd >= ceiling) {
+      chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE,
+                          "%s: descriptor %d is within CHORUS_STORE_FD_RESERVE=%ld of the "
+                          "process's limit (RLIMIT_NOFILE %ld); refusing new connections",
+                          srv->name, fd, srv->lim.fd_reserve, ceiling + srv->lim.fd_reserve);
+      close(fd);
+      continue;
+    }
     if (srv->nconns >= CHORUS__STORE_MAX_CONNS) {
-      int64_t now = chorus__now_ns();
-      if (now - srv->last_refusal_warn > 1000000000) {
-        srv->last_refusal_warn = now;
-        CHORUS_WARN(CHORUS__SUB_STORE, "%s: %d connections open; refusing new ones", srv->name,
-                    CHORUS__STORE_MAX_CONNS);
-      }
+      chorus__log_limited(&srv->reject_log, CHORUS__SUB_STORE,
+                          "%s: %d connections open; refusing new ones", srv->name,
+                          CHORUS__STORE_MAX_CONNS);
       close(fd);
       continue;
     }
@@ -992,6 +1382,49 @@ static int64_t expire_handshakes(chorus_store_server_t *srv) {
   return CHORUS__NO_DEADLINE;
 }
 
+/* Closes an authenticated connection whose timer fired. */
+static void conn_expire(chorus_store_server_t *srv, conn_t *c, int timer) {
+  long long idle_ms = (long long)(srv->lim.idle_ns / 1000000);
+  long long frame_ms = (long long)(srv->lim.frame_ns / 1000000);
+  if (timer == TIMER_IDLE)
+    conn_drop(srv, c, CHORUS__LOG_INFO,
+              "idle for %lld ms (CHORUS_STORE_IDLE_TIMEOUT_MS); its client reconnects on its "
+              "next call",
+              idle_ms);
+  else if (timer == TIMER_PARTIAL)
+    conn_drop(srv, c, CHORUS__LOG_WARN,
+              "sent part of a request (%zu bytes) and nothing more for %lld ms "
+              "(CHORUS_STORE_FRAME_TIMEOUT_MS)",
+              c->skip ? c->skip : c->in_len - c->in_off, frame_ms);
+  else
+    conn_drop(srv, c, CHORUS__LOG_WARN,
+              "left %zu bytes of responses unread for %lld ms (CHORUS_STORE_FRAME_TIMEOUT_MS)",
+              conn_unsent(c), frame_ms);
+}
+
+/* Closes authenticated connections whose idle or frame timer fired, at most
+ * every SWEEP_MIN_NS; returns when to sweep next (CHORUS__NO_DEADLINE: no
+ * timer runs; conn_arm brings it forward when one starts). */
+static int64_t expire_connections(chorus_store_server_t *srv) {
+  int64_t now = chorus__now_ns();
+  if (now < srv->next_sweep) return srv->next_sweep;
+  int64_t next = CHORUS__NO_DEADLINE;
+  for (link_t *l = srv->conns.next; l != &srv->conns;) {
+    conn_t *c = CONTAINER_OF(l, conn_t, all_link);
+    l = l->next; /* closing c moves it to the dead list */
+    int64_t deadline;
+    int timer = conn_timer(srv, c, &deadline);
+    if (timer == TIMER_NONE) continue;
+    if (deadline <= now)
+      conn_expire(srv, c, timer);
+    else if (deadline < next)
+      next = deadline;
+  }
+  if (next != CHORUS__NO_DEADLINE && next < now + SWEEP_MIN_NS) next = now + SWEEP_MIN_NS;
+  srv->next_sweep = next;
+  return next;
+}
+
 static void free_dead(chorus_store_server_t *srv) {
   while (!list_empty(&srv->dead)) {
     conn_t *c = CONTAINER_OF(srv->dead.next, conn_t, all_link);
@@ -1005,11 +1438,14 @@ static void *server_main(void *arg) {
   struct epoll_event evs[64];
   while (!srv->stopping) {
     int64_t next = expire_handshakes(srv);
+    next = CHORUS__MIN(next, expire_connections(srv));
     if (srv->listen_paused && srv->listen_resume_at < next) next = srv->listen_resume_at;
     free_dead(srv);
-    int timeout = !list_empty(&srv->again)      ? 0
-                  : next == CHORUS__NO_DEADLINE ? -1
-                                                : chorus__ms_left(next);
+    /* The ready list is not empty when a closed connection's budget resumed
+     * paused ones. */
+    int timeout = !list_empty(&srv->again) || !list_empty(&srv->ready) ? 0
+                  : next == CHORUS__NO_DEADLINE                         ? -1
+                                                                        : chorus__ms_left(next);
     int n = epoll_wait(srv->epoll_fd, evs, (int)CHORUS__ARRAY_LEN(evs), timeout);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -1044,10 +1480,31 @@ static void *server_main(void *arg) {
 
 static void server_free(chorus_store_server_t *srv) {
   table_free(srv);
+  addrs_free(srv);
   if (srv->listen_fd >= 0) close(srv->listen_fd);
   if (srv->epoll_fd >= 0) close(srv->epoll_fd);
   if (srv->stop_fd >= 0) close(srv->stop_fd);
   free(srv);
+}
+
+static int64_t ms_to_ns(long ms) {
+  return (int64_t)CHORUS__MIN(ms, (long)(INT64_MAX / 4000000)) * 1000000;
+}
+
+/* The CHORUS_STORE_* limits.  A value <= 0 means "never" for the idle
+ * timeout and "no reserve" for the descriptor reserve; elsewhere it cannot
+ * mean "off" (the limit is a safeguard), so it means the default. */
+static void limits_load(limits_t *l) {
+  const chorus__env_t *env = chorus__env();
+  l->idle_ns = env->STORE_IDLE_TIMEOUT_MS > 0 ? ms_to_ns(env->STORE_IDLE_TIMEOUT_MS) : 0;
+  l->frame_ns = ms_to_ns(env->STORE_FRAME_TIMEOUT_MS > 0 ? env->STORE_FRAME_TIMEOUT_MS
+                                                          : FRAME_TIMEOUT_MS_DEFAULT);
+  l->buffer_max = env->STORE_BUFFER_MAX > 0 ? (size_t)env->STORE_BUFFER_MAX : BUFFER_MAX_DEFAULT;
+  l->data_max = env->STORE_DATA_MAX > 0 ? (size_t)env->STORE_DATA_MAX : DATA_MAX_DEFAULT;
+  l->keys_max = env->STORE_KEYS_MAX > 0 ? (size_t)env->STORE_KEYS_MAX : KEYS_MAX_DEFAULT;
+  l->conns_per_addr =
+      env->STORE_CONNS_PER_ADDR > 0 ? env->STORE_CONNS_PER_ADDR : CONNS_PER_ADDR_DEFAULT;
+  l->fd_reserve = env->STORE_FD_RESERVE > 0 ? env->STORE_FD_RESERVE : 0;
 }
 
 chorus_result_t chorus_store_server_start(const char *host, int port, const char *secret,
@@ -1083,7 +1540,10 @@ chorus_result_t chorus__store_server_start_key(const char *host, int port,
   list_init(&srv->handshaking);
   list_init(&srv->ready);
   list_init(&srv->again);
+  list_init(&srv->paused);
   list_init(&srv->dead);
+  limits_load(&srv->lim);
+  srv->next_sweep = CHORUS__NO_DEADLINE;
   atomic_init(&srv->handshake_ms, HANDSHAKE_MS_DEFAULT);
   srv->auth_key = *key;
   chorus_result_t res = CHORUS_ERR_SYSTEM;
@@ -1140,6 +1600,12 @@ chorus_result_t chorus__store_server_start_key(const char *host, int port,
     goto fail;
   }
   CHORUS_INFO(CHORUS__SUB_STORE, "%s: listening", srv->name);
+  CHORUS_DEBUG(CHORUS__SUB_STORE,
+               "%s: limits: idle %lld ms, frame %lld ms, buffers %zu bytes, data %zu bytes, "
+               "%zu keys, %ld connections per address, %ld descriptors kept free",
+               srv->name, (long long)(srv->lim.idle_ns / 1000000),
+               (long long)(srv->lim.frame_ns / 1000000), srv->lim.buffer_max, srv->lim.data_max,
+               srv->lim.keys_max, srv->lim.conns_per_addr, srv->lim.fd_reserve);
   *server = srv;
   return CHORUS_OK;
 
