@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Installs what building and testing chorus needs on Debian 12, if missing.
 # Safe to run repeatedly; does nothing when everything is present.
+#   scripts/deps.sh          build and test
+#   scripts/deps.sh --fuzz   also clang and libFuzzer (libclang-rt-14-dev) for
+#                            the fuzzers (scripts/fuzz.sh); these are optional:
+#                            when they cannot be installed the script says so
+#                            and scripts/fuzz.sh reports the fuzzers as skipped
 set -euo pipefail
+fuzz=0
+[[ "${1:-}" == "--fuzz" ]] && fuzz=1
 need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v make >/dev/null 2>&1 || need+=(make)
@@ -13,10 +20,24 @@ command -v pgrep >/dev/null 2>&1 || need+=(procps)
 # libcrypto (OpenSSL 3) for authentication and encryption (src/util/crypto.c).
 [[ "$(dpkg-query -W -f='${Status}' libssl-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libssl-dev)
+# The fuzzers: clang 14 and its runtime libraries (libFuzzer, ASan, UBSan).
+fuzz_need=()
+if ((fuzz)); then
+  command -v clang >/dev/null 2>&1 || fuzz_need+=(clang)
+  [[ "$(dpkg-query -W -f='${Status}' libclang-rt-14-dev 2>/dev/null)" == "install ok installed" ]] ||
+    fuzz_need+=(libclang-rt-14-dev)
+fi
+sudo=""
+[[ $(id -u) -ne 0 ]] && sudo="sudo"
+if ((${#need[@]} + ${#fuzz_need[@]})); then
+  $sudo apt-get update -qq || echo "deps: apt-get update failed" >&2
+fi
 if ((${#need[@]})); then
   echo "deps: installing ${need[*]}"
-  sudo=""
-  [[ $(id -u) -ne 0 ]] && sudo="sudo"
-  $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if ((${#fuzz_need[@]})); then
+  echo "deps: installing ${fuzz_need[*]} (fuzzers)"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${fuzz_need[@]}" >/dev/null ||
+    echo "deps: could not install ${fuzz_need[*]}: the fuzzers will be skipped" >&2
 fi

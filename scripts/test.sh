@@ -2,11 +2,15 @@
 # The whole test suite, as CI runs it (README's second command):
 #   1. a release build with warnings as errors, all CTest tests;
 #   2. an ASan+UBSan build (LeakSanitizer included), all tests again;
-#   3. a TSan build, all tests but the launcher's shell test.
-# Set CHORUS_SKIP_SANITIZERS=1 to run only the first pass.
+#   3. a TSan build, all tests but the launcher's shell test;
+#   4. the fuzzers (fuzz/, clang + libFuzzer + ASan/UBSan, build dir
+#      build-fuzz), each for CHORUS_FUZZ_SECONDS (default 30), two at a time
+#      (scripts/fuzz.sh; a crash fails the script and names the reproducer).
+# Set CHORUS_SKIP_SANITIZERS=1 to skip passes 2 and 3, CHORUS_SKIP_FUZZ=1 to
+# skip pass 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
+if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then scripts/deps.sh; else scripts/deps.sh --fuzz; fi
 jobs=$(nproc)
 
 echo "== build (release, -Werror)"
@@ -31,6 +35,20 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
   echo "== tests (TSan)"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E '^launcher\.'
+fi
+
+if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then
+  echo "fuzz: SKIPPED because CHORUS_SKIP_FUZZ=1"
+else
+  # Exit status 2: no clang/libFuzzer here; fuzz.sh printed "fuzz: SKIPPED
+  # because ...".  Anything else non-zero is a finding or a broken build.
+  fuzz_rc=0
+  CHORUS_FUZZ_PARALLEL="${CHORUS_FUZZ_PARALLEL:-2}" \
+    scripts/fuzz.sh "${CHORUS_FUZZ_SECONDS:-30}" || fuzz_rc=$?
+  if [[ "$fuzz_rc" != 0 && "$fuzz_rc" != 2 ]]; then
+    echo "test.sh: the fuzzers failed (see above; artifacts in build-fuzz/artifacts/)" >&2
+    exit 1
+  fi
 fi
 leftover=$(ls /dev/shm 2>/dev/null | grep -i chorus || true)
 if [[ -n "$leftover" ]]; then

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzzers (fuzz/corpus/<harness>/): a few
+valid messages of each format, so the fuzzers start from the real layouts.
+
+    python3 fuzz/gen_corpus.py        # rewrites fuzz/corpus/
+
+The formats: src/transport/wire.h (message header), tcp.c (connect
+message), src/store/store.h and store_proto.h (store frames).  The input
+layouts (leading flag bytes) are described at the top of each harness.
+Only the generated seeds live in fuzz/corpus/; the fuzz runs work on copies
+(scripts/fuzz.sh), so nothing the fuzzer finds is written back here.
+"""
+import os
+import shutil
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "corpus")
+
+# chorus.h enums
+COLL = {"broadcast": 0, "reduce": 1, "all_reduce": 2, "send": 12}
+DT = {"int8": 0, "uint8": 1, "int32": 2, "float32": 6}
+SUM, NO_OP = 0, 0xFF
+DATA, ABORT, BYE, PING = 1, 2, 3, 4
+K_COLL, K_P2P = 1, 2
+
+
+def hdr(typ, kind=0, ep=1, seq=0, step=0, tag=-1, coll=0, dtype=0, op=NO_OP, algo=0, root=-1,
+        count=0, length=0):
+    """The 56-byte message header, little-endian (wire.h)."""
+    return struct.pack("<4sHHQQIiBBBBiQQ", b"CHRM", typ, kind, ep, seq, step, tag, coll, dtype,
+                       op, algo, root, count, length)
+
+
+def coll_msg(seq=1, step=0, payload=b"\x00" * 16, ep=1, coll="all_reduce", op=SUM, root=-1,
+             count=4, length=None):
+    h = hdr(DATA, K_COLL, ep, seq, step, -1, COLL[coll], DT["float32"], op, 0, root, count,
+            len(payload) if length is None else length)
+    return h + payload
+
+
+def p2p_msg(tag, dtype, count, payload, ep=1):
+    return hdr(DATA, K_P2P, ep, 0, 0, tag, COLL["send"], DT[dtype], NO_OP, 0, -1, count,
+               len(payload)) + payload
+
+
+def abort_msg(text, ep=1):
+    return hdr(ABORT, 0, ep, length=len(text)) + text
+
+
+PING_MSG = hdr(PING)
+BYE_MSG = hdr(BYE)
+RANK2 = b"#rank2#\n"
+
+
+def frame(body):
+    return struct.pack("<I", len(body)) + body
+
+
+def s(b):
+    return struct.pack("<I", len(b)) + b
+
+
+# store commands (store_proto.h)
+SET, GET, ADD, CAS, CHECK, DELETE, WAIT, NUM_KEYS = range(1, 9)
+
+
+def store_seeds():
+    auth_fields = b"CHST" + struct.pack("<I", 2) + bytes(range(32))
+    yield "set_get", b"\x02" + frame(bytes([SET]) + s(b"key") + s(b"value")) + \
+        frame(bytes([GET]) + s(b"key"))
+    yield "add_check_delete", b"\x02" + frame(bytes([ADD]) + s(b"ctr") + struct.pack("<q", 5)) + \
+        frame(bytes([CHECK]) + struct.pack("<I", 2) + s(b"ctr") + s(b"nope")) + \
+        frame(bytes([DELETE]) + s(b"ctr")) + frame(bytes([NUM_KEYS]))
+    yield "compare_set", b"\x02" + frame(bytes([CAS]) + s(b"cas") + s(b"") + s(b"first")) + \
+        frame(bytes([CAS]) + s(b"cas") + s(b"first") + s(b"second"))
+    yield "get_parks", b"\x02" + frame(bytes([GET]) + s(b"later")) + \
+        frame(bytes([SET]) + s(b"x") + s(b"1"))
+    yield "wait_parks", b"\x02" + frame(bytes([WAIT]) + struct.pack("<I", 2) + s(b"a") + s(b"b"))
+    yield "add_not_integer", b"\x02" + frame(bytes([SET]) + s(b"t") + s(b"text")) + \
+        frame(bytes([ADD]) + s(b"t") + struct.pack("<q", 1))
+    yield "frame_over_buffer", b"\x02" + frame(bytes([SET]) + s(b"big") + s(b"v" * 8300))
+    yield "partial_frame", b"\x02" + struct.pack("<I", 100) + bytes([SET]) + s(b"k")
+    yield "preauth_wrong_mac", b"\x00" + frame(auth_fields + bytes(32))
+    yield "preauth_old_version", b"\x00" + frame(b"CHST" + struct.pack("<I", 1) + bytes(64))
+    yield "reset_after_requests", b"\x82" + frame(bytes([SET]) + s(b"r") + s(b"1"))
+    yield "reset_before_auth", b"\x80" + frame(auth_fields + bytes(32))
+    yield "handshake_then_requests", b"\x01" + auth_fields + \
+        frame(bytes([SET]) + s(b"hk") + s(b"v")) + frame(bytes([GET]) + s(b"hk"))
+
+
+def tcp_seeds():
+    # flags: 1 real formatter, 2 post first, 4 late subgroup, 8 collective #2, 16 destroy order
+    yield "coll_posted", bytes([0x03, 0]) + coll_msg()
+    yield "coll_unexpected_split", bytes([0x01, 7]) + coll_msg()
+    yield "p2p_ping_bye", bytes([0x02, 0]) + p2p_msg(5, "uint8", 8, b"abcdefgh") + PING_MSG + \
+        BYE_MSG
+    yield "coll_mismatch", bytes([0x03, 0]) + coll_msg(coll="broadcast", op=NO_OP, root=1)
+    yield "coll_wrong_length", bytes([0x03, 0]) + coll_msg(payload=b"\x01" * 12)
+    yield "abort_late_group", bytes([0x05, 0]) + abort_msg(b"rank 1 failed") + RANK2 + \
+        abort_msg(b"subgroup failed", ep=2)
+    yield "two_peers", bytes([0x02, 13]) + p2p_msg(5, "uint8", 8, b"12345678") + RANK2 + \
+        coll_msg(step=1, payload=b"") + p2p_msg(7, "int32", 1, b"\x07\x00\x00\x00") + \
+        p2p_msg(5, "uint8", 4, b"wxyz", ep=2)
+    yield "next_collective", bytes([0x09, 0]) + \
+        coll_msg(seq=2, coll="broadcast", op=NO_OP, root=1) + coll_msg()
+    yield "budget_pause", bytes([0x20, 0]) + coll_msg(seq=3, payload=b"", length=1 << 30)
+    yield "not_a_member", bytes([0x12, 0]) + p2p_msg(5, "uint8", 4, b"abcd", ep=2)
+    yield "bad_magic", bytes([0x02, 0]) + b"XHRM" + coll_msg()[4:]
+    yield "unknown_endpoint", bytes([0x00, 0]) + coll_msg(ep=99) + p2p_msg(5, "uint8", 3, b"abc",
+                                                                           ep=77)
+
+
+def wire_seeds():
+    yield "data_coll", hdr(DATA, K_COLL, 1, 1, 0, -1, COLL["all_reduce"], DT["float32"], SUM, 0,
+                           -1, 4, 16)
+    yield "data_p2p", hdr(DATA, K_P2P, 1, 0, 0, 5, COLL["send"], DT["uint8"], NO_OP, 0, -1, 8, 8)
+    yield "abort", hdr(ABORT, length=20)
+    yield "ping_bye", PING_MSG + BYE_MSG
+    yield "reduce_root", hdr(DATA, K_COLL, 3, 9, 2, -1, COLL["reduce"], DT["int32"], SUM, 1, 0,
+                             100, 400)
+
+
+def handshake_seeds():
+    def connect(rank, version=2, magic=b"CHRC"):
+        return magic + struct.pack("<II", version, rank) + bytes(range(32)) + bytes(32)
+    # flags: bits 0-1 rank, 2-3 size-2, 4 fix MAC, 5 rank+1 connected, 6 other key
+    yield "valid_rank1_of_3", bytes([0x14]) + connect(1)
+    yield "valid_rank3_of_5_from_1", bytes([0x1d]) + connect(3)
+    yield "already_connected", bytes([0x34]) + connect(1)
+    yield "encrypt_flag", bytes([0x14]) + connect(1, 2 | 0x10000)
+    yield "wrong_key", bytes([0x54]) + connect(2)
+    yield "bad_mac", bytes([0x04]) + connect(1)
+    yield "old_version", bytes([0x14]) + connect(1, 1)
+
+
+def main():
+    for name, gen in (("fuzz_wire", wire_seeds), ("fuzz_tcp_recv", tcp_seeds),
+                      ("fuzz_store", store_seeds), ("fuzz_handshake", handshake_seeds)):
+        d = os.path.join(OUT, name)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        for seed, data in gen():
+            assert len(data) <= 65536, seed
+            with open(os.path.join(d, seed), "wb") as f:
+                f.write(data)
+
+
+if __name__ == "__main__":
+    main()
