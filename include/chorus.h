@@ -184,7 +184,8 @@ typedef struct chorus_config {
   int timeout_ms;       /* <= 0: CHORUS_TIMEOUT from the environment */
   int local_rank;       /* -1: unknown */
   int local_world_size; /* -1: unknown */
-  const char *job_secret; /* NULL: CHORUS_JOB_SECRET or none */
+  const char *job_secret; /* NULL: CHORUS_JOB_SECRET, CHORUS_JOB_SECRET_FILE,
+                             or agreed on one host (docs/security.md) */
   const char *store_prefix; /* NULL: derived from CHORUS_RESTART_COUNT */
 } chorus_config_t;
 
@@ -473,7 +474,10 @@ typedef struct chorus_store chorus_store_t;               /* a client */
 typedef struct chorus_store_server chorus_store_server_t; /* a server */
 
 /* Starts a store server listening on host:port (port 0 picks a free port;
- * host NULL: all interfaces).  The server runs on its own thread. */
+ * host NULL: all interfaces).  The server runs on its own thread.
+ * secret (here and in chorus_store_connect) authenticates every connection
+ * both ways; NULL or "": CHORUS_JOB_SECRET or CHORUS_JOB_SECRET_FILE, else
+ * CHORUS_ERR_INVALID_ARG unless CHORUS_INSECURE=1 (docs/security.md). */
 CHORUS_API chorus_result_t chorus_store_server_start(const char *host, int port,
                                                      const char *secret,
                                                      chorus_store_server_t **server);
