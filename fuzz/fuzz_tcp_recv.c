@@ -21,6 +21,12 @@
  *              bit 5  end with a wait that times out at once (the timeout
  *                     message: silent and paused peers); else a wait that
  *                     only polls
+ *              bit 6  encrypted connections (CHORUS_ENCRYPT=1): each chunk
+ *                     of a stream goes out sealed as one record, so the
+ *                     parser runs behind open_record
+ *              bit 7  with bit 6: flip one bit of rank 1's first record
+ *                     (chosen by the chunk size byte), which must fail
+ *                     that connection
  *   byte 1   chunk size: the bytes are written and parsed this many at a
  *            time (0: all at once), so headers and payloads arrive split
  *   rest     the byte stream from world rank 1; if it contains the 8-byte
@@ -74,14 +80,31 @@ typedef struct peer_stream {
   size_t n, off;
   int wfd;
   int dead;
+  chorus__aead_t *sealer; /* bit 6: seals each chunk into a record */
+  int flip;               /* bit 7: bit to flip in the first record, or -1 */
 } peer_stream_t;
+
+static uint8_t g_rec[65536 + 64];
 
 /* Writes the next chunk of s and parses it; a dead connection (protocol
  * violation) is never fed again. */
 static void feed(chorus__tp_t *tp, peer_stream_t *s, size_t chunk) {
   size_t k = s->n - s->off;
   if (chunk && k > chunk) k = chunk;
-  if (!s->dead && chorus__tp_fuzz_feed(tp, s->world, s->p + s->off, k, &s->wfd) < 0) s->dead = 1;
+  const uint8_t *out = s->p + s->off;
+  size_t outn = k;
+  if (s->sealer) {
+    outn = chorus__tp_fuzz_seal(s->sealer, s->p + s->off, k, g_rec);
+    FUZZ_REQUIRE(outn == k + 4 + CHORUS__AEAD_TAG_LEN);
+    if (s->flip >= 0) {
+      /* In the ciphertext or tag: the record stays whole, so it must be
+       * opened and rejected at once. */
+      g_rec[4 + (size_t)s->flip % (outn - 4)] ^= (uint8_t)(1u << (s->flip & 7));
+      s->flip = -1;
+    }
+    out = g_rec;
+  }
+  if (!s->dead && chorus__tp_fuzz_feed(tp, s->world, out, outn, &s->wfd) < 0) s->dead = 1;
   s->off = s->dead ? s->n : s->off + k;
 }
 
@@ -131,6 +154,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   chorus__tp_t *tp = chorus__tp_fuzz_new(0, 3, &g_key, FUZZ_WORLD_ID);
   FUZZ_REQUIRE(tp != NULL);
+  s1.flip = s2.flip = -1;
+  if (flags & 64) {
+    s1.sealer = chorus__tp_fuzz_encrypt(tp, 1);
+    s2.sealer = chorus__tp_fuzz_encrypt(tp, 2);
+    FUZZ_REQUIRE(s1.sealer && s2.sealer);
+    if (flags & 128) s1.flip = (int)data[1] * 8 + (data[1] & 7);
+  }
+  int flip_wanted = (flags & 64) && (flags & 128) && s1.n > 0;
   if (flags & 1) chorus__tp_set_fp_format(tp, chorus__fp_format);
 
   static const int world[3] = {0, 1, 2}, sub[2] = {0, 2};
@@ -208,6 +239,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             chorus_result_name(st2), msg2, doing);
   }
   for (int g = 0; g < 3; g++) (void)chorus__ep_peer_gone(ep, g);
+  /* A record with a flipped bit never passes: rank 1's connection died. */
+  if (flip_wanted) FUZZ_REQUIRE(s1.dead);
 
   if (flags & 16) {
     chorus__ep_destroy(ep2);
@@ -217,6 +250,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     chorus__ep_destroy(ep2);
   }
   chorus__tp_fuzz_free(tp);
+  chorus__aead_free(s1.sealer);
+  chorus__aead_free(s2.sealer);
   if (s1.wfd >= 0) close(s1.wfd);
   if (s2.wfd >= 0) close(s2.wfd);
   return 0;

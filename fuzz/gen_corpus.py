@@ -90,7 +90,8 @@ def store_seeds():
 
 
 def tcp_seeds():
-    # flags: 1 real formatter, 2 post first, 4 late subgroup, 8 collective #2, 16 destroy order
+    # flags: 1 real formatter, 2 post first, 4 late subgroup, 8 collective #2, 16 destroy order,
+    # 64 encrypted records, 128 flip a bit of rank 1's first record
     yield "coll_posted", bytes([0x03, 0]) + coll_msg()
     yield "coll_unexpected_split", bytes([0x01, 7]) + coll_msg()
     yield "p2p_ping_bye", bytes([0x02, 0]) + p2p_msg(5, "uint8", 8, b"abcdefgh") + PING_MSG + \
@@ -107,6 +108,9 @@ def tcp_seeds():
     yield "budget_pause", bytes([0x20, 0]) + coll_msg(seq=3, payload=b"", length=1 << 30)
     yield "not_a_member", bytes([0x12, 0]) + p2p_msg(5, "uint8", 4, b"abcd", ep=2)
     yield "bad_magic", bytes([0x02, 0]) + b"XHRM" + coll_msg()[4:]
+    yield "encrypted_two_peers", bytes([0x42, 13]) + p2p_msg(5, "uint8", 8, b"12345678") + \
+        RANK2 + coll_msg(step=1, payload=b"") + p2p_msg(7, "int32", 1, b"\x07\x00\x00\x00")
+    yield "encrypted_tampered", bytes([0xc3, 0]) + coll_msg()
     yield "unknown_endpoint", bytes([0x00, 0]) + coll_msg(ep=99) + p2p_msg(5, "uint8", 3, b"abc",
                                                                            ep=77)
 

@@ -1938,6 +1938,31 @@ int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n,
   return dead ? -1 : 0;
 }
 
+chorus__aead_t *chorus__tp_fuzz_encrypt(chorus__tp_t *tp, int peer) {
+  conn_t *c = &tp->conns[peer];
+  static const uint8_t zero[CHORUS__NONCE_LEN];
+  uint8_t keys[64];
+  if (c->rx_aead || peer <= tp->rank ||
+      hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, zero, zero, keys) < 0)
+    return NULL;
+  /* This rank accepted peer: it receives on keys[0..32), label 1. */
+  c->rx_aead = chorus__aead_new(keys, 1, 0);
+  c->tx_aead = chorus__aead_new(keys + 32, 2, 1);
+  c->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
+  c->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
+  chorus__aead_t *sealer = chorus__aead_new(keys, 1, 1);
+  chorus__wipe(keys, sizeof keys);
+  tp->encrypt = 1;
+  return c->rx_aead && c->tx_aead && c->rx_rec && c->tx_rec ? sealer : NULL;
+}
+
+size_t chorus__tp_fuzz_seal(chorus__aead_t *sealer, const void *in, size_t n, uint8_t *out) {
+  if (n > REC_MAX) n = REC_MAX;
+  put32(out, (uint32_t)n);
+  if (chorus__aead_seal(sealer, out, 4, in, out + 4, n, out + 4 + n) < 0) return 0;
+  return n + REC_OVERHEAD;
+}
+
 int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n) {
   pending_t p;
   memset(&p, 0, sizeof p);

@@ -189,6 +189,13 @@ chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, 
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn);
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd);
 int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n);
+/* Makes the connection from world rank peer (> this rank, before it is first
+ * fed) encrypted as with CHORUS_ENCRYPT=1, with keys from all-zero nonces;
+ * returns the peer's sealing state (free with chorus__aead_free), which
+ * chorus__tp_fuzz_seal uses to turn up to 128 KiB of stream into one record
+ * in out (room for n + 20 bytes); returns the record's size. */
+chorus__aead_t *chorus__tp_fuzz_encrypt(chorus__tp_t *tp, int peer);
+size_t chorus__tp_fuzz_seal(chorus__aead_t *sealer, const void *in, size_t n, uint8_t *out);
 void chorus__tp_fuzz_free(chorus__tp_t *tp);
 
 #endif
