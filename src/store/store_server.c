@@ -1070,14 +1070,13 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c, int *budget) {
   }
 }
 
-/* Reads and throws away up to the rest of a refused frame's body.  Returns
- * like conn_read. */
-static ssize_t conn_discard(chorus_store_server_t *srv, conn_t *c) {
-  uint8_t sink[16384];
+/* One recv() of at most len bytes into dst: the bytes read, 0 when none
+ * are available or the peer closed (c->eof), -1 when the connection was
+ * closed on an error. */
+static ssize_t conn_recv(chorus_store_server_t *srv, conn_t *c, void *dst, size_t len) {
   for (;;) {
-    ssize_t n = recv(c->fd, sink, CHORUS__MIN(c->skip, sizeof sink), 0);
+    ssize_t n = recv(c->fd, dst, len, 0);
     if (n > 0) {
-      c->skip -= (size_t)n;
       c->active_ns = chorus__now_ns();
       return n;
     }
@@ -1090,6 +1089,15 @@ static ssize_t conn_discard(chorus_store_server_t *srv, conn_t *c) {
     conn_lost(srv, c, errno);
     return -1;
   }
+}
+
+/* Reads and throws away up to the rest of a refused frame's body.  Returns
+ * like conn_read. */
+static ssize_t conn_discard(chorus_store_server_t *srv, conn_t *c) {
+  uint8_t sink[16384];
+  ssize_t n = conn_recv(srv, c, sink, CHORUS__MIN(c->skip, sizeof sink));
+  if (n > 0) c->skip -= (size_t)n;
+  return n;
 }
 
 /* One recv() into the input buffer, which grows toward the size of the frame
@@ -1127,22 +1135,9 @@ static ssize_t conn_read(chorus_store_server_t *srv, conn_t *c) {
     c->in_cap = target;
   }
   end = CHORUS__MIN(end, c->in_cap);
-  for (;;) {
-    ssize_t n = recv(c->fd, c->in + c->in_len, end - c->in_len, 0);
-    if (n > 0) {
-      c->in_len += (size_t)n;
-      c->active_ns = chorus__now_ns();
-      return n;
-    }
-    if (n == 0) {
-      c->eof = 1;
-      return 0;
-    }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-    conn_lost(srv, c, errno);
-    return -1;
-  }
+  ssize_t n = conn_recv(srv, c, c->in + c->in_len, end - c->in_len);
+  if (n > 0) c->in_len += (size_t)n;
+  return n;
 }
 
 /* Gives a connection a turn: handles buffered frames, reads more while that

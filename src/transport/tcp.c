@@ -587,55 +587,46 @@ static int seal_record(chorus__tp_t *tp, conn_t *c) {
   return 0;
 }
 
-/* flush_tx when the connection is encrypted: records instead of messages. */
-static void flush_tx_sealed(chorus__tp_t *tp, conn_t *c) {
-  while (!c->dead) {
+/* The next bytes of c's queue to write into iov: the rest of the sealed
+ * record (sealing the next one when the last is out) when the connection is
+ * encrypted, else the head message's header and payload.  Returns the iovec
+ * count, 0 when nothing is left, -1 after failing the connection. */
+static int next_tx(chorus__tp_t *tp, conn_t *c, struct iovec iov[2]) {
+  if (c->tx_aead) {
     if (c->tx_off == c->tx_len) {
-      if (!c->tx_head) break;
-      if (seal_record(tp, c) < 0) return;
+      if (!c->tx_head) return 0;
+      if (seal_record(tp, c) < 0) return -1;
     }
-    ssize_t n = send(c->fd, c->tx_rec + c->tx_off, c->tx_len - c->tx_off,
-                     MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        set_epoll_out(tp, c, 1);
-        return;
-      }
-      char why[128];
-      snprintf(why, sizeof why, "write failed (%s)", strerror(errno));
-      conn_dead_locked(tp, c, why);
-      return;
-    }
-    c->tx_off += (size_t)n;
+    iov[0].iov_base = c->tx_rec + c->tx_off;
+    iov[0].iov_len = c->tx_len - c->tx_off;
+    return 1;
   }
-  if (!c->tx_head && c->tx_off == c->tx_len) {
-    set_epoll_out(tp, c, 0);
-    wake_all(tp);
+  txitem_t *it = c->tx_head;
+  if (!it) return 0;
+  if (it->off >= HDR_SIZE) {
+    size_t poff = it->off - HDR_SIZE;
+    iov[0].iov_base = (void *)(it->payload + poff);
+    iov[0].iov_len = it->len - poff;
+    return 1;
   }
+  iov[0].iov_base = it->hdr + it->off;
+  iov[0].iov_len = HDR_SIZE - it->off;
+  if (!it->len) return 1;
+  iov[1].iov_base = (void *)it->payload;
+  iov[1].iov_len = it->len;
+  return 2;
 }
 
 /* Writes as much of the queue as the socket takes. */
 static void flush_tx(chorus__tp_t *tp, conn_t *c) {
-  if (c->tx_aead) {
-    flush_tx_sealed(tp, c);
-    return;
-  }
-  while (c->tx_head && !c->dead) {
-    txitem_t *it = c->tx_head;
+  while (!c->dead) {
     struct iovec iov[2];
-    int niov = 0;
-    if (it->off < HDR_SIZE) {
-      iov[niov].iov_base = it->hdr + it->off;
-      iov[niov++].iov_len = HDR_SIZE - it->off;
-      if (it->len) {
-        iov[niov].iov_base = (void *)it->payload;
-        iov[niov++].iov_len = it->len;
-      }
-    } else {
-      size_t poff = it->off - HDR_SIZE;
-      iov[niov].iov_base = (void *)(it->payload + poff);
-      iov[niov++].iov_len = it->len - poff;
+    int niov = next_tx(tp, c, iov);
+    if (niov < 0) return;
+    if (niov == 0) {
+      set_epoll_out(tp, c, 0);
+      wake_all(tp); /* tp_destroy waits for drained queues */
+      return;
     }
     struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
     ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -650,13 +641,13 @@ static void flush_tx(chorus__tp_t *tp, conn_t *c) {
       conn_dead_locked(tp, c, why);
       return;
     }
+    if (c->tx_aead) {
+      c->tx_off += (size_t)n;
+      continue;
+    }
+    txitem_t *it = c->tx_head;
     it->off += (size_t)n;
-    if (it->off < HDR_SIZE + it->len) continue;
-    tx_item_done(tp, c, it);
-  }
-  if (!c->tx_head) {
-    set_epoll_out(tp, c, 0);
-    wake_all(tp); /* tp_destroy waits for drained queues */
+    if (it->off == HDR_SIZE + it->len) tx_item_done(tp, c, it);
   }
 }
 
