@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "chorus.h"
+#include "child_store.h"
 #include "harness.h"
 
 #define MAXR 8
@@ -43,12 +44,6 @@ static int g_n;
 static int g_scenario;
 static char g_bufs[MAXR][4096];
 static size_t g_lens[MAXR];
-
-/* Children die with the driver, even if it is SIGKILLed (CTest timeout). */
-static void die_with_parent(pid_t parent) {
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (getppid() != parent) _exit(1);
-}
 
 static double now_ms(void) {
   struct timespec ts;
@@ -114,7 +109,7 @@ static void spawn(int n, scenario_fn fn) {
     pid_t self = getpid();
     pid_t pid = fork();
     if (pid == 0) {
-      die_with_parent(self);
+      child_die_with_parent(self);
       close(p[0]);
       g_wfd = p[1];
       fn(r, n);
@@ -728,38 +723,10 @@ TEST(stranger_on_store) {
   }
 }
 
-static void stop_store(void) {
-  if (g_store_pid > 0) {
-    kill(g_store_pid, SIGKILL);
-    waitpid(g_store_pid, NULL, 0);
-    g_store_pid = 0;
-  }
-}
+static void stop_store(void) { child_store_stop(&g_store_pid); }
 
-/* The store runs in a child of its own: this driver stays single-threaded,
- * so forking ranks is safe (and allowed under ThreadSanitizer). */
-static int start_store(void) {
-  int p[2];
-  if (pipe(p) < 0) return -1;
-  pid_t self = getpid();
-  g_store_pid = fork();
-  if (g_store_pid == 0) {
-    die_with_parent(self);
-    close(p[0]);
-    chorus_store_server_t *srv;
-    int port = -1;
-    if (chorus_store_server_start("127.0.0.1", 0, "fault-test-secret", &srv) == CHORUS_OK)
-      port = chorus_store_server_port(srv);
-    (void)!write(p[1], &port, sizeof port);
-    close(p[1]);
-    for (;;) pause(); /* until the driver kills us */
-  }
-  close(p[1]);
-  int port = -1;
-  if (read(p[0], &port, sizeof port) != (ssize_t)sizeof port) port = -1;
-  close(p[0]);
-  return port;
-}
+/* The store, in a child of its own (child_store.h). */
+static int start_store(void) { return child_store_start("fault-test-secret", &g_store_pid); }
 
 /* A stranger connects to a rank's data port while it waits for its peers
  * to connect, sends garbage (or nothing) and goes away: the rank rejects it

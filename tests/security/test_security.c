@@ -34,7 +34,9 @@
 #include <unistd.h>
 
 #include "chorus.h"
+#include "child_store.h"
 #include "harness.h"
+#include "store_raw.h"
 #include "store/store.h"
 #include "store/store_proto.h"
 #include "transport/shm.h"
@@ -62,11 +64,6 @@ static void sleep_ms(double ms) {
   }
 }
 
-static void die_with_parent(pid_t parent) {
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (getppid() != parent) _exit(1);
-}
-
 static void kill_ranks(void) {
   for (int r = 0; r < g_n; r++) {
     if (g_pids[r] > 0) {
@@ -82,36 +79,10 @@ static void kill_ranks(void) {
   g_n = 0;
 }
 
-static void stop_store(void) {
-  if (g_store_pid > 0) {
-    kill(g_store_pid, SIGKILL);
-    waitpid(g_store_pid, NULL, 0);
-    g_store_pid = 0;
-  }
-}
+static void stop_store(void) { child_store_stop(&g_store_pid); }
 
-/* The job's store, in a child; returns its port. */
-static int start_store(void) {
-  int p[2];
-  if (pipe(p) < 0) return -1;
-  pid_t self = getpid();
-  g_store_pid = fork();
-  if (g_store_pid == 0) {
-    die_with_parent(self);
-    close(p[0]);
-    chorus_store_server_t *srv;
-    int port = -1;
-    if (chorus_store_server_start("127.0.0.1", 0, SECRET, &srv) == CHORUS_OK)
-      port = chorus_store_server_port(srv);
-    (void)!write(p[1], &port, sizeof port);
-    for (;;) pause();
-  }
-  close(p[1]);
-  int port = -1;
-  if (read(p[0], &port, sizeof port) != (ssize_t)sizeof port) port = -1;
-  close(p[0]);
-  return port;
-}
+/* The store, in a child of its own (child_store.h). */
+static int start_store(void) { return child_store_start(SECRET, &g_store_pid); }
 
 /* ------------------------------------------------------------- the ranks */
 
@@ -168,7 +139,7 @@ static void spawn(int n, const int *delays) {
     pid_t self = getpid();
     pid_t pid = fork();
     if (pid == 0) {
-      die_with_parent(self);
+      child_die_with_parent(self);
       close(p[0]);
       int fd = open(g_errfile[r], O_WRONLY | O_CREAT | O_TRUNC, 0600);
       if (fd >= 0) dup2(fd, 2);
@@ -309,6 +280,18 @@ static long rss_kib(void) {
   return resident * (sysconf(_SC_PAGESIZE) / 1024);
 }
 
+/* The store's verdict for a raw client that answers with the old public
+ * key (the insecure one), or -1. */
+static int public_key_verdict(int port) {
+  chorus__key_t open_key;
+  if (chorus__job_key(NULL, "", &open_key) < 0) return -1;
+  int fd = raw_connect("127.0.0.1", port);
+  if (fd < 0) return -1;
+  int verdict = store_raw_auth(fd, &open_key);
+  close(fd);
+  return verdict;
+}
+
 /* ------------------------------------------------------------------ cases */
 
 /* Finding 1 (store): a stranger with the old public key, or a guessed
@@ -336,22 +319,7 @@ static void *fake_store(void *arg) {
 
 TEST(store) {
   /* A raw client using the insecure key. */
-  int fd = raw_connect("127.0.0.1", g_port);
-  ASSERT_TRUE(fd >= 0);
-  int64_t dl = chorus__deadline_ms(5000);
-  uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], ans[4 + CHORUS__STORE_AUTH_LEN], verdict[5];
-  ASSERT_EQ(chorus__net_read_full(fd, hello, sizeof hello, dl), 0);
-  chorus__key_t open_key;
-  ASSERT_EQ(chorus__job_key(NULL, "", &open_key), 0);
-  chorus__le32_put(ans, CHORUS__STORE_AUTH_LEN);
-  memcpy(ans + 4, CHORUS__STORE_MAGIC, 4);
-  chorus__le32_put(ans + 8, CHORUS__STORE_VERSION);
-  memset(ans + 12, 1, CHORUS__STORE_NONCE_LEN);
-  chorus__store_mac(&open_key, 0, hello + 12, ans + 12, ans + 12 + CHORUS__STORE_NONCE_LEN);
-  ASSERT_EQ(chorus__net_write_full(fd, ans, sizeof ans, dl), 0);
-  ASSERT_EQ(chorus__net_read_full(fd, verdict, sizeof verdict, dl), 0);
-  ASSERT_EQ(verdict[4], CHORUS__STORE_HS_DENIED);
-  close(fd);
+  ASSERT_EQ(public_key_verdict(g_port), CHORUS__STORE_HS_DENIED);
   /* A guessed secret. */
   chorus_store_t *c = NULL;
   ASSERT_EQ(chorus_store_connect("127.0.0.1", g_port, "guess", 3000, &c), CHORUS_ERR_PROTOCOL);
@@ -567,7 +535,7 @@ TEST(store_binds_master_addr) {
   pid_t self = getpid();
   pid_t pid = fork();
   if (pid == 0) {
-    die_with_parent(self);
+    child_die_with_parent(self);
     chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
     cfg.rank = 0;
     cfg.world_size = 1;
@@ -748,22 +716,7 @@ TEST(no_secret_one_host) {
   chorus_store_t *c = NULL;
   ASSERT_EQ(chorus_store_connect("127.0.0.1", port, NULL, 2000, &c), CHORUS_ERR_INVALID_ARG);
   /* The old public key is refused by the store. */
-  int fd = raw_connect("127.0.0.1", port);
-  ASSERT_TRUE(fd >= 0);
-  int64_t dl = chorus__deadline_ms(5000);
-  uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], ans[4 + CHORUS__STORE_AUTH_LEN], verdict[5];
-  ASSERT_EQ(chorus__net_read_full(fd, hello, sizeof hello, dl), 0);
-  chorus__key_t open_key;
-  ASSERT_EQ(chorus__job_key(NULL, "", &open_key), 0);
-  chorus__le32_put(ans, CHORUS__STORE_AUTH_LEN);
-  memcpy(ans + 4, CHORUS__STORE_MAGIC, 4);
-  chorus__le32_put(ans + 8, CHORUS__STORE_VERSION);
-  memset(ans + 12, 1, CHORUS__STORE_NONCE_LEN);
-  chorus__store_mac(&open_key, 0, hello + 12, ans + 12, ans + 12 + CHORUS__STORE_NONCE_LEN);
-  ASSERT_EQ(chorus__net_write_full(fd, ans, sizeof ans, dl), 0);
-  ASSERT_EQ(chorus__net_read_full(fd, verdict, sizeof verdict, dl), 0);
-  close(fd);
-  ASSERT_EQ(verdict[4], CHORUS__STORE_HS_DENIED);
+  ASSERT_EQ(public_key_verdict(port), CHORUS__STORE_HS_DENIED);
 }
 
 /* CHORUS_ENCRYPT=1 against a man in the middle: a proxy between rank 1 and

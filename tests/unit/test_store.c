@@ -21,6 +21,7 @@
 
 #include "chorus.h"
 #include "harness.h"
+#include "store_raw.h"
 #include "store/store.h"
 #include "store/store_proto.h"
 #include "util/net.h"
@@ -76,45 +77,12 @@ static int raw_connect(int port) {
   return chorus__net_connect("127.0.0.1", port, chorus__deadline_ms(2000), 20);
 }
 
-/* Waits up to ms for the server to close fd (reads and discards whatever it
- * sends first).  Returns 1 when closed, 0 if still open. */
-static int wait_closed(int fd, int ms) {
-  int64_t deadline = chorus__deadline_ms(ms);
-  for (;;) {
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    int left = chorus__ms_left(deadline);
-    if (left == 0) return 0;
-    if (poll(&p, 1, left) <= 0) continue;
-    char buf[256];
-    ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return 1;
-  }
-}
-
-/* Runs the client half of the handshake by hand.  Returns the verdict byte
- * (0 ok) or -1 on a socket error. */
+/* The client half of the handshake with secret (NULL: TEST_SECRET): the
+ * verdict byte (0 ok) or -1. */
 static int raw_auth(int fd, const char *secret) {
-  int64_t dl = chorus__deadline_ms(2000);
-  uint8_t hello[4 + CHORUS__STORE_HELLO_LEN];
-  if (chorus__net_read_full(fd, hello, sizeof hello, dl) < 0) return -1;
   chorus__key_t key;
   if (chorus__job_key(secret ? secret : TEST_SECRET, "", &key) < 0) return -1;
-  uint8_t ans[4 + CHORUS__STORE_AUTH_LEN];
-  chorus__le32_put(ans, CHORUS__STORE_AUTH_LEN);
-  memcpy(ans + 4, CHORUS__STORE_MAGIC, 4);
-  chorus__le32_put(ans + 8, CHORUS__STORE_VERSION);
-  memset(ans + 12, 7, CHORUS__STORE_NONCE_LEN);
-  chorus__store_mac(&key, 0, hello + 12, ans + 12, ans + 12 + CHORUS__STORE_NONCE_LEN);
-  if (chorus__net_write_full(fd, ans, sizeof ans, dl) < 0) return -1;
-  uint8_t verdict[5];
-  if (chorus__net_read_full(fd, verdict, sizeof verdict, dl) < 0) return -1;
-  if (verdict[4] == 0) { /* the server's proof follows */
-    uint8_t proof[CHORUS__STORE_MAC_LEN], want[CHORUS__STORE_MAC_LEN];
-    if (chorus__net_read_full(fd, proof, sizeof proof, dl) < 0) return -1;
-    chorus__store_mac(&key, 1, hello + 12, ans + 12, want);
-    if (memcmp(proof, want, sizeof want)) return -1;
-  }
-  return verdict[4];
+  return store_raw_auth(fd, &key);
 }
 
 /* Sends raw bytes. */
@@ -535,7 +503,7 @@ TEST(job_secret) {
   int fd = raw_connect(port);
   ASSERT_TRUE(fd >= 0);
   ASSERT_EQ(raw_auth(fd, "nope"), CHORUS__STORE_HS_DENIED);
-  ASSERT_EQ(wait_closed(fd, 1000), 1);
+  ASSERT_EQ(store_raw_wait_closed(fd, 1000), 1);
   close(fd);
 
   chorus_store_close(c);
@@ -563,7 +531,7 @@ TEST(strangers_do_not_disturb) {
   ASSERT_TRUE(fd >= 0);
   const char *http = "GET / HTTP/1.1\r\nHost: store\r\n\r\n";
   raw_send(fd, http, strlen(http));
-  ASSERT_EQ(wait_closed(fd, 1000), 1);
+  ASSERT_EQ(store_raw_wait_closed(fd, 1000), 1);
   close(fd);
   ASSERT_EQ(get_is(c, "k", "v"), 0);
 
@@ -572,7 +540,7 @@ TEST(strangers_do_not_disturb) {
   ASSERT_TRUE(fd >= 0);
   const uint8_t huge[4] = {0xff, 0xff, 0xff, 0xff};
   raw_send(fd, huge, 4);
-  ASSERT_EQ(wait_closed(fd, 1000), 1);
+  ASSERT_EQ(store_raw_wait_closed(fd, 1000), 1);
   close(fd);
 
   /* Half a handshake frame, then goodbye: once without reading the nonce
@@ -626,7 +594,7 @@ TEST(strangers_do_not_disturb) {
     ASSERT_TRUE(fd >= 0);
     ASSERT_EQ(raw_auth(fd, "sec"), 0);
     raw_send(fd, bad[i], badlen[i]);
-    if (!wait_closed(fd, 1000)) HARNESS_FAIL("malformed request %d did not close", i);
+    if (!store_raw_wait_closed(fd, 1000)) HARNESS_FAIL("malformed request %d did not close", i);
     close(fd);
     ASSERT_EQ(get_is(c, "k", "v"), 0);
   }
@@ -659,7 +627,7 @@ TEST(strangers_do_not_disturb) {
 
   /* The silent ones are dropped after the (shortened) handshake timeout. */
   for (int i = 0; i < 20; i++) {
-    if (!wait_closed(silent[i], 2000)) HARNESS_FAIL("silent connection %d still open", i);
+    if (!store_raw_wait_closed(silent[i], 2000)) HARNESS_FAIL("silent connection %d still open", i);
     close(silent[i]);
   }
   int64_t num = 0;

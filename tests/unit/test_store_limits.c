@@ -32,6 +32,7 @@
 
 #include "chorus.h"
 #include "harness.h"
+#include "store_raw.h"
 #include "store/store.h"
 #include "store/store_proto.h"
 #include "util/net.h"
@@ -161,21 +162,6 @@ static int raw_connect_from(const char *src, int port) {
   return track_fd(fd);
 }
 
-/* Waits up to ms for the server to close fd (reads and discards whatever it
- * sends first).  Returns 1 when closed, 0 if still open. */
-static int wait_closed(int fd, int ms) {
-  int64_t deadline = chorus__deadline_ms(ms);
-  for (;;) {
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    int left = chorus__ms_left(deadline);
-    if (left == 0) return 0;
-    if (poll(&p, 1, left) <= 0) continue;
-    char buf[4096];
-    ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return 1;
-  }
-}
-
 /* Whether the peer has closed fd, without waiting or consuming anything. */
 static int peer_closed(int fd) {
   char b;
@@ -188,28 +174,12 @@ static int read_hello(int fd, uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], int ms
   return chorus__net_read_full(fd, hello, 4 + CHORUS__STORE_HELLO_LEN, chorus__deadline_ms(ms));
 }
 
-/* Runs the client half of the handshake by hand.  Returns the verdict byte
- * (0 ok) or -1 on a socket error. */
+/* The client half of the handshake with the test's secret: the verdict
+ * byte (0 ok) or -1. */
 static int raw_auth(int fd) {
-  int64_t dl = chorus__deadline_ms(2000);
-  uint8_t hello[4 + CHORUS__STORE_HELLO_LEN];
-  if (chorus__net_read_full(fd, hello, sizeof hello, dl) < 0) return -1;
   chorus__key_t key;
   if (chorus__job_key(SECRET, "", &key) < 0) return -1;
-  uint8_t ans[4 + CHORUS__STORE_AUTH_LEN];
-  chorus__le32_put(ans, CHORUS__STORE_AUTH_LEN);
-  memcpy(ans + 4, CHORUS__STORE_MAGIC, 4);
-  chorus__le32_put(ans + 8, CHORUS__STORE_VERSION);
-  memset(ans + 12, 7, CHORUS__STORE_NONCE_LEN);
-  chorus__store_mac(&key, 0, hello + 12, ans + 12, ans + 12 + CHORUS__STORE_NONCE_LEN);
-  if (chorus__net_write_full(fd, ans, sizeof ans, dl) < 0) return -1;
-  uint8_t verdict[5];
-  if (chorus__net_read_full(fd, verdict, sizeof verdict, dl) < 0) return -1;
-  if (verdict[4] == 0) {
-    uint8_t proof[CHORUS__STORE_MAC_LEN];
-    if (chorus__net_read_full(fd, proof, sizeof proof, dl) < 0) return -1;
-  }
-  return verdict[4];
+  return store_raw_auth(fd, &key);
 }
 
 /* An authenticated raw connection from src (NULL: 127.0.0.1), or -1. */
@@ -336,7 +306,7 @@ TEST(idle_connections_close_and_clients_resend) {
   ASSERT_EQ(raw_send(parked, req, get_frame(req, "later")), 0);
   int64_t t0 = now_ms();
 
-  ASSERT_EQ(wait_closed(idle, IDLE_MS + 2000), 1);
+  ASSERT_EQ(store_raw_wait_closed(idle, IDLE_MS + 2000), 1);
   int64_t took = now_ms() - t0;
   ASSERT_TRUE(took >= IDLE_MS - 100);
   /* The parked GET has been silent just as long but waits for a key. */
@@ -356,7 +326,7 @@ TEST(idle_connections_close_and_clients_resend) {
   ASSERT_EQ(n, 1 + 4 + 1);
   ASSERT_EQ(body[0], CHORUS__STORE_ST_OK);
   t0 = now_ms();
-  ASSERT_EQ(wait_closed(parked, IDLE_MS + 2000), 1);
+  ASSERT_EQ(store_raw_wait_closed(parked, IDLE_MS + 2000), 1);
   ASSERT_TRUE(now_ms() - t0 >= IDLE_MS - 100);
 }
 
@@ -375,10 +345,10 @@ TEST(partial_frames_time_out) {
   ASSERT_EQ(raw_send(prefix, half, 2), 0);
   ASSERT_EQ(raw_send(body, half, 4 + 40), 0);
   int64_t t0 = now_ms();
-  ASSERT_EQ(wait_closed(prefix, IDLE_MS), 1);
+  ASSERT_EQ(store_raw_wait_closed(prefix, IDLE_MS), 1);
   int64_t took = now_ms() - t0;
   ASSERT_TRUE(took >= FRAME_MS - 50 && took < IDLE_MS - 200);
-  ASSERT_EQ(wait_closed(body, IDLE_MS), 1);
+  ASSERT_EQ(store_raw_wait_closed(body, IDLE_MS), 1);
   ASSERT_TRUE(now_ms() - t0 < IDLE_MS - 200);
 
   /* A regular client is not disturbed. */
@@ -596,7 +566,7 @@ TEST(connections_per_address) {
   int extra = raw_connect_from("127.0.0.2", port);
   ASSERT_TRUE(extra >= 0);
   int64_t t0 = now_ms();
-  ASSERT_EQ(wait_closed(extra, 2000), 1);
+  ASSERT_EQ(store_raw_wait_closed(extra, 2000), 1);
   ASSERT_TRUE(now_ms() - t0 < 1000);
 
   ASSERT_EQ(chorus_store_set(c, "k", "v", 1), CHORUS_OK);
@@ -640,9 +610,9 @@ TEST(handshake_queue_drops_oldest) {
   ASSERT_TRUE(now_ms() - t0 < 2000);
   ASSERT_EQ(chorus_store_set(c, "k", "v", 1), CHORUS_OK);
   ASSERT_EQ(get_is(c, "k", "v"), 0);
-  ASSERT_EQ(wait_closed(s[0], 2000), 1);
-  ASSERT_EQ(wait_closed(s[40], 2000), 1); /* 300 + 1 - 256 = 45 dropped */
-  ASSERT_EQ(wait_closed(s[NSTRANGERS - 1], 100), 0);
+  ASSERT_EQ(store_raw_wait_closed(s[0], 2000), 1);
+  ASSERT_EQ(store_raw_wait_closed(s[40], 2000), 1); /* 300 + 1 - 256 = 45 dropped */
+  ASSERT_EQ(store_raw_wait_closed(s[NSTRANGERS - 1], 100), 0);
 }
 
 /* Reads n bytes from a pipe within ms; 0 or -1. */
