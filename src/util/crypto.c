@@ -34,18 +34,15 @@ int chorus__secret_is_key(const char *secret) {
 static int derive(const char *secret, const char *salt, uint8_t out[CHORUS__KEY_LEN]) {
   size_t slen = strlen(secret), saltlen = strlen(salt);
   if (chorus__secret_is_key(secret)) {
+    /* chorus__hkdf takes a 32-byte key: the secret, of any length, is
+     * first condensed into one with HMAC under the domain label. */
     chorus__key_t ikm = {.set = 1};
-    /* HKDF's input key is the secret's bytes; the extract step takes any
-     * length, so hash the secret in as the salt-keyed HMAC input. */
-    uint8_t prk[CHORUS__MAC_LEN];
     unsigned int len = 0;
     if (!HMAC(EVP_sha256(), k_domain, (int)sizeof k_domain - 1, (const unsigned char *)secret,
-              slen, prk, &len))
+              slen, ikm.b, &len))
       return -EIO;
-    memcpy(ikm.b, prk, sizeof ikm.b);
     int rc = chorus__hkdf(&ikm, salt, saltlen, "job key", 7, out, CHORUS__KEY_LEN);
     chorus__wipe(&ikm, sizeof ikm);
-    chorus__wipe(prk, sizeof prk);
     return rc;
   }
   size_t total = sizeof k_domain + saltlen;
@@ -77,9 +74,8 @@ int chorus__job_key(const char *secret, const char *salt, chorus__key_t *key) {
       return -EIO;
     return 0;
   }
-  /* Cache tag: a keyed hash of (secret, salt) under a per-process key is
-   * not needed, the tag never leaves memory; SHA-256 keeps the secret out
-   * of the cache itself. */
+  /* The cache is looked up by HMAC(salt, secret): the secret itself is not
+   * kept. */
   uint8_t tag[CHORUS__MAC_LEN];
   unsigned int tlen = 0;
   if (!HMAC(EVP_sha256(), salt, (int)strlen(salt), (const unsigned char *)secret, strlen(secret),
