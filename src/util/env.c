@@ -115,11 +115,14 @@ void chorus__env_dump(FILE *f, int markdown) {
   fprintf(f, "| `CHORUS_%s` | `%s` | %s |\n", #name, def, doc);
 #include "env.def"
 #undef X
-    fprintf(f, "\nLauncher contract (set by chorusrun, torchrun's names):\n\n"
+    fprintf(f, "\nLauncher contract (what chorusrun sets in every worker's environment; "
+               "torchrun's names):\n\n"
                "| Variable | Meaning |\n|---|---|\n");
 #define X(name, doc) fprintf(f, "| `%s` | %s |\n", #name, doc);
+#define C(name) fprintf(f, "| `CHORUS_%s` | (above) |\n", #name);
 #include "env_contract.def"
 #undef X
+#undef C
     return;
   }
 #define X(name, type, def, doc)                                                 \
@@ -131,6 +134,8 @@ void chorus__env_dump(FILE *f, int markdown) {
 #undef X
 #define X(name, doc)                                                            \
   fprintf(f, "%-28s = %-12s %s\n", #name, getenv(#name) ? getenv(#name) : "<unset>", doc);
+#define C(name)
 #include "env_contract.def"
 #undef X
+#undef C
 }

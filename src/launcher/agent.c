@@ -1,0 +1,259 @@
+/*
+ * agent.c - the agent: one generation of workers watched to its end and
+ * the restart loop around generations.
+ */
+#include "launcher/launcher.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chorus.h"
+#include "util/clock.h"
+#include "util/log.h"
+#include "util/util.h"
+
+typedef enum { GEN_OK, GEN_FAILED, GEN_SIGNALED, GEN_ERROR } gen_outcome_t;
+
+/* --------------------------------------------------------- process control */
+
+static int failed_status(int st) { return !(WIFEXITED(st) && WEXITSTATUS(st) == 0); }
+
+static int status_exit_code(int st) {
+  if (WIFEXITED(st)) return WEXITSTATUS(st);
+  if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+  return EXIT_LAUNCHER;
+}
+
+/* Sends sig to the process group of every worker still running, followed
+ * by SIGCONT so that a stopped (SIGSTOP, Ctrl-Z) worker can act on it. */
+static void signal_groups(job_t *job, int sig) {
+  for (int r = 0; r < job->nproc; r++)
+    if (job->w[r].running) {
+      kill(-job->w[r].pid, sig);
+      if (sig != SIGKILL) kill(-job->w[r].pid, SIGCONT);
+    }
+}
+
+/* Reaps every exited child without blocking.  Returns the number of workers
+ * reaped; *first_failed receives the rank of the first failing worker if
+ * blame is still open (not stopping, none blamed yet). */
+static int reap(job_t *job, int *first_failed, int blame_open) {
+  int reaped = 0;
+  for (;;) {
+    int st;
+    pid_t pid = waitpid(-1, &st, WNOHANG);
+    if (pid < 0 && errno == EINTR) continue;
+    if (pid <= 0) break; /* none ready, or ECHILD */
+    worker_t *w = NULL;
+    for (int r = 0; r < job->nproc && !w; r++)
+      if (job->w[r].running && job->w[r].pid == pid) w = &job->w[r];
+    if (!w) { /* the guard, or a descendant reparented to us (subreaper) */
+      guard_reaped(pid);
+      continue;
+    }
+    w->running = 0;
+    w->status = st;
+    reaped++;
+    /* Whatever is left in its group dies with it.  The pid cannot have been
+     * reused while that group still has members. */
+    kill(-pid, SIGKILL);
+    guard_send('-', pid);
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d (pid %d) exited with status 0x%x", w->rank,
+                (int)pid, st);
+    if (failed_status(st) && blame_open && *first_failed < 0) *first_failed = w->rank;
+  }
+  return reaped;
+}
+
+/* -------------------------------------------------------- one generation */
+
+/* Runs one generation of all workers until every one has exited and its
+ * output is drained.  *failed_rank receives the blamed rank (GEN_FAILED). */
+static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
+  int first_failed = -1;
+  int stopping = 0, killed = 0, spawn_error = 0;
+  int64_t kill_deadline = CHORUS__NO_DEADLINE, abandon_deadline = CHORUS__NO_DEADLINE;
+  int64_t drain_deadline = CHORUS__NO_DEADLINE;
+  nfds_t cap = 1 + 2 * (nfds_t)job->nproc;
+  struct pollfd *pfd = xmalloc(cap * sizeof *pfd);
+  stream_t **owner_s = xmalloc(cap * sizeof *owner_s);
+  worker_t **owner_w = xmalloc(cap * sizeof *owner_w);
+
+  /* A signal that arrived between generations cancels the next one. */
+  int sig = drain_selfpipe();
+  if (sig && !job->got_sig) job->got_sig = sig;
+  if (job->got_sig) goto done;
+
+  for (int r = 0; r < job->nproc; r++) {
+    worker_t *w = &job->w[r];
+    tail_clear(w);
+    w->pid = 0;
+    w->running = 0;
+    w->st[0].fd = w->st[1].fd = -1;
+  }
+  for (int r = 0; r < job->nproc; r++) {
+    int rc = spawn_worker(job, &job->w[r], restart);
+    if (rc < 0) {
+      fprintf(stderr, "chorusrun: cannot start rank %d: %s; stopping the others\n", r,
+              strerror(-rc));
+      spawn_error = 1;
+      stopping = 1;
+      signal_groups(job, SIGTERM);
+      kill_deadline = chorus__now_ns() + job->grace_ns;
+      break;
+    }
+  }
+
+  for (;;) {
+    int fresh_fail = first_failed < 0;
+    reap(job, &first_failed, !stopping);
+    if (fresh_fail && first_failed >= 0 && !stopping) {
+      stopping = 1;
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group", first_failed);
+      signal_groups(job, SIGTERM);
+      kill_deadline = chorus__now_ns() + job->grace_ns;
+    }
+
+    int running = 0, open = 0;
+    for (int r = 0; r < job->nproc; r++) {
+      running += job->w[r].running;
+      open += (job->w[r].st[0].fd >= 0) + (job->w[r].st[1].fd >= 0);
+    }
+    int64_t now = chorus__now_ns();
+    if (running == 0) {
+      if (drain_deadline == CHORUS__NO_DEADLINE) {
+        /* Every worker is gone: kill what they left behind so the pipes
+         * reach EOF, then give the pipes a bounded time to drain. */
+        sweep_children();
+        drain_deadline = chorus__now_ns() + (int64_t)DRAIN_MS * 1000000;
+      }
+      if (open == 0) break;
+      if (now >= drain_deadline) {
+        for (int r = 0; r < job->nproc; r++)
+          for (int k = 0; k < 2; k++) stream_close(job, &job->w[r], &job->w[r].st[k]);
+        break;
+      }
+    }
+    if (stopping && !killed && now >= kill_deadline) {
+      if (running) CHORUS_INFO(CHORUS__SUB_LAUNCH, "grace period over; sending SIGKILL");
+      signal_groups(job, SIGKILL);
+      killed = 1;
+      abandon_deadline = now + (int64_t)ABANDON_MS * 1000000;
+    }
+    if (killed && running && now >= abandon_deadline) {
+      for (int r = 0; r < job->nproc; r++)
+        if (job->w[r].running)
+          fprintf(stderr, "chorusrun: rank %d (pid %d) survived SIGKILL; giving up on it\n", r,
+                  (int)job->w[r].pid);
+      for (int r = 0; r < job->nproc; r++)
+        for (int k = 0; k < 2; k++) stream_close(job, &job->w[r], &job->w[r].st[k]);
+      spawn_error = 1;
+      break;
+    }
+
+    int timeout = TICK_MS;
+    if (stopping && !killed) timeout = CHORUS__MIN(timeout, chorus__ms_left(kill_deadline));
+    if (killed && running) timeout = CHORUS__MIN(timeout, chorus__ms_left(abandon_deadline));
+    if (running == 0) timeout = CHORUS__MIN(timeout, chorus__ms_left(drain_deadline));
+
+    nfds_t n = 0;
+    pfd[n] = (struct pollfd){.fd = g_selfpipe[0], .events = POLLIN};
+    owner_s[n] = NULL;
+    owner_w[n++] = NULL;
+    for (int r = 0; r < job->nproc; r++)
+      for (int k = 0; k < 2; k++)
+        if (job->w[r].st[k].fd >= 0) {
+          pfd[n] = (struct pollfd){.fd = job->w[r].st[k].fd, .events = POLLIN};
+          owner_s[n] = &job->w[r].st[k];
+          owner_w[n++] = &job->w[r];
+        }
+    int ready = poll(pfd, n, timeout);
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      /* Should not happen (EINVAL/ENOMEM); stop everything hard rather
+       * than spin. */
+      fprintf(stderr, "chorusrun: poll failed: %s; killing the workers\n", strerror(errno));
+      signal_groups(job, SIGKILL);
+      if (!killed) {
+        killed = stopping = 1;
+        abandon_deadline = chorus__now_ns() + (int64_t)ABANDON_MS * 1000000;
+      }
+      spawn_error = 1;
+      struct timespec ts = {0, 10 * 1000000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    if (pfd[0].revents) {
+      sig = drain_selfpipe();
+      if (sig) {
+        if (!job->got_sig) {
+          job->got_sig = sig;
+          fprintf(stderr, "chorusrun: got %s; stopping the workers\n", signal_name(sig));
+          signal_groups(job, sig);
+          if (!stopping) {
+            stopping = 1;
+            kill_deadline = chorus__now_ns() + job->grace_ns;
+          }
+        } else if (!killed) {
+          fprintf(stderr, "chorusrun: got %s again; killing the workers\n", signal_name(sig));
+          kill_deadline = chorus__now_ns();
+        }
+      }
+    }
+    for (nfds_t i = 1; i < n; i++)
+      if (pfd[i].revents) stream_read(job, owner_w[i], owner_s[i]);
+  }
+
+done:
+  free(pfd);
+  free(owner_s);
+  free(owner_w);
+  if (first_failed >= 0) {
+    *failed_rank = first_failed;
+    return GEN_FAILED;
+  }
+  if (job->got_sig) return GEN_SIGNALED;
+  return spawn_error ? GEN_ERROR : GEN_OK;
+}
+
+/* ------------------------------------------------------ restart loop */
+
+int agent_run(job_t *job) {
+  int exit_code = 0;
+  for (int restart = 0;; restart++) {
+    int failed = -1;
+    gen_outcome_t out = run_generation(job, restart, &failed);
+    remove_job_segments(); /* every worker of the generation has exited */
+    if (out == GEN_OK) {
+      exit_code = 0;
+      break;
+    }
+    if (out == GEN_SIGNALED) {
+      exit_code = 128 + job->got_sig;
+      break;
+    }
+    if (out == GEN_ERROR) {
+      exit_code = EXIT_LAUNCHER;
+      break;
+    }
+    report_failure(job, &job->w[failed]);
+    exit_code = status_exit_code(job->w[failed].status);
+    if (job->got_sig) break; /* interrupted while stopping: no restart */
+    if (restart >= job->max_restarts) {
+      if (job->max_restarts > 0)
+        fprintf(stderr, "chorusrun: no restarts left (--max-restarts %d)\n", job->max_restarts);
+      break;
+    }
+    fprintf(stderr, "chorusrun: restarting the group (restart %d/%d)\n", restart + 1,
+            job->max_restarts);
+  }
+
+  return exit_code;
+}

@@ -1,0 +1,222 @@
+/*
+ * launcher.h - chorusrun, the launcher: one agent per node that starts the
+ * node's workers with torchrun's environment contract, hosts or joins the
+ * job's rendezvous, prefixes their output, and stops (or restarts) the whole
+ * group when one fails.  The files, one duty each:
+ *
+ *   main.c     main(): options, job id and secret, the store, the agent run,
+ *              teardown
+ *   args.c     command-line options and --help
+ *   agent.c    the agent: one generation of workers watched to its end (the
+ *              poll loop over their output, reaping, stopping), and the
+ *              restart loop around generations
+ *   spawn.c    starting one worker: the environment written from the
+ *              contract table (util/env_contract.def), CPU binding,
+ *              fork + execve
+ *   output.c   worker output: whole lines behind a "[rankN]:" prefix, the
+ *              last lines of each rank for the failure report
+ *   guard.c    the cleanup guard process, sweeping leftover descendants,
+ *              removing a crashed job's /dev/shm names
+ *   signals.c  the self-pipe signal handling and signal names
+ *
+ * Design
+ *  - One process, one thread of our own (plus the store server's thread,
+ *    which blocks every signal).  Everything happens in one poll() loop
+ *    over the workers' output pipes and a self-pipe.  Signal handlers only
+ *    write the signal number into the self-pipe; the loop does the real work
+ *    (reaping, forwarding, stopping), so nothing unsafe runs in a handler.
+ *    All signals are blocked around fork() so a child never runs our
+ *    handler before it resets them.
+ *  - chorusrun hosts the store (chorus_store_server_start) for the whole
+ *    job and tells workers CHORUS_STORE_EXTERNAL=1, so rank 0 does not serve
+ *    one.  The store outlives restarts: it is never reset.  Each generation
+ *    of workers gets CHORUS_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT)
+ *    0, 1, ... and the library prefixes its rendezvous keys with it, so keys
+ *    of a failed generation never collide with the next one.  A fresh job id
+ *    and job secret (random hex) are made per run; the secret authenticates
+ *    store and data connections.
+ *  - Workers are started with fork + execve (the program is looked up in
+ *    PATH before anything starts, so the child only calls async-signal-safe
+ *    functions).  Each worker leads its own process group, so signals sent
+ *    to the group reach its children too, and sets PR_SET_PDEATHSIG(SIGKILL)
+ *    (checking getppid() afterwards to close the race with our death), so no
+ *    worker outlives a chorusrun that was killed with SIGKILL.  chorusrun is
+ *    also a child subreaper: descendants orphaned by a worker are reparented
+ *    to it, so at the end of every generation it can kill and reap whatever
+ *    the workers left behind, even outside their process groups.  Finally a
+ *    small guard process (guard.c) SIGKILLs the workers' process groups if
+ *    chorusrun itself is SIGKILLed, so the workers' children do not survive
+ *    that either.
+ *  - Output: each worker's stdout and stderr are pipes read with poll(); a
+ *    stream's partial line stays in its buffer until the newline arrives, so
+ *    only whole lines are written, each with one writev() to our stdout or
+ *    stderr behind a "[rankN]:" prefix.  A line longer than 64 KiB is split.
+ *    A final unterminated line is flushed at EOF.  The last TAIL_LINES lines
+ *    of each rank are kept for the failure report.
+ *  - Stopping a generation (a worker failed, or we got SIGINT, SIGTERM,
+ *    SIGHUP or SIGQUIT): send SIGTERM (or the signal received, forwarded)
+ *    to every live worker's group, wait up to the grace period (a second
+ *    signal cuts it short), then SIGKILL the groups.  When a worker is
+ *    reaped its group is SIGKILLed too (its leftovers die with it).  Once all
+ *    workers are reaped, the pipes are drained until EOF (at most DRAIN_MS,
+ *    in case an escaped descendant still holds one).  Every wait is bounded:
+ *    the loop polls at least once per second and gives up on processes that
+ *    survive SIGKILL for ABANDON_MS.
+ *  - The first worker that exits non-zero or by a signal while the group is
+ *    running is the one blamed; workers that die because we stopped them are
+ *    not.  Exit status: 0 if all succeeded, else the blamed worker's exit
+ *    code (128+signal if killed by a signal), 128+signal when chorusrun was
+ *    itself interrupted (no restart then), 2 for usage errors, 1 for other
+ *    launcher errors, 127 when the program cannot be found.
+ *  - --max-restarts K: after a failure the group is stopped as above, the
+ *    report printed, and all N workers start again with the next
+ *    CHORUS_RESTART_COUNT (same store, same job id and secret, same port).
+ */
+#ifndef CHORUS_LAUNCHER_LAUNCHER_H
+#define CHORUS_LAUNCHER_LAUNCHER_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/resource.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include "util/secret.h"
+
+#define EXIT_USAGE 2
+#define EXIT_LAUNCHER 1
+#define EXIT_NOT_FOUND 127
+
+#define LINE_CAP 65536        /* longest line before it is split */
+#define TAIL_LINES 20         /* lines kept per rank for the failure report */
+#define TAIL_LINE_MAX 1024    /* bytes kept of each of those lines */
+#define DRAIN_MS 2000         /* wait for pipe EOF after all workers exited */
+#define ABANDON_MS 10000      /* wait for processes to die after SIGKILL */
+#define TICK_MS 1000          /* the loop wakes up at least this often */
+#define MAX_NPROC 4096
+
+/* ------------------------------------------------------------ data types */
+
+typedef struct {
+  int fd;      /* read end of the pipe, -1 once closed */
+  int out_fd;  /* where its lines go: 1 or 2 */
+  size_t len;  /* bytes of the pending partial line in buf */
+  char *buf;   /* LINE_CAP bytes */
+} stream_t;
+
+typedef struct {
+  int rank;        /* global rank in the current generation */
+  int local_rank;  /* index on this node */
+  pid_t pid;       /* also its process group id; 0 when not started */
+  int running;     /* started and not reaped yet */
+  int status;      /* wait status once reaped */
+  stream_t st[2];  /* stdout, stderr */
+  char *tail[TAIL_LINES];
+  int tail_next, tail_count;
+} worker_t;
+
+typedef struct {
+  /* options */
+  int nproc;    /* workers on this node */
+  const char *master_addr;
+  int master_port;
+  int max_restarts;
+  int prefix;
+  int bind;     /* 1: each worker on its own share of our CPUs (--cpu-bind) */
+  int64_t grace_ns;
+  char **argv;  /* program and its arguments (NULL-terminated) */
+  char *prog;   /* resolved path of argv[0] */
+  /* placement of this node in the current generation */
+  int nnodes;      /* nodes in the group */
+  int node_rank;   /* this node's rank among them (GROUP_RANK) */
+  int rank_base;   /* global rank of this node's local rank 0 */
+  int world_size;  /* workers in the whole group */
+  /* runtime */
+  int port;     /* the store's actual port */
+  char job_id[17];
+  char run_id[128];  /* TORCHELASTIC_RUN_ID: --rdzv-id, else job_id */
+  char secret[CHORUS__SECRET_MAX];
+  char secret_file[4096]; /* what workers get as CHORUS_JOB_SECRET_FILE */
+  worker_t *w;
+  int out_broken[3];  /* our stdout/stderr gave EPIPE: drop their output */
+  int got_sig;        /* first SIGINT/SIGTERM/SIGHUP/SIGQUIT, else 0 */
+} job_t;
+
+typedef enum { ACT_RUN, ACT_PRINT_ENV, ACT_ENV_MARKDOWN, ACT_HELP } action_t;
+
+/* ------------------------------------------------------------- main.c */
+
+void *xmalloc(size_t n);
+char *xstrdup(const char *s);
+char *xasprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ------------------------------------------------------------- args.c */
+
+void usage(FILE *f);
+/* Fills job's options from argv; exits with EXIT_USAGE after a message on
+ * a usage error. */
+action_t parse_args(int argc, char **argv, job_t *job);
+
+/* ------------------------------------------------------------ agent.c */
+
+/* Runs generations of workers (restarting up to --max-restarts) until one
+ * succeeds, fails for good or we are interrupted.  Returns our exit code. */
+int agent_run(job_t *job);
+
+/* ------------------------------------------------------------ spawn.c */
+
+/* Raises RLIMIT_NOFILE for nproc workers' pipes (restored in the workers). */
+void raise_nofile(int nproc);
+/* Looks the program up like execvp() would, so that the child can use
+ * execve().  Returns a malloc'd path or NULL. */
+char *resolve_program(const char *name);
+/* Starts worker w of generation `restart`.  Returns 0 or -errno (nothing
+ * left behind on failure). */
+int spawn_worker(job_t *job, worker_t *w, int restart);
+
+/* ----------------------------------------------------------- output.c */
+
+/* Reads what is available on s (one read) and writes out complete lines. */
+void stream_read(job_t *job, worker_t *w, stream_t *s);
+/* Flushes an unterminated last line and closes the stream. */
+void stream_close(job_t *job, worker_t *w, stream_t *s);
+void tail_clear(worker_t *w);
+/* Prints the failure report of worker w (exit status, last lines). */
+void report_failure(job_t *job, worker_t *w);
+
+/* ------------------------------------------------------------ guard.c */
+
+extern pid_t g_guard_pid;
+extern char g_job_id[17];        /* names the job's /dev/shm segments */
+extern char g_secret_file[4096]; /* the secret file we made, removed at exit */
+
+void guard_start(void);
+void guard_stop(void);
+void guard_send(char op, pid_t pid);
+/* Called for every child reaped: if it was the guard, stop using it. */
+void guard_reaped(pid_t pid);
+/* Kills and reaps every remaining child of ours, bounded by ABANDON_MS. */
+void sweep_children(void);
+/* Removes /dev/shm names of this job that a crashed worker left. */
+void remove_job_segments(void);
+
+/* ---------------------------------------------------------- signals.c */
+
+extern int g_selfpipe[2];
+extern const int g_sigs[5];
+extern struct rlimit g_old_nofile; /* restored in the workers */
+extern int g_nofile_raised;
+
+int install_signals(void);
+/* In a freshly forked worker (async-signal-safe). */
+void child_reset_signals(void);
+/* Drains the self-pipe; returns the first terminating signal it held or 0. */
+int drain_selfpipe(void);
+const char *signal_name(int sig);
+
+#endif
