@@ -97,4 +97,20 @@ void chorus__comm_set_error(chorus_comm_t comm, const char *fmt, ...)
 chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *world_ranks,
                                     int n, int my_rank, int timeout_ms, chorus_comm_t *out);
 
+/* Records the reason a world could not be made (chorus_last_init_error),
+ * logs it, returns st. */
+chorus_result_t chorus__init_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Applies CHORUS_ALGO and CHORUS_<COLL>_ALGO to a new world; unknown names
+ * are errors. */
+chorus_result_t chorus__apply_env_algos(chorus_comm_t comm);
+
+/* "hostname boot-id": equal exactly for processes that can share memory. */
+void chorus__host_identity(char *buf, size_t cap);
+
+/* Gives comm its shared-memory segment when every member is on this host
+ * (collective over comm). */
+chorus_result_t chorus__shm_setup(chorus_comm_t comm);
+
 #endif
