@@ -24,11 +24,13 @@
 #include <unistd.h>
 
 #include "core/comm.h"
+#include "core/kvs.h"
 #include "store/rendezvous.h"
 #include "store/store.h"
 #include "util/clock.h"
 #include "util/crypto.h"
 #include "util/env.h"
+#include "util/hostlist.h"
 #include "util/net.h"
 #include "util/secret.h"
 #include "util/util.h"
@@ -155,7 +157,11 @@ static void world_secret_done(world_secret_t *ws) {
   chorus__wipe(ws, sizeof *ws);
 }
 
-static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out) {
+/* Makes the world.  *server, when not NULL, is the store this rank already
+ * serves (the launcher's key-value service published its port): the world
+ * takes it (*server becomes NULL) once it is past the argument checks. */
+static chorus_result_t world_make(const chorus_config_t *cfg, chorus_store_server_t **server,
+                                  chorus_comm_t *out) {
   const chorus__env_t *env = chorus__env();
   chorus__log_init();
   if (!out) return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: comm is NULL");
@@ -200,7 +206,11 @@ static chorus_result_t world_init(const chorus_config_t *cfg, chorus_comm_t *out
   ctx->size = size;
   int port = cfg->store_port;
   char **addrs = NULL;
-  if (host) {
+  if (*server) {
+    ctx->server = *server;
+    *server = NULL;
+    port = chorus_store_server_port(ctx->server);
+  } else if (host) {
     /* On MASTER_ADDR's address only: all interfaces when asked. */
     st = chorus__store_server_start_key(env->STORE_BIND_ALL ? NULL : cfg->store_host, port,
                                         &ws->key, &ctx->server);
@@ -361,39 +371,401 @@ fail:
   return st;
 }
 
-chorus_result_t chorus_comm_init(const chorus_config_t *config, chorus_comm_t *comm) {
-  return world_init(config, comm);
+static chorus_result_t world_init(const chorus_config_t *cfg, chorus_store_server_t *server,
+                                  chorus_comm_t *out) {
+  chorus_result_t st = world_make(cfg, &server, out);
+  chorus_store_server_stop(server); /* NULL once the world took it */
+  return st;
 }
 
-static int env_int(const char *name, int *out, int required) {
+chorus_result_t chorus_comm_init(const chorus_config_t *config, chorus_comm_t *comm) {
+  return world_init(config, NULL, comm);
+}
+
+/* ----------------------------------------------- the launcher's environment
+ *
+ * chorus_comm_init_env() finds who this process is from the first of:
+ *   1. RANK and WORLD_SIZE (torchrun's contract: chorusrun, torchrun, by
+ *      hand) -- explicit values always win;
+ *   2. Open MPI's mpirun: OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE;
+ *   3. a PMI-1 launcher: PMI_RANK and PMI_SIZE with PMI_FD (MPICH's hydra,
+ *      `srun --mpi=pmi2`), MPI_LOCALRANKID/MPI_LOCALNRANKS or Slurm's
+ *      variables for the node-local part;
+ *   4. Slurm's srun: SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID,
+ *      SLURM_NODEID, SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE -- only
+ *      in a task that srun started (SLURM_STEP_ID set and SLURM_TASK_PID our
+ *      pid or our parent's, for a wrapper script): a process that merely
+ *      inherited them (a program run directly in an sbatch script, a child
+ *      of a task) must not believe it is task SLURM_PROCID.
+ * and where the store is from the first of:
+ *   a. MASTER_ADDR and MASTER_PORT;
+ *   b. the launcher's key-value service (kvs.h): rank 0 starts the store on
+ *      a port the kernel picks, on every interface, and publishes the port,
+ *      its host and its addresses (plus a fresh job secret when none was
+ *      configured); the others read them after a fence -- no port race, no
+ *      address guess;
+ *   c. every rank on one host: 127.0.0.1 and a port derived from the
+ *      launcher's job id (MASTER_PORT wins);
+ *   d. Slurm without a key-value service: the first host of the step's node
+ *      list and the derived port (a job secret must be configured then);
+ * else the world cannot form, and that is an error at once -- never a world
+ * of one per node.
+ */
+
+typedef struct {
+  const char *source; /* who launched us, for messages */
+  int rank, size;
+  int local_rank, local_size; /* -1: unknown */
+  int nnodes;                 /* -1: unknown */
+  char tag[160];              /* the launcher's job id, for a derived port */
+  const char *nodelist;       /* Slurm's step node list, or NULL */
+} launch_t;
+
+/* Reads a non-negative integer variable: 1 set, 0 unset, -1 malformed. */
+static int env_int(const char *name, int *out) {
   const char *v = getenv(name);
   long x;
-  if (!v || !*v) return required ? -1 : 0;
-  if (chorus__parse_long(v, &x) < 0 || x < 0 || x > 1 << 30) return -2;
+  if (!v || !*v) return 0;
+  if (chorus__parse_long(v, &x) < 0 || x < 0 || x > 1 << 30) return -1;
   *out = (int)x;
+  return 1;
+}
+
+/* Both set and well formed: 1; both unset: 0; else an error message. */
+static int env_pair(const char *a, int *va, const char *b, int *vb, char *err, size_t cap) {
+  int ra = env_int(a, va), rb = env_int(b, vb);
+  if (ra < 0 || rb < 0) {
+    snprintf(err, cap, "%s='%s' is not a non-negative integer", ra < 0 ? a : b,
+             getenv(ra < 0 ? a : b));
+    return -1;
+  }
+  if (ra != rb) {
+    snprintf(err, cap, "%s is set but %s is not", ra ? a : b, ra ? b : a);
+    return -1;
+  }
+  if (ra && *va >= *vb) {
+    snprintf(err, cap, "%s=%d is not below %s=%d", a, *va, b, *vb);
+    return -1;
+  }
+  return ra;
+}
+
+/* Tasks on node `node` from SLURM_STEP_TASKS_PER_NODE ("2(x3),1"), or -1. */
+static int slurm_tasks_on_node(const char *spec, int node) {
+  int seen = 0;
+  for (const char *p = spec; p && *p;) {
+    char *end;
+    long n = strtol(p, &end, 10), reps = 1;
+    if (end == p || n < 0) return -1;
+    p = end;
+    if (*p == '(') {
+      if (p[1] != 'x') return -1;
+      reps = strtol(p + 2, &end, 10);
+      if (end == p + 2 || *end != ')' || reps < 1) return -1;
+      p = end + 1;
+    }
+    if (node < seen + reps) return (int)n;
+    seen += (int)reps;
+    if (*p == ',') p++;
+    else if (*p) return -1;
+  }
+  return -1;
+}
+
+/* 1 when this process is a task srun started (see above). */
+static int slurm_task(void) {
+  int task_pid;
+  if (!getenv("SLURM_STEP_ID") && !getenv("SLURM_STEPID")) return 0;
+  if (env_int("SLURM_TASK_PID", &task_pid) != 1) return 0;
+  return task_pid == (int)getpid() || task_pid == (int)getppid();
+}
+
+/* Fills L from the environment.  0, or -1 with err set (nothing usable, or
+ * malformed values). */
+static int launch_detect(launch_t *L, char *err, size_t cap) {
+  memset(L, 0, sizeof *L);
+  L->local_rank = L->local_size = L->nnodes = -1;
+  int r = env_pair("RANK", &L->rank, "WORLD_SIZE", &L->size, err, cap);
+  if (r < 0) return -1;
+  if (r) {
+    L->source = "RANK/WORLD_SIZE";
+    int lr, ls, gs;
+    if (env_int("LOCAL_RANK", &lr) == 1 && env_int("LOCAL_WORLD_SIZE", &ls) == 1 && lr < ls) {
+      L->local_rank = lr;
+      L->local_size = ls;
+    }
+    if (env_int("GROUP_WORLD_SIZE", &gs) == 1 && gs > 0) L->nnodes = gs;
+    return 0;
+  }
+  r = env_pair("OMPI_COMM_WORLD_RANK", &L->rank, "OMPI_COMM_WORLD_SIZE", &L->size, err, cap);
+  if (r < 0) return -1;
+  if (r) {
+    L->source = "Open MPI's mpirun";
+    if (env_pair("OMPI_COMM_WORLD_LOCAL_RANK", &L->local_rank, "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 &L->local_size, err, cap) <= 0)
+      L->local_rank = L->local_size = -1;
+    const char *id = getenv("OMPI_MCA_ess_base_jobid");
+    if (!id) id = getenv("PMIX_NAMESPACE");
+    snprintf(L->tag, sizeof L->tag, "ompi:%s", id ? id : "");
+    return 0;
+  }
+  int slurm = slurm_task();
+  if (getenv("PMI_FD")) {
+    r = env_pair("PMI_RANK", &L->rank, "PMI_SIZE", &L->size, err, cap);
+    if (r < 0) return -1;
+    if (r) {
+      L->source = slurm ? "srun (PMI)" : "a PMI launcher (mpiexec)";
+      if (env_pair("MPI_LOCALRANKID", &L->local_rank, "MPI_LOCALNRANKS", &L->local_size, err,
+                   cap) <= 0)
+        L->local_rank = L->local_size = -1;
+      if (!slurm) return 0;
+      /* srun --mpi=pmi2: Slurm's variables describe the same task. */
+      int sr = -1;
+      if (env_int("SLURM_PROCID", &sr) != 1 || sr != L->rank) return 0;
+    }
+  }
+  if (!slurm) {
+    if (getenv("SLURM_PROCID") && getenv("SLURM_JOB_ID"))
+      snprintf(err, cap, "SLURM_PROCID is set but this process was not started by srun as a "
+               "task (no SLURM_STEP_ID, or SLURM_TASK_PID is not this process or its parent), "
+               "so it is not believed; run the program with srun, chorusrun or torchrun, or "
+               "set RANK and WORLD_SIZE");
+    else
+      snprintf(err, cap, "RANK and WORLD_SIZE are not set; launch with chorusrun (or torchrun), "
+               "srun, mpirun or mpiexec, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT");
+    return -1;
+  }
+  int node = -1, tasks = -1;
+  if (!L->source) {
+    if (env_int("SLURM_PROCID", &L->rank) != 1 ||
+        (env_int("SLURM_STEP_NUM_TASKS", &tasks) != 1 && env_int("SLURM_NTASKS", &tasks) != 1) ||
+        tasks <= 0 || L->rank >= tasks) {
+      snprintf(err, cap, "srun's SLURM_PROCID='%s' / SLURM_STEP_NUM_TASKS='%s' are missing or "
+               "inconsistent", getenv("SLURM_PROCID") ? getenv("SLURM_PROCID") : "",
+               getenv("SLURM_STEP_NUM_TASKS") ? getenv("SLURM_STEP_NUM_TASKS") : "");
+      return -1;
+    }
+    L->size = tasks;
+    L->source = "srun";
+  }
+  int lr;
+  const char *tpn = getenv("SLURM_STEP_TASKS_PER_NODE");
+  if (!tpn) tpn = getenv("SLURM_TASKS_PER_NODE");
+  if (env_int("SLURM_NODEID", &node) == 1 && env_int("SLURM_LOCALID", &lr) == 1 && tpn) {
+    int ls = slurm_tasks_on_node(tpn, node);
+    if (ls > lr) {
+      L->local_rank = lr;
+      L->local_size = ls;
+    }
+  }
+  int nn;
+  if (env_int("SLURM_STEP_NUM_NODES", &nn) == 1 && nn > 0) L->nnodes = nn;
+  L->nodelist = getenv("SLURM_STEP_NODELIST");
+  const char *job = getenv("SLURM_JOB_ID"), *step = getenv("SLURM_STEP_ID");
+  if (!step) step = getenv("SLURM_STEPID");
+  snprintf(L->tag, sizeof L->tag, "slurm:%s.%s", job ? job : "", step ? step : "");
   return 0;
+}
+
+/* Every rank on this host? 1 yes, 0 no, -1 unknown. */
+static int launch_one_host(const launch_t *L) {
+  if (L->size == 1 || L->nnodes == 1) return 1;
+  if (L->nnodes > 1) return 0;
+  if (L->local_size > 0) return L->local_size == L->size;
+  return -1;
+}
+
+/* A store port derived from the launcher's job id, the same on every rank:
+ * [20000, 32000), below Linux's ephemeral range. */
+static int derived_port(const launch_t *L) {
+  static const uint8_t key[16] = "chorus-storeport";
+  return 20000 + (int)(chorus__siphash(key, L->tag, strlen(L->tag)) % 12000);
+}
+
+/* The key-value exchange (b above).  On success cfg has the store's host
+ * and port (and the job secret, in secret, when rank 0 made one), and rank
+ * 0 holds the running store in *server. */
+static chorus_result_t kvs_exchange(const launch_t *L, chorus_config_t *cfg, char *host,
+                                    size_t host_cap, char *secret, size_t secret_cap,
+                                    chorus_store_server_t **server, int64_t deadline) {
+  const chorus__env_t *env = chorus__env();
+  char err[600], val[CHORUS__KVS_VALUE_MAX + 1], why[600];
+  chorus__kvs_t *kvs = NULL;
+  chorus_result_t st = chorus__kvs_open(&kvs, L->rank, deadline, err, sizeof err);
+  if (st != CHORUS_OK)
+    return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L->rank, L->size, L->source, err);
+  int one_host = launch_one_host(L) == 1;
+  if (L->rank == 0) {
+    /* Bind first, publish second: the port is ours before anyone reads it. */
+    int have = chorus__secret_configured(secret, secret_cap, why, sizeof why);
+    if (have < 0) {
+      chorus__kvs_close(kvs, deadline);
+      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank 0: %s", why);
+    }
+    if (!have && chorus__secret_generate(secret, secret_cap) != 0) {
+      chorus__kvs_close(kvs, deadline);
+      return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank 0: cannot get random bytes for "
+                               "the job secret");
+    }
+    chorus__key_t key;
+    int port = cfg->store_port > 0 ? cfg->store_port : 0;
+    st = chorus__job_key(secret, env->JOB_ID, &key) == 0
+             ? chorus__store_server_start_key(one_host ? "127.0.0.1" : NULL, port, &key, server)
+             : CHORUS_ERR_SYSTEM;
+    chorus__wipe(&key, sizeof key);
+    if (st != CHORUS_OK) {
+      chorus__kvs_close(kvs, deadline);
+      return chorus__init_fail(st, "chorus rank 0 (%s): cannot serve the store on port %d: %s",
+                               L->source, port, chorus_strerror(st));
+    }
+    char addrs[400];
+    if (one_host || chorus__net_host_addrs(addrs, sizeof addrs) <= 0)
+      snprintf(addrs, sizeof addrs, "127.0.0.1");
+    /* "v1,<port>,<addresses joined by +>,<secret or ->" */
+    for (char *c = addrs; *c; c++)
+      if (*c == ',') *c = '+';
+    snprintf(val, sizeof val, "v1,%d,%s,%s", chorus_store_server_port(*server), addrs,
+             have ? "-" : secret);
+    st = chorus__kvs_put(kvs, "chorus-store", val, deadline, err, sizeof err);
+    chorus__wipe(val, sizeof val);
+  }
+  if (st == CHORUS_OK) st = chorus__kvs_fence(kvs, deadline, err, sizeof err);
+  if (st == CHORUS_OK && L->rank != 0)
+    st = chorus__kvs_get(kvs, 0, "chorus-store", val, sizeof val, deadline, err, sizeof err);
+  chorus__kvs_close(kvs, deadline);
+  if (st != CHORUS_OK)
+    return chorus__init_fail(st, "chorus rank %d/%d (%s): the launcher's key-value exchange "
+                             "failed: %s", L->rank, L->size, L->source, err);
+  if (L->rank == 0) {
+    cfg->store_port = chorus_store_server_port(*server);
+    if (one_host) {
+      snprintf(host, host_cap, "127.0.0.1");
+    } else {
+      char addrs[400];
+      if (chorus__net_host_addrs(addrs, sizeof addrs) <= 0) snprintf(addrs, sizeof addrs, "127.0.0.1");
+      addrs[strcspn(addrs, ",")] = '\0';
+      snprintf(host, host_cap, "%.255s", addrs);
+    }
+    cfg->store_host = host;
+    if (secret[0]) cfg->job_secret = secret;
+    return CHORUS_OK;
+  }
+  /* Parse rank 0's value: it is untrusted like any received bytes. */
+  char *save = NULL, *ver = strtok_r(val, ",", &save), *port_s = strtok_r(NULL, ",", &save);
+  char *list = strtok_r(NULL, ",", &save), *sec = strtok_r(NULL, ",", &save);
+  long port = 0;
+  if (!ver || strcmp(ver, "v1") || !port_s || chorus__parse_long(port_s, &port) < 0 ||
+      port < 1 || port > 65535 || !list || !sec || strtok_r(NULL, ",", &save))
+    return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): rank 0's store "
+                             "address in the key-value service is malformed", L->rank, L->size,
+                             L->source);
+  if (strcmp(sec, "-")) {
+    snprintf(secret, secret_cap, "%s", sec);
+    cfg->job_secret = secret;
+  }
+  cfg->store_port = (int)port;
+  /* The first of rank 0's addresses that answers (one address: no choice
+   * to make).  The probe is a full store handshake, so the store sees a
+   * client that came and went, not a stranger. */
+  if (!strchr(list, '+')) {
+    snprintf(host, host_cap, "%s", list);
+    cfg->store_host = host;
+    return CHORUS_OK;
+  }
+  chorus__key_t key;
+  char who[600];
+  int have = secret[0] ? 1 : chorus__secret_configured(secret, secret_cap, who, sizeof who);
+  if (have <= 0 || chorus__job_key(secret, env->JOB_ID, &key) < 0)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d (%s): no job secret to "
+                             "reach rank 0's store with", L->rank, L->size, L->source);
+  int tried = 0;
+  for (char *s2 = NULL, *a = strtok_r(list, "+", &s2); a; a = strtok_r(NULL, "+", &s2)) {
+    if (tried++ == 16) break;
+    chorus_store_t *probe = NULL;
+    if (chorus__store_connect_key(a, (int)port, &key, CHORUS__MIN(2000, chorus__ms_left(deadline)),
+                                  &probe) == CHORUS_OK) {
+      chorus_store_close(probe);
+      chorus__wipe(&key, sizeof key);
+      snprintf(host, host_cap, "%s", a);
+      cfg->store_host = host;
+      return CHORUS_OK;
+    }
+  }
+  chorus__wipe(&key, sizeof key);
+  return chorus__init_fail(CHORUS_ERR_TIMEOUT, "chorus rank %d/%d (%s): none of rank 0's "
+                           "addresses answers on port %ld; set MASTER_ADDR and MASTER_PORT "
+                           "to an address of rank 0's host that this host can reach",
+                           L->rank, L->size, L->source, port);
 }
 
 chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
   chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
-  static const char *required[] = {"RANK", "WORLD_SIZE", "MASTER_PORT"};
-  int *fields[] = {&cfg.rank, &cfg.world_size, &cfg.store_port};
+  const chorus__env_t *env = chorus__env();
+  chorus__log_init();
   if (comm) *comm = NULL;
-  for (int i = 0; i < 3; i++) {
-    int rc = env_int(required[i], fields[i], 1);
-    if (rc == -1)
-      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s is not set; launch "
-                       "with chorusrun (or torchrun) or set RANK, WORLD_SIZE, "
-                       "MASTER_ADDR and MASTER_PORT", required[i]);
-    if (rc == -2)
-      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s='%s' is not a "
-                       "non-negative integer", required[i], getenv(required[i]));
+  launch_t L;
+  char err[700], host[300], secret[CHORUS__SECRET_MAX] = "";
+  if (launch_detect(&L, err, sizeof err) < 0)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s", err);
+  cfg.rank = L.rank;
+  cfg.world_size = L.size;
+  if (L.local_rank >= 0) {
+    cfg.local_rank = L.local_rank;
+    cfg.local_world_size = L.local_size;
   }
-  if (env_int("LOCAL_RANK", &cfg.local_rank, 0) < 0 ||
-      env_int("LOCAL_WORLD_SIZE", &cfg.local_world_size, 0) < 0)
-    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: LOCAL_RANK or "
-                     "LOCAL_WORLD_SIZE is not a non-negative integer");
-  cfg.store_host = getenv("MASTER_ADDR");
-  if (!cfg.store_host || !*cfg.store_host) cfg.store_host = "127.0.0.1";
-  return world_init(&cfg, comm);
+  int port_set = env_int("MASTER_PORT", &cfg.store_port);
+  if (port_set < 0 || cfg.store_port > 65535)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_PORT='%s' "
+                             "is not a port number", getenv("MASTER_PORT"));
+  const char *addr = getenv("MASTER_ADDR");
+  int one_host = launch_one_host(&L);
+  long timeout_s = env->TIMEOUT > 0 && env->TIMEOUT < 2000000 ? env->TIMEOUT : 300;
+  int64_t deadline = chorus__deadline_ms(timeout_s * 1000);
+  chorus_store_server_t *server = NULL;
+  chorus_result_t st;
+  char why[300];
+  const char *kvs = chorus__kvs_available(why, sizeof why);
+  if (addr && *addr && port_set) {
+    cfg.store_host = addr; /* a */
+  } else if (!port_set && addr && *addr) {
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_ADDR is set "
+                             "but MASTER_PORT is not");
+  } else if (kvs && L.size > 1 && !env->STORE_EXTERNAL) {
+    st = kvs_exchange(&L, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
+    if (st != CHORUS_OK) {
+      chorus__wipe(secret, sizeof secret);
+      return st;
+    }
+  } else if (!port_set && !strcmp(L.source, "RANK/WORLD_SIZE") && L.size > 1) {
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_PORT is not "
+                             "set; launch with chorusrun (or torchrun) or set RANK, WORLD_SIZE, "
+                             "MASTER_ADDR and MASTER_PORT");
+  } else if (one_host == 1) {
+    cfg.store_host = "127.0.0.1"; /* c */
+    if (!port_set) cfg.store_port = derived_port(&L);
+  } else if (L.nodelist && strcmp(L.source, "RANK/WORLD_SIZE")) {
+    /* d: rank 0 is task 0, on the step's first node (srun places tasks in
+     * node order). */
+    if (chorus__hostlist_nth(L.nodelist, 0, host, sizeof host) < 0)
+      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: cannot read "
+                               "SLURM_STEP_NODELIST='%.200s'", L.nodelist);
+    cfg.store_host = host;
+    if (!port_set) cfg.store_port = derived_port(&L);
+  } else if (port_set && one_host < 0) {
+    cfg.store_host = "127.0.0.1"; /* MASTER_PORT alone: torchrun's default address */
+  } else {
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: rank %d of %d "
+                             "(%s) spans several hosts%s and has no store address: set "
+                             "MASTER_ADDR and MASTER_PORT, or launch with srun --mpi=pmi2 or "
+                             "--mpi=pmix, mpirun, mpiexec or chorusrun, whose key-value service "
+                             "carries it%s%s", L.rank, L.size, L.source,
+                             one_host < 0 ? " (or may)" : "", why[0] ? "; " : "", why);
+  }
+  CHORUS_INFO(CHORUS__SUB_INIT, "bootstrap: rank %d/%d from %s, local %d/%d, store %s:%d",
+              L.rank, L.size, L.source, L.local_rank, L.local_size, cfg.store_host,
+              cfg.store_port);
+  if (server) cfg.host_store = 1;
+  st = world_init(&cfg, server, comm);
+  chorus__wipe(secret, sizeof secret);
+  return st;
 }

@@ -9,6 +9,8 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -254,4 +256,38 @@ int chorus__net_is_local(const char *host) {
   }
   freeaddrinfo(res);
   return local;
+}
+
+int chorus__net_host_addrs(char *out, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  if (cap == 0) return -EINVAL;
+  out[0] = '\0';
+  if (getifaddrs(&ifs) < 0) return -errno;
+  size_t len = 0;
+  int count = 0;
+  /* IPv4 first (what most clusters route), then global IPv6. */
+  for (int pass = 0; pass < 2; pass++) {
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      int fam = i->ifa_addr->sa_family;
+      if (fam != (pass == 0 ? AF_INET : AF_INET6)) continue;
+      if (fam == AF_INET6) {
+        const struct in6_addr *a6 = &((const struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
+        if (IN6_IS_ADDR_LINKLOCAL(a6) || IN6_IS_ADDR_LOOPBACK(a6)) continue;
+      }
+      char host[INET6_ADDRSTRLEN];
+      int port;
+      if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host,
+                       sizeof host, &port) < 0)
+        continue;
+      size_t hl = strlen(host);
+      if (len + hl + 2 > cap) break; /* keep what fits */
+      if (len) out[len++] = ',';
+      memcpy(out + len, host, hl + 1);
+      len += hl;
+      count++;
+    }
+  }
+  freeifaddrs(ifs);
+  return count;
 }

@@ -38,4 +38,10 @@ int chorus__net_peer_addr(int fd, char *host, size_t cap, int *port);
  * so every process that reaches it through that name runs here. */
 int chorus__net_is_local(const char *host);
 
+/* This host's addresses a peer on another host might reach it by: every
+ * non-loopback IPv4 address of an interface that is up, then global IPv6
+ * ones, numeric, comma-separated into out (what fits).  Returns how many,
+ * or -errno. */
+int chorus__net_host_addrs(char *out, size_t cap);
+
 #endif
