@@ -6,9 +6,23 @@
 #                            the fuzzers (scripts/fuzz.sh); these are optional:
 #                            when they cannot be installed the script says so
 #                            and scripts/fuzz.sh reports the fuzzers as skipped
+#   scripts/deps.sh --cluster  also the real launchers the release pass tests
+#                            against: Open MPI (openmpi-bin), MPICH (mpich),
+#                            PMIx headers (libpmix-dev, so the build enables
+#                            the PMIx bootstrap), iproute2 for emulated hosts;
+#                            optional like the fuzzers (the tests that need
+#                            them skip and say why).  Slurm and etcd are
+#                            installed by their fixtures (tests/fixtures/).
 set -euo pipefail
-fuzz=0
-[[ "${1:-}" == "--fuzz" ]] && fuzz=1
+fuzz=0 cluster=0
+for arg in "$@"; do
+  case $arg in
+    --fuzz) fuzz=1 ;;
+    --cluster) cluster=1 ;;
+    *) echo "deps.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+installed() { [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]; }
 need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v make >/dev/null 2>&1 || need+=(make)
@@ -27,9 +41,13 @@ if ((fuzz)); then
   [[ "$(dpkg-query -W -f='${Status}' libclang-rt-14-dev 2>/dev/null)" == "install ok installed" ]] ||
     fuzz_need+=(libclang-rt-14-dev)
 fi
+cluster_need=()
+if ((cluster)); then
+  for p in openmpi-bin mpich libpmix-dev iproute2; do installed "$p" || cluster_need+=("$p"); done
+fi
 sudo=""
 [[ $(id -u) -ne 0 ]] && sudo="sudo"
-if ((${#need[@]} + ${#fuzz_need[@]})); then
+if ((${#need[@]} + ${#fuzz_need[@]} + ${#cluster_need[@]})); then
   $sudo apt-get update -qq || echo "deps: apt-get update failed" >&2
 fi
 if ((${#need[@]})); then
@@ -40,4 +58,10 @@ if ((${#fuzz_need[@]})); then
   echo "deps: installing ${fuzz_need[*]} (fuzzers)"
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${fuzz_need[@]}" >/dev/null ||
     echo "deps: could not install ${fuzz_need[*]}: the fuzzers will be skipped" >&2
+fi
+if ((${#cluster_need[@]})); then
+  echo "deps: installing ${cluster_need[*]} (real launchers for the release tests)"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    -o DPkg::Lock::Timeout=600 "${cluster_need[@]}" >/dev/null ||
+    echo "deps: could not install ${cluster_need[*]}: the tests that need them will skip" >&2
 fi

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (README's second command):
-#   1. a release build with warnings as errors, all CTest tests;
-#   2. an ASan+UBSan build (LeakSanitizer included), all tests again;
-#   3. a TSan build, all tests but the launcher's shell test;
+#   1. a release build with warnings as errors, all CTest tests, among them
+#      those (label "cluster") against real launchers and services: Open
+#      MPI, MPICH, Slurm, etcd, emulated hosts -- only in this pass;
+#   2. an ASan+UBSan build (LeakSanitizer included), all tests again but the
+#      cluster ones;
+#   3. a TSan build, all tests but the launcher's and the cluster ones;
 #   4. the fuzzers (fuzz/, clang + libFuzzer + ASan/UBSan, build dir
 #      build-fuzz), each for CHORUS_FUZZ_SECONDS (default 30), two at a time
 #      (scripts/fuzz.sh; a crash fails the script and names the reproducer).
@@ -10,7 +13,7 @@
 # skip pass 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then scripts/deps.sh; else scripts/deps.sh --fuzz; fi
+if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then scripts/deps.sh --cluster; else scripts/deps.sh --fuzz --cluster; fi
 jobs=$(nproc)
 
 echo "== build (release, -Werror)"
@@ -26,7 +29,7 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
   cmake --build build-asan -j"$jobs" >/dev/null
   echo "== tests (ASan + UBSan)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan --output-on-failure -j"$jobs"
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" -LE cluster
 
   echo "== build (TSan)"
   CHORUS_TEST_TIMEOUT_MULTIPLIER=4 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
@@ -34,7 +37,7 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
   cmake --build build-tsan -j"$jobs" >/dev/null
   echo "== tests (TSan)"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E '^launcher\.'
+    ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E '^launcher\.' -LE cluster
 fi
 
 if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then
