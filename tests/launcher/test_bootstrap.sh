@@ -166,6 +166,8 @@ mode_ompi() {
 
 mode_slurm() {
   [[ -n $FIXTURES && -x $FIXTURES/slurm.sh ]] || skip "no Slurm fixture given"
+  # munged wants every directory above its socket searchable by all.
+  chmod 755 "$TMP"
   export CHORUS_SLURM_DIR=$TMP/slurm CHORUS_SLURM_NODES=2
   bash "$FIXTURES/slurm.sh" up >"$OUT" 2>&1
   case $? in
@@ -194,11 +196,19 @@ mode_slurm() {
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2
 #SBATCH --output=$TMP/job.out
+# The batch script's own process has SLURM_PROCID=0 and SLURM_NTASKS=4: a
+# program run here without srun must refuse them, not wait for 3 peers.
+CHORUS_TIMEOUT=10 $CHECK >$TMP/direct.out 2>&1
 srun --mpi=pmi2 $CHECK
 JOB
   run 120 sbatch --wait "$TMP/job.sh"
   cp "$TMP/job.out" "$OUT" 2>/dev/null
   expect_world "sbatch --wait (2 nodes x 2, srun --mpi=pmi2 inside)" 4
+  if grep -q "not believed" "$TMP/direct.out" && ! grep -q '^bootstrap ok' "$TMP/direct.out"; then
+    ok "sbatch script's own process: its SLURM_PROCID is not believed"
+  else
+    cp "$TMP/direct.out" "$OUT"; fail "sbatch script's own process believed SLURM_PROCID"
+  fi
   # Two nodes, no PMI, no secret: a clear error at once, never a world of one.
   run 90 env CHORUS_TIMEOUT=20 "${srun[@]}" -N 2 --ntasks-per-node=1 "$CHECK"
   expect_error "srun -N 2 without PMI or secret" "bootstrap FAILED" 15000
