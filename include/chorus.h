@@ -270,6 +270,23 @@ CHORUS_API chorus_result_t chorus_comm_split(chorus_comm_t parent, int color,
                                              int key, chorus_comm_t *out);
 
 /*
+ * After members of comm died (ULFM's MPI_Comm_shrink, NCCL's
+ * ncclCommShrink): the survivors agree on who is still alive and get a new
+ * communicator of exactly those, numbered in their old order.  Every
+ * survivor calls it (comm may have failed already; it stays failed: destroy
+ * it).  A member counts as dead when its connection is gone or it has sent
+ * nothing for about a second; one that has not joined the agreement when
+ * timeout_ms runs out (<= 0: comm's timeout) is left out.  The call never
+ * hangs: a member that dies during it is either left out or makes the new
+ * communicator fail on its first use (shrink again).  A survivor left out
+ * gets CHORUS_ERR_REMOTE.  The survivors agree through the job's store,
+ * which must outlive the failure: chorusrun serves it; in a world whose
+ * rank 0 serves it, rank 0's death makes this fail with CHORUS_ERR_STORE.
+ */
+CHORUS_API chorus_result_t chorus_comm_shrink(chorus_comm_t comm, int timeout_ms,
+                                              chorus_comm_t *out);
+
+/*
  * Forces the algorithm used for `coll` on this communicator ("ring",
  * "recursive_doubling", "binomial", "linear", ...; NULL or "auto" restores the
  * automatic choice).  Every rank must make the same choice; a difference is

@@ -73,6 +73,7 @@ struct chorus_comm {
   int forced_algo[CHORUS_COLL_COUNT]; /* -1: automatic */
   uint64_t next_seq;
   uint64_t children; /* subgroups created so far (for their ids) */
+  uint64_t shrinks;  /* chorus_comm_shrink calls so far (their epochs) */
   pthread_mutex_t lock;
   pthread_cond_t cond;
   struct chorus_work *q_head, *q_tail;

@@ -443,6 +443,18 @@ int chorus__ep_peer_gone(chorus__ep_t *ep, int peer) {
   return gone;
 }
 
+int chorus__tp_peer_state(chorus__tp_t *tp, int w) {
+  if (w < 0 || w >= tp->size || w == tp->rank) return CHORUS__PEER_ALIVE;
+  pthread_mutex_lock(&tp->lock);
+  conn_t *c = &tp->conns[w];
+  int state = c->dead || c->bye_received ? CHORUS__PEER_GONE
+              : chorus__now_ns() - c->last_heard > (int64_t)4 * HEARTBEAT_MS * 1000000
+                  ? CHORUS__PEER_SILENT
+                  : CHORUS__PEER_ALIVE;
+  pthread_mutex_unlock(&tp->lock);
+  return state;
+}
+
 chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *need) {
   chorus__tp_t *tp = ep->tp;
   pthread_mutex_lock(&tp->lock);

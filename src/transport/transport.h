@@ -167,6 +167,12 @@ void chorus__ep_fail_timeout(chorus__ep_t *ep, int timeout_ms, const char *who);
 /* Non-zero if group rank peer left (goodbye or connection gone). */
 int chorus__ep_peer_gone(chorus__ep_t *ep, int peer);
 
+/* What the transport knows of world rank w: its connection is gone (dead
+ * or said goodbye), it has sent nothing -- not even a heartbeat -- for four
+ * heartbeat periods (stopped, hung, or its link is down), or it is alive. */
+enum { CHORUS__PEER_ALIVE = 0, CHORUS__PEER_GONE = 1, CHORUS__PEER_SILENT = 2 };
+int chorus__tp_peer_state(chorus__tp_t *tp, int w);
+
 /* If group rank peer left (goodbye or connection gone), fails ep saying that
  * this rank still needs it (need: "waits for its data"); returns the
  * endpoint's status. */
