@@ -8,6 +8,7 @@
 
 #include <signal.h>
 #include <sys/prctl.h>
+#include <time.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -44,6 +45,28 @@ static inline int child_store_start(const char *secret, pid_t *pid) {
   if (*pid < 0 || read(p[0], &port, sizeof port) != (ssize_t)sizeof port) port = -1;
   close(p[0]);
   return port;
+}
+
+/* CLOCK_MONOTONIC in ms: the same clock in the driver and its children. */
+static inline double child_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* Kills (stopped ones too) and reaps children pids[0..n), closes their
+ * report pipes fds[0..n) and zeroes both. */
+static inline void children_kill(pid_t *pids, int *fds, int n) {
+  for (int r = 0; r < n; r++) {
+    if (pids[r] > 0) {
+      kill(pids[r], SIGCONT);
+      kill(pids[r], SIGKILL);
+      waitpid(pids[r], NULL, 0);
+      pids[r] = 0;
+    }
+    if (fds[r] > 0) close(fds[r]);
+    fds[r] = 0;
+  }
 }
 
 /* Kills and reaps the store child, if any. */

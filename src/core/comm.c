@@ -381,6 +381,21 @@ static uint64_t child_id(chorus_comm_t parent, uint64_t counter, const int *rank
   return id < 2 ? id + 2 : id; /* 1 is the world */
 }
 
+chorus_result_t chorus__comm_derive(chorus_comm_t parent, uint64_t id, const int *world, int n,
+                                    int me, chorus_comm_t *out) {
+  chorus_result_t st = chorus__comm_create(parent->ctx, id, world, n, me, parent->timeout_ms, out);
+  if (st != CHORUS_OK) return st;
+  memcpy((*out)->forced_algo, parent->forced_algo, sizeof parent->forced_algo);
+  (*out)->debug_checks = parent->debug_checks;
+  st = chorus__shm_setup(*out);
+  if (st != CHORUS_OK) {
+    chorus__comm_set_error(parent, "%s", (*out)->last_error);
+    chorus_comm_destroy(*out);
+    *out = NULL;
+  }
+  return st;
+}
+
 static chorus_result_t make_group(chorus_comm_t parent, const int *ranks, int n, uint64_t id,
                                   chorus_comm_t *out) {
   int me = -1;
@@ -390,18 +405,8 @@ static chorus_result_t make_group(chorus_comm_t parent, const int *ranks, int n,
   int *world = malloc(sizeof(int) * (size_t)n);
   if (!world) return CHORUS_ERR_NO_MEMORY;
   for (int i = 0; i < n; i++) world[i] = parent->world_ranks[ranks[i]];
-  chorus_result_t st = chorus__comm_create(parent->ctx, id, world, n, me, parent->timeout_ms, out);
+  chorus_result_t st = chorus__comm_derive(parent, id, world, n, me, out);
   free(world);
-  if (st == CHORUS_OK) {
-    memcpy((*out)->forced_algo, parent->forced_algo, sizeof parent->forced_algo);
-    (*out)->debug_checks = parent->debug_checks;
-    st = chorus__shm_setup(*out);
-    if (st != CHORUS_OK) {
-      chorus__comm_set_error(parent, "%s", (*out)->last_error);
-      chorus_comm_destroy(*out);
-      *out = NULL;
-    }
-  }
   return st;
 }
 

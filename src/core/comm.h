@@ -98,6 +98,14 @@ void chorus__comm_set_error(chorus_comm_t comm, const char *fmt, ...)
 chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *world_ranks,
                                     int n, int my_rank, int timeout_ms, chorus_comm_t *out);
 
+/* A communicator derived from parent (subgroup, shrunk group) over world
+ * ranks world[0..n), this rank at index me: it inherits the parent's
+ * timeout, forced algorithms and debug checks, and gets its shared-memory
+ * segment when every member is on this host (collective over the members).
+ * On failure the reason is on parent and *out is NULL. */
+chorus_result_t chorus__comm_derive(chorus_comm_t parent, uint64_t id, const int *world, int n,
+                                    int me, chorus_comm_t *out);
+
 /* Records the reason a world could not be made (chorus_last_init_error),
  * logs it, returns st. */
 chorus_result_t chorus__init_fail(chorus_result_t st, const char *fmt, ...)

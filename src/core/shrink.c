@@ -163,18 +163,12 @@ static chorus_result_t shrink_round(chorus_comm_t comm, int64_t deadline, chorus
   uint64_t h[3] = {comm->id, epoch, chorus__siphash(idkey, world, sizeof(int) * (size_t)n)};
   uint64_t id = chorus__siphash(idkey, h, sizeof h);
   if (id < 2) id += 2; /* 1 is the world */
-  st = chorus__comm_create(ctx, id, world, n, me, comm->timeout_ms, out);
+  st = chorus__comm_derive(comm, id, world, n, me, out);
   free(world);
-  if (st == CHORUS_OK) {
-    memcpy((*out)->forced_algo, comm->forced_algo, sizeof comm->forced_algo);
-    (*out)->debug_checks = comm->debug_checks;
-    st = chorus__shm_setup(*out);
-    if (st != CHORUS_OK) {
-      chorus__comm_set_error(comm, "chorus_comm_shrink: %s", (*out)->last_error);
-      *retry = st == CHORUS_ERR_REMOTE || st == CHORUS_ERR_TIMEOUT || st == CHORUS_ERR_ABORTED;
-      chorus_comm_destroy(*out);
-      *out = NULL;
-    }
+  if (st != CHORUS_OK) {
+    /* The agreed group lost a member before it was set up: every member
+     * fails that setup alike and agrees again. */
+    *retry = st == CHORUS_ERR_REMOTE || st == CHORUS_ERR_TIMEOUT || st == CHORUS_ERR_ABORTED;
   }
   if (st == CHORUS_OK)
     CHORUS_INFO(CHORUS__SUB_INIT, "shrink: rank %d/%d is rank %d/%d of the survivors (%.*s)",

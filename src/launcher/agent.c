@@ -42,7 +42,7 @@ static void signal_groups(job_t *job, int sig) {
 }
 
 /* Reaps every exited child without blocking.  Returns the number of workers
- * reaped; *first_failed receives the rank of the first failing worker if
+ * reaped; *first_failed receives the index (local rank) of the first failing worker if
  * blame is still open (not stopping, none blamed yet). */
 static int reap(job_t *job, int *first_failed, int blame_open) {
   int reaped = 0;
@@ -67,7 +67,7 @@ static int reap(job_t *job, int *first_failed, int blame_open) {
     guard_send('-', pid);
     CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d (pid %d) exited with status 0x%x", w->rank,
                 (int)pid, st);
-    if (failed_status(st) && blame_open && *first_failed < 0) *first_failed = w->rank;
+    if (failed_status(st) && blame_open && *first_failed < 0) *first_failed = (int)(w - job->w);
   }
   return reaped;
 }
@@ -96,6 +96,7 @@ static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
     tail_clear(w);
     w->pid = 0;
     w->running = 0;
+    w->reported = 0;
     w->st[0].fd = w->st[1].fd = -1;
   }
   for (int r = 0; r < job->nproc; r++) {
@@ -114,9 +115,21 @@ static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
   for (;;) {
     int fresh_fail = first_failed < 0;
     reap(job, &first_failed, !stopping);
-    if (fresh_fail && first_failed >= 0 && !stopping) {
+    if (job->inplace) {
+      /* --elastic inplace: a failed worker is reported as it happens and
+       * the others go on (they shrink their communicators). */
+      for (int r = 0; r < job->nproc; r++) {
+        worker_t *w = &job->w[r];
+        if (w->pid > 0 && !w->running && !w->reported && failed_status(w->status)) {
+          w->reported = 1;
+          report_failure(job, w);
+          fprintf(stderr, "chorusrun: the other workers go on (--elastic inplace)\n");
+        }
+      }
+    } else if (fresh_fail && first_failed >= 0 && !stopping) {
       stopping = 1;
-      CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group", first_failed);
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group",
+                  job->w[first_failed].rank);
       signal_groups(job, SIGTERM);
       kill_deadline = chorus__now_ns() + job->grace_ns;
     }
@@ -215,6 +228,20 @@ done:
   free(pfd);
   free(owner_s);
   free(owner_w);
+  if (job->inplace && first_failed >= 0 && !job->got_sig && !spawn_error) {
+    /* In place, the job succeeded if some worker ran to its end and every
+     * worker that did not fail exited 0. */
+    int finished = 0, failed = 0;
+    for (int r = 0; r < job->nproc; r++) {
+      if (failed_status(job->w[r].status)) failed++;
+      else finished++;
+    }
+    if (finished > 0) {
+      fprintf(stderr, "chorusrun: %d worker(s) failed, %d finished (--elastic inplace)\n",
+              failed, finished);
+      return GEN_OK;
+    }
+  }
   if (first_failed >= 0) {
     *failed_rank = first_failed;
     return GEN_FAILED;
@@ -243,7 +270,7 @@ int agent_run(job_t *job) {
       exit_code = EXIT_LAUNCHER;
       break;
     }
-    report_failure(job, &job->w[failed]);
+    if (!job->w[failed].reported) report_failure(job, &job->w[failed]);
     exit_code = status_exit_code(job->w[failed].status);
     if (job->got_sig) break; /* interrupted while stopping: no restart */
     if (restart >= job->max_restarts) {

@@ -47,6 +47,11 @@ void usage(FILE *f) {
       "  --rdzv-endpoint A[:P]   same as --master-addr A --master-port P\n"
       "  --nnodes 1              accepted; multi-node is not supported yet\n"
       "  --node-rank 0           accepted; multi-node is not supported yet\n"
+      "  --elastic restart|inplace  what a worker's failure does: restart\n"
+      "                          (default) stops the group (and restarts it, see\n"
+      "                          --max-restarts); inplace reports it and lets the\n"
+      "                          others go on (they call chorus_comm_shrink);\n"
+      "                          the run succeeds if every other worker exits 0\n"
       "  --max-restarts K        after a failure, restart the whole group up\n"
       "                          to K times (default 0)\n"
       "  --grace-period S        seconds between SIGTERM and SIGKILL when\n"
@@ -137,7 +142,7 @@ action_t parse_args(int argc, char **argv, job_t *job) {
 
     static const char *const with_value[] = {
         "nproc-per-node", "master-addr", "master-port", "rdzv-endpoint", "nnodes",
-        "node-rank",      "max-restarts", "grace-period", "cpu-bind"};
+        "node-rank",      "max-restarts", "grace-period", "cpu-bind", "elastic"};
     int known = 0;
     for (size_t k = 0; k < CHORUS__ARRAY_LEN(with_value); k++)
       if (!strcmp(name, with_value[k])) known = 1;
@@ -190,6 +195,10 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       if (!strcmp(val, "auto") || !strcmp(val, "core")) job->bind = 1;
       else if (!strcmp(val, "none")) job->bind = 0;
       else die_usage("invalid value '%s' for --cpu-bind (auto or none)", val);
+    } else if (!strcmp(name, "elastic")) {
+      if (!strcmp(val, "inplace")) job->inplace = 1;
+      else if (!strcmp(val, "restart")) job->inplace = 0;
+      else die_usage("invalid value '%s' for --elastic (restart or inplace)", val);
     } else if (!strcmp(name, "max-restarts")) {
       job->max_restarts = (int)parse_int_opt("--max-restarts", val, 0, 1000000);
     } else if (!strcmp(name, "grace-period")) {

@@ -71,6 +71,10 @@
  *  - --max-restarts K: after a failure the group is stopped as above, the
  *    report printed, and all N workers start again with the next
  *    CHORUS_RESTART_COUNT (same store, same job id and secret, same port).
+ *  - --elastic inplace: a failed worker is reported and the others go on
+ *    (they shrink their communicators, chorus_comm_shrink, through the
+ *    store this agent serves); the run succeeds when every worker that did
+ *    not fail exits 0.
  */
 #ifndef CHORUS_LAUNCHER_LAUNCHER_H
 #define CHORUS_LAUNCHER_LAUNCHER_H
@@ -115,6 +119,7 @@ typedef struct {
   pid_t pid;       /* also its process group id; 0 when not started */
   int running;     /* started and not reaped yet */
   int status;      /* wait status once reaped */
+  int reported;    /* its failure report was printed */
   stream_t st[2];  /* stdout, stderr */
   char *tail[TAIL_LINES];
   int tail_next, tail_count;
@@ -126,6 +131,7 @@ typedef struct {
   const char *master_addr;
   int master_port;
   int max_restarts;
+  int inplace;  /* --elastic inplace: a failed worker does not stop the others */
   int prefix;
   int bind;     /* 1: each worker on its own share of our CPUs (--cpu-bind) */
   int64_t grace_ns;

@@ -56,24 +56,11 @@ static char g_buf[MAXR][8192];
 static size_t g_len[MAXR];
 static double g_slack = 1;
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
+static double now_ms(void) { return child_now_ms(); }
 
 static void kill_all(void) {
-  for (int r = 0; r < g_n; r++) {
-    if (g_pids[r] > 0) {
-      kill(g_pids[r], SIGCONT);
-      kill(g_pids[r], SIGKILL);
-      waitpid(g_pids[r], NULL, 0);
-      g_pids[r] = 0;
-    }
-    if (g_fds[r] > 0) close(g_fds[r]);
-    g_fds[r] = 0;
-    g_len[r] = 0;
-  }
+  children_kill(g_pids, g_fds, g_n);
+  memset(g_len, 0, sizeof g_len);
 }
 
 static void cleanup(void) {

@@ -21,6 +21,12 @@
  *                           and exit 0
  *   restart-fail R CODE     rank R exits CODE while CHORUS_RESTART_COUNT is 0;
  *                           every rank succeeds on later restarts
+ *   inplace R STEP          the world all_reduces 200 steps; rank R SIGKILLs
+ *                           itself at STEP; the others shrink
+ *                           (chorus_comm_shrink) and finish the 200 steps in
+ *                           the smaller world, then print "rankN inplace done
+ *                           size S sum X" (X: the sum of the survivors'
+ *                           ranks, from an all_reduce in that world)
  *   store                   connect to the store (MASTER_ADDR, MASTER_PORT,
  *                           the secret from CHORUS_JOB_SECRET_FILE), set a key,
  *                           read every rank's
@@ -141,6 +147,38 @@ static int store_mode(void) {
   return seen == n ? 0 : 1;
 }
 
+static int inplace_mode(int victim, int kill_step) {
+  chorus_comm_t comm;
+  if (chorus_comm_init_env(&comm) != CHORUS_OK) {
+    put(2, "rank%d: init failed: %s\n", g_rank, chorus_last_init_error());
+    return 1;
+  }
+  for (int step = 0; step < 200;) {
+    if (step == kill_step && g_rank == victim) raise(SIGKILL);
+    float x = 1;
+    if (chorus_all_reduce(comm, &x, &x, 1, CHORUS_FLOAT32, CHORUS_SUM, NULL) == CHORUS_OK) {
+      step++;
+      continue;
+    }
+    chorus_comm_t next;
+    chorus_result_t st = chorus_comm_shrink(comm, 0, &next);
+    if (st != CHORUS_OK) {
+      put(2, "rank%d: shrink failed: %s\n", g_rank, chorus_comm_last_error(comm));
+      return 1;
+    }
+    chorus_comm_destroy(comm);
+    comm = next; /* the step that failed runs again in the smaller world */
+  }
+  int64_t mine = g_rank, sum = 0;
+  if (chorus_all_reduce(comm, &mine, &sum, 1, CHORUS_INT64, CHORUS_SUM, NULL) != CHORUS_OK) {
+    put(2, "rank%d: final all_reduce failed: %s\n", g_rank, chorus_comm_last_error(comm));
+    return 1;
+  }
+  put(1, "rank%d inplace done size %d sum %lld\n", g_rank, chorus_comm_size(comm),
+      (long long)sum);
+  return chorus_comm_destroy(comm) == CHORUS_OK ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
   const char *r = getenv("RANK");
   g_rank = r ? atoi(r) : -1;
@@ -252,6 +290,7 @@ int main(int argc, char **argv) {
     return restart >= 0 ? 0 : 1;
   }
   if (!strcmp(mode, "store")) return store_mode();
+  if (!strcmp(mode, "inplace") && argc >= 4) return inplace_mode(atoi(argv[2]), atoi(argv[3]));
 
   put(2, "launch_worker: unknown mode or missing arguments: %s\n", mode);
   return 2;

@@ -262,6 +262,21 @@ case_restarts() {
   no_leftovers restart-exhausted
 }
 
+# ------------------------------------------------------ --elastic inplace
+case_inplace() {
+  run -n 4 --standalone --elastic inplace "$WORKER" inplace 2 50
+  check "inplace: exit 0" rc_is 0
+  check "inplace: the killed worker reported" has "$ERR" "rank 2 (pid"
+  check "inplace: the others went on" has "$ERR" "the other workers go on"
+  check "inplace: three survivors finished in a world of 3 (sum 0+1+3)" \
+    [ "$(grep -c 'inplace done size 3 sum 4' "$OUT")" -eq 3 ]
+  check "inplace: summary" has "$ERR" "1 worker(s) failed, 3 finished"
+  no_leftovers inplace
+
+  run -n 2 --standalone --elastic bogus "$WORKER" env
+  check "inplace: bad --elastic value is a usage error" rc_is 2
+}
+
 # ------------------------------------------------------- signals to chorusrun
 case_signals() {
   start_bg -n 3 --standalone "$WORKER" trap
@@ -400,6 +415,7 @@ case_env
 case_output
 case_failures
 case_restarts
+case_inplace
 case_signals
 case_store
 
