@@ -70,6 +70,7 @@ expect_world() {
 # expect_locals WHAT: every host's local ranks are 0..k-1.
 expect_locals() {
   local what=$1 bad
+  if ! grep -q '^bootstrap ok' "$OUT"; then fail "$what: no rank reported"; return; fi
   bad=$(grep '^bootstrap ok' "$OUT" | awk '{split($8, a, "/"); h[$10] = h[$10] " " a[1]; n[$10] = a[2]}
         END { for (k in h) { c = split(h[k], v, " "); if (c != n[k]) print k; } }')
   if [[ -z $bad ]]; then ok "$what: local ranks dense on every host"
@@ -154,8 +155,10 @@ mode_ompi() {
   expect_world "mpirun -np 4" 4
   expect_locals "mpirun -np 4"
   # Two "hosts": an rsh agent that runs the command here, telling it (and
-  # so the ranks) the host name it was given.
-  printf '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -*) shift;; *) h=$1; shift; break;; esac; done\nexport CHORUS_TEST_HOST=$h\nexec sh -c "$*"\n' >"$TMP/fake-ssh"
+  # so the ranks) the host name it was given, with a temporary directory of
+  # that host's own (two orted daemons sharing one session directory race
+  # on creating it: "mkdir ... File exists").
+  printf '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -*) shift;; *) h=$1; shift; break;; esac; done\nexport CHORUS_TEST_HOST=$h TMPDIR=%s/tmp-$h\nmkdir -p "$TMPDIR"\nexec sh -c "$*"\n' "$TMP" >"$TMP/fake-ssh"
   chmod +x "$TMP/fake-ssh"
   run 60 "${mpi[@]}" --mca plm_rsh_agent "$TMP/fake-ssh" --host n0:2,n1:2 -np 4 "$CHECK"
   expect_world "mpirun, 2 fake hosts x 2" 4
