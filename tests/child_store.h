@@ -22,6 +22,40 @@ static inline void child_die_with_parent(pid_t parent) {
   if (getppid() != parent) _exit(1);
 }
 
+/* Forks a rank that dies with the driver and reports through a pipe.  In
+ * the child returns the pipe's write end; in the driver returns -1 with
+ * *pid and *rfd (the read end) set.  Exits the driver if pipe() fails. */
+static inline int child_fork_reporting(pid_t *pid, int *rfd) {
+  int p[2];
+  if (pipe(p) < 0) _exit(1);
+  pid_t self = getpid();
+  *pid = fork();
+  if (*pid == 0) {
+    child_die_with_parent(self);
+    close(p[0]);
+    return p[1];
+  }
+  close(p[1]);
+  *rfd = p[0];
+  return -1;
+}
+
+/* The config of a forked rank joining the store the driver serves on
+ * 127.0.0.1:port, under its own key prefix (copied by chorus_comm_init). */
+static inline chorus_config_t child_config(int rank, int n, int port, const char *prefix,
+                                           const char *secret, int timeout_ms) {
+  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
+  cfg.rank = rank;
+  cfg.world_size = n;
+  cfg.store_host = "127.0.0.1";
+  cfg.store_port = port;
+  cfg.host_store = 0;
+  cfg.timeout_ms = timeout_ms;
+  cfg.store_prefix = prefix;
+  cfg.job_secret = secret;
+  return cfg;
+}
+
 /* Starts a store on 127.0.0.1 (any free port) with secret in a child;
  * *pid receives the child's pid.  Returns the port, or -1. */
 static inline int child_store_start(const char *secret, pid_t *pid) {

@@ -157,6 +157,12 @@ static void world_secret_done(world_secret_t *ws) {
   chorus__wipe(ws, sizeof *ws);
 }
 
+/* CHORUS_TIMEOUT in ms (300 s when unset or out of range). */
+static int env_timeout_ms(void) {
+  long s = chorus__env()->TIMEOUT;
+  return (int)((s > 0 && s < 2000000 ? s : 300) * 1000);
+}
+
 /* Makes the world.  *server, when not NULL, is the store this rank already
  * serves (the launcher's key-value service published its port): the world
  * takes it (*server becomes NULL) once it is past the argument checks. */
@@ -178,8 +184,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, chorus_store_serve
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of range",
                      cfg->store_port);
   int rank = cfg->rank, size = cfg->world_size;
-  long env_timeout_s = env->TIMEOUT > 0 && env->TIMEOUT < 2000000 ? env->TIMEOUT : 300;
-  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : (int)(env_timeout_s * 1000);
+  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : env_timeout_ms();
   char prefix[256];
   if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
   else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
@@ -414,6 +419,7 @@ chorus_result_t chorus_comm_init(const chorus_config_t *config, chorus_comm_t *c
 
 typedef struct {
   const char *source; /* who launched us, for messages */
+  int explicit_ranks; /* from RANK/WORLD_SIZE (not a launcher's own variables) */
   int rank, size;
   int local_rank, local_size; /* -1: unknown */
   int nnodes;                 /* -1: unknown */
@@ -489,6 +495,7 @@ static int launch_detect(launch_t *L, char *err, size_t cap) {
   if (r < 0) return -1;
   if (r) {
     L->source = "RANK/WORLD_SIZE";
+    L->explicit_ranks = 1;
     int lr, ls, gs;
     if (env_int("LOCAL_RANK", &lr) == 1 && env_int("LOCAL_WORLD_SIZE", &ls) == 1 && lr < ls) {
       L->local_rank = lr;
@@ -595,6 +602,7 @@ static chorus_result_t kvs_exchange(const launch_t *L, chorus_config_t *cfg, cha
   if (st != CHORUS_OK)
     return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L->rank, L->size, L->source, err);
   int one_host = launch_one_host(L) == 1;
+  char addrs[400]; /* rank 0's, published */
   if (L->rank == 0) {
     /* Bind first, publish second: the port is ours before anyone reads it. */
     int have = chorus__secret_configured(secret, secret_cap, why, sizeof why);
@@ -618,7 +626,6 @@ static chorus_result_t kvs_exchange(const launch_t *L, chorus_config_t *cfg, cha
       return chorus__init_fail(st, "chorus rank 0 (%s): cannot serve the store on port %d: %s",
                                L->source, port, chorus_strerror(st));
     }
-    char addrs[400];
     if (one_host || chorus__net_host_addrs(addrs, sizeof addrs) <= 0)
       snprintf(addrs, sizeof addrs, "127.0.0.1");
     /* "v1,<port>,<addresses joined by +>,<secret or ->" */
@@ -637,15 +644,11 @@ static chorus_result_t kvs_exchange(const launch_t *L, chorus_config_t *cfg, cha
     return chorus__init_fail(st, "chorus rank %d/%d (%s): the launcher's key-value exchange "
                              "failed: %s", L->rank, L->size, L->source, err);
   if (L->rank == 0) {
+    /* Our own store through the first address we published (127.0.0.1 on
+     * one host): the data port listens on the interface it goes through. */
     cfg->store_port = chorus_store_server_port(*server);
-    if (one_host) {
-      snprintf(host, host_cap, "127.0.0.1");
-    } else {
-      char addrs[400];
-      if (chorus__net_host_addrs(addrs, sizeof addrs) <= 0) snprintf(addrs, sizeof addrs, "127.0.0.1");
-      addrs[strcspn(addrs, ",")] = '\0';
-      snprintf(host, host_cap, "%.255s", addrs);
-    }
+    addrs[strcspn(addrs, "+")] = '\0';
+    snprintf(host, host_cap, "%.255s", addrs);
     cfg->store_host = host;
     if (secret[0]) cfg->job_secret = secret;
     return CHORUS_OK;
@@ -719,31 +722,29 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
                              "is not a port number", getenv("MASTER_PORT"));
   const char *addr = getenv("MASTER_ADDR");
   int one_host = launch_one_host(&L);
-  long timeout_s = env->TIMEOUT > 0 && env->TIMEOUT < 2000000 ? env->TIMEOUT : 300;
-  int64_t deadline = chorus__deadline_ms(timeout_s * 1000);
+  int64_t deadline = chorus__deadline_ms(env_timeout_ms());
   chorus_store_server_t *server = NULL;
   chorus_result_t st;
-  char why[300];
-  const char *kvs = chorus__kvs_available(why, sizeof why);
+  char why[300] = "";
   if (addr && *addr && port_set) {
     cfg.store_host = addr; /* a */
   } else if (!port_set && addr && *addr) {
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_ADDR is set "
                              "but MASTER_PORT is not");
-  } else if (kvs && L.size > 1 && !env->STORE_EXTERNAL) {
+  } else if (chorus__kvs_available(why, sizeof why) && L.size > 1 && !env->STORE_EXTERNAL) {
     st = kvs_exchange(&L, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
     if (st != CHORUS_OK) {
       chorus__wipe(secret, sizeof secret);
       return st;
     }
-  } else if (!port_set && !strcmp(L.source, "RANK/WORLD_SIZE") && L.size > 1) {
+  } else if (!port_set && L.explicit_ranks && L.size > 1) {
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_PORT is not "
                              "set; launch with chorusrun (or torchrun) or set RANK, WORLD_SIZE, "
                              "MASTER_ADDR and MASTER_PORT");
   } else if (one_host == 1) {
     cfg.store_host = "127.0.0.1"; /* c */
     if (!port_set) cfg.store_port = derived_port(&L);
-  } else if (L.nodelist && strcmp(L.source, "RANK/WORLD_SIZE")) {
+  } else if (L.nodelist) {
     /* d: rank 0 is task 0, on the step's first node (srun places tasks in
      * node order). */
     if (chorus__hostlist_nth(L.nodelist, 0, host, sizeof host) < 0)

@@ -56,6 +56,7 @@ static int parse_group(const char *s, const char *end, group_t *g) {
     if (g->n == GROUP_ITEMS) return -1;
     long lo, hi;
     int dl, dh;
+    const char *lo_text = s;
     if (parse_num(&s, end, &lo, &dl) < 0) return -1;
     hi = lo;
     if (s < end && *s == '-') {
@@ -64,7 +65,8 @@ static int parse_group(const char *s, const char *end, group_t *g) {
     }
     g->lo[g->n] = lo;
     g->hi[g->n] = hi;
-    g->width[g->n] = 0; /* set by parse_name */
+    /* A lower bound written with a leading zero pads to its length. */
+    g->width[g->n] = *lo_text == '0' && dl > 1 ? dl : 0;
     g->n++;
     g->count += hi - lo + 1;
     if (g->count > CHORUS__HOSTLIST_MAX) return -1;
@@ -94,18 +96,6 @@ static int parse_name(const char *s, const char *end, name_t *nm) {
     g->prefix = text;
     g->prefix_len = (size_t)(s - text);
     if (parse_group(s + 1, close, g) < 0) return -1;
-    /* Widths: a lower bound written with a leading zero pads to its length. */
-    const char *q = s + 1;
-    for (int i = 0; i < g->n; i++) {
-      const char *num = q;
-      while (is_digit(*q)) q++;
-      g->width[i] = (*num == '0' && q - num > 1) ? (int)(q - num) : 0;
-      if (*q == '-') {
-        q++;
-        while (is_digit(*q)) q++;
-      }
-      if (*q == ',') q++;
-    }
     nm->count *= g->count;
     if (nm->count > CHORUS__HOSTLIST_MAX) return -1;
     s = text = close + 1;

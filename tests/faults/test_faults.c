@@ -65,17 +65,9 @@ static void report(chorus_result_t st, double ms, const char *msg) {
 }
 
 static chorus_comm_t join(int rank, int n, int timeout_ms) {
-  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
   char prefix[32];
   snprintf(prefix, sizeof prefix, "s%d/", g_scenario);
-  cfg.rank = rank;
-  cfg.world_size = n;
-  cfg.store_host = "127.0.0.1";
-  cfg.store_port = g_port;
-  cfg.host_store = 0;
-  cfg.timeout_ms = timeout_ms;
-  cfg.store_prefix = prefix;
-  cfg.job_secret = "fault-test-secret";
+  chorus_config_t cfg = child_config(rank, n, g_port, prefix, "fault-test-secret", timeout_ms);
   chorus_comm_t comm = NULL;
   chorus_result_t st = chorus_comm_init(&cfg, &comm);
   if (st != CHORUS_OK) {
@@ -91,20 +83,10 @@ static void spawn(int n, scenario_fn fn) {
   g_n = n;
   g_scenario++;
   for (int r = 0; r < n; r++) {
-    int p[2];
-    if (pipe(p) < 0) abort();
-    pid_t self = getpid();
-    pid_t pid = fork();
-    if (pid == 0) {
-      child_die_with_parent(self);
-      close(p[0]);
-      g_wfd = p[1];
+    if ((g_wfd = child_fork_reporting(&g_pids[r], &g_fds[r])) >= 0) {
       fn(r, n);
       _exit(0);
     }
-    close(p[1]);
-    g_pids[r] = pid;
-    g_fds[r] = p[0];
   }
 }
 

@@ -86,17 +86,9 @@ static void say(const char *fmt, ...) {
 }
 
 static chorus_comm_t join(int rank, int n) {
-  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
   char prefix[32];
   snprintf(prefix, sizeof prefix, "s%d/", g_scenario);
-  cfg.rank = rank;
-  cfg.world_size = n;
-  cfg.store_host = "127.0.0.1";
-  cfg.store_port = g_port;
-  cfg.host_store = 0;
-  cfg.timeout_ms = (int)(10000 * g_slack);
-  cfg.store_prefix = prefix;
-  cfg.job_secret = SECRET;
+  chorus_config_t cfg = child_config(rank, n, g_port, prefix, SECRET, (int)(10000 * g_slack));
   chorus_comm_t comm = NULL;
   if (chorus_comm_init(&cfg, &comm) != CHORUS_OK) {
     say("err init %s", chorus_last_init_error());
@@ -147,21 +139,11 @@ static void rank_main(int rank, int n) {
 static void spawn(int n) {
   g_n = n;
   g_scenario++;
-  pid_t self = getpid();
   for (int r = 0; r < n; r++) {
-    int p[2];
-    if (pipe(p) < 0) exit(1);
-    pid_t pid = fork();
-    if (pid == 0) {
-      child_die_with_parent(self);
-      close(p[0]);
-      g_wfd = p[1];
+    if ((g_wfd = child_fork_reporting(&g_pids[r], &g_fds[r])) >= 0) {
       rank_main(r, n);
       _exit(0);
     }
-    close(p[1]);
-    g_pids[r] = pid;
-    g_fds[r] = p[0];
   }
 }
 

@@ -95,17 +95,9 @@ static int g_own_port, g_linger_ms;
  * "<status> <init ms> <sum> <message>". */
 static void rank_main(int rank, int n, int delay_ms) {
   if (delay_ms) sleep_ms(delay_ms * g_slack);
-  chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
   char prefix[32];
   snprintf(prefix, sizeof prefix, "case%d/", g_case);
-  cfg.rank = rank;
-  cfg.world_size = n;
-  cfg.store_host = "127.0.0.1";
-  cfg.store_port = g_port;
-  cfg.host_store = 0;
-  cfg.timeout_ms = (int)(20000 * g_slack);
-  cfg.store_prefix = prefix;
-  cfg.job_secret = SECRET;
+  chorus_config_t cfg = child_config(rank, n, g_port, prefix, SECRET, (int)(20000 * g_slack));
   if (g_own_port) {
     cfg.store_port = g_own_port;
     cfg.host_store = rank == 0;
@@ -132,24 +124,14 @@ static void spawn(int n, const int *delays) {
   g_n = n;
   g_case++;
   for (int r = 0; r < n; r++) {
-    int p[2];
-    if (pipe(p) < 0) abort();
     snprintf(g_errfile[r], sizeof g_errfile[r], "/tmp/chorus-sectest-%d-%d-%d.err", (int)getpid(),
              g_case, r);
-    pid_t self = getpid();
-    pid_t pid = fork();
-    if (pid == 0) {
-      child_die_with_parent(self);
-      close(p[0]);
+    if ((g_wfd = child_fork_reporting(&g_pids[r], &g_fds[r])) >= 0) {
       int fd = open(g_errfile[r], O_WRONLY | O_CREAT | O_TRUNC, 0600);
       if (fd >= 0) dup2(fd, 2);
-      g_wfd = p[1];
       rank_main(r, n, delays ? delays[r] : 0);
       _exit(0);
     }
-    close(p[1]);
-    g_pids[r] = pid;
-    g_fds[r] = p[0];
   }
 }
 
