@@ -30,6 +30,7 @@
 #include "util/clock.h"
 #include "util/crypto.h"
 #include "util/env.h"
+#include "util/host.h"
 #include "util/hostlist.h"
 #include "util/net.h"
 #include "util/secret.h"

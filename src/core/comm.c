@@ -170,20 +170,6 @@ chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *
 
 /* ------------------------------------------------------- shared memory */
 
-/* "hostname boot-id": equal exactly for processes that can share memory
- * (a container with its own /dev/shm is caught when mapping fails). */
-void chorus__host_identity(char *buf, size_t cap) {
-  char host[256] = "?", boot[64] = "";
-  gethostname(host, sizeof host - 1);
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (f) {
-    if (!fgets(boot, sizeof boot, f)) boot[0] = '\0';
-    fclose(f);
-  }
-  boot[strcspn(boot, "\n")] = '\0';
-  snprintf(buf, cap, "%s %s", host, boot);
-}
-
 static int online_cpus(void) {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);

@@ -115,9 +115,6 @@ chorus_result_t chorus__init_fail(chorus_result_t st, const char *fmt, ...)
  * are errors. */
 chorus_result_t chorus__apply_env_algos(chorus_comm_t comm);
 
-/* "hostname boot-id": equal exactly for processes that can share memory. */
-void chorus__host_identity(char *buf, size_t cap);
-
 /* Gives comm its shared-memory segment when every member is on this host
  * (collective over comm). */
 chorus_result_t chorus__shm_setup(chorus_comm_t comm);

@@ -19,7 +19,10 @@
 #include "util/log.h"
 #include "util/util.h"
 
-typedef enum { GEN_OK, GEN_FAILED, GEN_SIGNALED, GEN_ERROR } gen_outcome_t;
+/* How a generation ended: all succeeded, one of ours failed, we were
+ * interrupted, we could not run it, or (several nodes) the rendezvous
+ * stopped it. */
+typedef enum { GEN_OK, GEN_FAILED, GEN_SIGNALED, GEN_ERROR, GEN_REMOTE } gen_outcome_t;
 
 /* --------------------------------------------------------- process control */
 
@@ -74,10 +77,20 @@ static int reap(job_t *job, int *first_failed, int blame_open) {
 
 /* -------------------------------------------------------- one generation */
 
+/* Starts stopping the group: SIGTERM now, SIGKILL after the grace period. */
+static void stop_group(job_t *job, int *stopping, int64_t *kill_deadline) {
+  if (*stopping) return;
+  *stopping = 1;
+  signal_groups(job, SIGTERM);
+  *kill_deadline = chorus__now_ns() + job->grace_ns;
+}
+
 /* Runs one generation of all workers until every one has exited and its
- * output is drained.  *failed_rank receives the blamed rank (GEN_FAILED). */
-static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
+ * output is drained.  *failed_rank receives the blamed local index
+ * (GEN_FAILED), *ev what the rendezvous said (GEN_REMOTE). */
+static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *ev) {
   int first_failed = -1;
+  rdzv_event_t remote = RDZV_EV_NONE;
   int stopping = 0, killed = 0, spawn_error = 0;
   int64_t kill_deadline = CHORUS__NO_DEADLINE, abandon_deadline = CHORUS__NO_DEADLINE;
   int64_t drain_deadline = CHORUS__NO_DEADLINE;
@@ -100,14 +113,17 @@ static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
     w->st[0].fd = w->st[1].fd = -1;
   }
   for (int r = 0; r < job->nproc; r++) {
-    int rc = spawn_worker(job, &job->w[r], restart);
+    int rc = spawn_worker(job, &job->w[r]);
     if (rc < 0) {
-      fprintf(stderr, "chorusrun: cannot start rank %d: %s; stopping the others\n", r,
-              strerror(-rc));
+      fprintf(stderr, "chorusrun: cannot start rank %d: %s; stopping the others\n",
+              job->w[r].rank, strerror(-rc));
       spawn_error = 1;
-      stopping = 1;
-      signal_groups(job, SIGTERM);
-      kill_deadline = chorus__now_ns() + job->grace_ns;
+      stop_group(job, &stopping, &kill_deadline);
+      if (job->rz) {
+        char why[200];
+        snprintf(why, sizeof why, "cannot start rank %d: %s", job->w[r].rank, strerror(-rc));
+        rdzv_failed(job, NULL, why);
+      }
       break;
     }
   }
@@ -127,11 +143,25 @@ static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
         }
       }
     } else if (fresh_fail && first_failed >= 0 && !stopping) {
-      stopping = 1;
       CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group",
                   job->w[first_failed].rank);
-      signal_groups(job, SIGTERM);
-      kill_deadline = chorus__now_ns() + job->grace_ns;
+      stop_group(job, &stopping, &kill_deadline);
+      if (job->rz) {
+        /* Its last lines go into the job's failure record: read what its
+         * pipes hold first. */
+        stream_drain(job, &job->w[first_failed]);
+        rdzv_failed(job, &job->w[first_failed], NULL);
+      }
+    }
+    if (job->rz) {
+      /* Heartbeats go on while we stop (the others must not think us lost);
+       * the rendezvous's news only matters while the group runs. */
+      rdzv_event_t e = rdzv_poll(job);
+      if (e != RDZV_EV_NONE && !stopping) {
+        remote = e;
+        CHORUS_INFO(CHORUS__SUB_LAUNCH, "the rendezvous stops the group (event %d)", (int)e);
+        stop_group(job, &stopping, &kill_deadline);
+      }
     }
 
     int running = 0, open = 0;
@@ -175,6 +205,7 @@ static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
     if (stopping && !killed) timeout = CHORUS__MIN(timeout, chorus__ms_left(kill_deadline));
     if (killed && running) timeout = CHORUS__MIN(timeout, chorus__ms_left(abandon_deadline));
     if (running == 0) timeout = CHORUS__MIN(timeout, chorus__ms_left(drain_deadline));
+    if (job->rz) timeout = CHORUS__MIN(timeout, rdzv_poll_ms(job));
 
     nfds_t n = 0;
     pfd[n] = (struct pollfd){.fd = g_selfpipe[0], .events = POLLIN};
@@ -210,6 +241,7 @@ static gen_outcome_t run_generation(job_t *job, int restart, int *failed_rank) {
           job->got_sig = sig;
           fprintf(stderr, "chorusrun: got %s; stopping the workers\n", signal_name(sig));
           signal_groups(job, sig);
+          if (job->rz) rdzv_interrupt(job, sig); /* the whole job stops */
           if (!stopping) {
             stopping = 1;
             kill_deadline = chorus__now_ns() + job->grace_ns;
@@ -247,18 +279,54 @@ done:
     return GEN_FAILED;
   }
   if (job->got_sig) return GEN_SIGNALED;
-  return spawn_error ? GEN_ERROR : GEN_OK;
+  if (spawn_error) return GEN_ERROR;
+  if (remote != RDZV_EV_NONE) {
+    *ev = remote;
+    return GEN_REMOTE;
+  }
+  return GEN_OK;
 }
 
 /* ------------------------------------------------------ restart loop */
 
+/* Several nodes: join a round, run it, and after a failure anywhere either
+ * join the next round or end with the job's exit code. */
+static int agent_run_nodes(job_t *job) {
+  for (;;) {
+    int rc = rdzv_join(job);
+    if (rc != 0) return rc;
+    int failed = -1;
+    rdzv_event_t ev = RDZV_EV_NONE;
+    gen_outcome_t out = run_generation(job, &failed, &ev);
+    remove_job_segments();
+    switch (out) {
+      case GEN_OK: return rdzv_finish(job);
+      case GEN_SIGNALED: return 128 + job->got_sig;
+      case GEN_FAILED:
+        if (!job->w[failed].reported) report_failure(job, &job->w[failed]);
+        rc = rdzv_after_failure(job, RDZV_EV_NONE);
+        break;
+      case GEN_ERROR: rc = rdzv_after_failure(job, RDZV_EV_NONE); break;
+      case GEN_REMOTE: rc = rdzv_after_failure(job, ev); break;
+    }
+    if (rc >= 0) return rc;
+    if (job->got_sig) {
+      rdzv_interrupt(job, job->got_sig);
+      return 128 + job->got_sig;
+    }
+  }
+}
+
 int agent_run(job_t *job) {
+  if (job->rz) return agent_run_nodes(job);
   int exit_code = 0;
   for (int restart = 0;; restart++) {
     int failed = -1;
-    gen_outcome_t out = run_generation(job, restart, &failed);
+    rdzv_event_t ev = RDZV_EV_NONE;
+    job->round = job->restarts = restart;
+    gen_outcome_t out = run_generation(job, &failed, &ev);
     remove_job_segments(); /* every worker of the generation has exited */
-    if (out == GEN_OK) {
+    if (out == GEN_OK || out == GEN_REMOTE) {
       exit_code = 0;
       break;
     }

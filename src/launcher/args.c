@@ -44,9 +44,26 @@ void usage(FILE *f) {
       "                          automatically (overrides --master-addr/-port)\n"
       "  --master-addr A         address of the store (default 127.0.0.1)\n"
       "  --master-port P         port of the store (default 29500; 0: any)\n"
-      "  --rdzv-endpoint A[:P]   same as --master-addr A --master-port P\n"
-      "  --nnodes 1              accepted; multi-node is not supported yet\n"
-      "  --node-rank 0           accepted; multi-node is not supported yet\n"
+      "  --nnodes N|MIN:MAX      nodes in the job (default 1); with MIN:MAX the\n"
+      "                          group starts once MIN agents joined and the last\n"
+      "                          call ran out (or MAX joined), and re-forms with\n"
+      "                          what is left after a failure (down to MIN)\n"
+      "  --node-rank K           this node's fixed rank (static rendezvous)\n"
+      "  --rdzv-backend B        c10d (default with several nodes): the agent on\n"
+      "                          the endpoint's node hosts the store, the others\n"
+      "                          join it; static: --node-rank K, node 0 hosts the\n"
+      "                          store at --master-addr:--master-port, no\n"
+      "                          membership changes\n"
+      "  --rdzv-endpoint H[:P]   where the rendezvous store is (default port\n"
+      "                          29400); on one node the same as --master-addr H\n"
+      "                          --master-port P\n"
+      "  --rdzv-id ID            the job's run id, the same on every node\n"
+      "                          (default \"none\"; TORCHELASTIC_RUN_ID)\n"
+      "  --rdzv-conf K=V,...     join_timeout (s, default 600), last_call_timeout\n"
+      "                          (30), close_timeout (30), heartbeat (0.2: a\n"
+      "                          node silent for 4 heartbeats is lost)\n"
+      "  --monitor-interval S    how often the agent reads the rendezvous state\n"
+      "                          (default 0.1 s)\n"
       "  --elastic restart|inplace  what a worker's failure does: restart\n"
       "                          (default) stops the group (and restarts it, see\n"
       "                          --max-restarts); inplace reports it and lets the\n"
@@ -67,6 +84,9 @@ void usage(FILE *f) {
       "  -h, --help              this text\n"
       "Underscores may replace dashes (--nproc_per_node); --opt=value works.\n"
       "\n"
+      "Several nodes need a shared secret: CHORUS_JOB_SECRET_FILE (or\n"
+      "CHORUS_JOB_SECRET) with the same contents on every node.\n"
+      "\n"
       "Workers also get CHORUS_JOB_ID, CHORUS_JOB_SECRET_FILE (a file only this\n"
       "user can read, holding a fresh random secret, or CHORUS_JOB_SECRET's value),\n"
       "CHORUS_STORE_EXTERNAL=1 and CHORUS_RESTART_COUNT (0, 1, ... per restart;\n"
@@ -80,6 +100,40 @@ void usage(FILE *f) {
       f);
 }
 
+static int64_t parse_seconds(const char *opt, const char *v, double lo, double hi) {
+  char *end = NULL;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (errno || !end || end == v || *end || !(x >= lo && x <= hi))
+    die_usage("invalid value '%s' for %s (seconds, %g..%g)", v, opt, lo, hi);
+  return (int64_t)(x * 1e9);
+}
+
+/* --rdzv-conf join_timeout=600,last_call_timeout=30,... */
+static void parse_rdzv_conf(job_t *job, const char *v) {
+  char buf[1024];
+  if (strlen(v) >= sizeof buf) die_usage("--rdzv-conf is too long");
+  snprintf(buf, sizeof buf, "%s", v);
+  char *save = NULL;
+  for (char *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+    char *eq = strchr(kv, '=');
+    if (!eq) die_usage("--rdzv-conf: '%s' is not KEY=VALUE", kv);
+    *eq = '\0';
+    const char *k = kv, *val = eq + 1;
+    if (!strcmp(k, "join_timeout") || !strcmp(k, "timeout"))
+      job->join_timeout_ns = parse_seconds("join_timeout", val, 0.1, 86400 * 7);
+    else if (!strcmp(k, "last_call_timeout"))
+      job->last_call_ns = parse_seconds("last_call_timeout", val, 0, 86400);
+    else if (!strcmp(k, "close_timeout"))
+      job->close_timeout_ns = parse_seconds("close_timeout", val, 0, 86400);
+    else if (!strcmp(k, "heartbeat"))
+      job->heartbeat_ns = parse_seconds("heartbeat", val, 0.01, 3600);
+    else
+      die_usage("--rdzv-conf: unknown key '%s' (join_timeout, last_call_timeout, "
+                "close_timeout, heartbeat)", k);
+  }
+}
+
 static long parse_int_opt(const char *opt, const char *v, long lo, long hi) {
   long x;
   if (chorus__parse_long(v, &x) != 0 || x < lo || x > hi)
@@ -88,7 +142,17 @@ static long parse_int_opt(const char *opt, const char *v, long lo, long hi) {
 }
 
 action_t parse_args(int argc, char **argv, job_t *job) {
-  int standalone = 0, port_set = 0;
+  int standalone = 0, port_set = 0, addr_set = 0, endpoint_set = 0;
+  static char endpoint_host[256];
+  int endpoint_port = -1;
+  const char *backend = NULL;
+  job->min_nodes = job->max_nodes = 1;
+  job->node_rank_opt = -1;
+  job->join_timeout_ns = 600 * 1000000000LL;
+  job->last_call_ns = 30 * 1000000000LL;
+  job->close_timeout_ns = 30 * 1000000000LL;
+  job->heartbeat_ns = 200 * 1000000LL;
+  job->monitor_ns = 100 * 1000000LL;
   action_t act = ACT_RUN;
   job->nproc = 1;
   job->master_addr = "127.0.0.1";
@@ -141,8 +205,9 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     }
 
     static const char *const with_value[] = {
-        "nproc-per-node", "master-addr", "master-port", "rdzv-endpoint", "nnodes",
-        "node-rank",      "max-restarts", "grace-period", "cpu-bind", "elastic"};
+        "nproc-per-node", "master-addr",  "master-port",  "rdzv-endpoint", "nnodes",
+        "node-rank",      "max-restarts", "grace-period", "cpu-bind",      "elastic",
+        "rdzv-backend",   "rdzv-id",      "rdzv-conf",    "monitor-interval"};
     int known = 0;
     for (size_t k = 0; k < CHORUS__ARRAY_LEN(with_value); k++)
       if (!strcmp(name, with_value[k])) known = 1;
@@ -162,35 +227,56 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     } else if (!strcmp(name, "master-addr")) {
       if (!*val) die_usage("--master-addr needs a non-empty address");
       job->master_addr = val;
+      addr_set = 1;
     } else if (!strcmp(name, "master-port")) {
       job->master_port = (int)parse_int_opt("--master-port", val, 0, 65535);
       port_set = 1;
     } else if (!strcmp(name, "rdzv-endpoint")) {
       /* host[:port]; an IPv6 literal must be written [addr]:port. */
-      static char host[256];
       const char *colon = strrchr(val, ':');
       if (val[0] == '[' && strchr(val, ']') && (!colon || colon < strchr(val, ']')))
         colon = NULL;
       size_t hl = colon ? (size_t)(colon - val) : strlen(val);
-      if (hl == 0 || hl >= sizeof host) die_usage("invalid --rdzv-endpoint '%s'", val);
-      memcpy(host, val, hl);
-      host[hl] = '\0';
-      if (host[0] == '[' && host[hl - 1] == ']') {
-        memmove(host, host + 1, hl - 2);
-        host[hl - 2] = '\0';
+      if (hl == 0 || hl >= sizeof endpoint_host) die_usage("invalid --rdzv-endpoint '%s'", val);
+      memcpy(endpoint_host, val, hl);
+      endpoint_host[hl] = '\0';
+      if (endpoint_host[0] == '[' && endpoint_host[hl - 1] == ']') {
+        memmove(endpoint_host, endpoint_host + 1, hl - 2);
+        endpoint_host[hl - 2] = '\0';
       }
-      job->master_addr = host;
-      if (colon) {
-        job->master_port = (int)parse_int_opt("--rdzv-endpoint port", colon + 1, 0, 65535);
-        port_set = 1;
-      }
+      endpoint_set = 1;
+      endpoint_port = colon ? (int)parse_int_opt("--rdzv-endpoint port", colon + 1, 0, 65535) : -1;
     } else if (!strcmp(name, "nnodes")) {
-      /* torchrun takes N or MIN:MAX; only 1 (or 1:1) is supported. */
-      if (strcmp(val, "1") != 0 && strcmp(val, "1:1") != 0)
-        die_usage("multi-node not supported yet (--nnodes %s; only 1 is)", val);
+      /* N or MIN:MAX, as torchrun. */
+      const char *colon = strchr(val, ':');
+      if (colon) {
+        char lo[32];
+        size_t n = (size_t)(colon - val);
+        if (n == 0 || n >= sizeof lo) die_usage("invalid value '%s' for --nnodes", val);
+        memcpy(lo, val, n);
+        lo[n] = '\0';
+        job->min_nodes = (int)parse_int_opt("--nnodes MIN", lo, 1, 1024);
+        job->max_nodes = (int)parse_int_opt("--nnodes MAX", colon + 1, 1, 1024);
+        if (job->max_nodes < job->min_nodes)
+          die_usage("--nnodes %s: MAX is smaller than MIN", val);
+      } else {
+        job->min_nodes = job->max_nodes = (int)parse_int_opt("--nnodes", val, 1, 1024);
+      }
     } else if (!strcmp(name, "node-rank")) {
-      if (strcmp(val, "0") != 0)
-        die_usage("multi-node not supported yet (--node-rank %s; only 0 is)", val);
+      job->node_rank_opt = (int)parse_int_opt("--node-rank", val, 0, 1023);
+    } else if (!strcmp(name, "rdzv-backend")) {
+      if (strcmp(val, "c10d") && strcmp(val, "static") && strcmp(val, "etcd") &&
+          strcmp(val, "etcd-v2"))
+        die_usage("invalid value '%s' for --rdzv-backend (c10d, static or etcd)", val);
+      backend = val;
+    } else if (!strcmp(name, "rdzv-id")) {
+      if (!rdzv_run_id_ok(val))
+        die_usage("invalid --rdzv-id '%s' (1-127 letters, digits, '.', '_', ':', '/', '-')", val);
+      snprintf(job->run_id, sizeof job->run_id, "%s", val);
+    } else if (!strcmp(name, "rdzv-conf")) {
+      parse_rdzv_conf(job, val);
+    } else if (!strcmp(name, "monitor-interval")) {
+      job->monitor_ns = parse_seconds("--monitor-interval", val, 0.01, 60);
     } else if (!strcmp(name, "cpu-bind")) {
       if (!strcmp(val, "auto") || !strcmp(val, "core")) job->bind = 1;
       else if (!strcmp(val, "none")) job->bind = 0;
@@ -213,10 +299,51 @@ action_t parse_args(int argc, char **argv, job_t *job) {
   if (act != ACT_RUN) return act;
   if (i >= argc) die_usage("no program given");
   job->argv = argv + i;
-  if (standalone) {
-    if (port_set) fprintf(stderr, "chorusrun: --standalone ignores --master-port\n");
-    job->master_addr = "127.0.0.1";
-    job->master_port = 0;
+  /* One node and no rendezvous asked for: the store is ours alone. */
+  int nodes = job->max_nodes > 1 || backend || job->node_rank_opt > 0;
+  if (!nodes) {
+    if (endpoint_set) {
+      job->master_addr = endpoint_host;
+      if (endpoint_port >= 0) job->master_port = endpoint_port, port_set = 1;
+    }
+    if (standalone) {
+      if (port_set) fprintf(stderr, "chorusrun: --standalone ignores --master-port\n");
+      job->master_addr = "127.0.0.1";
+      job->master_port = 0;
+    }
+    job->backend = BACKEND_NONE;
+    return ACT_RUN;
   }
+  if (standalone) die_usage("--standalone is for one node; drop it or --nnodes");
+  if (job->inplace && job->max_nodes > 1)
+    die_usage("--elastic inplace runs on one node for now; several nodes restart (--elastic "
+              "restart)");
+  if (!backend) backend = job->node_rank_opt >= 0 ? "static" : "c10d";
+  if (!strcmp(backend, "etcd") || !strcmp(backend, "etcd-v2"))
+    die_usage("--rdzv-backend etcd is not available yet; use c10d or static");
+  if (!job->run_id[0]) snprintf(job->run_id, sizeof job->run_id, "none");
+  if (!strcmp(backend, "static")) {
+    job->backend = BACKEND_STATIC;
+    if (job->min_nodes != job->max_nodes)
+      die_usage("the static rendezvous takes a fixed --nnodes N, not %d:%d", job->min_nodes,
+                job->max_nodes);
+    if (job->node_rank_opt < 0 || job->node_rank_opt >= job->max_nodes)
+      die_usage("the static rendezvous needs --node-rank in 0..%d", job->max_nodes - 1);
+    job->rdzv_host = endpoint_set ? endpoint_host : job->master_addr;
+    job->rdzv_port = endpoint_set && endpoint_port >= 0 ? endpoint_port : job->master_port;
+    if (!endpoint_set && !addr_set)
+      die_usage("the static rendezvous needs --master-addr (node 0's address) on every node");
+  } else {
+    job->backend = BACKEND_C10D;
+    if (job->node_rank_opt >= 0)
+      die_usage("--node-rank is for --rdzv-backend static (c10d assigns node ranks)");
+    if (!endpoint_set && !addr_set)
+      die_usage("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (a node of the job; its "
+                "agent hosts the store)");
+    job->rdzv_host = endpoint_set ? endpoint_host : job->master_addr;
+    job->rdzv_port = endpoint_set ? (endpoint_port >= 0 ? endpoint_port : 29400)
+                                  : (port_set ? job->master_port : 29400);
+  }
+  if (job->rdzv_port <= 0) die_usage("the rendezvous needs a fixed port (not 0)");
   return ACT_RUN;
 }

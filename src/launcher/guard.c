@@ -20,6 +20,7 @@
 
 #include "chorus.h"
 #include "util/clock.h"
+#include "util/host.h"
 #include "util/log.h"
 #include "util/util.h"
 
@@ -42,11 +43,14 @@ char g_secret_file[4096]; /* the secret file we made, removed at exit */
 
 /* Workers unlink their shared-memory segments as soon as every rank mapped
  * them; a crash inside that window leaves a name in /dev/shm.  Names of
- * this job start with "chorus-<job id>-" (see src/transport/shm.c). */
+ * this job's workers on this host start with "chorus-<job id>-<host tag>-"
+ * (src/transport/shm.c); other hosts of the job may share /dev/shm (emulated
+ * hosts, containers), and their names are theirs to remove. */
 void remove_job_segments(void) {
-  char prefix[40];
+  char prefix[48], tag[9];
   if (!g_job_id[0]) return;
-  snprintf(prefix, sizeof prefix, "chorus-%s-", g_job_id);
+  chorus__host_tag(tag);
+  snprintf(prefix, sizeof prefix, "chorus-%s-%s-", g_job_id, tag);
   DIR *d = opendir("/dev/shm");
   if (!d) return;
   for (struct dirent *e; (e = readdir(d));) {

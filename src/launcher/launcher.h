@@ -18,6 +18,12 @@
  *   guard.c    the cleanup guard process, sweeping leftover descendants,
  *              removing a crashed job's /dev/shm names
  *   signals.c  the self-pipe signal handling and signal names
+ *   rdzv.c     several nodes: the rendezvous (join, last call, freeze, rank
+ *              assignment), heartbeats and lost nodes, failure records and
+ *              the root-cause summary, re-forming the group; its protocol
+ *              is described at the top of that file and in docs/launcher.md
+ *   kv_store.c the rendezvous's key-value service on chorus's store (the
+ *              c10d and static backends)
  *
  * Design
  *  - One process, one thread of our own (plus the store server's thread,
@@ -90,6 +96,7 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include "util/crypto.h"
 #include "util/secret.h"
 
 #define EXIT_USAGE 2
@@ -105,6 +112,40 @@
 #define MAX_NPROC 4096
 
 /* ------------------------------------------------------------ data types */
+
+/* The key-value service a multi-node rendezvous runs on (kv_store.c; the
+ * etcd backend is another implementation).  Values are NUL-free strings.
+ * Every call is bounded by a short timeout; -1 means the service did not
+ * answer correctly, with the reason in err. */
+typedef struct kv kv_t;
+typedef struct {
+  /* 1 and *val (malloc'd) when key exists, 0 when it does not, -1. */
+  int (*get)(kv_t *kv, const char *key, char **val);
+  int (*set)(kv_t *kv, const char *key, const char *val);
+  /* Sets key to desired if its value is expected (expected NULL: if it
+   * does not exist).  1 swapped, 0 not, -1. */
+  int (*cas)(kv_t *kv, const char *key, const char *expected, const char *desired);
+  /* Our address on the connection to the service (numeric), 0 or -1. */
+  int (*local_addr)(kv_t *kv, char *host, size_t cap);
+  void (*close)(kv_t *kv);
+} kv_ops_t;
+struct kv {
+  const kv_ops_t *ops;
+  char where[300]; /* "host:port" of the service, for messages */
+  char err[600];
+};
+
+typedef enum { BACKEND_NONE, BACKEND_STATIC, BACKEND_C10D, BACKEND_ETCD } backend_t;
+
+/* What the rendezvous tells the agent loop (rdzv_poll). */
+typedef enum {
+  RDZV_EV_NONE,
+  RDZV_EV_NEW_ROUND,  /* the group re-forms: stop the workers and join again */
+  RDZV_EV_CLOSED,     /* the job ends (no restarts left, a node interrupted) */
+  RDZV_EV_STORE_LOST, /* the rendezvous's key-value service stopped answering */
+} rdzv_event_t;
+
+typedef struct rdzv rdzv_t;
 
 typedef struct {
   int fd;      /* read end of the pipe, -1 once closed */
@@ -128,6 +169,12 @@ typedef struct {
 typedef struct {
   /* options */
   int nproc;    /* workers on this node */
+  int min_nodes, max_nodes; /* --nnodes MIN:MAX (N: N:N) */
+  int node_rank_opt;        /* --node-rank, -1 when not given */
+  backend_t backend;        /* BACKEND_NONE: one node, no rendezvous */
+  const char *rdzv_host;    /* --rdzv-endpoint host (or --master-addr) */
+  int rdzv_port;
+  int64_t join_timeout_ns, last_call_ns, close_timeout_ns, heartbeat_ns, monitor_ns;
   const char *master_addr;
   int master_port;
   int max_restarts;
@@ -142,6 +189,10 @@ typedef struct {
   int node_rank;   /* this node's rank among them (GROUP_RANK) */
   int rank_base;   /* global rank of this node's local rank 0 */
   int world_size;  /* workers in the whole group */
+  long round;      /* rendezvous round (CHORUS_RESTART_COUNT: separates the
+                      store keys of each generation) */
+  long restarts;   /* restarts after failures so far (TORCHELASTIC_RESTART_COUNT) */
+  rdzv_t *rz;      /* the rendezvous, several nodes only */
   /* runtime */
   int port;     /* the store's actual port */
   char job_id[17];
@@ -154,6 +205,7 @@ typedef struct {
 } job_t;
 
 typedef enum { ACT_RUN, ACT_PRINT_ENV, ACT_ENV_MARKDOWN, ACT_HELP } action_t;
+
 
 /* ------------------------------------------------------------- main.c */
 
@@ -174,6 +226,47 @@ action_t parse_args(int argc, char **argv, job_t *job);
  * succeeds, fails for good or we are interrupted.  Returns our exit code. */
 int agent_run(job_t *job);
 
+/* ------------------------------------------------------------- rdzv.c */
+
+/* Opens the rendezvous: hosts the store when this node is the endpoint (or
+ * static node 0), connects to it otherwise.  0, or an exit code after a
+ * message. */
+int rdzv_open(job_t *job, const chorus__key_t *key);
+/* Joins the next round and waits until it is frozen with this node in it:
+ * fills job's placement (round, nnodes, node_rank, rank_base, world_size,
+ * restarts).  0, or an exit code after a message. */
+int rdzv_join(job_t *job);
+/* Heartbeats and watches the round; cheap unless one of them is due. */
+rdzv_event_t rdzv_poll(job_t *job);
+/* Milliseconds until rdzv_poll has work to do. */
+int rdzv_poll_ms(const job_t *job);
+/* This node's first failure of the round (w, or w NULL with why: an error
+ * of ours): records it as the round's root cause if it is the first in the
+ * job, then opens the next round (or closes the job: no restarts left). */
+void rdzv_failed(job_t *job, const worker_t *w, const char *why);
+/* After a round that ended in a failure anywhere: prints the root cause.
+ * Returns -1 to join again, else the exit code the job ends with. */
+int rdzv_after_failure(job_t *job, rdzv_event_t ev);
+/* Every local worker succeeded: tells the others, then (the store's host)
+ * serves the store until every other node has left.  Returns the exit code. */
+int rdzv_finish(job_t *job);
+/* We were interrupted by sig: ends the job on every node. */
+void rdzv_interrupt(job_t *job, int sig);
+/* Leaves with exit_code: says so in our heartbeat; the store's host waits
+ * (at most close_timeout) for the others to leave; closes the connection
+ * and the store. */
+void rdzv_close(job_t *job, int exit_code);
+/* 1 when s is usable as a run id (letters, digits, . _ : / -; < 128). */
+int rdzv_run_id_ok(const char *s);
+
+/* ---------------------------------------------------------- kv_store.c */
+
+/* Connects to chorus's store at host:port with the job key, retrying for
+ * timeout_ms; each later call is bounded by call_timeout_ms.  0, -2 when the
+ * store refused our key (another job, or a different secret), -1. */
+int kv_store_open(const char *host, int port, const chorus__key_t *key, int timeout_ms,
+                  int call_timeout_ms, kv_t **out, char *err, size_t cap);
+
 /* ------------------------------------------------------------ spawn.c */
 
 /* Raises RLIMIT_NOFILE for nproc workers' pipes (restored in the workers). */
@@ -181,14 +274,16 @@ void raise_nofile(int nproc);
 /* Looks the program up like execvp() would, so that the child can use
  * execve().  Returns a malloc'd path or NULL. */
 char *resolve_program(const char *name);
-/* Starts worker w of generation `restart`.  Returns 0 or -errno (nothing
- * left behind on failure). */
-int spawn_worker(job_t *job, worker_t *w, int restart);
+/* Starts worker w for the current round (job->round, job->restarts).
+ * Returns 0 or -errno (nothing left behind on failure). */
+int spawn_worker(job_t *job, worker_t *w);
 
 /* ----------------------------------------------------------- output.c */
 
 /* Reads what is available on s (one read) and writes out complete lines. */
 void stream_read(job_t *job, worker_t *w, stream_t *s);
+/* Reads everything w's pipes hold now (w has exited), without waiting. */
+void stream_drain(job_t *job, worker_t *w);
 /* Flushes an unterminated last line and closes the stream. */
 void stream_close(job_t *job, worker_t *w, stream_t *s);
 void tail_clear(worker_t *w);

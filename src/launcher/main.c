@@ -73,6 +73,14 @@ static int job_secret(job_t *job) {
     snprintf(job->secret_file, sizeof job->secret_file, "%s", env->JOB_SECRET_FILE);
     return 0;
   }
+  if (!have && job->backend != BACKEND_NONE) {
+    fprintf(stderr,
+            "chorusrun: a job on several nodes needs a secret that every node shares: set "
+            "CHORUS_JOB_SECRET_FILE to a file only you can read (the same contents on every "
+            "node; e.g. made once with 'head -c 32 /dev/urandom | od -An -tx1 | tr -d \" \\n\"') "
+            "or CHORUS_JOB_SECRET (docs/security.md)\n");
+    return -1;
+  }
   if (!have && chorus__secret_generate(job->secret, sizeof job->secret) != 0) {
     fprintf(stderr, "chorusrun: cannot get random bytes for the job secret\n");
     return -1;
@@ -82,7 +90,10 @@ static int job_secret(job_t *job) {
     fprintf(stderr, "chorusrun: no private directory for the job secret: %s\n", why);
     return -1;
   }
-  snprintf(job->secret_file, sizeof job->secret_file, "%s/job-%s.key", dir, job->job_id);
+  /* Our pid in the name: agents of one job on one machine (emulated hosts)
+   * share the job id, and each removes its own file. */
+  snprintf(job->secret_file, sizeof job->secret_file, "%s/job-%s-%d.key", dir, job->job_id,
+           (int)getpid());
   int rc = chorus__secret_write_file(job->secret_file, job->secret);
   if (rc < 0) {
     fprintf(stderr, "chorusrun: cannot write %s: %s\n", job->secret_file, strerror(-rc));
@@ -132,13 +143,22 @@ int main(int argc, char **argv) {
             strchr(job.argv[0], '/') ? "" : " (searched PATH)");
     return EXIT_NOT_FOUND;
   }
-  if (random_hex(job.job_id, 8) != 0) {
+  if (job.backend != BACKEND_NONE) {
+    /* Every node derives the same job id from the run id (it salts the job
+     * key, so all agents and workers must agree on it). */
+    chorus__key_t zero = {.set = 1};
+    const void *parts[] = {"chorus run id", job.run_id};
+    size_t lens[] = {13, strlen(job.run_id)};
+    uint8_t mac[CHORUS__MAC_LEN];
+    chorus__hmac(&zero, parts, lens, 2, mac);
+    for (int i = 0; i < 8; i++) snprintf(job.job_id + 2 * i, 3, "%02x", mac[i]);
+  } else if (random_hex(job.job_id, 8) != 0) {
     fprintf(stderr, "chorusrun: cannot get random bytes for the job id\n");
     return EXIT_LAUNCHER;
   }
   memcpy(g_job_id, job.job_id, sizeof g_job_id);
   if (!job.run_id[0]) snprintf(job.run_id, sizeof job.run_id, "%s", job.job_id);
-  /* One node for now: the whole group is ours. */
+  /* One node: the whole group is ours.  Several: the rendezvous decides. */
   job.nnodes = 1;
   job.node_rank = 0;
   job.rank_base = 0;
@@ -153,33 +173,40 @@ int main(int argc, char **argv) {
   /* Descendants orphaned by a worker come to us, so we can clean them up. */
   prctl(PR_SET_CHILD_SUBREAPER, 1);
 
-  /* The store thread must never take our signals (it blocks them itself
-   * too): they go to the main thread, whose poll() the self-pipe wakes. */
-  sigset_t sigs, old;
-  sigemptyset(&sigs);
-  for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) sigaddset(&sigs, g_sigs[i]);
-  pthread_sigmask(SIG_BLOCK, &sigs, &old);
   chorus_store_server_t *srv = NULL;
   chorus__key_t key;
-  chorus_result_t src = CHORUS_ERR_SYSTEM;
-  if (chorus__job_key(job.secret, job.job_id, &key) == 0)
-    src = chorus__store_server_start_key(job.master_addr, job.master_port, &key, &srv);
-  chorus__wipe(&key, sizeof key);
-  chorus__wipe(job.secret, sizeof job.secret);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
-  if (src != CHORUS_OK) {
-    /* The store has logged the system error (WARN) just before. */
-    fprintf(stderr, "chorusrun: cannot start the store on %s:%d: %s%s\n", job.master_addr,
-            job.master_port, chorus_strerror(src),
-            job.master_port ? "; is the port in use? try --standalone or another --master-port"
-                            : "");
+  if (chorus__job_key(job.secret, job.job_id, &key) != 0) {
+    fprintf(stderr, "chorusrun: cannot derive the job key (libcrypto failed)\n");
     guard_stop();
     if (g_secret_file[0]) unlink(g_secret_file);
     return EXIT_LAUNCHER;
   }
-  job.port = chorus_store_server_port(srv);
-  CHORUS_INFO(CHORUS__SUB_LAUNCH, "job %s: store on %s:%d, %d workers, max %d restarts",
-              job.job_id, job.master_addr, job.port, job.nproc, job.max_restarts);
+  chorus__wipe(job.secret, sizeof job.secret);
+  if (job.backend == BACKEND_NONE) {
+    /* The store thread must never take our signals (it blocks them itself
+     * too): they go to the main thread, whose poll() the self-pipe wakes. */
+    sigset_t sigs, old;
+    sigemptyset(&sigs);
+    for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) sigaddset(&sigs, g_sigs[i]);
+    pthread_sigmask(SIG_BLOCK, &sigs, &old);
+    chorus_result_t src = chorus__store_server_start_key(job.master_addr, job.master_port, &key,
+                                                         &srv);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (src != CHORUS_OK) {
+      /* The store has logged the system error (WARN) just before. */
+      fprintf(stderr, "chorusrun: cannot start the store on %s:%d: %s%s\n", job.master_addr,
+              job.master_port, chorus_strerror(src),
+              job.master_port ? "; is the port in use? try --standalone or another --master-port"
+                              : "");
+      chorus__wipe(&key, sizeof key);
+      guard_stop();
+      if (g_secret_file[0]) unlink(g_secret_file);
+      return EXIT_LAUNCHER;
+    }
+    job.port = chorus_store_server_port(srv);
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "job %s: store on %s:%d, %d workers, max %d restarts",
+                job.job_id, job.master_addr, job.port, job.nproc, job.max_restarts);
+  }
 
   job.w = xmalloc((size_t)job.nproc * sizeof *job.w);
   memset(job.w, 0, (size_t)job.nproc * sizeof *job.w);
@@ -191,8 +218,14 @@ int main(int argc, char **argv) {
     job.w[r].st[1].buf = xmalloc(LINE_CAP);
   }
 
-  int exit_code = agent_run(&job);
-
+  int exit_code;
+  if (job.backend != BACKEND_NONE && (exit_code = rdzv_open(&job, &key)) != 0) {
+    /* nothing ran */
+  } else {
+    exit_code = agent_run(&job);
+  }
+  chorus__wipe(&key, sizeof key);
+  rdzv_close(&job, exit_code);
   chorus_store_server_stop(srv);
   guard_stop();
   if (g_secret_file[0]) unlink(g_secret_file);

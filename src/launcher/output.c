@@ -109,6 +109,15 @@ void stream_read(job_t *job, worker_t *w, stream_t *s) {
   s->len = end - start;
 }
 
+void stream_drain(job_t *job, worker_t *w) {
+  for (int k = 0; k < 2; k++)
+    for (int i = 0; i < 1024 && w->st[k].fd >= 0; i++) {
+      struct pollfd p = {.fd = w->st[k].fd, .events = POLLIN};
+      if (poll(&p, 1, 0) <= 0) break;
+      stream_read(job, w, &w->st[k]);
+    }
+}
+
 /* Prints the failure report of worker w. */
 void report_failure(job_t *job, worker_t *w) {
   (void)job;

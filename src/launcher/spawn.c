@@ -77,7 +77,7 @@ static const char *const g_contract_names[CV_COUNT] = {
 
 /* Variable v's value for worker w of generation `restart`, malloc'd, or
  * NULL when the worker must not have the variable at all. */
-static char *contract_value(const job_t *job, const worker_t *w, int restart, contract_var_t v) {
+static char *contract_value(const job_t *job, const worker_t *w, contract_var_t v) {
   switch (v) {
     case CV_RANK:
     case CV_ROLE_RANK: return xasprintf("%d", w->rank);
@@ -90,8 +90,10 @@ static char *contract_value(const job_t *job, const worker_t *w, int restart, co
     case CV_ROLE_NAME: return xstrdup("default");
     case CV_MASTER_ADDR: return xstrdup(job->master_addr);
     case CV_MASTER_PORT: return xasprintf("%d", job->port);
-    case CV_TORCHELASTIC_RESTART_COUNT:
-    case CV_CHORUS_RESTART_COUNT: return xasprintf("%d", restart);
+    case CV_TORCHELASTIC_RESTART_COUNT: return xasprintf("%ld", job->restarts);
+    /* The round, not the restarts: rounds opened by a scale-up form new
+     * groups too, and each needs its own store keys. */
+    case CV_CHORUS_RESTART_COUNT: return xasprintf("%ld", job->round);
     case CV_TORCHELASTIC_MAX_RESTARTS: return xasprintf("%d", job->max_restarts);
     case CV_TORCHELASTIC_RUN_ID: return xstrdup(job->run_id);
     case CV_CHORUS_JOB_ID: return xstrdup(job->job_id);
@@ -108,7 +110,7 @@ static char *contract_value(const job_t *job, const worker_t *w, int restart, co
 
 /* The worker's environment: ours minus every contract variable, plus their
  * values for this worker.  Every string is malloc'd; free with free_env(). */
-static char **build_env(const job_t *job, const worker_t *w, int restart) {
+static char **build_env(const job_t *job, const worker_t *w) {
   size_t n = 0;
   for (char **e = environ; *e; e++) n++;
   size_t k = 0;
@@ -122,7 +124,7 @@ static char **build_env(const job_t *job, const worker_t *w, int restart) {
     if (!drop) env[k++] = xstrdup(*e);
   }
   for (int v = 0; v < CV_COUNT; v++) {
-    char *val = contract_value(job, w, restart, (contract_var_t)v);
+    char *val = contract_value(job, w, (contract_var_t)v);
     if (!val) continue;
     env[k++] = xasprintf("%s=%s", g_contract_names[v], val);
     free(val);
@@ -189,14 +191,14 @@ static int worker_cpus(int n, int rank, cpu_set_t *out) {
 }
 
 /* Starts worker w.  Returns 0 or -errno (nothing left behind on failure). */
-int spawn_worker(job_t *job, worker_t *w, int restart) {
+int spawn_worker(job_t *job, worker_t *w) {
   int outp[2] = {-1, -1}, errp[2] = {-1, -1};
   if (pipe2(outp, O_CLOEXEC) != 0 || pipe2(errp, O_CLOEXEC) != 0) {
     int e = errno;
     if (outp[0] >= 0) close(outp[0]), close(outp[1]);
     return -e;
   }
-  char **env = build_env(job, w, restart);
+  char **env = build_env(job, w);
   pid_t parent = getpid();
   cpu_set_t cpus;
   int bind = job->bind && worker_cpus(job->nproc, w->local_rank, &cpus);
@@ -239,7 +241,7 @@ int spawn_worker(job_t *job, worker_t *w, int restart) {
   w->status = 0;
   w->st[0] = (stream_t){.fd = outp[0], .out_fd = 1, .len = 0, .buf = w->st[0].buf};
   w->st[1] = (stream_t){.fd = errp[0], .out_fd = 2, .len = 0, .buf = w->st[1].buf};
-  CHORUS_INFO(CHORUS__SUB_LAUNCH, "started rank %d as pid %d (restart %d)", w->rank, (int)pid,
-              restart);
+  CHORUS_INFO(CHORUS__SUB_LAUNCH, "started rank %d as pid %d (round %ld)", w->rank, (int)pid,
+              job->round);
   return 0;
 }

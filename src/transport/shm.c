@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "util/clock.h"
+#include "util/host.h"
 #include "util/log.h"
 #include "util/util.h"
 
@@ -57,8 +58,10 @@ void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t group_id,
     if ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z'))
       clean[k++] = *p;
   clean[k] = '\0';
-  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-%016" PRIx64, k ? clean : "nojob", group_id,
-           nonce);
+  char tag[9];
+  chorus__host_tag(tag);
+  snprintf(buf, cap, "/chorus-%s-%s-%016" PRIx64 "-%016" PRIx64, k ? clean : "nojob", tag,
+           group_id, nonce);
 }
 
 static chorus__shm_t *wrap(void *base, size_t bytes, int n, int me, size_t chunk) {
@@ -348,8 +351,10 @@ struct chorus__memreg {
 
 static void region_name(const chorus__memreg_t *reg, int owner, uint64_t id, char *buf,
                         size_t cap) {
-  snprintf(buf, cap, "/chorus-%s-%016" PRIx64 "-m%d-%016" PRIx64, reg->job, reg->world_id, owner,
-           id);
+  char tag[9];
+  chorus__host_tag(tag);
+  snprintf(buf, cap, "/chorus-%s-%s-%016" PRIx64 "-m%d-%016" PRIx64, reg->job, tag,
+           reg->world_id, owner, id);
 }
 
 chorus__memreg_t *chorus__memreg_new(const char *job, uint64_t world_id, int world_rank) {

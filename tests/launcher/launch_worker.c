@@ -27,6 +27,9 @@
  *                           the smaller world, then print "rankN inplace done
  *                           size S sum X" (X: the sum of the survivors'
  *                           ranks, from an all_reduce in that world)
+ *   leak-shm                make an empty /dev/shm name the way a worker's
+ *                           segment is named (job id, host tag), print
+ *                           "made <path>" and SIGKILL itself
  *   store                   connect to the store (MASTER_ADDR, MASTER_PORT,
  *                           the secret from CHORUS_JOB_SECRET_FILE), set a key,
  *                           read every rank's
@@ -39,6 +42,7 @@
 #define _GNU_SOURCE
 #endif
 
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -49,6 +53,7 @@
 #include <unistd.h>
 
 #include "chorus.h"
+#include "util/host.h"
 
 static int g_rank;
 
@@ -288,6 +293,17 @@ int main(int argc, char **argv) {
       return atoi(argv[3]);
     }
     return restart >= 0 ? 0 : 1;
+  }
+  if (!strcmp(mode, "leak-shm")) {
+    char tag[9], path[256];
+    const char *job = getenv("CHORUS_JOB_ID");
+    chorus__host_tag(tag);
+    snprintf(path, sizeof path, "/dev/shm/chorus-%s-%s-0-0", job ? job : "nojob", tag);
+    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd < 0) return 3;
+    close(fd);
+    put(1, "made %s\n", path);
+    raise(SIGKILL);
   }
   if (!strcmp(mode, "store")) return store_mode();
   if (!strcmp(mode, "inplace") && argc >= 4) return inplace_mode(atoi(argv[2]), atoi(argv[3]));

@@ -366,8 +366,7 @@ case_store() {
 # A worker that dies between creating its group's segment and unlinking it
 # leaves a name in /dev/shm; chorusrun removes the names of its job.
 case_shm() {
-  # shellcheck disable=SC2016
-  run -n 1 --standalone sh -c 'f=/dev/shm/chorus-$CHORUS_JOB_ID-0-0; : >"$f" && echo "made $f"; kill -9 $$'
+  run -n 1 --standalone "$WORKER" leak-shm
   check "shm: worker left a segment name" has "$OUT" "made /dev/shm/chorus-"
   local f
   f=$(sed -n 's/^\[rank[0-9]*\]:made //p' "$OUT" | head -n 1)

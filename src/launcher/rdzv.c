@@ -1,0 +1,1033 @@
+/*
+ * rdzv.c - chorusrun on several nodes: the rendezvous, heartbeats, lost
+ * nodes, failure records and re-forming the group.
+ *
+ * Every node runs one agent.  The agents meet on a key-value service (kv_t:
+ * chorus's store hosted by the agent at the endpoint for c10d, by node 0
+ * for static), under keys "rdzv/<run id>/":
+ *
+ *   state     the rendezvous state: one text value, changed only by
+ *             compare-and-set, so every change is atomic and all agents see
+ *             the same sequence of states.  Lines (fields split by spaces):
+ *               chorus-rdzv 1
+ *               round R          0, 1, ...: one per group formed
+ *               phase P          join, frozen or closed
+ *               nnodes MIN MAX   as the first agent was started
+ *               max_restarts K   likewise
+ *               restarts N       rounds opened because something failed
+ *               exit CODE        closed: what every agent exits with
+ *               reason TEXT      why the round opened or the job closed
+ *               prev ID GRANK    the last frozen round's nodes
+ *               expect ID        nodes this round waits for: the last
+ *                                round's survivors and the nodes that were
+ *                                waiting; once all of them (and MIN) are
+ *                                in, the round freezes without a last call
+ *               member ID NPROC WANT   joined (frozen: in group-rank order);
+ *                                WANT is the static --node-rank, else -1
+ *               wait ID NPROC WANT     arrived after the freeze
+ *   hb/ID     a node's heartbeat, "<counter> run" while it takes part, then
+ *             "<counter> done <exit code>" once it has left
+ *   fail/R    the first failure of round R anywhere in the job, written
+ *             once (compare-and-set on an absent key): the root cause
+ *
+ * A round: agents add themselves to `member` until MAX are in (freeze at
+ * once), or all expected nodes are (freeze at once), or MIN are and the
+ * last call (last_call_timeout, timed by each agent from when it first saw
+ * MIN) runs out; the agent that freezes assigns group ranks in the same
+ * compare-and-set.  Ranks are stable: a node that was in the last round
+ * keeps its group rank if it is still below the new node count; the others
+ * fill the free ranks, last round's nodes first (in their old order), then
+ * new ones in the order they joined.  A node that arrives after the freeze
+ * goes to `wait`; group rank 0's agent then opens the next round if the
+ * group has room (scale-up, not counted as a restart).
+ *
+ * While a group runs, every agent writes its heartbeat every `heartbeat`
+ * seconds and reads the others'; a node whose counter has not moved for 4
+ * heartbeats (and that has not left) is lost.  A failed worker or a lost
+ * node makes the agent that sees it write fail/R, then open round R+1 with
+ * restarts+1, or close the job when no restarts are left (or a node of the
+ * round already finished: its workers cannot rejoin).  Every agent polls
+ * the state every monitor interval; a new round stops its workers and it
+ * joins again; a closed one stops them and it exits with the job's code
+ * after printing the root cause.  A service that has not answered for 4
+ * heartbeats is lost too: the agent stops its workers and exits.
+ *
+ * Received values are untrusted: the state is parsed line by line with
+ * bounded fields and counts, node ids are checked character by character,
+ * and a value that does not parse is reported, never used.
+ */
+#include "launcher/launcher.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "chorus.h"
+#include "store/store.h"
+#include "util/clock.h"
+#include "util/env.h"
+#include "util/log.h"
+#include "util/net.h"
+#include "util/util.h"
+
+#define MAX_NODES 1024
+#define ID_MAX 96
+#define REASON_MAX 256
+#define LOST_BEATS 4
+#define JOIN_POLL_MS 10
+#define STATE_MAX (4u << 20)
+
+enum { PH_JOIN, PH_FROZEN, PH_CLOSED };
+static const char *const g_phase[] = {"join", "frozen", "closed"};
+
+typedef struct {
+  char id[ID_MAX];
+  int nproc;
+  int want; /* member/wait: static node rank or -1; prev: group rank */
+} rnode_t;
+
+typedef struct {
+  long round, restarts;
+  int phase, min, max, max_restarts, exit_code;
+  char reason[REASON_MAX];
+  int nprev, nexp, nmem, nwait;
+  rnode_t prev[MAX_NODES], exp[MAX_NODES], mem[MAX_NODES], wait[MAX_NODES];
+} rstate_t;
+
+typedef struct {
+  char id[ID_MAX];
+  char val[64];  /* its heartbeat value as last read */
+  int64_t seen;  /* when that value last changed */
+  int done;      /* it has left */
+  int exit_code; /* ... with this code */
+} peer_t;
+
+struct rdzv {
+  kv_t *kv;
+  chorus_store_server_t *srv; /* the store, when this agent hosts it */
+  char pfx[200];              /* "rdzv/<run id>/" */
+  char id[ID_MAX];            /* this node: "<address>/<pid>" */
+  char *raw;                  /* the state's text as last read */
+  rstate_t st, nx;            /* last read; the next one being built */
+  long beats;
+  int left;                   /* our heartbeat says done */
+  int64_t next_hb, next_mon, last_ok, lost_ns;
+  peer_t peers[3 * MAX_NODES];
+  int npeers;
+  rnode_t group[MAX_NODES];   /* the frozen round this node runs in */
+  int ngroup;
+};
+
+/* ------------------------------------------------------------- helpers */
+
+static void key_of(const rdzv_t *rz, char *buf, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void key_of(const rdzv_t *rz, char *buf, size_t cap, const char *fmt, ...) {
+  int n = snprintf(buf, cap, "%s", rz->pfx);
+  va_list ap;
+  va_start(ap, fmt);
+  if (n >= 0 && (size_t)n < cap) vsnprintf(buf + n, cap - (size_t)n, fmt, ap);
+  va_end(ap);
+}
+
+/* Node ids and run ids: letters, digits and . _ : / - only. */
+static int id_ok(const char *s, size_t max) {
+  size_t n = 0;
+  for (; s[n]; n++) {
+    char c = s[n];
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+          c == '.' || c == '_' || c == ':' || c == '/' || c == '-'))
+      return 0;
+  }
+  return n > 0 && n < max;
+}
+
+int rdzv_run_id_ok(const char *s) { return id_ok(s, 128); }
+
+static void sleep_or_signal(job_t *job, int ms) {
+  struct pollfd p = {.fd = g_selfpipe[0], .events = POLLIN};
+  if (ms < 0) ms = 0;
+  if (poll(&p, 1, ms) > 0) {
+    int sig = drain_selfpipe();
+    if (sig && !job->got_sig) job->got_sig = sig;
+  }
+}
+
+static int ok(rdzv_t *rz, int rc) {
+  if (rc >= 0) rz->last_ok = chorus__now_ns();
+  return rc;
+}
+
+static int lost_store(const rdzv_t *rz) {
+  return chorus__now_ns() - rz->last_ok > rz->lost_ns;
+}
+
+/* Makes a line of text safe for the state: no newline, bounded. */
+static void one_line(char *dst, size_t cap, const char *src) {
+  size_t k = 0;
+  for (const char *p = src; *p && k + 1 < cap; p++) dst[k++] = (*p == '\n' || *p == '\r') ? ' ' : *p;
+  dst[k] = '\0';
+}
+
+/* --------------------------------------------------------------- state */
+
+static int find(const rnode_t *v, int n, const char *id) {
+  for (int i = 0; i < n; i++)
+    if (!strcmp(v[i].id, id)) return i;
+  return -1;
+}
+
+static int parse_long_field(const char *s, long lo, long hi, long *out) {
+  return chorus__parse_long(s, out) == 0 && *out >= lo && *out <= hi ? 0 : -1;
+}
+
+/* Parses a state value into s.  0, or -1 with the reason in err. */
+static int state_parse(const char *text, rstate_t *s, char *err, size_t cap) {
+  memset(s, 0, offsetof(rstate_t, prev));
+  s->nprev = s->nexp = s->nmem = s->nwait = 0;
+  s->phase = -1;
+  int have_magic = 0, lineno = 0;
+  for (const char *p = text; *p;) {
+    const char *nl = strchr(p, '\n');
+    size_t len = nl ? (size_t)(nl - p) : strlen(p);
+    lineno++;
+    char line[512];
+    if (len >= sizeof line) {
+      snprintf(err, cap, "line %d is too long", lineno);
+      return -1;
+    }
+    memcpy(line, p, len);
+    line[len] = '\0';
+    p += len + (nl ? 1 : 0);
+    if (!len) continue;
+    char *f[5] = {0};
+    int nf = 0;
+    char *save = NULL;
+    if (!strncmp(line, "reason ", 7)) {
+      one_line(s->reason, sizeof s->reason, line + 7);
+      continue;
+    }
+    for (char *t = strtok_r(line, " ", &save); t && nf < 5; t = strtok_r(NULL, " ", &save))
+      f[nf++] = t;
+    if (nf == 0) continue;
+    long a = 0, b = 0;
+    if (!have_magic) {
+      if (nf != 2 || strcmp(f[0], "chorus-rdzv") || strcmp(f[1], "1")) {
+        snprintf(err, cap, "not a chorus rendezvous state (version 1)");
+        return -1;
+      }
+      have_magic = 1;
+    } else if (!strcmp(f[0], "round") && nf == 2 && parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
+      s->round = a;
+    } else if (!strcmp(f[0], "restarts") && nf == 2 &&
+               parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
+      s->restarts = a;
+    } else if (!strcmp(f[0], "max_restarts") && nf == 2 &&
+               parse_long_field(f[1], 0, 1000000, &a) == 0) {
+      s->max_restarts = (int)a;
+    } else if (!strcmp(f[0], "exit") && nf == 2 && parse_long_field(f[1], 0, 255, &a) == 0) {
+      s->exit_code = (int)a;
+    } else if (!strcmp(f[0], "phase") && nf == 2) {
+      for (int i = 0; i < 3; i++)
+        if (!strcmp(f[1], g_phase[i])) s->phase = i;
+      if (s->phase < 0) break;
+    } else if (!strcmp(f[0], "nnodes") && nf == 3 &&
+               parse_long_field(f[1], 1, MAX_NODES, &a) == 0 &&
+               parse_long_field(f[2], a, MAX_NODES, &b) == 0) {
+      s->min = (int)a;
+      s->max = (int)b;
+    } else if ((!strcmp(f[0], "prev") && nf == 3) || (!strcmp(f[0], "expect") && nf == 2) ||
+               ((!strcmp(f[0], "member") || !strcmp(f[0], "wait")) && nf == 4)) {
+      rnode_t *v;
+      int *n;
+      switch (f[0][0]) {
+        case 'p': v = s->prev, n = &s->nprev; break;
+        case 'e': v = s->exp, n = &s->nexp; break;
+        case 'm': v = s->mem, n = &s->nmem; break;
+        default: v = s->wait, n = &s->nwait; break;
+      }
+      if (*n >= MAX_NODES || !id_ok(f[1], ID_MAX)) goto bad;
+      rnode_t *r = &v[*n];
+      snprintf(r->id, sizeof r->id, "%s", f[1]);
+      r->nproc = 0;
+      r->want = -1;
+      if (nf == 3 && parse_long_field(f[2], 0, MAX_NODES - 1, &a) == 0) r->want = (int)a;
+      else if (nf == 3) goto bad;
+      if (nf == 4) {
+        if (parse_long_field(f[2], 1, MAX_NPROC, &a) != 0 ||
+            parse_long_field(f[3], -1, MAX_NODES - 1, &b) != 0)
+          goto bad;
+        r->nproc = (int)a;
+        r->want = (int)b;
+      }
+      (*n)++;
+    } else {
+    bad:
+      snprintf(err, cap, "line %d is malformed", lineno);
+      return -1;
+    }
+  }
+  if (!have_magic || s->phase < 0 || s->min < 1) {
+    snprintf(err, cap, "round, phase or nnodes missing");
+    return -1;
+  }
+  if (s->nmem > s->max) {
+    snprintf(err, cap, "%d members, more than the %d allowed", s->nmem, s->max);
+    return -1;
+  }
+  return 0;
+}
+
+/* The text of s, malloc'd. */
+static char *state_format(const rstate_t *s) {
+  size_t cap = 512 + (size_t)(s->nprev + s->nexp + s->nmem + s->nwait) * (ID_MAX + 40);
+  char *out = xmalloc(cap);
+  size_t n = 0;
+#define PUT(...) n += (size_t)snprintf(out + n, cap - n, __VA_ARGS__)
+  PUT("chorus-rdzv 1\nround %ld\nphase %s\nnnodes %d %d\nmax_restarts %d\nrestarts %ld\n",
+      s->round, g_phase[s->phase], s->min, s->max, s->max_restarts, s->restarts);
+  if (s->phase == PH_CLOSED) PUT("exit %d\n", s->exit_code);
+  if (s->reason[0]) PUT("reason %s\n", s->reason);
+  for (int i = 0; i < s->nprev; i++) PUT("prev %s %d\n", s->prev[i].id, s->prev[i].want);
+  for (int i = 0; i < s->nexp; i++) PUT("expect %s\n", s->exp[i].id);
+  for (int i = 0; i < s->nmem; i++)
+    PUT("member %s %d %d\n", s->mem[i].id, s->mem[i].nproc, s->mem[i].want);
+  for (int i = 0; i < s->nwait; i++)
+    PUT("wait %s %d %d\n", s->wait[i].id, s->wait[i].nproc, s->wait[i].want);
+#undef PUT
+  return out;
+}
+
+/* Reads the state: 1 (rz->raw, rz->st), 0 when there is none yet, -1 when
+ * the service did not answer, -2 when the value does not parse (message in
+ * kv->err). */
+static int read_state(rdzv_t *rz) {
+  char key[300], *val = NULL;
+  key_of(rz, key, sizeof key, "state");
+  int rc = ok(rz, rz->kv->ops->get(rz->kv, key, &val));
+  if (rc <= 0) return rc;
+  char why[200];
+  if (strlen(val) > STATE_MAX || state_parse(val, &rz->st, why, sizeof why) != 0) {
+    snprintf(rz->kv->err, sizeof rz->kv->err, "the rendezvous state at %s is corrupt: %s",
+             key, strlen(val) > STATE_MAX ? "too long" : why);
+    free(val);
+    return -2;
+  }
+  free(rz->raw);
+  rz->raw = val;
+  return 1;
+}
+
+/* Replaces the state last read by rz->nx: 1 done, 0 someone changed it
+ * first, -1 no answer. */
+static int write_state(rdzv_t *rz) {
+  char key[300];
+  key_of(rz, key, sizeof key, "state");
+  char *text = state_format(&rz->nx);
+  int rc = ok(rz, rz->kv->ops->cas(rz->kv, key, rz->raw, text));
+  free(text);
+  return rc;
+}
+
+/* ----------------------------------------------------------- heartbeats */
+
+static void beat(rdzv_t *rz, int done, int code) {
+  char key[300], val[64];
+  key_of(rz, key, sizeof key, "hb/%s", rz->id);
+  if (done) snprintf(val, sizeof val, "%ld done %d", ++rz->beats, code);
+  else snprintf(val, sizeof val, "%ld run", ++rz->beats);
+  ok(rz, rz->kv->ops->set(rz->kv, key, val));
+  if (done) rz->left = 1;
+}
+
+static peer_t *peer(rdzv_t *rz, const char *id) {
+  for (int i = 0; i < rz->npeers; i++)
+    if (!strcmp(rz->peers[i].id, id)) return &rz->peers[i];
+  if (rz->npeers == (int)CHORUS__ARRAY_LEN(rz->peers)) rz->npeers = 0; /* forget old ones */
+  peer_t *p = &rz->peers[rz->npeers++];
+  memset(p, 0, sizeof *p);
+  snprintf(p->id, sizeof p->id, "%s", id);
+  p->seen = chorus__now_ns();
+  return p;
+}
+
+/* Reads id's heartbeat.  Returns the peer, NULL when the service did not
+ * answer. */
+static peer_t *observe(rdzv_t *rz, const char *id) {
+  peer_t *p = peer(rz, id);
+  char key[300], *val = NULL;
+  key_of(rz, key, sizeof key, "hb/%s", id);
+  int rc = ok(rz, rz->kv->ops->get(rz->kv, key, &val));
+  if (rc < 0) return NULL;
+  if (rc == 1 && strcmp(val, p->val) != 0) {
+    one_line(p->val, sizeof p->val, val);
+    p->seen = chorus__now_ns();
+    long counter = 0, code = 0;
+    char word[8] = "";
+    if (sscanf(val, "%ld %7s %ld", &counter, word, &code) >= 2 && !strcmp(word, "done")) {
+      p->done = 1;
+      p->exit_code = code >= 0 && code <= 255 ? (int)code : EXIT_LAUNCHER;
+    } else {
+      p->done = 0;
+    }
+  }
+  free(val);
+  return p;
+}
+
+static int peer_lost(const rdzv_t *rz, const peer_t *p) {
+  return !p->done && chorus__now_ns() - p->seen > rz->lost_ns;
+}
+
+/* ------------------------------------------------------ failure records */
+
+typedef struct {
+  char kind[8]; /* exit, signal, lost, error */
+  int code;     /* the exit code it gives the job */
+  int grank, rank;
+  char node[ID_MAX];
+  char what[300];
+  int ntail;
+  char tail[TAIL_LINES][TAIL_LINE_MAX];
+} fail_t;
+
+static char *fail_format(const fail_t *f) {
+  size_t cap = 1024 + (size_t)f->ntail * (TAIL_LINE_MAX + 8);
+  char *out = xmalloc(cap);
+  size_t n = (size_t)snprintf(out, cap, "chorus-fail 1\n%s %d %d %d %s\n%s\n", f->kind, f->code,
+                              f->grank, f->rank, f->node, f->what);
+  for (int i = 0; i < f->ntail && n < cap; i++)
+    n += (size_t)snprintf(out + n, cap - n, "%s\n", f->tail[i]);
+  return out;
+}
+
+/* Parses a failure record (untrusted): 0 or -1. */
+static int fail_parse(const char *text, fail_t *f) {
+  memset(f, 0, sizeof *f);
+  const char *p = text;
+  char line[TAIL_LINE_MAX + 8];
+  for (int lineno = 0; *p; lineno++) {
+    const char *nl = strchr(p, '\n');
+    size_t len = nl ? (size_t)(nl - p) : strlen(p);
+    size_t keep = CHORUS__MIN(len, sizeof line - 1);
+    memcpy(line, p, keep);
+    line[keep] = '\0';
+    p += len + (nl ? 1 : 0);
+    if (lineno == 0) {
+      if (strcmp(line, "chorus-fail 1")) return -1;
+    } else if (lineno == 1) {
+      char kind[8], node[ID_MAX];
+      if (sscanf(line, "%7s %d %d %d %95s", kind, &f->code, &f->grank, &f->rank, node) != 5 ||
+          !id_ok(node, ID_MAX) || f->code < 0 || f->code > 255)
+        return -1;
+      snprintf(f->kind, sizeof f->kind, "%s", kind);
+      snprintf(f->node, sizeof f->node, "%s", node);
+    } else if (lineno == 2) {
+      one_line(f->what, sizeof f->what, line);
+    } else if (f->ntail < TAIL_LINES) {
+      one_line(f->tail[f->ntail++], TAIL_LINE_MAX, line);
+    }
+  }
+  return f->kind[0] ? 0 : -1;
+}
+
+/* Writes the round's failure record unless one exists; *rec gets the
+ * record that stands (ours or the earlier one).  0 or -1. */
+static int record_failure(rdzv_t *rz, long round, const fail_t *mine, fail_t *rec) {
+  char key[300];
+  key_of(rz, key, sizeof key, "fail/%ld", round);
+  char *text = fail_format(mine);
+  int rc = ok(rz, rz->kv->ops->cas(rz->kv, key, NULL, text));
+  free(text);
+  if (rc == 1) {
+    *rec = *mine;
+    return 0;
+  }
+  char *val = NULL;
+  if (rc < 0 || ok(rz, rz->kv->ops->get(rz->kv, key, &val)) != 1) return -1;
+  int prc = fail_parse(val, rec);
+  free(val);
+  if (prc != 0) *rec = *mine;
+  return 0;
+}
+
+/* ------------------------------------------------------------- rounds */
+
+static void set_reason(rstate_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_reason(rstate_t *s, const char *fmt, ...) {
+  char buf[REASON_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  one_line(s->reason, sizeof s->reason, buf);
+}
+
+/* Builds in rz->nx the round after rz->st: the frozen round's nodes become
+ * `prev`, its survivors (not lost, not done) and the waiting nodes are
+ * expected. */
+static void next_round(rdzv_t *rz, int failure, const char *lost) {
+  const rstate_t *s = &rz->st;
+  rstate_t *n = &rz->nx;
+  *n = *s;
+  n->round = s->round + 1;
+  n->phase = PH_JOIN;
+  n->restarts = s->restarts + (failure ? 1 : 0);
+  n->nprev = n->nexp = n->nmem = n->nwait = 0;
+  for (int i = 0; i < s->nmem; i++) {
+    n->prev[n->nprev] = s->mem[i];
+    n->prev[n->nprev++].want = i;
+    peer_t *p = peer(rz, s->mem[i].id);
+    if ((lost && !strcmp(lost, s->mem[i].id)) || p->done || peer_lost(rz, p)) continue;
+    n->exp[n->nexp++] = s->mem[i];
+  }
+  for (int i = 0; i < s->nwait && n->nexp < MAX_NODES; i++) n->exp[n->nexp++] = s->wait[i];
+}
+
+/* Opens the round after our frozen one, or closes the job when a failure
+ * finds no restarts left or a node of the round already finished.  The
+ * reason goes into the state.  Stops when someone else moved the state on
+ * first. */
+static void advance(job_t *job, int failure, const char *lost, int exit_code, const char *reason) {
+  rdzv_t *rz = job->rz;
+  for (int tries = 0; tries < 100; tries++) {
+    if (read_state(rz) != 1) return;
+    if (rz->st.round != job->round || rz->st.phase != PH_FROZEN) return;
+    const char *finished = NULL;
+    if (failure)
+      for (int i = 0; i < rz->st.nmem && !finished; i++) {
+        peer_t *p = strcmp(rz->st.mem[i].id, rz->id) ? observe(rz, rz->st.mem[i].id) : NULL;
+        if (p && p->done && p->exit_code == 0) finished = p->id;
+      }
+    if (failure && (rz->st.restarts >= rz->st.max_restarts || finished)) {
+      rz->nx = rz->st;
+      rz->nx.phase = PH_CLOSED;
+      rz->nx.exit_code = exit_code;
+      if (finished)
+        set_reason(&rz->nx, "%s; node %s had already finished, so the group cannot re-form",
+                   reason, finished);
+      else
+        set_reason(&rz->nx, "%s; no restarts left (--max-restarts %d)", reason,
+                   rz->st.max_restarts);
+    } else {
+      next_round(rz, failure, lost);
+      set_reason(&rz->nx, "%s", reason);
+    }
+    if (write_state(rz) != 0) return;
+  }
+}
+
+/* Our group's placement from the frozen state. */
+static void take_placement(job_t *job) {
+  rdzv_t *rz = job->rz;
+  const rstate_t *s = &rz->st;
+  int me = find(s->mem, s->nmem, rz->id);
+  job->round = s->round;
+  job->restarts = s->restarts;
+  job->nnodes = s->nmem;
+  job->node_rank = me;
+  job->rank_base = 0;
+  job->world_size = 0;
+  for (int i = 0; i < s->nmem; i++) {
+    if (i < me) job->rank_base += s->mem[i].nproc;
+    job->world_size += s->mem[i].nproc;
+  }
+  rz->ngroup = s->nmem;
+  memcpy(rz->group, s->mem, sizeof s->mem[0] * (size_t)s->nmem);
+  int64_t now = chorus__now_ns();
+  for (int i = 0; i < s->nmem; i++) {
+    peer_t *p = peer(rz, s->mem[i].id);
+    p->seen = now; /* a long rendezvous is not silence */
+  }
+  for (int r = 0; r < job->nproc; r++) job->w[r].rank = job->rank_base + r;
+}
+
+/* Freezes the round in rz->st: orders the members by group rank. */
+static int freeze(job_t *job) {
+  rdzv_t *rz = job->rz;
+  const rstate_t *s = &rz->st;
+  rstate_t *n = &rz->nx;
+  *n = *s;
+  n->phase = PH_FROZEN;
+  int count = s->nmem;
+  int slot[MAX_NODES], used[MAX_NODES];
+  for (int i = 0; i < count; i++) slot[i] = -1, used[i] = 0;
+  if (job->backend == BACKEND_STATIC) {
+    for (int i = 0; i < count; i++) {
+      int w = s->mem[i].want;
+      if (w < 0 || w >= count || slot[w] >= 0) return -1; /* checked at join */
+      slot[w] = i;
+    }
+  } else {
+    /* Last round's nodes keep their group rank when it still exists. */
+    for (int i = 0; i < count; i++) {
+      int p = find(s->prev, s->nprev, s->mem[i].id);
+      if (p >= 0 && s->prev[p].want < count && slot[s->prev[p].want] < 0) {
+        slot[s->prev[p].want] = i;
+        used[i] = 1;
+      }
+    }
+    /* The rest fill the holes: last round's nodes in their old order, then
+     * new ones in join order. */
+    int next = 0;
+    for (int pass = 0; pass < 2; pass++)
+      for (int k = 0; k < (pass ? count : s->nprev); k++) {
+        int i = pass ? k : find(s->mem, count, s->prev[k].id);
+        if (i < 0 || used[i]) continue;
+        while (slot[next] >= 0) next++;
+        slot[next] = i;
+        used[i] = 1;
+      }
+  }
+  for (int r = 0; r < count; r++) n->mem[r] = s->mem[slot[r]];
+  return write_state(rz);
+}
+
+static int all_expected_in(const rstate_t *s) {
+  if (s->nexp == 0) return 0;
+  for (int i = 0; i < s->nexp; i++)
+    if (find(s->mem, s->nmem, s->exp[i].id) < 0) return 0;
+  return 1;
+}
+
+/* ------------------------------------------------------------- opening */
+
+int rdzv_open(job_t *job, const chorus__key_t *key) {
+  rdzv_t *rz = calloc(1, sizeof *rz);
+  if (!rz) {
+    fprintf(stderr, "chorusrun: out of memory\n");
+    return EXIT_LAUNCHER;
+  }
+  job->rz = rz;
+  job->round = -1;
+  snprintf(rz->pfx, sizeof rz->pfx, "rdzv/%s/", job->run_id);
+  rz->lost_ns = LOST_BEATS * job->heartbeat_ns;
+  const char *host = job->rdzv_host;
+  int port = job->rdzv_port;
+
+  /* Who hosts the store: static node 0; for c10d the agent on the node the
+   * endpoint names (if two agents share that machine, the second finds the
+   * port taken and joins as a client). */
+  int want_host = job->backend == BACKEND_STATIC ? job->node_rank_opt == 0
+                                                 : chorus__net_is_local(host);
+  if (want_host) {
+    sigset_t sigs, old;
+    sigfillset(&sigs);
+    pthread_sigmask(SIG_BLOCK, &sigs, &old); /* the store thread takes none */
+    chorus_result_t src = chorus__store_server_start_key(NULL, port, key, &rz->srv);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (src != CHORUS_OK) {
+      if (job->backend == BACKEND_STATIC) {
+        fprintf(stderr,
+                "chorusrun: node 0 cannot start the store on port %d: %s; is the port in use? "
+                "(another job, or a leftover chorusrun; try another --master-port)\n",
+                port, chorus_strerror(src));
+        return EXIT_LAUNCHER;
+      }
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "port %d taken on this machine; joining as a client", port);
+      rz->srv = NULL;
+    } else {
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "hosting the rendezvous store on port %d", port);
+    }
+  }
+
+  int call_ms = (int)CHORUS__MAX(rz->lost_ns / 1000000, 200);
+  int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
+  char err[700] = "";
+  for (;;) {
+    int left = chorus__ms_left(deadline);
+    int rc = kv_store_open(host, port, key, CHORUS__MIN(CHORUS__MAX(left, 1), 1000), call_ms,
+                           &rz->kv, err, sizeof err);
+    if (rc == 0) break;
+    if (rc == -2) {
+      fprintf(stderr,
+              "chorusrun: the rendezvous store at %s:%d refused this node: %s.  Every node "
+              "of a job needs the same CHORUS_JOB_SECRET (or CHORUS_JOB_SECRET_FILE contents) "
+              "and --rdzv-id; another job may be using this endpoint.\n",
+              host, port, err);
+      return EXIT_LAUNCHER;
+    }
+    sleep_or_signal(job, 0);
+    if (job->got_sig) return 128 + job->got_sig;
+    if (left == 0) {
+      fprintf(stderr,
+              "chorusrun: no rendezvous store at %s:%d after %.0f s (join_timeout): %s.  The "
+              "endpoint must name one of the job's nodes (its agent hosts the store%s), "
+              "reachable from this one.\n",
+              host, port, job->join_timeout_ns / 1e9, err,
+              job->backend == BACKEND_STATIC ? ": node 0" : "");
+      return EXIT_LAUNCHER;
+    }
+  }
+  rz->last_ok = chorus__now_ns();
+  char addr[128] = "node";
+  if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
+  snprintf(rz->id, sizeof rz->id, "%s/%d", addr, (int)getpid());
+  if (!id_ok(rz->id, ID_MAX)) snprintf(rz->id, sizeof rz->id, "node/%d", (int)getpid());
+  job->master_addr = host;
+  job->port = port;
+  CHORUS_INFO(CHORUS__SUB_LAUNCH, "node %s: rendezvous %s at %s (run %s)", rz->id,
+              job->backend == BACKEND_STATIC ? "static" : "c10d", rz->kv->where, job->run_id);
+  return 0;
+}
+
+/* ------------------------------------------------------------- joining */
+
+static void say_state_error(const rdzv_t *rz, int rc) {
+  if (rc == -2) fprintf(stderr, "chorusrun: %s\n", rz->kv->err);
+}
+
+int rdzv_join(job_t *job) {
+  rdzv_t *rz = job->rz;
+  int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
+  int64_t last_call = CHORUS__NO_DEADLINE;
+  int said_waiting = 0;
+  rz->left = 0;
+  for (;;) {
+    if (job->got_sig) {
+      rdzv_interrupt(job, job->got_sig);
+      return 128 + job->got_sig;
+    }
+    int64_t now = chorus__now_ns();
+    if (now >= rz->next_hb) {
+      beat(rz, 0, 0);
+      rz->next_hb = now + job->heartbeat_ns;
+    }
+    int rc = read_state(rz);
+    if (rc == -2) {
+      say_state_error(rz, rc);
+      return EXIT_LAUNCHER;
+    }
+    if (rc < 0) {
+      if (lost_store(rz)) {
+        fprintf(stderr,
+                "chorusrun: the rendezvous store at %s stopped answering during the "
+                "rendezvous (%s); the node hosting it may be down\n",
+                rz->kv->where, rz->kv->err);
+        return EXIT_LAUNCHER;
+      }
+      sleep_or_signal(job, JOIN_POLL_MS);
+      continue;
+    }
+    rstate_t *s = &rz->st;
+    if (rc == 0) {
+      /* The first agent creates round 0. */
+      rstate_t *n = &rz->nx;
+      memset(n, 0, offsetof(rstate_t, prev));
+      n->nprev = n->nexp = n->nmem = n->nwait = 0;
+      n->phase = PH_JOIN;
+      n->min = job->min_nodes;
+      n->max = job->max_nodes;
+      n->max_restarts = job->max_restarts;
+      set_reason(n, "first round");
+      free(rz->raw);
+      rz->raw = NULL;
+      write_state(rz);
+      continue;
+    }
+    if (s->min != job->min_nodes || s->max != job->max_nodes) {
+      fprintf(stderr,
+              "chorusrun: this node was started with --nnodes %d:%d, but run '%s' was started "
+              "with --nnodes %d:%d by the first node that joined; give every node the same "
+              "--nnodes (or use another --rdzv-id)\n",
+              job->min_nodes, job->max_nodes, job->run_id, s->min, s->max);
+      return EXIT_USAGE;
+    }
+    int me = find(s->mem, s->nmem, rz->id);
+    if (s->phase == PH_CLOSED) {
+      fprintf(stderr, "chorusrun: run '%s' is over (%s); start a new job with another --rdzv-id\n",
+              job->run_id, s->reason[0] ? s->reason : "closed");
+      return s->exit_code ? s->exit_code : EXIT_LAUNCHER;
+    }
+    if (s->phase == PH_FROZEN) {
+      if (me >= 0 && s->round > job->round) {
+        take_placement(job);
+        CHORUS_INFO(CHORUS__SUB_LAUNCH, "round %ld frozen: node %d of %d, ranks %d..%d of %d",
+                    s->round, job->node_rank, job->nnodes, job->rank_base,
+                    job->rank_base + job->nproc - 1, job->world_size);
+        return 0;
+      }
+      if (me >= 0) {
+        /* The round we ran is still the current one (our move to the next
+         * one did not reach the store): move it now. */
+        advance(job, 0, NULL, 0, "a node rejoins");
+        continue;
+      }
+      if (find(s->wait, s->nwait, rz->id) < 0 && s->nwait < MAX_NODES) {
+        rz->nx = *s;
+        rz->nx.wait[rz->nx.nwait++] = (rnode_t){.nproc = job->nproc, .want = job->node_rank_opt};
+        snprintf(rz->nx.wait[rz->nx.nwait - 1].id, ID_MAX, "%s", rz->id);
+        write_state(rz);
+        continue;
+      }
+      if (!said_waiting) {
+        fprintf(stderr,
+                "chorusrun: run '%s' is running with %d node(s) (at most %d); waiting to be "
+                "admitted when the group re-forms\n",
+                job->run_id, s->nmem, s->max);
+        said_waiting = 1;
+      }
+    } else if (me < 0) {
+      if (job->backend == BACKEND_STATIC) {
+        for (int i = 0; i < s->nmem; i++)
+          if (s->mem[i].want == job->node_rank_opt) {
+            fprintf(stderr,
+                    "chorusrun: --node-rank %d is taken by node %s in run '%s'; give each node "
+                    "its own --node-rank in 0..%d\n",
+                    job->node_rank_opt, s->mem[i].id, job->run_id, job->max_nodes - 1);
+            return EXIT_USAGE;
+          }
+      }
+      if (s->nmem < s->max) {
+        rz->nx = *s;
+        rz->nx.mem[rz->nx.nmem++] = (rnode_t){.nproc = job->nproc, .want = job->node_rank_opt};
+        snprintf(rz->nx.mem[rz->nx.nmem - 1].id, ID_MAX, "%s", rz->id);
+        write_state(rz);
+        continue;
+      }
+    } else {
+      if (s->nmem >= s->max || (s->nmem >= s->min && all_expected_in(s))) {
+        freeze(job);
+        continue;
+      }
+      if (s->nmem >= s->min && job->backend != BACKEND_STATIC) {
+        if (last_call == CHORUS__NO_DEADLINE) last_call = now + job->last_call_ns;
+        else if (now >= last_call) {
+          freeze(job);
+          continue;
+        }
+      }
+    }
+    if (now >= deadline) {
+      fprintf(stderr,
+              "chorusrun: the rendezvous of run '%s' timed out after %.0f s (join_timeout): "
+              "%d node(s) joined round %ld, %d needed%s\n",
+              job->run_id, job->join_timeout_ns / 1e9, s->nmem, s->round, s->min,
+              s->phase == PH_FROZEN ? " (this node was waiting for room in the running group)"
+                                    : "");
+      beat(rz, 1, EXIT_LAUNCHER);
+      return EXIT_LAUNCHER;
+    }
+    sleep_or_signal(job, JOIN_POLL_MS);
+  }
+}
+
+/* ------------------------------------------------------------- running */
+
+int rdzv_poll_ms(const job_t *job) {
+  const rdzv_t *rz = job->rz;
+  int64_t next = CHORUS__MIN(rz->next_hb, rz->next_mon);
+  return chorus__ms_left(next);
+}
+
+/* The failure record of a lost node. */
+static void lost_node(job_t *job, const peer_t *p) {
+  rdzv_t *rz = job->rz;
+  fail_t f = {0}, rec;
+  int g = find(rz->group, rz->ngroup, p->id);
+  snprintf(f.kind, sizeof f.kind, "lost");
+  f.code = EXIT_LAUNCHER;
+  f.grank = g;
+  f.rank = -1;
+  snprintf(f.node, sizeof f.node, "%s", p->id);
+  snprintf(f.what, sizeof f.what, "node %d (%s) was lost: no heartbeat for %.1f s", g, p->id,
+           (chorus__now_ns() - p->seen) / 1e9);
+  fprintf(stderr, "chorusrun: %s\n", f.what);
+  if (record_failure(rz, job->round, &f, &rec) != 0) rec = f;
+  advance(job, 1, p->id, rec.code, rec.what);
+}
+
+rdzv_event_t rdzv_poll(job_t *job) {
+  rdzv_t *rz = job->rz;
+  int64_t now = chorus__now_ns();
+  if (now >= rz->next_hb) {
+    rz->next_hb = now + job->heartbeat_ns;
+    if (!rz->left) beat(rz, 0, 0);
+    for (int i = 0; i < rz->ngroup; i++) {
+      if (!strcmp(rz->group[i].id, rz->id)) continue;
+      peer_t *p = observe(rz, rz->group[i].id);
+      if (!p) break;
+      if (peer_lost(rz, p)) {
+        lost_node(job, p);
+        return RDZV_EV_NEW_ROUND;
+      }
+    }
+  }
+  if (now >= rz->next_mon) {
+    rz->next_mon = now + job->monitor_ns;
+    int rc = read_state(rz);
+    if (rc == 1) {
+      const rstate_t *s = &rz->st;
+      if (s->phase == PH_CLOSED) return RDZV_EV_CLOSED;
+      if (s->round != job->round) return RDZV_EV_NEW_ROUND;
+      if (s->phase == PH_FROZEN && s->nwait > 0 && s->nmem < s->max && job->node_rank == 0) {
+        char why[REASON_MAX];
+        snprintf(why, sizeof why, "%d node(s) waiting to join (scale-up)", s->nwait);
+        advance(job, 0, NULL, 0, why);
+        return RDZV_EV_NEW_ROUND;
+      }
+    } else if (rc == -2) {
+      say_state_error(rz, rc);
+      return RDZV_EV_STORE_LOST;
+    }
+  }
+  if (lost_store(rz)) return RDZV_EV_STORE_LOST;
+  return RDZV_EV_NONE;
+}
+
+void rdzv_failed(job_t *job, const worker_t *w, const char *why) {
+  rdzv_t *rz = job->rz;
+  fail_t f = {0}, rec;
+  f.grank = job->node_rank;
+  snprintf(f.node, sizeof f.node, "%s", rz->id);
+  if (w) {
+    int st = w->status;
+    f.rank = w->rank;
+    if (WIFSIGNALED(st)) {
+      snprintf(f.kind, sizeof f.kind, "signal");
+      f.code = 128 + WTERMSIG(st);
+      snprintf(f.what, sizeof f.what, "rank %d (node %d, %s, pid %d) was killed by %s", w->rank,
+               job->node_rank, rz->id, (int)w->pid, signal_name(WTERMSIG(st)));
+    } else {
+      snprintf(f.kind, sizeof f.kind, "exit");
+      f.code = WIFEXITED(st) ? WEXITSTATUS(st) : EXIT_LAUNCHER;
+      snprintf(f.what, sizeof f.what, "rank %d (node %d, %s, pid %d) exited with code %d",
+               w->rank, job->node_rank, rz->id, (int)w->pid, f.code);
+    }
+    /* Its last lines, oldest first. */
+    for (int i = 0; i < w->tail_count; i++) {
+      int k = (w->tail_next - w->tail_count + i + TAIL_LINES) % TAIL_LINES;
+      if (w->tail[k]) one_line(f.tail[f.ntail++], TAIL_LINE_MAX, w->tail[k]);
+    }
+  } else {
+    snprintf(f.kind, sizeof f.kind, "error");
+    f.code = EXIT_LAUNCHER;
+    f.rank = -1;
+    snprintf(f.what, sizeof f.what, "node %d (%s): %s", job->node_rank, rz->id, why);
+  }
+  if (record_failure(rz, job->round, &f, &rec) != 0) rec = f;
+  advance(job, 1, NULL, rec.code, rec.what);
+}
+
+int rdzv_after_failure(job_t *job, rdzv_event_t ev) {
+  rdzv_t *rz = job->rz;
+  if (ev == RDZV_EV_STORE_LOST) {
+    fprintf(stderr,
+            "chorusrun: lost the rendezvous store at %s (no answer for %.1f s: %s); the node "
+            "hosting it (the --rdzv-endpoint node) died or is unreachable, and the job cannot "
+            "go on without it\n",
+            rz->kv->where, (chorus__now_ns() - rz->last_ok) / 1e9, rz->kv->err);
+    return EXIT_LAUNCHER;
+  }
+  /* The state as it is now (the move to the next round may still be on its
+   * way from the node that saw the failure). */
+  int64_t until = chorus__now_ns() + rz->lost_ns;
+  int rc;
+  while ((rc = read_state(rz)) == 1 && rz->st.round == job->round &&
+         rz->st.phase == PH_FROZEN && chorus__now_ns() < until)
+    sleep_or_signal(job, JOIN_POLL_MS);
+  if (rc != 1) {
+    fprintf(stderr, "chorusrun: lost the rendezvous store at %s: %s\n", rz->kv->where,
+            rc == -2 ? rz->kv->err : "no answer");
+    return EXIT_LAUNCHER;
+  }
+  char key[300], *val = NULL;
+  key_of(rz, key, sizeof key, "fail/%ld", job->round);
+  fail_t f;
+  if (ok(rz, rz->kv->ops->get(rz->kv, key, &val)) == 1 && fail_parse(val, &f) == 0) {
+    fprintf(stderr, "chorusrun: root cause of round %ld: %s\n", job->round, f.what);
+    if (strcmp(f.node, rz->id) != 0 && f.ntail) {
+      fprintf(stderr, "chorusrun: its last %d line(s):\n", f.ntail);
+      for (int i = 0; i < f.ntail; i++) fprintf(stderr, "  [rank%d]: %s\n", f.rank, f.tail[i]);
+    }
+  }
+  free(val);
+  if (rz->st.phase == PH_CLOSED) {
+    fprintf(stderr, "chorusrun: the job ends: %s\n", rz->st.reason);
+    return rz->st.exit_code ? rz->st.exit_code : EXIT_LAUNCHER;
+  }
+  if (rz->st.phase == PH_FROZEN && rz->st.round == job->round) {
+    /* Nobody moved on (the node that failed could not reach the store):
+     * open the next round ourselves. */
+    advance(job, 1, NULL, EXIT_LAUNCHER, "the group stopped");
+  }
+  fprintf(stderr, "chorusrun: the group re-forms (round %ld: %s)\n", job->round + 1,
+          rz->st.reason[0] ? rz->st.reason : "restart");
+  return -1;
+}
+
+/* ------------------------------------------------------------- leaving */
+
+/* The store's host stays until every other node of the job has left (or is
+ * lost), so nobody loses the store while it still needs it; bounded by
+ * `deadline` and by heartbeats. */
+static void linger(job_t *job, int64_t deadline) {
+  rdzv_t *rz = job->rz;
+  if (!rz->srv) return;
+  for (;;) {
+    int rc = read_state(rz);
+    if (rc != 1) return;
+    int waiting = 0;
+    const rstate_t *s = &rz->st;
+    const rnode_t *lists[] = {s->mem, s->wait, s->exp};
+    const int counts[] = {s->nmem, s->nwait, s->nexp};
+    for (int l = 0; l < 3; l++)
+      for (int i = 0; i < counts[l]; i++) {
+        if (!strcmp(lists[l][i].id, rz->id)) continue;
+        peer_t *p = observe(rz, lists[l][i].id);
+        if (p && !p->done && !peer_lost(rz, p)) waiting++;
+      }
+    if (!waiting || chorus__now_ns() >= deadline || job->got_sig) {
+      if (s->phase != PH_CLOSED && !waiting) {
+        rz->nx = *s;
+        rz->nx.phase = PH_CLOSED;
+        rz->nx.exit_code = 0;
+        set_reason(&rz->nx, "the job finished");
+        write_state(rz);
+      }
+      return;
+    }
+    sleep_or_signal(job, (int)(job->monitor_ns / 1000000));
+  }
+}
+
+int rdzv_finish(job_t *job) {
+  rdzv_t *rz = job->rz;
+  beat(rz, 1, 0);
+  if (rz->srv) {
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "our workers finished; serving the store until the other "
+                                    "nodes leave");
+    linger(job, CHORUS__NO_DEADLINE);
+  }
+  return 0;
+}
+
+void rdzv_interrupt(job_t *job, int sig) {
+  rdzv_t *rz = job->rz;
+  for (int tries = 0; tries < 100; tries++) {
+    if (read_state(rz) != 1 || rz->st.phase == PH_CLOSED) break;
+    rz->nx = rz->st;
+    rz->nx.phase = PH_CLOSED;
+    rz->nx.exit_code = 128 + sig;
+    set_reason(&rz->nx, "node %s got %s", rz->id, signal_name(sig));
+    if (write_state(rz) != 0) break;
+  }
+}
+
+void rdzv_close(job_t *job, int exit_code) {
+  rdzv_t *rz = job->rz;
+  if (!rz) return;
+  if (rz->kv) {
+    if (!rz->left) beat(rz, 1, exit_code);
+    linger(job, chorus__now_ns() + job->close_timeout_ns);
+    rz->kv->ops->close(rz->kv);
+  }
+  if (rz->srv) chorus_store_server_stop(rz->srv);
+  free(rz->raw);
+  free(rz);
+  job->rz = NULL;
+}
