@@ -115,6 +115,7 @@ struct rdzv {
   rstate_t st, nx;            /* last read; the next one being built */
   long beats;
   int left;                   /* our heartbeat says done */
+  int dead;                   /* the service was lost: no more calls */
   int64_t next_hb, next_mon, last_ok, lost_ns;
   peer_t peers[3 * MAX_NODES];
   int npeers;
@@ -335,13 +336,13 @@ static int write_state(rdzv_t *rz) {
 
 /* ----------------------------------------------------------- heartbeats */
 
-static void beat(rdzv_t *rz, int done, int code) {
+static int beat(rdzv_t *rz, int done, int code) {
   char key[300], val[64];
   key_of(rz, key, sizeof key, "hb/%s", rz->id);
   if (done) snprintf(val, sizeof val, "%ld done %d", ++rz->beats, code);
   else snprintf(val, sizeof val, "%ld run", ++rz->beats);
-  ok(rz, rz->kv->ops->set(rz->kv, key, val));
   if (done) rz->left = 1;
+  return ok(rz, rz->kv->ops->set(rz->kv, key, val));
 }
 
 static peer_t *peer(rdzv_t *rz, const char *id) {
@@ -843,14 +844,17 @@ static void lost_node(job_t *job, const peer_t *p) {
 
 rdzv_event_t rdzv_poll(job_t *job) {
   rdzv_t *rz = job->rz;
+  if (rz->dead) return RDZV_EV_NONE;
   int64_t now = chorus__now_ns();
+  /* One unanswered call ends this poll: each may take a call timeout, and
+   * the loop has workers to watch. */
   if (now >= rz->next_hb) {
     rz->next_hb = now + job->heartbeat_ns;
-    if (!rz->left) beat(rz, 0, 0);
+    if (!rz->left && beat(rz, 0, 0) < 0) goto check;
     for (int i = 0; i < rz->ngroup; i++) {
       if (!strcmp(rz->group[i].id, rz->id)) continue;
       peer_t *p = observe(rz, rz->group[i].id);
-      if (!p) break;
+      if (!p) goto check;
       if (peer_lost(rz, p)) {
         lost_node(job, p);
         return RDZV_EV_NEW_ROUND;
@@ -872,10 +876,15 @@ rdzv_event_t rdzv_poll(job_t *job) {
       }
     } else if (rc == -2) {
       say_state_error(rz, rc);
+      rz->dead = 1;
       return RDZV_EV_STORE_LOST;
     }
   }
-  if (lost_store(rz)) return RDZV_EV_STORE_LOST;
+check:
+  if (lost_store(rz)) {
+    rz->dead = 1;
+    return RDZV_EV_STORE_LOST;
+  }
   return RDZV_EV_NONE;
 }
 
@@ -1021,7 +1030,7 @@ void rdzv_interrupt(job_t *job, int sig) {
 void rdzv_close(job_t *job, int exit_code) {
   rdzv_t *rz = job->rz;
   if (!rz) return;
-  if (rz->kv) {
+  if (rz->kv && !rz->dead) {
     if (!rz->left) beat(rz, 1, exit_code);
     linger(job, chorus__now_ns() + job->close_timeout_ns);
     rz->kv->ops->close(rz->kv);

@@ -27,6 +27,10 @@
  *                           the smaller world, then print "rankN inplace done
  *                           size S sum X" (X: the sum of the survivors'
  *                           ranks, from an all_reduce in that world)
+ *   round-wait K            print "rankN start round R world W node G/GW pid P
+ *                           at T" (R: CHORUS_RESTART_COUNT, T: wall-clock
+ *                           ms); below round K sleep forever, from round K
+ *                           on print "rankN done round R world W" and exit 0
  *   leak-shm                make an empty /dev/shm name the way a worker's
  *                           segment is named (job id, host tag), print
  *                           "made <path>" and SIGKILL itself
@@ -50,6 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "chorus.h"
@@ -209,7 +214,9 @@ int main(int argc, char **argv) {
     static const char *const vars[] = {
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
         "MASTER_PORT", "CHORUS_JOB_ID", "CHORUS_JOB_SECRET", "CHORUS_JOB_SECRET_FILE",
-        "CHORUS_STORE_EXTERNAL", "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"};
+        "CHORUS_STORE_EXTERNAL", "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_MAX_RESTARTS"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
       const char *v = getenv(vars[i]);
       put(1, "%s=%s\n", vars[i], v ? v : "<unset>");
@@ -293,6 +300,19 @@ int main(int argc, char **argv) {
       return atoi(argv[3]);
     }
     return restart >= 0 ? 0 : 1;
+  }
+  if (!strcmp(mode, "round-wait") && argc >= 3) {
+    const char *rc = getenv("CHORUS_RESTART_COUNT"), *ws = getenv("WORLD_SIZE");
+    const char *g = getenv("GROUP_RANK"), *gw = getenv("GROUP_WORLD_SIZE");
+    int round = rc ? atoi(rc) : -1;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    put(1, "rank%d start round %d world %s node %s/%s pid %d at %lld\n", g_rank, round,
+        ws ? ws : "?", g ? g : "?", gw ? gw : "?", (int)getpid(),
+        (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+    if (round < atoi(argv[2])) sleep_forever();
+    put(1, "rank%d done round %d world %s\n", g_rank, round, ws ? ws : "?");
+    return 0;
   }
   if (!strcmp(mode, "leak-shm")) {
     char tag[9], path[256];

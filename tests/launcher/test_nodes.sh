@@ -1,0 +1,287 @@
+#!/usr/bin/env bash
+# test_nodes.sh CHORUSRUN WORKER TEST_COLLS FIXTURES_DIR [CASE...]
+#
+# chorusrun on several emulated hosts (tests/fixtures/netns.sh: one network
+# namespace per host, joined by a bridge): one agent per host, as users run
+# torchrun on every node.  Cases (all by default):
+#   c10d      2 hosts x 2 workers, c10d rendezvous: distinct ranks, the
+#             contract on every worker, every collective across hosts
+#   static    the same with --node-rank and --master-addr
+#   lastcall  --nnodes 2:3: with 2 hosts the group starts after the last
+#             call; with 3 it starts at once
+#   worker    a worker SIGKILLed on one host: every host restarts its
+#             workers (4 hosts x 2), and the time from the kill to every
+#             worker running again is printed
+#   agent     one host's agent SIGKILLed (--nnodes 2:3, 3 hosts): the other
+#             two see the node lost and re-form without it
+#   grow      a third host joins a running 2-host job (--nnodes 2:3): the
+#             group re-forms with it
+#   store     the agent hosting the c10d store SIGKILLed: every other node
+#             fails with a clear message within the timeout
+#   bad       a node with another secret is refused; a node with another
+#             --nnodes is refused; garbage on the store's port changes
+#             nothing
+# Needs root (network namespaces); exits 77 (skipped, reason printed) when
+# the fixture cannot make hosts.  The EXIT trap kills every agent and
+# removes the hosts.
+set -u
+RUN=$1 WORKER=$2 COLLS=$3 FIXTURES=$4
+shift 4
+CASES=${*:-c10d static lastcall worker agent grow store bad}
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-nodes.XXXXXX") || exit 1
+export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=chn$$
+NETNS=$FIXTURES/netns.sh
+FAILS=0 UP=0
+
+cleanup() {
+  pkill -KILL -f "$TMP/" 2>/dev/null
+  if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'echo "interrupted"; exit 1' INT TERM HUP
+
+# Private copies, so pkill -f $TMP/ finds exactly our processes.
+cp "$RUN" "$TMP/chorusrun" && cp "$WORKER" "$TMP/worker" && cp "$COLLS" "$TMP/test_colls" || exit 1
+RUN=$TMP/chorusrun WORKER=$TMP/worker COLLS=$TMP/test_colls
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
+export CHORUS_JOB_SECRET_FILE=$TMP/key
+unset CHORUS_JOB_SECRET RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
+
+ok() { echo "ok   $*"; }
+fail() {
+  echo "FAIL $*"
+  for f in "$TMP"/h*.out; do
+    [ -e "$f" ] || continue
+    echo "---- $(basename "$f") (last 25 lines):"; tail -n 25 "$f" | cut -c1-300
+  done
+  echo "----"
+  FAILS=$((FAILS + 1))
+}
+now_ms() { date +%s%3N; }
+
+out=$(bash "$NETNS" up 4 2>&1)
+rc=$?
+if ((rc == 77)); then echo "SKIPPED: $(tail -n 1 <<<"$out")"; exit 77; fi
+if ((rc != 0)); then echo "FAIL cannot make emulated hosts: $out"; exit 1; fi
+UP=1
+for i in 0 1 2 3; do ADDR[i]=$(bash "$NETNS" addr "$i"); done
+PORT=29400
+
+# agent I ARGS...: starts chorusrun in host I in the background, output in
+# $TMP/hI.out, its pid in $TMP/hI.pid (agent_wait bounds it).
+agent() {
+  local i=$1
+  shift
+  rm -f "$TMP/h$i.rc"
+  # The subshell (which does not exec) keeps bash from reporting "Killed"
+  # when a case SIGKILLs the agent.
+  (bash "$NETNS" exec "$i" bash -c 'echo $$ >"$1"; shift; exec "$@"' _ \
+    "$TMP/h$i.pid" "$RUN" "$@" >"$TMP/h$i.out" 2>&1 </dev/null; exit $?) &
+  AGENT[i]=$!
+}
+# agent_wait I: waits (at most 90 s, then SIGKILL: rc 137) for agent I,
+# sets RCS[I].
+agent_wait() {
+  local end=$((SECONDS + 90))
+  while kill -0 "${AGENT[$1]}" 2>/dev/null && ((SECONDS < end)); do sleep 0.05; done
+  if kill -0 "${AGENT[$1]}" 2>/dev/null; then
+    echo "agent $1 still running after 90 s: killing it"
+    kill -KILL "$(cat "$TMP/h$1.pid")" 2>/dev/null
+  fi
+  wait "${AGENT[$1]}" 2>/dev/null
+  RCS[$1]=$?
+}
+# wait_for FILE PATTERN COUNT SECONDS: until COUNT lines match.
+wait_for() {
+  local end=$((SECONDS + $4))
+  while ((SECONDS < end)); do
+    (($(grep -c -- "$2" "$1" 2>/dev/null) >= $3)) && return 0
+    sleep 0.05
+  done
+  return 1
+}
+fresh() { PORT=$((PORT + 1)); rm -f "$TMP"/h*.out; }
+c10d() { echo --rdzv-backend c10d --rdzv-endpoint "${ADDR[0]}:$PORT" --rdzv-id "$1"; }
+
+# ------------------------------------------------------------------- cases
+
+case_c10d() {
+  fresh
+  for i in 0 1; do agent "$i" --nnodes 2 -n 2 $(c10d c10d) "$WORKER" env; done
+  for i in 0 1; do agent_wait "$i"; done
+  local ranks
+  ranks=$(cat "$TMP"/h0.out "$TMP"/h1.out | sed -n 's/^\[rank[0-9]*\]:RANK=//p' | sort -n | tr '\n' ' ')
+  if [[ ${RCS[0]} == 0 && ${RCS[1]} == 0 && $ranks == "0 1 2 3 " ]] &&
+    grep -q '^\[rank3\]:GROUP_RANK=1$' "$TMP"/h*.out &&
+    grep -q '^\[rank3\]:WORLD_SIZE=4$' "$TMP"/h*.out &&
+    grep -q '^\[rank3\]:LOCAL_RANK=1$' "$TMP"/h*.out &&
+    grep -q '^\[rank3\]:GROUP_WORLD_SIZE=2$' "$TMP"/h*.out &&
+    grep -q "^\[rank3\]:MASTER_ADDR=${ADDR[0]}$" "$TMP"/h*.out &&
+    grep -q '^\[rank3\]:TORCHELASTIC_RUN_ID=c10d$' "$TMP"/h*.out; then
+    ok "c10d: 2 hosts x 2 workers got ranks $ranks and the contract"
+  else
+    fail "c10d: ranks '$ranks', rc ${RCS[0]} ${RCS[1]}"
+  fi
+  fresh
+  local t0=$(now_ms)
+  for i in 0 1; do agent "$i" --nnodes 2 -n 2 $(c10d colls) "$COLLS"; done
+  for i in 0 1; do agent_wait "$i"; done
+  if [[ ${RCS[0]} == 0 && ${RCS[1]} == 0 ]] && grep -q ' passed, 0 failed' "$TMP/h0.out"; then
+    ok "c10d: every collective passed across 2 hosts ($(($(now_ms) - t0)) ms)"
+  else
+    fail "c10d: test_colls across hosts, rc ${RCS[0]} ${RCS[1]}"
+  fi
+}
+
+case_static() {
+  fresh
+  for i in 0 1 2; do
+    agent "$i" --nnodes 3 --node-rank $((2 - i)) --master-addr "${ADDR[2]}" --master-port "$PORT" \
+      -n 1 --rdzv-id static "$WORKER" env
+  done
+  for i in 0 1 2; do agent_wait "$i"; done
+  if [[ ${RCS[0]}${RCS[1]}${RCS[2]} == 000 ]] && grep -q '^\[rank0\]:RANK=0$' "$TMP/h2.out" &&
+    grep -q '^\[rank2\]:GROUP_RANK=2$' "$TMP/h0.out" && grep -q '^\[rank1\]:RANK=1$' "$TMP/h1.out"; then
+    ok "static: --node-rank K gave host K's worker rank K (3 hosts)"
+  else
+    fail "static: rc ${RCS[*]}"
+  fi
+}
+
+case_lastcall() {
+  fresh
+  local t0=$(now_ms) conf=--rdzv-conf=last_call_timeout=1.5
+  for i in 0 1; do agent "$i" --nnodes 2:3 $conf -n 1 $(c10d lc2) "$WORKER" round-wait 0; done
+  for i in 0 1; do agent_wait "$i"; done
+  local ms=$(($(now_ms) - t0))
+  if [[ ${RCS[0]}${RCS[1]} == 00 ]] && grep -q 'world 2 node' "$TMP/h1.out" && ((ms >= 1500)); then
+    ok "lastcall: 2 of 2:3 hosts started after the last call (${ms} ms, last call 1.5 s)"
+  else
+    fail "lastcall: 2 hosts, rc ${RCS[0]} ${RCS[1]}, ${ms} ms"
+  fi
+  fresh
+  t0=$(now_ms)
+  for i in 0 1 2; do agent "$i" --nnodes 2:3 --rdzv-conf=last_call_timeout=30 -n 1 $(c10d lc3) "$WORKER" round-wait 0; done
+  for i in 0 1 2; do agent_wait "$i"; done
+  ms=$(($(now_ms) - t0))
+  if [[ ${RCS[0]}${RCS[1]}${RCS[2]} == 000 ]] && grep -q 'world 3 node' "$TMP/h2.out" && ((ms < 10000)); then
+    ok "lastcall: 3 of 2:3 hosts started at once (${ms} ms, last call 30 s)"
+  else
+    fail "lastcall: 3 hosts, rc ${RCS[*]}, ${ms} ms"
+  fi
+}
+
+# The newest start line's time of every rank in round R (max), or empty.
+last_start() { cat "$TMP"/h*.out | sed -n "s/^\[rank[0-9]*\]:rank[0-9]* start round $1 .* at //p" | sort -n | tail -n 1; }
+
+case_worker() {
+  fresh
+  for i in 0 1 2 3; do agent "$i" --nnodes 4 --max-restarts 1 -n 2 $(c10d worker) "$WORKER" round-wait 1; done
+  if ! wait_for "$TMP/h2.out" 'start round 0' 2 30; then fail "worker: round 0 did not start"; return; fi
+  for i in 0 1 3; do wait_for "$TMP/h$i.out" 'start round 0' 2 30; done
+  local victim t0
+  victim=$(sed -n 's/^\[rank[0-9]*\]:rank5 start round 0 .* pid \([0-9]*\) .*/\1/p' "$TMP"/h*.out | head -n 1)
+  t0=$(now_ms)
+  kill -KILL "$victim"
+  for i in 0 1 2 3; do agent_wait "$i"; done
+  local t1 done_n
+  t1=$(last_start 1)
+  done_n=$(cat "$TMP"/h*.out | grep -c 'done round 1 world 8')
+  if [[ ${RCS[*]} == "0 0 0 0" && $done_n == 8 ]] &&
+    grep -q 'root cause of round 0: rank 5 .* killed by SIGKILL' "$TMP/h0.out" &&
+    grep -q 'root cause of round 0: rank 5 .* killed by SIGKILL' "$TMP/h3.out"; then
+    ok "worker: rank 5 SIGKILLed; every host named it and restarted; all 8 workers running again $((t1 - t0)) ms after the kill"
+  else
+    fail "worker: rc ${RCS[*]}, $done_n of 8 finished round 1"
+  fi
+}
+
+case_agent() {
+  fresh
+  for i in 0 1 2; do
+    agent "$i" --nnodes 2:3 --max-restarts 2 -n 1 $(c10d agent) "$WORKER" round-wait 1
+  done
+  for i in 0 1 2; do wait_for "$TMP/h$i.out" 'start round 0' 1 30; done
+  local t0=$(now_ms)
+  kill -KILL "$(cat "$TMP/h2.pid")"
+  for i in 0 1; do agent_wait "$i"; done
+  agent_wait 2
+  local seen
+  seen=$(grep -h -o 'was lost: no heartbeat for [0-9.]* s' "$TMP/h0.out" "$TMP/h1.out" | head -n 1)
+  if [[ ${RCS[0]}${RCS[1]} == 00 ]] && grep -q 'done round 1 world 2' "$TMP/h0.out" &&
+    grep -q 'done round 1 world 2' "$TMP/h1.out" && [[ -n $seen ]]; then
+    ok "agent: host 2's agent SIGKILLed; the others re-formed as 2 nodes and finished ($seen; first restart $(($(last_start 1) - t0)) ms after the kill)"
+  else
+    fail "agent: rc ${RCS[0]} ${RCS[1]}"
+  fi
+}
+
+case_grow() {
+  fresh
+  for i in 0 1; do
+    agent "$i" --nnodes 2:3 --rdzv-conf=last_call_timeout=0.5 -n 1 $(c10d grow) "$WORKER" round-wait 1
+  done
+  for i in 0 1; do wait_for "$TMP/h$i.out" 'start round 0 world 2' 1 30; done
+  local t0=$(now_ms)
+  agent 2 --nnodes 2:3 --rdzv-conf=last_call_timeout=0.5 -n 1 $(c10d grow) "$WORKER" round-wait 1
+  for i in 0 1 2; do agent_wait "$i"; done
+  if [[ ${RCS[0]}${RCS[1]}${RCS[2]} == 000 ]] && grep -q 'done round 1 world 3' "$TMP/h2.out" &&
+    grep -q 'done round 1 world 3' "$TMP/h0.out"; then
+    ok "grow: a third host joined a running 2-host job; it re-formed as 3 ($(($(last_start 1) - t0)) ms)"
+  else
+    fail "grow: rc ${RCS[*]}"
+  fi
+}
+
+case_store() {
+  fresh
+  for i in 0 1 2; do agent "$i" --nnodes 3 --max-restarts 3 -n 1 $(c10d store) "$WORKER" round-wait 9; done
+  for i in 0 1 2; do wait_for "$TMP/h$i.out" 'start round 0' 1 30; done
+  local t0=$(now_ms) ms
+  kill -KILL "$(cat "$TMP/h0.pid")"
+  for i in 1 2; do agent_wait "$i"; done
+  ms=$(($(now_ms) - t0))
+  if [[ ${RCS[1]} == 1 && ${RCS[2]} == 1 ]] && grep -q 'lost the rendezvous store' "$TMP/h1.out" &&
+    grep -q 'lost the rendezvous store' "$TMP/h2.out" && ((ms < 10000)); then
+    ok "store: the store's host SIGKILLed; both other nodes failed naming it in ${ms} ms"
+  else
+    fail "store: rc ${RCS[1]} ${RCS[2]} after ${ms} ms"
+  fi
+  agent_wait 0
+  [ -n "${DEBUG_NODES:-}" ] && cat "$TMP/h1.out"
+}
+
+case_bad() {
+  fresh
+  agent 0 --nnodes 2 -n 1 $(c10d bad) "$WORKER" round-wait 0
+  sleep 0.3
+  # Garbage on the store's port, then a stranger with another secret.
+  bash "$NETNS" exec 1 bash -c "exec 3<>/dev/tcp/${ADDR[0]}/$PORT; head -c 5000 /dev/urandom >&3; exec 3>&-" 2>/dev/null
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key2" && chmod 600 "$TMP/key2"
+  CHORUS_JOB_SECRET_FILE=$TMP/key2 agent 2 --nnodes 2 -n 1 $(c10d bad) "$WORKER" round-wait 0
+  agent_wait 2
+  if [[ ${RCS[2]} == 1 ]] && grep -q 'refused this node' "$TMP/h2.out"; then
+    ok "bad: a node with another secret is refused ($(grep -o 'refused this node.\{0,40\}' "$TMP/h2.out" | head -n 1))"
+  else
+    fail "bad: stranger rc ${RCS[2]}"
+  fi
+  agent 3 --nnodes 2:4 -n 1 $(c10d bad) "$WORKER" round-wait 0
+  agent_wait 3
+  if [[ ${RCS[3]} == 2 ]] && grep -q 'give every node the same' "$TMP/h3.out"; then
+    ok "bad: a node with another --nnodes is refused"
+  else
+    fail "bad: conflicting --nnodes rc ${RCS[3]}"
+  fi
+  agent 1 --nnodes 2 -n 1 $(c10d bad) "$WORKER" round-wait 0
+  for i in 0 1; do agent_wait "$i"; done
+  if [[ ${RCS[0]}${RCS[1]} == 00 ]] && grep -q 'done round 0 world 2' "$TMP/h1.out"; then
+    ok "bad: after all that the real second node joined and the job finished"
+  else
+    fail "bad: rc ${RCS[0]} ${RCS[1]}"
+  fi
+}
+
+for c in $CASES; do "case_$c"; done
+if ((FAILS)); then echo "$FAILS check(s) failed"; exit 1; fi
+echo "all checks passed"
