@@ -60,7 +60,7 @@ void usage(FILE *f) {
       "  --rdzv-id ID            the job's run id, the same on every node\n"
       "                          (default \"none\"; TORCHELASTIC_RUN_ID)\n"
       "  --rdzv-conf K=V,...     join_timeout (s, default 600), last_call_timeout\n"
-      "                          (30), close_timeout (30), heartbeat (0.2: a\n"
+      "                          (30), close_timeout (30), heartbeat (0.15: a\n"
       "                          node silent for 4 heartbeats is lost)\n"
       "  --monitor-interval S    how often the agent reads the rendezvous state\n"
       "                          (default 0.1 s)\n"
@@ -151,7 +151,7 @@ action_t parse_args(int argc, char **argv, job_t *job) {
   job->join_timeout_ns = 600 * 1000000000LL;
   job->last_call_ns = 30 * 1000000000LL;
   job->close_timeout_ns = 30 * 1000000000LL;
-  job->heartbeat_ns = 200 * 1000000LL;
+  job->heartbeat_ns = 150 * 1000000LL;
   job->monitor_ns = 100 * 1000000LL;
   action_t act = ACT_RUN;
   job->nproc = 1;

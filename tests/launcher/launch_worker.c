@@ -31,6 +31,12 @@
  *                           at T" (R: CHORUS_RESTART_COUNT, T: wall-clock
  *                           ms); below round K sleep forever, from round K
  *                           on print "rankN done round R world W" and exit 0
+ *   reduce-loop K           form the world (chorus_comm_init_env) and
+ *                           all_reduce 4 KiB every 10 ms; below round K
+ *                           forever (printing "rankN reducing round R at T"
+ *                           and the error of a failed all_reduce, then exit
+ *                           1), from round K on 20 steps, then print "rankN
+ *                           done round R world W" and exit 0
  *   leak-shm                make an empty /dev/shm name the way a worker's
  *                           segment is named (job id, host tag), print
  *                           "made <path>" and SIGKILL itself
@@ -155,6 +161,32 @@ static int store_mode(void) {
   chorus_store_close(st);
   put(1, "rank%d store ok: %d of %d keys\n", g_rank, seen, n);
   return seen == n ? 0 : 1;
+}
+
+static int reduce_loop_mode(int until_round) {
+  const char *rc = getenv("CHORUS_RESTART_COUNT");
+  int round = rc ? atoi(rc) : -1;
+  chorus_comm_t comm;
+  if (chorus_comm_init_env(&comm) != CHORUS_OK) {
+    put(2, "rank%d: init failed: %s\n", g_rank, chorus_last_init_error());
+    return 1;
+  }
+  float buf[1024];
+  for (int i = 0; i < 1024; i++) buf[i] = 1;
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  put(1, "rank%d reducing round %d at %lld\n", g_rank, round,
+      (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);
+  for (int step = 0; round < until_round || step < 20; step++) {
+    if (chorus_all_reduce(comm, buf, buf, 1024, CHORUS_FLOAT32, CHORUS_AVG, NULL) != CHORUS_OK) {
+      put(2, "rank%d: all_reduce failed: %s\n", g_rank, chorus_comm_last_error(comm));
+      return 1;
+    }
+    struct timespec ts = {0, 10 * 1000000};
+    nanosleep(&ts, NULL);
+  }
+  put(1, "rank%d done round %d world %d\n", g_rank, round, chorus_comm_size(comm));
+  return chorus_comm_destroy(comm) == CHORUS_OK ? 0 : 1;
 }
 
 static int inplace_mode(int victim, int kill_step) {
@@ -314,6 +346,7 @@ int main(int argc, char **argv) {
     put(1, "rank%d done round %d world %s\n", g_rank, round, ws ? ws : "?");
     return 0;
   }
+  if (!strcmp(mode, "reduce-loop") && argc >= 3) return reduce_loop_mode(atoi(argv[2]));
   if (!strcmp(mode, "leak-shm")) {
     char tag[9], path[256];
     const char *job = getenv("CHORUS_JOB_ID");

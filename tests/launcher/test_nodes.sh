@@ -14,6 +14,9 @@
 #             worker running again is printed
 #   agent     one host's agent SIGKILLed (--nnodes 2:3, 3 hosts): the other
 #             two see the node lost and re-form without it
+#   link      host 2 unplugged (the fixture's link down) while 3 hosts
+#             all_reduce (--nnodes 2:3): the other hosts see it lost and
+#             re-form without it; its own agent loses the store and exits
 #   grow      a third host joins a running 2-host job (--nnodes 2:3): the
 #             group re-forms with it
 #   store     the agent hosting the c10d store SIGKILLed: every other node
@@ -27,7 +30,7 @@
 set -u
 RUN=$1 WORKER=$2 COLLS=$3 FIXTURES=$4
 shift 4
-CASES=${*:-c10d static lastcall worker agent grow store bad}
+CASES=${*:-c10d static lastcall worker agent link grow store bad}
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-nodes.XXXXXX") || exit 1
 export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=chn$$
 NETNS=$FIXTURES/netns.sh
@@ -214,6 +217,30 @@ case_agent() {
     ok "agent: host 2's agent SIGKILLed; the others re-formed as 2 nodes and finished ($seen; first restart $(($(last_start 1) - t0)) ms after the kill)"
   else
     fail "agent: rc ${RCS[0]} ${RCS[1]}"
+  fi
+}
+
+case_link() {
+  fresh
+  for i in 0 1 2; do
+    agent "$i" --nnodes 2:3 --max-restarts 1 -n 1 $(c10d link) "$WORKER" reduce-loop 1
+  done
+  for i in 0 1 2; do wait_for "$TMP/h$i.out" 'reducing round 0' 1 30; done
+  sleep 0.3
+  local t0=$(now_ms)
+  bash "$NETNS" link 2 down
+  for i in 0 1 2; do agent_wait "$i"; done
+  local ms=$(($(now_ms) - t0))
+  bash "$NETNS" link 2 up
+  local seen
+  seen=$(grep -h -o 'was lost: no heartbeat for [0-9.]* s' "$TMP/h0.out" "$TMP/h1.out" | head -n 1)
+  if [[ ${RCS[0]}${RCS[1]} == 00 && ${RCS[2]} == 1 ]] && [[ -n $seen ]] &&
+    grep -q 'done round 1 world 2' "$TMP/h0.out" && grep -q 'lost the rendezvous store' "$TMP/h2.out" &&
+    grep -q "root cause of round 0: node [0-9] (${ADDR[2]}/[0-9]*) was lost" "$TMP/h0.out" &&
+    grep -q "root cause of round 0: node [0-9] (${ADDR[2]}/[0-9]*) was lost" "$TMP/h1.out"; then
+    ok "link: host 2 unplugged mid-all_reduce; the others re-formed as 2 and finished ($seen; all agents done ${ms} ms after the unplug); host 2's agent lost the store and exited"
+  else
+    fail "link: rc ${RCS[*]}"
   fi
 }
 
