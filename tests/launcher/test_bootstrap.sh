@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_bootstrap.sh MODE BOOTSTRAP_CHECK TEST_COLLS [FIXTURES_DIR]
+# test_bootstrap.sh MODE BOOTSTRAP_CHECK TEST_COLLS [FIXTURES_DIR [CHORUSRUN]]
 #
 # chorus_comm_init_env() with no flags under each way a program gets
 # started.  MODE:
@@ -12,13 +12,14 @@
 #   slurm  a real Slurm (tests/fixtures/slurm.sh: slurmctld and two slurmd
 #          on this machine): srun -N 2 --ntasks-per-node=2 with --mpi=pmi2
 #          and --mpi=pmix, srun on one node without PMI, sbatch --wait of a
-#          script like the one in the README, and srun -N 2 without PMI or
-#          secret, which must fail fast with a clear message
+#          script like the one in the README, srun -N 2 without PMI or
+#          secret, which must fail fast with a clear message, and chorusrun
+#          on 2 nodes inside an srun allocation (one agent per node)
 # Every run is bounded by `timeout`; a component that is not installed makes
 # the mode exit 77 (CTest: skipped) after saying why.  The EXIT trap kills
 # what this script started and stops the fixture.
 set -u
-MODE=$1 CHECK=$2 COLLS=$3 FIXTURES=${4:-}
+MODE=$1 CHECK=$2 COLLS=$3 FIXTURES=${4:-} CHORUSRUN=${5:-}
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-bootstrap.XXXXXX") || exit 1
 OUT=$TMP/out
 FAILS=0
@@ -35,6 +36,7 @@ trap 'echo "interrupted"; exit 1' INT TERM HUP
 # Private copies, so pkill -f $TMP/ finds exactly our processes.
 cp "$CHECK" "$TMP/bootstrap_check" && cp "$COLLS" "$TMP/test_colls" || exit 1
 CHECK=$TMP/bootstrap_check COLLS=$TMP/test_colls
+if [[ -n $CHORUSRUN ]]; then cp "$CHORUSRUN" "$TMP/chorusrun" || exit 1; CHORUSRUN=$TMP/chorusrun; fi
 
 ok() { echo "ok   $*"; }
 fail() {
@@ -216,6 +218,15 @@ JOB
   run 90 env CHORUS_TIMEOUT=20 "${srun[@]}" -N 2 --ntasks-per-node=1 "$CHECK"
   expect_error "srun -N 2 without PMI or secret" "bootstrap FAILED" 15000
   if grep -q '^bootstrap ok' "$OUT"; then fail "srun -N 2 without PMI: some rank formed a world"; fi
+  # chorusrun inside an allocation: one agent per node, the first node's
+  # agent hosts the store (both fake nodes are this machine: 127.0.0.1).
+  if [[ -n $CHORUSRUN ]]; then
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
+    run 120 env CHORUS_JOB_SECRET_FILE="$TMP/key" "${srun[@]}" -N 2 --ntasks-per-node=1 \
+      "$CHORUSRUN" --nnodes 2 -n 2 --no-prefix --rdzv-endpoint 127.0.0.1:$((29300 + $$ % 500)) \
+      --rdzv-id "slurm$$" "$CHECK"
+    expect_world "srun -N 2 chorusrun --nnodes 2 -n 2" 4
+  fi
 }
 
 case $MODE in
