@@ -21,6 +21,8 @@
 #             group re-forms with it
 #   store     the agent hosting the c10d store SIGKILLed: every other node
 #             fails with a clear message within the timeout
+#   signal    SIGTERM to one host's agent: every agent stops its workers and
+#             exits 143 (the job stops, as torchrun's agents do)
 #   bad       a node with another secret is refused; a node with another
 #             --nnodes is refused; garbage on the store's port changes
 #             nothing
@@ -30,7 +32,7 @@
 set -u
 RUN=$1 WORKER=$2 COLLS=$3 FIXTURES=$4
 shift 4
-CASES=${*:-c10d static lastcall worker agent link grow store bad}
+CASES=${*:-c10d static lastcall worker agent link grow store signal bad}
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-nodes.XXXXXX") || exit 1
 export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=chn$$
 NETNS=$FIXTURES/netns.sh
@@ -277,6 +279,22 @@ case_store() {
   fi
   agent_wait 0
   [ -n "${DEBUG_NODES:-}" ] && cat "$TMP/h1.out"
+}
+
+case_signal() {
+  fresh
+  for i in 0 1 2; do agent "$i" --nnodes 3 --max-restarts 3 -n 1 $(c10d sig) "$WORKER" round-wait 9; done
+  for i in 0 1 2; do wait_for "$TMP/h$i.out" 'start round 0' 1 30; done
+  local t0=$(now_ms) ms
+  kill -TERM "$(cat "$TMP/h1.pid")"
+  for i in 0 1 2; do agent_wait "$i"; done
+  ms=$(($(now_ms) - t0))
+  if [[ ${RCS[*]} == "143 143 143" ]] && grep -q 'the job ends: node .* got SIGTERM' "$TMP/h0.out" &&
+    grep -q 'the job ends: node .* got SIGTERM' "$TMP/h2.out"; then
+    ok "signal: SIGTERM to one agent stopped all 3 nodes (exit 143) in ${ms} ms"
+  else
+    fail "signal: rc ${RCS[*]} after ${ms} ms"
+  fi
 }
 
 case_bad() {
