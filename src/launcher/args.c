@@ -3,6 +3,7 @@
  */
 #include "launcher/launcher.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -74,6 +75,16 @@ void usage(FILE *f) {
       "  --grace-period S        seconds between SIGTERM and SIGKILL when\n"
       "                          stopping workers (default 5)\n"
       "  --no-prefix             do not prefix output lines\n"
+      "  --log-dir DIR           per-rank log files for the streams chosen by\n"
+      "                          --redirects/--tee, in DIR/RUN/attempt_R/L/\n"
+      "                          stdout.log and stderr.log (RUN: the run id, R:\n"
+      "                          the restart, L: the local rank; directories made\n"
+      "                          0700); lines are written as printed, no prefix\n"
+      "  -r, --redirects V       streams that go to the log files only: 0 none\n"
+      "                          (default), 1 stdout, 2 stderr, 3 both; or per\n"
+      "                          local rank, e.g. 0:3,1:1 (others 0)\n"
+      "  -t, --tee V             streams that go to the log files and to the\n"
+      "                          terminal (same values; wins over --redirects)\n"
       "  --cpu-bind auto|none    auto (default; CHORUS_CPU_BIND): worker i runs\n"
       "                          on its own share of chorusrun's CPUs (CPU i mod\n"
       "                          C when there are more workers than CPUs), so\n"
@@ -134,6 +145,33 @@ static void parse_rdzv_conf(job_t *job, const char *v) {
   }
 }
 
+/* --redirects / --tee V, as torchrun: 0-3 (STD_OUT | STD_ERR) for every
+ * local rank, or LOCAL_RANK:V,... with the ranks not named getting 0.
+ * Returns the highest local rank named (-1 for the first form). */
+static int parse_std(const char *opt, const char *v, unsigned char *by_rank) {
+  memset(by_rank, 0, MAX_NPROC);
+  if (v[0] >= '0' && v[0] <= '3' && v[1] == '\0') {
+    memset(by_rank, v[0] - '0', MAX_NPROC);
+    return -1;
+  }
+  int top = -1;
+  for (const char *p = v;;) {
+    char *end = NULL;
+    errno = 0;
+    long r = isdigit((unsigned char)*p) ? strtol(p, &end, 10) : -1;
+    if (r < 0 || errno || *end != ':' || end[1] < '0' || end[1] > '3' ||
+        (end[2] != ',' && end[2] != '\0'))
+      die_usage("invalid value '%s' for %s (0 none, 1 stdout, 2 stderr, 3 both; or per local "
+                "rank, e.g. 0:3,1:1)", v, opt);
+    if (r >= MAX_NPROC)
+      die_usage("%s: local rank %ld is out of range (0..%d)", opt, r, MAX_NPROC - 1);
+    by_rank[r] = (unsigned char)(end[1] - '0');
+    if (r > top) top = (int)r;
+    if (end[2] == '\0') return top;
+    p = end + 3;
+  }
+}
+
 static long parse_int_opt(const char *opt, const char *v, long lo, long hi) {
   long x;
   if (chorus__parse_long(v, &x) != 0 || x < lo || x > hi)
@@ -143,6 +181,8 @@ static long parse_int_opt(const char *opt, const char *v, long lo, long hi) {
 
 action_t parse_args(int argc, char **argv, job_t *job) {
   int standalone = 0, port_set = 0, addr_set = 0, endpoint_set = 0;
+  const char *std_opt = NULL; /* the last --redirects or --tee, for messages */
+  int std_top[2] = {-1, -1};  /* the highest local rank each names */
   static char endpoint_host[256];
   int endpoint_port = -1;
   const char *backend = NULL;
@@ -186,6 +226,9 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     } else if (a[1] == 'n') {
       snprintf(name, sizeof name, "nproc-per-node");
       if (a[2]) val = a + 2;
+    } else if (a[1] == 'r' || a[1] == 't') {
+      snprintf(name, sizeof name, "%s", a[1] == 'r' ? "redirects" : "tee");
+      if (a[2]) val = a + 2;
     } else if (a[1] == 'h' && !a[2]) {
       snprintf(name, sizeof name, "help");
     } else {
@@ -207,7 +250,8 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     static const char *const with_value[] = {
         "nproc-per-node", "master-addr",  "master-port",  "rdzv-endpoint", "nnodes",
         "node-rank",      "max-restarts", "grace-period", "cpu-bind",      "elastic",
-        "rdzv-backend",   "rdzv-id",      "rdzv-conf",    "monitor-interval"};
+        "rdzv-backend",   "rdzv-id",      "rdzv-conf",    "monitor-interval",
+        "log-dir",        "redirects",    "tee"};
     int known = 0;
     for (size_t k = 0; k < CHORUS__ARRAY_LEN(with_value); k++)
       if (!strcmp(name, with_value[k])) known = 1;
@@ -285,6 +329,13 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       if (!strcmp(val, "inplace")) job->inplace = 1;
       else if (!strcmp(val, "restart")) job->inplace = 0;
       else die_usage("invalid value '%s' for --elastic (restart or inplace)", val);
+    } else if (!strcmp(name, "log-dir")) {
+      if (!*val) die_usage("--log-dir needs a non-empty directory");
+      job->log_dir = val;
+    } else if (!strcmp(name, "redirects") || !strcmp(name, "tee")) {
+      int redirects = !strcmp(name, "redirects");
+      std_opt = redirects ? "--redirects" : "--tee";
+      std_top[!redirects] = parse_std(std_opt, val, redirects ? job->redirects : job->tee);
     } else if (!strcmp(name, "max-restarts")) {
       job->max_restarts = (int)parse_int_opt("--max-restarts", val, 0, 1000000);
     } else if (!strcmp(name, "grace-period")) {
@@ -298,6 +349,19 @@ action_t parse_args(int argc, char **argv, job_t *job) {
   }
   if (act != ACT_RUN) return act;
   if (i >= argc) die_usage("no program given");
+  if (std_opt && !job->log_dir)
+    die_usage("%s needs --log-dir DIR (where the per-rank log files go)", std_opt);
+  for (int k = 0; k < 2; k++)
+    if (std_top[k] >= job->nproc)
+      die_usage("%s names local rank %d, but there are %d workers per node (--nproc-per-node)",
+                k == 0 ? "--redirects" : "--tee", std_top[k], job->nproc);
+  if (job->log_dir) {
+    int logged = 0;
+    for (int r = 0; r < job->nproc; r++) logged |= job->redirects[r] | job->tee[r];
+    if (!logged)
+      fprintf(stderr, "chorusrun: --log-dir without --redirects or --tee writes no log files; "
+              "add --tee 3 to copy every worker's output there\n");
+  }
   job->argv = argv + i;
   /* One node and no rendezvous asked for: the store is ours alone. */
   int nodes = job->max_nodes > 1 || backend || job->node_rank_opt > 0;

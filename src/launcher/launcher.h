@@ -14,7 +14,8 @@
  *              contract table (util/env_contract.def), CPU binding,
  *              fork + execve
  *   output.c   worker output: whole lines behind a "[rankN]:" prefix, the
- *              last lines of each rank for the failure report
+ *              last lines of each rank for the failure report; the per-rank
+ *              log files of --log-dir (--redirects: file only, --tee: both)
  *   guard.c    the cleanup guard process, sweeping leftover descendants,
  *              removing a crashed job's /dev/shm names
  *   signals.c  the self-pipe signal handling and signal names
@@ -58,7 +59,11 @@
  *    only whole lines are written, each with one writev() to our stdout or
  *    stderr behind a "[rankN]:" prefix.  A line longer than 64 KiB is split.
  *    A final unterminated line is flushed at EOF.  The last TAIL_LINES lines
- *    of each rank are kept for the failure report.
+ *    of each rank are kept for the failure report.  With --log-dir, the
+ *    streams chosen by --redirects/--tee also go, raw (no prefix), to
+ *    DIR/<run id>/attempt_<round>/<local rank>/{stdout,stderr}.log, written
+ *    by us from the same lines (a redirected stream no longer reaches the
+ *    terminal; the report's tail is kept all the same).
  *  - Stopping a generation (a worker failed, or we got SIGINT, SIGTERM,
  *    SIGHUP or SIGQUIT): send SIGTERM (or the signal received, forwarded)
  *    to every live worker's group, wait up to the grace period (a second
@@ -147,9 +152,16 @@ typedef enum {
 
 typedef struct rdzv rdzv_t;
 
+/* --redirects / --tee values (torchrun's Std): which streams go to the log
+ * files. */
+#define STD_OUT 1
+#define STD_ERR 2
+
 typedef struct {
   int fd;      /* read end of the pipe, -1 once closed */
   int out_fd;  /* where its lines go: 1 or 2 */
+  int term;    /* 1: its lines go to out_fd (not redirected, or teed) */
+  int log_fd;  /* its log file (--log-dir), -1 when none */
   size_t len;  /* bytes of the pending partial line in buf */
   char *buf;   /* LINE_CAP bytes */
 } stream_t;
@@ -181,6 +193,9 @@ typedef struct {
   int inplace;  /* --elastic inplace: a failed worker does not stop the others */
   int prefix;
   int bind;     /* 1: each worker on its own share of our CPUs (--cpu-bind) */
+  const char *log_dir;  /* --log-dir, NULL when not given */
+  /* --redirects and --tee by local rank: STD_OUT | STD_ERR bits */
+  unsigned char redirects[MAX_NPROC], tee[MAX_NPROC];
   int64_t grace_ns;
   char **argv;  /* program and its arguments (NULL-terminated) */
   char *prog;   /* resolved path of argv[0] */
@@ -201,6 +216,7 @@ typedef struct {
   char secret_file[4096]; /* what workers get as CHORUS_JOB_SECRET_FILE */
   worker_t *w;
   int out_broken[3];  /* our stdout/stderr gave EPIPE: drop their output */
+  int logs_shown;     /* "logs in ..." was printed */
   int got_sig;        /* first SIGINT/SIGTERM/SIGHUP/SIGQUIT, else 0 */
 } job_t;
 
@@ -280,11 +296,16 @@ int spawn_worker(job_t *job, worker_t *w);
 
 /* ----------------------------------------------------------- output.c */
 
+/* Opens worker w's log files for the current round (--log-dir), creating
+ * the directories (0700): fds[0] stdout's, fds[1] stderr's, -1 for a stream
+ * that is not logged.  0, or -errno after a message naming the path. */
+int log_open(job_t *job, const worker_t *w, int fds[2]);
 /* Reads what is available on s (one read) and writes out complete lines. */
 void stream_read(job_t *job, worker_t *w, stream_t *s);
 /* Reads everything w's pipes hold now (w has exited), without waiting. */
 void stream_drain(job_t *job, worker_t *w);
-/* Flushes an unterminated last line and closes the stream. */
+/* Flushes an unterminated last line and closes the stream (and its log
+ * file). */
 void stream_close(job_t *job, worker_t *w, stream_t *s);
 void tail_clear(worker_t *w);
 /* Prints the failure report of worker w (exit status, last lines). */

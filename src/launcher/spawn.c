@@ -20,11 +20,13 @@
 #include "util/log.h"
 #include "util/util.h"
 
-/* Two pipes per worker need descriptors: raise the soft limit towards the
- * hard one if the default (often 1024) is too small for nproc workers. */
+/* Each worker needs descriptors of ours: the read ends of its two pipes
+ * (both ends while it starts), its two log files with --log-dir and its
+ * connection to the store we serve.  Raise the soft limit towards the hard
+ * one if the default (often 1024) is too small for nproc workers. */
 void raise_nofile(int nproc) {
   if (getrlimit(RLIMIT_NOFILE, &g_old_nofile) != 0) return;
-  rlim_t want = (rlim_t)nproc * 4 + 64;
+  rlim_t want = (rlim_t)nproc * 6 + 64;
   if (g_old_nofile.rlim_cur == RLIM_INFINITY || g_old_nofile.rlim_cur >= want) return;
   struct rlimit r = g_old_nofile;
   r.rlim_cur = g_old_nofile.rlim_max == RLIM_INFINITY ? want : CHORUS__MIN(want, g_old_nofile.rlim_max);
@@ -190,12 +192,23 @@ static int worker_cpus(int n, int rank, cpu_set_t *out) {
   return 1;
 }
 
+static void close_logs(const int logs[2]) {
+  for (int k = 0; k < 2; k++)
+    if (logs[k] >= 0) close(logs[k]);
+}
+
 /* Starts worker w.  Returns 0 or -errno (nothing left behind on failure). */
 int spawn_worker(job_t *job, worker_t *w) {
+  /* Its log files first: a generation whose logs cannot be written does
+   * not start (the caller stops it as for any other spawn error). */
+  int logs[2];
+  int rc = log_open(job, w, logs);
+  if (rc < 0) return rc;
   int outp[2] = {-1, -1}, errp[2] = {-1, -1};
   if (pipe2(outp, O_CLOEXEC) != 0 || pipe2(errp, O_CLOEXEC) != 0) {
     int e = errno;
     if (outp[0] >= 0) close(outp[0]), close(outp[1]);
+    close_logs(logs);
     return -e;
   }
   char **env = build_env(job, w);
@@ -228,6 +241,7 @@ int spawn_worker(job_t *job, worker_t *w) {
   if (pid < 0) {
     close(outp[0]);
     close(errp[0]);
+    close_logs(logs);
     return -fork_errno;
   }
   /* Also here, so the group exists before we might signal it (EACCES once
@@ -239,8 +253,12 @@ int spawn_worker(job_t *job, worker_t *w) {
   w->pid = pid;
   w->running = 1;
   w->status = 0;
-  w->st[0] = (stream_t){.fd = outp[0], .out_fd = 1, .len = 0, .buf = w->st[0].buf};
-  w->st[1] = (stream_t){.fd = errp[0], .out_fd = 2, .len = 0, .buf = w->st[1].buf};
+  /* --redirects: the log file only; --tee: the terminal as well. */
+  int tee = job->tee[w->local_rank];
+  w->st[0] = (stream_t){.fd = outp[0], .out_fd = 1, .term = logs[0] < 0 || (tee & STD_OUT),
+                        .log_fd = logs[0], .len = 0, .buf = w->st[0].buf};
+  w->st[1] = (stream_t){.fd = errp[0], .out_fd = 2, .term = logs[1] < 0 || (tee & STD_ERR),
+                        .log_fd = logs[1], .len = 0, .buf = w->st[1].buf};
   CHORUS_INFO(CHORUS__SUB_LAUNCH, "started rank %d as pid %d (round %ld)", w->rank, (int)pid,
               job->round);
   return 0;

@@ -262,6 +262,66 @@ case_restarts() {
   no_leftovers restart-exhausted
 }
 
+# ---------------------------------------------------------------- log files
+# --log-dir with --redirects/--tee (torchrun's values): per-rank files under
+# DIR/<run id>/attempt_<restart>/<local rank>/, the worker's raw lines (no
+# prefix); a redirected stream stays off the terminal, a teed one reaches
+# both; the failure report keeps its last lines either way.
+case_logs() {
+  local d="$TMP/logs" rd f
+  run -n 2 --standalone --log-dir "$d" --redirects 1 --tee 0:2 "$WORKER" mixed
+  check "logs: exit 0" rc_is 0
+  rd=$(sed -n 's/^chorusrun: logs in \(.*\) (attempt_.*$/\1/p' "$ERR")
+  check "logs: run directory announced, under --log-dir ($rd)" \
+    eval '[ "${rd%/*}" = "$d" ] && [ -d "$rd" ]'
+  check "logs: directories made 0700" \
+    eval '[ "$(stat -c %a "$rd")" = 700 ] && [ "$(stat -c %a "$rd/attempt_0/1")" = 700 ]'
+  for f in "$rd/attempt_0/0/stdout.log" "$rd/attempt_0/1/stdout.log"; do
+    check "logs: ${f#"$rd"/}: raw lines, the unterminated last one flushed" \
+      eval 'hasx "$f" "hello from stdout" && hasx "$f" "tail-no-newline" && not_has "$f" "rank"'
+    check "logs: ${f#"$rd"/}: 100000-byte line split in 64 KiB pieces, nothing lost" \
+      awk '/^x+$/ { if (length($0) > 65536) bad = 1; tot += length($0) }
+           END { exit bad || tot != 100000 }' "$f"
+  done
+  check "logs: redirected stdout not on the terminal" [ ! -s "$OUT" ]
+  check "logs: rank 0's teed stderr in its stderr.log" \
+    hasx "$rd/attempt_0/0/stderr.log" "hello from stderr"
+  check "logs: ... and on the terminal" hasx "$ERR" "\[rank0\]:hello from stderr"
+  check "logs: rank 1's stderr (not named by --tee 0:2) only on the terminal" \
+    eval '[ ! -e "$rd/attempt_0/1/stderr.log" ] && hasx "$ERR" "\[rank1\]:hello from stderr"'
+  no_leftovers logs
+
+  # A restart writes the next attempt_N; the report's tail survives -r 3.
+  run -n 2 --standalone --max-restarts 1 --log-dir "$d" --rdzv-id logrun -r 3 \
+    "$WORKER" restart-fail 1 7
+  check "logs restart: exit 0" rc_is 0
+  check "logs restart: attempt_0 holds the failure" \
+    hasx "$d/logrun/attempt_0/1/stderr.log" "rank1 failing on restart 0"
+  check "logs restart: attempt_1 holds the next generation" \
+    eval 'hasx "$d/logrun/attempt_1/0/stdout.log" "rank0 restart 1" &&
+          hasx "$d/logrun/attempt_1/1/stdout.log" "rank1 restart 1"'
+  check "logs restart: nothing on the terminal" \
+    eval '[ ! -s "$OUT" ] && not_has "$ERR" "^\[rank"'
+  check "logs restart: report names the log directory" \
+    has "$ERR" "rank 1's log files: $d/logrun/attempt_0/1\$"
+  check "logs restart: report still shows the last lines" \
+    has "$ERR" "  | rank1 failing on restart 0"
+  no_leftovers logs-restart
+
+  run -n 2 --standalone --tee 3 "$WORKER" mixed
+  check "logs: --tee without --log-dir is a usage error" \
+    eval 'rc_is 2 && has "$ERR" "^chorusrun: --tee needs --log-dir" && [ ! -s "$OUT" ]'
+  run -n 2 --standalone --log-dir "$d" -r 4 "$WORKER" mixed
+  check "logs: --redirects 4 is a usage error" eval 'rc_is 2 && [ ! -s "$OUT" ]'
+  run -n 2 --standalone --log-dir "$d" -t 0:1,2:1 "$WORKER" mixed
+  check "logs: --tee naming local rank 2 of 2 is a usage error" rc_is 2
+  # A log directory that cannot be made stops the run before any worker.
+  run -n 2 --standalone --log-dir "$OUT/sub" -r 3 "$WORKER" mixed
+  check "logs: unusable --log-dir: exit 1 naming the directory" \
+    eval 'rc_is 1 && has "$ERR" "cannot create the log directory $OUT/sub"'
+  no_leftovers logs-unusable
+}
+
 # ------------------------------------------------------ --elastic inplace
 case_inplace() {
   run -n 4 --standalone --elastic inplace "$WORKER" inplace 2 50
@@ -414,6 +474,7 @@ case_env
 case_output
 case_failures
 case_restarts
+case_logs
 case_inplace
 case_signals
 case_store
