@@ -283,6 +283,14 @@ int rdzv_run_id_ok(const char *s);
 int kv_store_open(const char *host, int port, const chorus__key_t *key, int timeout_ms,
                   int call_timeout_ms, kv_t **out, char *err, size_t cap);
 
+/* ----------------------------------------------------------- kv_etcd.c */
+
+/* Connects to etcd (endpoints "host:port,host:port,..."; tries each in turn and
+ * fails over to the next when one does not answer), keys under `prefix` (e.g.
+ * "/chorus/"); every call bounded by call_timeout_ms; 0 or -1 with err. */
+int kv_etcd_open(const char *endpoints, const char *prefix, int timeout_ms, int call_timeout_ms,
+                 kv_t **out, char *err, size_t cap);
+
 /* ------------------------------------------------------------ spawn.c */
 
 /* Raises RLIMIT_NOFILE for nproc workers' pipes (restored in the workers). */
