@@ -9,10 +9,12 @@
 #   scripts/deps.sh --cluster  also the real launchers the release pass tests
 #                            against: Open MPI (openmpi-bin), MPICH (mpich),
 #                            PMIx headers (libpmix-dev, so the build enables
-#                            the PMIx bootstrap), iproute2 for emulated hosts;
-#                            optional like the fuzzers (the tests that need
-#                            them skip and say why).  Slurm and etcd are
-#                            installed by their fixtures (tests/fixtures/).
+#                            the PMIx bootstrap), iproute2 for emulated hosts,
+#                            etcd (etcd-server, etcd-client: the emulated
+#                            hosts run it, and have no network to install
+#                            it from); optional like the fuzzers (the tests
+#                            that need them skip and say why).  Slurm is
+#                            installed by its fixture (tests/fixtures/).
 set -euo pipefail
 fuzz=0 cluster=0
 for arg in "$@"; do
@@ -43,7 +45,7 @@ if ((fuzz)); then
 fi
 cluster_need=()
 if ((cluster)); then
-  for p in openmpi-bin mpich libpmix-dev iproute2; do installed "$p" || cluster_need+=("$p"); done
+  for p in openmpi-bin mpich libpmix-dev iproute2 etcd-server etcd-client; do installed "$p" || cluster_need+=("$p"); done
 fi
 sudo=""
 [[ $(id -u) -ne 0 ]] && sudo="sudo"

@@ -54,10 +54,12 @@ void usage(FILE *f) {
       "                          the endpoint's node hosts the store, the others\n"
       "                          join it; static: --node-rank K, node 0 hosts the\n"
       "                          store at --master-addr:--master-port, no\n"
-      "                          membership changes\n"
+      "                          membership changes; etcd: a real etcd (v3 API)\n"
+      "                          keeps the rendezvous, group rank 0's agent\n"
+      "                          serves each round's workers a store\n"
       "  --rdzv-endpoint H[:P]   where the rendezvous store is (default port\n"
       "                          29400); on one node the same as --master-addr H\n"
-      "                          --master-port P\n"
+      "                          --master-port P; etcd: H:P[,H:P...], its members\n"
       "  --rdzv-id ID            the job's run id, the same on every node\n"
       "                          (default \"none\"; TORCHELASTIC_RUN_ID)\n"
       "  --rdzv-conf K=V,...     join_timeout (s, default 600), last_call_timeout\n"
@@ -183,7 +185,7 @@ action_t parse_args(int argc, char **argv, job_t *job) {
   int standalone = 0, port_set = 0, addr_set = 0, endpoint_set = 0;
   const char *std_opt = NULL; /* the last --redirects or --tee, for messages */
   int std_top[2] = {-1, -1};  /* the highest local rank each names */
-  static char endpoint_host[256];
+  static char endpoint_host[256], endpoint_raw[1024];
   int endpoint_port = -1;
   const char *backend = NULL;
   job->min_nodes = job->max_nodes = 1;
@@ -276,6 +278,11 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       job->master_port = (int)parse_int_opt("--master-port", val, 0, 65535);
       port_set = 1;
     } else if (!strcmp(name, "rdzv-endpoint")) {
+      /* etcd takes a list (host:port,host:port); the others host[:port]. */
+      if (strlen(val) >= sizeof endpoint_raw) die_usage("--rdzv-endpoint is too long");
+      snprintf(endpoint_raw, sizeof endpoint_raw, "%s", val);
+      endpoint_set = 1;
+      if (strchr(val, ',')) continue;
       /* host[:port]; an IPv6 literal must be written [addr]:port. */
       const char *colon = strrchr(val, ':');
       if (val[0] == '[' && strchr(val, ']') && (!colon || colon < strchr(val, ']')))
@@ -383,9 +390,21 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     die_usage("--elastic inplace runs on one node for now; several nodes restart (--elastic "
               "restart)");
   if (!backend) backend = job->node_rank_opt >= 0 ? "static" : "c10d";
-  if (!strcmp(backend, "etcd") || !strcmp(backend, "etcd-v2"))
-    die_usage("--rdzv-backend etcd is not available yet; use c10d or static");
+  if (strcmp(backend, "etcd") && strchr(endpoint_raw, ','))
+    die_usage("--rdzv-endpoint lists several addresses only for --rdzv-backend etcd");
   if (!job->run_id[0]) snprintf(job->run_id, sizeof job->run_id, "none");
+  if (!strcmp(backend, "etcd") || !strcmp(backend, "etcd-v2")) {
+    /* etcd-v2 is torchrun's name for its etcd backend; ours speaks v3. */
+    job->backend = BACKEND_ETCD;
+    if (!endpoint_set)
+      die_usage("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] (etcd's "
+                "client URLs)");
+    if (job->node_rank_opt >= 0)
+      die_usage("--node-rank is for --rdzv-backend static (etcd assigns node ranks)");
+    job->rdzv_host = endpoint_raw;
+    job->rdzv_port = 2379; /* unused: each address carries its port */
+    return ACT_RUN;
+  }
   if (!strcmp(backend, "static")) {
     job->backend = BACKEND_STATIC;
     if (job->min_nodes != job->max_nodes)

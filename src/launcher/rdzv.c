@@ -108,15 +108,20 @@ typedef struct {
 
 struct rdzv {
   kv_t *kv;
-  chorus_store_server_t *srv; /* the store, when this agent hosts it */
+  chorus_store_server_t *srv; /* the rendezvous store, when this agent hosts it */
+  chorus_store_server_t *round_srv; /* etcd: the workers' store of our round (group rank 0) */
+  const chorus__key_t *key;   /* the job key (main's, outlives us) */
   char pfx[200];              /* "rdzv/<run id>/" */
   char id[ID_MAX];            /* this node: "<address>/<pid>" */
   char *raw;                  /* the state's text as last read */
+  char store_host[128];       /* etcd: the workers' store of this round */
   rstate_t st, nx;            /* last read; the next one being built */
   long beats;
   int left;                   /* our heartbeat says done */
   int dead;                   /* the service was lost: no more calls */
-  int64_t next_hb, next_mon, last_ok, lost_ns;
+  int64_t next_hb, next_mon, last_ok;
+  int64_t lost_ns;     /* a node silent this long is lost */
+  int64_t svc_lost_ns; /* the service unanswered this long is lost */
   peer_t peers[3 * MAX_NODES];
   int npeers;
   rnode_t group[MAX_NODES];   /* the frozen round this node runs in */
@@ -164,7 +169,7 @@ static int ok(rdzv_t *rz, int rc) {
 }
 
 static int lost_store(const rdzv_t *rz) {
-  return chorus__now_ns() - rz->last_ok > rz->lost_ns;
+  return chorus__now_ns() - rz->last_ok > rz->svc_lost_ns;
 }
 
 /* Makes a line of text safe for the state: no newline, bounded. */
@@ -172,6 +177,87 @@ static void one_line(char *dst, size_t cap, const char *src) {
   size_t k = 0;
   for (const char *p = src; *p && k + 1 < cap; p++) dst[k++] = (*p == '\n' || *p == '\r') ? ' ' : *p;
   dst[k] = '\0';
+}
+
+/* ------------------------------------------------------ sealed values */
+
+/* Every value we write ends with a line "mac <hex>": HMAC-SHA256 under the
+ * job key of the key's name, a NUL and the text before that line.  etcd has
+ * no notion of our job, so anyone who reaches it could write there; with
+ * the seal a value that no agent of this job wrote is refused, never used
+ * (our own store authenticates its clients as well, and the seal costs
+ * nothing there). */
+#define SEAL_HEX (2 * CHORUS__MAC_LEN)
+
+static void seal_mac(const rdzv_t *rz, const char *key, const char *text, size_t len,
+                     char hex[SEAL_HEX + 1]) {
+  const void *parts[] = {key, "", text};
+  size_t lens[] = {strlen(key), 1, len};
+  uint8_t mac[CHORUS__MAC_LEN];
+  chorus__hmac(rz->key, parts, lens, 3, mac);
+  for (int i = 0; i < CHORUS__MAC_LEN; i++) snprintf(hex + 2 * i, 3, "%02x", mac[i]);
+}
+
+/* text + (a newline if it lacks one) + the seal line, malloc'd. */
+static char *seal(const rdzv_t *rz, const char *key, const char *text) {
+  char hex[SEAL_HEX + 1];
+  size_t len = strlen(text);
+  char *out = xmalloc(len + SEAL_HEX + 7);
+  memcpy(out, text, len);
+  if (!len || out[len - 1] != '\n') out[len++] = '\n';
+  seal_mac(rz, key, out, len, hex);
+  snprintf(out + len, SEAL_HEX + 6, "mac %s\n", hex);
+  return out;
+}
+
+/* Checks val's seal and cuts it off (in place).  0, or -1. */
+static int unseal(const rdzv_t *rz, const char *key, char *val) {
+  size_t len = strlen(val);
+  if (len < SEAL_HEX + 5 || val[len - 1] != '\n') return -1;
+  char *line = val + len - (SEAL_HEX + 5);
+  if (strncmp(line, "mac ", 4) || (line != val && line[-1] != '\n')) return -1;
+  char hex[SEAL_HEX + 1];
+  seal_mac(rz, key, val, (size_t)(line - val), hex);
+  if (!chorus__ct_equal(hex, line + 4, SEAL_HEX)) return -1;
+  *line = '\0';
+  return 0;
+}
+
+/* get: 1 with *val (the text, malloc'd) and, if raw is not NULL, *raw (the
+ * value as stored, malloc'd); 0 absent; -1 no answer; -2 not sealed by this
+ * job (message in kv->err). */
+static int kget(rdzv_t *rz, const char *key, char **val, char **raw) {
+  char *v = NULL;
+  *val = NULL;
+  int rc = ok(rz, rz->kv->ops->get(rz->kv, key, &v));
+  if (rc <= 0) return rc;
+  char *copy = raw ? xstrdup(v) : NULL;
+  if (unseal(rz, key, v) != 0) {
+    snprintf(rz->kv->err, sizeof rz->kv->err,
+             "%s at %s does not carry this job's seal: written by another job (same run id, "
+             "another secret) or corrupted", key, rz->kv->where);
+    free(v);
+    free(copy);
+    return -2;
+  }
+  *val = v;
+  if (raw) *raw = copy;
+  return 1;
+}
+
+static int kset(rdzv_t *rz, const char *key, const char *text) {
+  char *v = seal(rz, key, text);
+  int rc = ok(rz, rz->kv->ops->set(rz->kv, key, v));
+  free(v);
+  return rc;
+}
+
+/* cas with expected as stored (sealed) or NULL, desired as text. */
+static int kcas(rdzv_t *rz, const char *key, const char *expected_raw, const char *text) {
+  char *v = seal(rz, key, text);
+  int rc = ok(rz, rz->kv->ops->cas(rz->kv, key, expected_raw, v));
+  free(v);
+  return rc;
 }
 
 /* --------------------------------------------------------------- state */
@@ -307,19 +393,21 @@ static char *state_format(const rstate_t *s) {
  * the service did not answer, -2 when the value does not parse (message in
  * kv->err). */
 static int read_state(rdzv_t *rz) {
-  char key[300], *val = NULL;
+  char key[300], *val = NULL, *raw = NULL;
   key_of(rz, key, sizeof key, "state");
-  int rc = ok(rz, rz->kv->ops->get(rz->kv, key, &val));
-  if (rc <= 0) return rc;
+  int rc = kget(rz, key, &val, &raw);
+  if (rc <= 0 || rc == -2) return rc;
   char why[200];
   if (strlen(val) > STATE_MAX || state_parse(val, &rz->st, why, sizeof why) != 0) {
     snprintf(rz->kv->err, sizeof rz->kv->err, "the rendezvous state at %s is corrupt: %s",
              key, strlen(val) > STATE_MAX ? "too long" : why);
     free(val);
+    free(raw);
     return -2;
   }
+  free(val);
   free(rz->raw);
-  rz->raw = val;
+  rz->raw = raw;
   return 1;
 }
 
@@ -329,7 +417,7 @@ static int write_state(rdzv_t *rz) {
   char key[300];
   key_of(rz, key, sizeof key, "state");
   char *text = state_format(&rz->nx);
-  int rc = ok(rz, rz->kv->ops->cas(rz->kv, key, rz->raw, text));
+  int rc = kcas(rz, key, rz->raw, text);
   free(text);
   return rc;
 }
@@ -342,7 +430,7 @@ static int beat(rdzv_t *rz, int done, int code) {
   if (done) snprintf(val, sizeof val, "%ld done %d", ++rz->beats, code);
   else snprintf(val, sizeof val, "%ld run", ++rz->beats);
   if (done) rz->left = 1;
-  return ok(rz, rz->kv->ops->set(rz->kv, key, val));
+  return kset(rz, key, val);
 }
 
 static peer_t *peer(rdzv_t *rz, const char *id) {
@@ -362,10 +450,12 @@ static peer_t *observe(rdzv_t *rz, const char *id) {
   peer_t *p = peer(rz, id);
   char key[300], *val = NULL;
   key_of(rz, key, sizeof key, "hb/%s", id);
-  int rc = ok(rz, rz->kv->ops->get(rz->kv, key, &val));
-  if (rc < 0) return NULL;
-  if (rc == 1 && strcmp(val, p->val) != 0) {
-    one_line(p->val, sizeof p->val, val);
+  int rc = kget(rz, key, &val, NULL);
+  if (rc == -1) return NULL;
+  char cur[sizeof p->val] = "";
+  if (rc == 1) one_line(cur, sizeof cur, val);
+  if (rc == 1 && strcmp(cur, p->val) != 0) {
+    memcpy(p->val, cur, sizeof cur);
     p->seen = chorus__now_ns();
     long counter = 0, code = 0;
     char word[8] = "";
@@ -442,14 +532,14 @@ static int record_failure(rdzv_t *rz, long round, const fail_t *mine, fail_t *re
   char key[300];
   key_of(rz, key, sizeof key, "fail/%ld", round);
   char *text = fail_format(mine);
-  int rc = ok(rz, rz->kv->ops->cas(rz->kv, key, NULL, text));
+  int rc = kcas(rz, key, NULL, text);
   free(text);
   if (rc == 1) {
     *rec = *mine;
     return 0;
   }
   char *val = NULL;
-  if (rc < 0 || ok(rz, rz->kv->ops->get(rz->kv, key, &val)) != 1) return -1;
+  if (rc < 0 || kget(rz, key, &val, NULL) != 1) return -1;
   int prc = fail_parse(val, rec);
   free(val);
   if (prc != 0) *rec = *mine;
@@ -607,8 +697,35 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   job->round = -1;
   snprintf(rz->pfx, sizeof rz->pfx, "rdzv/%s/", job->run_id);
   rz->lost_ns = LOST_BEATS * job->heartbeat_ns;
+  /* Our store is one process: no answer for 4 heartbeats means it is gone.
+   * etcd elects a new leader when one dies (a second or two without
+   * answers), so give it longer before giving up on it. */
+  rz->svc_lost_ns = job->backend == BACKEND_ETCD ? CHORUS__MAX(rz->lost_ns, 10000000000LL)
+                                                 : rz->lost_ns;
+  rz->key = key;
   const char *host = job->rdzv_host;
   int port = job->rdzv_port;
+  int call_ms = (int)CHORUS__MAX(rz->lost_ns / 1000000, 200);
+  char err[700] = "";
+  if (job->backend == BACKEND_ETCD) {
+    /* etcd keeps the rendezvous; no agent hosts anything until a round is
+     * frozen (then group rank 0 serves that round's workers a store). */
+    int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
+    for (;;) {
+      int left = chorus__ms_left(deadline);
+      if (kv_etcd_open(host, "/chorus/", CHORUS__MIN(CHORUS__MAX(left, 1), 2000), call_ms,
+                       &rz->kv, err, sizeof err) == 0)
+        break;
+      sleep_or_signal(job, 100);
+      if (job->got_sig) return 128 + job->got_sig;
+      if (chorus__ms_left(deadline) == 0) {
+        fprintf(stderr, "chorusrun: no etcd at %s after %.0f s (join_timeout): %s\n", host,
+                job->join_timeout_ns / 1e9, err);
+        return EXIT_LAUNCHER;
+      }
+    }
+    goto connected;
+  }
 
   /* Who hosts the store: static node 0; for c10d the agent on the node the
    * endpoint names (if two agents share that machine, the second finds the
@@ -636,9 +753,7 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
     }
   }
 
-  int call_ms = (int)CHORUS__MAX(rz->lost_ns / 1000000, 200);
   int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
-  char err[700] = "";
   for (;;) {
     int left = chorus__ms_left(deadline);
     int rc = kv_store_open(host, port, key, CHORUS__MIN(CHORUS__MAX(left, 1), 1000), call_ms,
@@ -664,6 +779,7 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
       return EXIT_LAUNCHER;
     }
   }
+connected:
   rz->last_ok = chorus__now_ns();
   char addr[128] = "node";
   if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
@@ -672,8 +788,76 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   job->master_addr = host;
   job->port = port;
   CHORUS_INFO(CHORUS__SUB_LAUNCH, "node %s: rendezvous %s at %s (run %s)", rz->id,
-              job->backend == BACKEND_STATIC ? "static" : "c10d", rz->kv->where, job->run_id);
+              job->backend == BACKEND_STATIC ? "static"
+              : job->backend == BACKEND_ETCD ? "etcd"
+                                             : "c10d",
+              rz->kv->where, job->run_id);
   return 0;
+}
+
+/* ------------------------------------------------------- the round's store */
+
+/* etcd: the workers need a chorus store of their own.  Group rank 0's agent
+ * starts one for the round (any free port) and publishes "<address> <port>"
+ * under store/<round>; the others read it.  It lives until that agent
+ * leaves or joins the next round.  0, or an exit code after a message. */
+static int round_store(job_t *job) {
+  rdzv_t *rz = job->rz;
+  char key[300];
+  key_of(rz, key, sizeof key, "store/%ld", job->round);
+  if (job->node_rank == 0) {
+    char addr[128], val[200];
+    if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) {
+      fprintf(stderr, "chorusrun: cannot tell this node's address for the workers' store\n");
+      return EXIT_LAUNCHER;
+    }
+    sigset_t sigs, old;
+    sigfillset(&sigs);
+    pthread_sigmask(SIG_BLOCK, &sigs, &old); /* the store thread takes none */
+    chorus_result_t src = chorus__store_server_start_key(NULL, 0, rz->key, &rz->round_srv);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (src != CHORUS_OK) {
+      fprintf(stderr, "chorusrun: cannot start the workers' store: %s\n", chorus_strerror(src));
+      return EXIT_LAUNCHER;
+    }
+    snprintf(val, sizeof val, "%s %d", addr, chorus_store_server_port(rz->round_srv));
+    if (kset(rz, key, val) < 0) {
+      fprintf(stderr, "chorusrun: cannot publish the workers' store: %s\n", rz->kv->err);
+      return EXIT_LAUNCHER;
+    }
+  }
+  int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
+  for (;;) {
+    char *val = NULL;
+    int rc = kget(rz, key, &val, NULL);
+    if (rc == 1) {
+      char host[128];
+      int port = 0;
+      int good = sscanf(val, "%127s %d", host, &port) == 2 && port > 0 && port < 65536 &&
+                 id_ok(host, sizeof host);
+      free(val);
+      if (!good) {
+        fprintf(stderr, "chorusrun: the workers' store address under %s is malformed\n", key);
+        return EXIT_LAUNCHER;
+      }
+      snprintf(rz->store_host, sizeof rz->store_host, "%s", host);
+      job->master_addr = rz->store_host;
+      job->port = port;
+      return 0;
+    }
+    if (rc == -2 || (rc < 0 && lost_store(rz)) || chorus__now_ns() >= deadline) {
+      fprintf(stderr, "chorusrun: node 0 of round %ld never published the workers' store (%s)\n",
+              job->round, rc < 0 ? rz->kv->err : "join_timeout");
+      return EXIT_LAUNCHER;
+    }
+    if (job->got_sig) return 128 + job->got_sig;
+    sleep_or_signal(job, JOIN_POLL_MS);
+  }
+}
+
+static void round_store_stop(rdzv_t *rz) {
+  if (rz->round_srv) chorus_store_server_stop(rz->round_srv);
+  rz->round_srv = NULL;
 }
 
 /* ------------------------------------------------------------- joining */
@@ -688,6 +872,7 @@ int rdzv_join(job_t *job) {
   int64_t last_call = CHORUS__NO_DEADLINE;
   int said_waiting = 0;
   rz->left = 0;
+  round_store_stop(rz); /* the last round's workers are gone */
   for (;;) {
     if (job->got_sig) {
       rdzv_interrupt(job, job->got_sig);
@@ -750,7 +935,7 @@ int rdzv_join(job_t *job) {
         CHORUS_INFO(CHORUS__SUB_LAUNCH, "round %ld frozen: node %d of %d, ranks %d..%d of %d",
                     s->round, job->node_rank, job->nnodes, job->rank_base,
                     job->rank_base + job->nproc - 1, job->world_size);
-        return 0;
+        return job->backend == BACKEND_ETCD ? round_store(job) : 0;
       }
       if (me >= 0) {
         /* The round we ran is still the current one (our move to the next
@@ -850,7 +1035,13 @@ rdzv_event_t rdzv_poll(job_t *job) {
    * the loop has workers to watch. */
   if (now >= rz->next_hb) {
     rz->next_hb = now + job->heartbeat_ns;
+    int64_t blind = now - rz->last_ok; /* since we last heard the service */
     if (!rz->left && beat(rz, 0, 0) < 0) goto check;
+    if (blind > 2 * job->heartbeat_ns) {
+      /* We could not see the others' heartbeats for a while (etcd electing
+       * a leader, say): that silence was ours, not theirs. */
+      for (int i = 0; i < rz->ngroup; i++) peer(rz, rz->group[i].id)->seen = now;
+    }
     for (int i = 0; i < rz->ngroup; i++) {
       if (!strcmp(rz->group[i].id, rz->id)) continue;
       peer_t *p = observe(rz, rz->group[i].id);
@@ -947,7 +1138,7 @@ int rdzv_after_failure(job_t *job, rdzv_event_t ev) {
   char key[300], *val = NULL;
   key_of(rz, key, sizeof key, "fail/%ld", job->round);
   fail_t f;
-  if (ok(rz, rz->kv->ops->get(rz->kv, key, &val)) == 1 && fail_parse(val, &f) == 0) {
+  if (kget(rz, key, &val, NULL) == 1 && fail_parse(val, &f) == 0) {
     fprintf(stderr, "chorusrun: root cause of round %ld: %s\n", job->round, f.what);
     if (strcmp(f.node, rz->id) != 0 && f.ntail) {
       fprintf(stderr, "chorusrun: its last %d line(s):\n", f.ntail);
@@ -976,7 +1167,7 @@ int rdzv_after_failure(job_t *job, rdzv_event_t ev) {
  * `deadline` and by heartbeats. */
 static void linger(job_t *job, int64_t deadline) {
   rdzv_t *rz = job->rz;
-  if (!rz->srv) return;
+  if (!rz->srv && !rz->round_srv) return;
   for (;;) {
     int rc = read_state(rz);
     if (rc != 1) return;
@@ -1007,7 +1198,7 @@ static void linger(job_t *job, int64_t deadline) {
 int rdzv_finish(job_t *job) {
   rdzv_t *rz = job->rz;
   beat(rz, 1, 0);
-  if (rz->srv) {
+  if (rz->srv || rz->round_srv) {
     CHORUS_INFO(CHORUS__SUB_LAUNCH, "our workers finished; serving the store until the other "
                                     "nodes leave");
     linger(job, CHORUS__NO_DEADLINE);
@@ -1035,6 +1226,7 @@ void rdzv_close(job_t *job, int exit_code) {
     linger(job, chorus__now_ns() + job->close_timeout_ns);
     rz->kv->ops->close(rz->kv);
   }
+  round_store_stop(rz);
   if (rz->srv) chorus_store_server_stop(rz->srv);
   free(rz->raw);
   free(rz);

@@ -135,8 +135,8 @@ case_env() {
   secret=$(grep -o ':SECRET=.*' "$OUT" | sort -u | wc -l)
   id=$(grep -o 'CHORUS_JOB_ID=.*' "$OUT" | sort -u | wc -l)
   check "env: one port, one secret, one job id for all ranks" [ "$port$secret$id" = 111 ]
-  check "env: 45 lines, all prefixed" [ "$(grep -c '^\[rank[0-2]\]:' "$OUT")" -eq 45 ] \
-    && [ "$(wc -l <"$OUT")" -eq 45 ]
+  check "env: 60 lines, all prefixed" [ "$(grep -c '^\[rank[0-2]\]:' "$OUT")" -eq 60 ] \
+    && [ "$(wc -l <"$OUT")" -eq 60 ]
   local first_secret secret_file
   first_secret=$(grep -m1 -o ':SECRET=.*' "$OUT")
   secret_file=$(grep -m1 -o 'CHORUS_JOB_SECRET_FILE=.*' "$OUT" | cut -d= -f2-)
@@ -407,7 +407,11 @@ case_usage() {
       eval 'rc_is 2 && has "$ERR" "^chorusrun: " && [ ! -s "$OUT" ]'
   done
   run --nnodes 2 "$WORKER" env
-  check "nnodes 2: says multi-node not supported yet" has "$ERR" "multi-node not supported yet"
+  check "nnodes 2 without an endpoint: says what is missing" has "$ERR" "needs --rdzv-endpoint"
+  run --nnodes 2 --rdzv-endpoint 127.0.0.1:1 "$WORKER" env
+  check "nnodes 2 without a secret: says so" eval 'rc_is 1 && has "$ERR" "needs a secret that every node shares"'
+  run --nnodes 2 --rdzv-endpoint 127.0.0.1:29400 --rdzv-id 'a b' "$WORKER" env
+  check "bad --rdzv-id: usage error" eval 'rc_is 2 && has "$ERR" "invalid --rdzv-id"' 
   no_leftovers usage
 }
 

@@ -23,6 +23,10 @@
 #             fails with a clear message within the timeout
 #   signal    SIGTERM to one host's agent: every agent stops its workers and
 #             exits 143 (the job stops, as torchrun's agents do)
+#   etcd      a real 3-member etcd (tests/fixtures/etcd.sh, run inside host 3)
+#             keeps the rendezvous of 3 hosts: distinct ranks; one etcd
+#             member SIGKILLed changes nothing; then a worker SIGKILLed
+#             makes all 3 re-form through the 2 members left and finish
 #   bad       a node with another secret is refused; a node with another
 #             --nnodes is refused; garbage on the store's port changes
 #             nothing
@@ -32,14 +36,16 @@
 set -u
 RUN=$1 WORKER=$2 COLLS=$3 FIXTURES=$4
 shift 4
-CASES=${*:-c10d static lastcall worker agent link grow store signal bad}
+CASES=${*:-c10d static lastcall worker agent link grow store signal etcd bad}
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-nodes.XXXXXX") || exit 1
 export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=chn$$
 NETNS=$FIXTURES/netns.sh
-FAILS=0 UP=0
+FAILS=0 UP=0 ETCD_UP=0
+ETCD=$FIXTURES/etcd.sh
 
 cleanup() {
   pkill -KILL -f "$TMP/" 2>/dev/null
+  if ((ETCD_UP)); then CHORUS_ETCD_DIR=$TMP/etcd bash "$ETCD" down >/dev/null 2>&1; fi
   if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
   rm -rf "$TMP"
 }
@@ -106,7 +112,7 @@ wait_for() {
   done
   return 1
 }
-fresh() { PORT=$((PORT + 1)); rm -f "$TMP"/h*.out; }
+fresh() { PORT=$((PORT + 1)); rm -f "$TMP"/h*.out; RCS=(); }
 c10d() { echo --rdzv-backend c10d --rdzv-endpoint "${ADDR[0]}:$PORT" --rdzv-id "$1"; }
 
 # ------------------------------------------------------------------- cases
@@ -295,6 +301,46 @@ case_signal() {
   else
     fail "signal: rc ${RCS[*]} after ${ms} ms"
   fi
+}
+
+case_etcd() {
+  fresh
+  # etcd listens on host 3's address, inside host 3's namespace.
+  export CHORUS_ETCD_DIR=$TMP/etcd CHORUS_ETCD_MEMBERS=3 CHORUS_ETCD_PORT=24990
+  export CHORUS_ETCD_ADDR=${ADDR[3]}
+  local out rc
+  out=$(bash "$NETNS" exec 3 bash "$ETCD" up 2>&1)
+  rc=$?
+  if ((rc == 77)); then echo "skip etcd: $(tail -n 1 <<<"$out")"; return; fi
+  ETCD_UP=1
+  if ((rc != 0)); then fail "etcd: fixture up: $(tail -n 1 <<<"$out")"; return; fi
+  local ep="${ADDR[3]}:24990,${ADDR[3]}:24991,${ADDR[3]}:24992"
+  for i in 0 1 2; do
+    agent "$i" --nnodes 3 --max-restarts 1 -n 1 --rdzv-backend etcd --rdzv-endpoint "$ep" \
+      --rdzv-id "etcd$$" "$WORKER" round-wait 1
+  done
+  for i in 0 1 2; do wait_for "$TMP/h$i.out" 'start round 0' 1 30; done
+  local ranks
+  ranks=$(cat "$TMP"/h*.out | sed -n 's/^\[rank\([0-9]*\)\]:rank[0-9]* start round 0 .*/\1/p' | sort -n | tr '\n' ' ')
+  [[ $ranks == "0 1 2 " ]] && ok "etcd: 3 hosts met through a 3-member etcd (ranks $ranks)" ||
+    fail "etcd: round 0 ranks '$ranks'"
+  bash "$ETCD" kill-member 0 >/dev/null 2>&1
+  sleep 3
+  if grep -q 're-forms\|lost' "$TMP"/h*.out; then fail "etcd: killing one etcd member disturbed the job"
+  else ok "etcd: one etcd member SIGKILLed, 3 s later nothing noticed"; fi
+  local victim t0
+  victim=$(sed -n 's/^\[rank[0-9]*\]:rank1 start round 0 .* pid \([0-9]*\) .*/\1/p' "$TMP"/h*.out | head -n 1)
+  t0=$(now_ms)
+  kill -KILL "$victim"
+  for i in 0 1 2; do agent_wait "$i"; done
+  if [[ ${RCS[*]} == "0 0 0" ]] && [[ $(cat "$TMP"/h*.out | grep -c 'done round 1 world 3') == 3 ]]; then
+    ok "etcd: a worker SIGKILLed; all 3 hosts re-formed through the 2 etcd members left ($(($(last_start 1) - t0)) ms to all running)"
+  else
+    fail "etcd: rc ${RCS[*]}"
+  fi
+  bash "$ETCD" down >/dev/null 2>&1
+  ETCD_UP=0
+  unset CHORUS_ETCD_DIR CHORUS_ETCD_MEMBERS CHORUS_ETCD_PORT CHORUS_ETCD_ADDR
 }
 
 case_bad() {
