@@ -528,8 +528,11 @@ static int parse_endpoints(kv_etcd_t *k, const char *list, char *err, size_t cap
       if (v < 1 || v > 65535) goto bad;
       ep->port = (int)v;
     }
-    snprintf(ep->name, sizeof ep->name, strchr(ep->host, ':') ? "[%s]:%d" : "%s:%d", ep->host,
-             ep->port);
+    /* Through a local buffer: GCC cannot tell that ep->host and ep->name
+     * never overlap (-Wrestrict). */
+    char name[sizeof ep->name];
+    snprintf(name, sizeof name, strchr(ep->host, ':') ? "[%s]:%d" : "%s:%d", ep->host, ep->port);
+    memcpy(ep->name, name, sizeof name);
     k->nep++;
     if (!comma) return 0;
     p = comma + 1;
