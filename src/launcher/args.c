@@ -279,8 +279,9 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       port_set = 1;
     } else if (!strcmp(name, "rdzv-endpoint")) {
       /* etcd takes a list (host:port,host:port); the others host[:port]. */
-      if (strlen(val) >= sizeof endpoint_raw) die_usage("--rdzv-endpoint is too long");
-      snprintf(endpoint_raw, sizeof endpoint_raw, "%s", val);
+      size_t vl = strlen(val);
+      if (vl >= sizeof endpoint_raw) die_usage("--rdzv-endpoint is too long");
+      memcpy(endpoint_raw, val, vl + 1);
       endpoint_set = 1;
       if (strchr(val, ',')) continue;
       /* host[:port]; an IPv6 literal must be written [addr]:port. */

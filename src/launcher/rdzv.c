@@ -781,7 +781,7 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   }
 connected:
   rz->last_ok = chorus__now_ns();
-  char addr[128] = "node";
+  char addr[64] = "node"; /* numeric: an IPv6 address takes 45 at most */
   if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
   snprintf(rz->id, sizeof rz->id, "%s/%d", addr, (int)getpid());
   if (!id_ok(rz->id, ID_MAX)) snprintf(rz->id, sizeof rz->id, "node/%d", (int)getpid());
