@@ -25,6 +25,7 @@
  * timeout and timed: none may take much longer than it.
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -73,7 +74,7 @@ typedef struct {
   int lfd, port, cfd;
   pthread_t th;
   pthread_mutex_t mu;
-  volatile int stop;
+  atomic_int stop; /* set by the test thread, read by the server thread */
   step_t script[8];
   int nsteps, next;
   int requests, conns;
