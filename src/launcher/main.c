@@ -52,7 +52,7 @@ char *xasprintf(const char *fmt, ...) {
 static int random_hex(char *out, size_t n) {
   unsigned char raw[32];
   if (n > sizeof raw || chorus__random_bytes(raw, n) != 0) return -1;
-  for (size_t i = 0; i < n; i++) snprintf(out + 2 * i, 3, "%02x", raw[i]);
+  chorus__hex(out, raw, n);
   return 0;
 }
 
@@ -151,7 +151,7 @@ int main(int argc, char **argv) {
     size_t lens[] = {13, strlen(job.run_id)};
     uint8_t mac[CHORUS__MAC_LEN];
     chorus__hmac(&zero, parts, lens, 2, mac);
-    for (int i = 0; i < 8; i++) snprintf(job.job_id + 2 * i, 3, "%02x", mac[i]);
+    chorus__hex(job.job_id, mac, 8);
   } else if (random_hex(job.job_id, 8) != 0) {
     fprintf(stderr, "chorusrun: cannot get random bytes for the job id\n");
     return EXIT_LAUNCHER;

@@ -195,7 +195,7 @@ static void seal_mac(const rdzv_t *rz, const char *key, const char *text, size_t
   size_t lens[] = {strlen(key), 1, len};
   uint8_t mac[CHORUS__MAC_LEN];
   chorus__hmac(rz->key, parts, lens, 3, mac);
-  for (int i = 0; i < CHORUS__MAC_LEN; i++) snprintf(hex + 2 * i, 3, "%02x", mac[i]);
+  chorus__hex(hex, mac, CHORUS__MAC_LEN);
 }
 
 /* text + (a newline if it lacks one) + the seal line, malloc'd. */

@@ -151,7 +151,7 @@ int chorus__secret_generate(char *buf, size_t cap) {
   if (cap < 2 * sizeof r + 1) return -EINVAL;
   int rc = chorus__random_bytes(r, sizeof r);
   if (rc < 0) return rc;
-  for (size_t i = 0; i < sizeof r; i++) snprintf(buf + 2 * i, 3, "%02x", r[i]);
+  chorus__hex(buf, r, sizeof r);
   chorus__wipe(r, sizeof r);
   return 0;
 }

@@ -13,6 +13,16 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+void chorus__hex(char *out, const void *bytes, size_t n) {
+  static const char digits[] = "0123456789abcdef";
+  const uint8_t *b = bytes;
+  for (size_t i = 0; i < n; i++) {
+    out[2 * i] = digits[b[i] >> 4];
+    out[2 * i + 1] = digits[b[i] & 15];
+  }
+  out[2 * n] = '\0';
+}
+
 int chorus__random_bytes(void *buf, size_t n) {
   uint8_t *p = buf;
   while (n > 0) {

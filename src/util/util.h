@@ -55,6 +55,9 @@ static inline int chorus__cond_init_monotonic(pthread_cond_t *cond) {
  * returns 0 or -errno. */
 int chorus__random_bytes(void *buf, size_t n);
 
+/* Lowercase hex of n bytes into out (2n + 1 bytes, NUL-terminated). */
+void chorus__hex(char *out, const void *bytes, size_t n);
+
 /* SipHash-2-4 of data under a 16-byte key: a keyed hash for hash tables
  * and ids that peers must not be able to steer (not for authentication:
  * that is HMAC-SHA256 in crypto.h). */
