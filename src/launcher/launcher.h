@@ -101,6 +101,7 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include "chorus.h"
 #include "util/crypto.h"
 #include "util/secret.h"
 
@@ -228,6 +229,10 @@ typedef enum { ACT_RUN, ACT_PRINT_ENV, ACT_ENV_MARKDOWN, ACT_HELP } action_t;
 void *xmalloc(size_t n);
 char *xstrdup(const char *s);
 char *xasprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* chorus__store_server_start_key with every signal blocked while the
+ * server's thread is created, so that thread never takes one of ours. */
+chorus_result_t start_store(const char *host, int port, const chorus__key_t *key,
+                            chorus_store_server_t **srv);
 
 /* ------------------------------------------------------------- args.c */
 
@@ -338,7 +343,6 @@ void remove_job_segments(void);
 /* ---------------------------------------------------------- signals.c */
 
 extern int g_selfpipe[2];
-extern const int g_sigs[5];
 extern struct rlimit g_old_nofile; /* restored in the workers */
 extern int g_nofile_raised;
 

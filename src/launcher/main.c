@@ -48,6 +48,19 @@ char *xasprintf(const char *fmt, ...) {
   return s;
 }
 
+chorus_result_t start_store(const char *host, int port, const chorus__key_t *key,
+                            chorus_store_server_t **srv) {
+  /* The store thread must never take our signals (it blocks them itself
+   * too, once running): they go to the main thread, whose poll() the
+   * self-pipe wakes.  A thread starts with its creator's mask. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, &old);
+  chorus_result_t rc = chorus__store_server_start_key(host, port, key, srv);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return rc;
+}
+
 /* Lowercase hex of n random bytes into out (2n+1 bytes). */
 static int random_hex(char *out, size_t n) {
   unsigned char raw[32];
@@ -183,15 +196,7 @@ int main(int argc, char **argv) {
   }
   chorus__wipe(job.secret, sizeof job.secret);
   if (job.backend == BACKEND_NONE) {
-    /* The store thread must never take our signals (it blocks them itself
-     * too): they go to the main thread, whose poll() the self-pipe wakes. */
-    sigset_t sigs, old;
-    sigemptyset(&sigs);
-    for (size_t i = 0; i < CHORUS__ARRAY_LEN(g_sigs); i++) sigaddset(&sigs, g_sigs[i]);
-    pthread_sigmask(SIG_BLOCK, &sigs, &old);
-    chorus_result_t src = chorus__store_server_start_key(job.master_addr, job.master_port, &key,
-                                                         &srv);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    chorus_result_t src = start_store(job.master_addr, job.master_port, &key, &srv);
     if (src != CHORUS_OK) {
       /* The store has logged the system error (WARN) just before. */
       fprintf(stderr, "chorusrun: cannot start the store on %s:%d: %s%s\n", job.master_addr,

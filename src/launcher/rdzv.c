@@ -733,11 +733,7 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   int want_host = job->backend == BACKEND_STATIC ? job->node_rank_opt == 0
                                                  : chorus__net_is_local(host);
   if (want_host) {
-    sigset_t sigs, old;
-    sigfillset(&sigs);
-    pthread_sigmask(SIG_BLOCK, &sigs, &old); /* the store thread takes none */
-    chorus_result_t src = chorus__store_server_start_key(NULL, port, key, &rz->srv);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    chorus_result_t src = start_store(NULL, port, key, &rz->srv);
     if (src != CHORUS_OK) {
       if (job->backend == BACKEND_STATIC) {
         fprintf(stderr,
@@ -811,11 +807,7 @@ static int round_store(job_t *job) {
       fprintf(stderr, "chorusrun: cannot tell this node's address for the workers' store\n");
       return EXIT_LAUNCHER;
     }
-    sigset_t sigs, old;
-    sigfillset(&sigs);
-    pthread_sigmask(SIG_BLOCK, &sigs, &old); /* the store thread takes none */
-    chorus_result_t src = chorus__store_server_start_key(NULL, 0, rz->key, &rz->round_srv);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    chorus_result_t src = start_store(NULL, 0, rz->key, &rz->round_srv);
     if (src != CHORUS_OK) {
       fprintf(stderr, "chorusrun: cannot start the workers' store: %s\n", chorus_strerror(src));
       return EXIT_LAUNCHER;

@@ -21,7 +21,7 @@
 int g_selfpipe[2] = {-1, -1};
 /* Handled signals.  The first four stop the job and are forwarded to the
  * workers; SIGCHLD only wakes the loop up. */
-const int g_sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD};
+static const int g_sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD};
 static struct sigaction g_old_act[CHORUS__ARRAY_LEN(g_sigs)];
 static struct sigaction g_old_pipe;
 struct rlimit g_old_nofile; /* restored in the workers */
