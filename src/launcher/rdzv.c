@@ -707,31 +707,16 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   int port = job->rdzv_port;
   int call_ms = (int)CHORUS__MAX(rz->lost_ns / 1000000, 200);
   char err[700] = "";
-  if (job->backend == BACKEND_ETCD) {
-    /* etcd keeps the rendezvous; no agent hosts anything until a round is
-     * frozen (then group rank 0 serves that round's workers a store). */
-    int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
-    for (;;) {
-      int left = chorus__ms_left(deadline);
-      if (kv_etcd_open(host, "/chorus/", CHORUS__MIN(CHORUS__MAX(left, 1), 2000), call_ms,
-                       &rz->kv, err, sizeof err) == 0)
-        break;
-      sleep_or_signal(job, 100);
-      if (job->got_sig) return 128 + job->got_sig;
-      if (chorus__ms_left(deadline) == 0) {
-        fprintf(stderr, "chorusrun: no etcd at %s after %.0f s (join_timeout): %s\n", host,
-                job->join_timeout_ns / 1e9, err);
-        return EXIT_LAUNCHER;
-      }
-    }
-    goto connected;
-  }
+  int etcd = job->backend == BACKEND_ETCD;
 
   /* Who hosts the store: static node 0; for c10d the agent on the node the
    * endpoint names (if two agents share that machine, the second finds the
-   * port taken and joins as a client). */
-  int want_host = job->backend == BACKEND_STATIC ? job->node_rank_opt == 0
-                                                 : chorus__net_is_local(host);
+   * port taken and joins as a client).  With etcd nobody: etcd keeps the
+   * rendezvous, and once a round is frozen group rank 0 serves that round's
+   * workers a store (round_store). */
+  int want_host = etcd ? 0
+                  : job->backend == BACKEND_STATIC ? job->node_rank_opt == 0
+                                                   : chorus__net_is_local(host);
   if (want_host) {
     chorus_result_t src = start_store(NULL, port, key, &rz->srv);
     if (src != CHORUS_OK) {
@@ -751,9 +736,9 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
 
   int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
   for (;;) {
-    int left = chorus__ms_left(deadline);
-    int rc = kv_store_open(host, port, key, CHORUS__MIN(CHORUS__MAX(left, 1), 1000), call_ms,
-                           &rz->kv, err, sizeof err);
+    int attempt = CHORUS__MIN(CHORUS__MAX(chorus__ms_left(deadline), 1), etcd ? 2000 : 1000);
+    int rc = etcd ? kv_etcd_open(host, "/chorus/", attempt, call_ms, &rz->kv, err, sizeof err)
+                  : kv_store_open(host, port, key, attempt, call_ms, &rz->kv, err, sizeof err);
     if (rc == 0) break;
     if (rc == -2) {
       fprintf(stderr,
@@ -763,19 +748,24 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
               host, port, err);
       return EXIT_LAUNCHER;
     }
-    sleep_or_signal(job, 0);
+    /* A refused etcd fails at once; our store's client retries within its
+     * attempt. */
+    sleep_or_signal(job, etcd ? 100 : 0);
     if (job->got_sig) return 128 + job->got_sig;
-    if (left == 0) {
-      fprintf(stderr,
-              "chorusrun: no rendezvous store at %s:%d after %.0f s (join_timeout): %s.  The "
-              "endpoint must name one of the job's nodes (its agent hosts the store%s), "
-              "reachable from this one.\n",
-              host, port, job->join_timeout_ns / 1e9, err,
-              job->backend == BACKEND_STATIC ? ": node 0" : "");
+    if (chorus__ms_left(deadline) == 0) {
+      if (etcd)
+        fprintf(stderr, "chorusrun: no etcd at %s after %.0f s (join_timeout): %s\n", host,
+                job->join_timeout_ns / 1e9, err);
+      else
+        fprintf(stderr,
+                "chorusrun: no rendezvous store at %s:%d after %.0f s (join_timeout): %s.  The "
+                "endpoint must name one of the job's nodes (its agent hosts the store%s), "
+                "reachable from this one.\n",
+                host, port, job->join_timeout_ns / 1e9, err,
+                job->backend == BACKEND_STATIC ? ": node 0" : "");
       return EXIT_LAUNCHER;
     }
   }
-connected:
   rz->last_ok = chorus__now_ns();
   char addr[64] = "node"; /* numeric: an IPv6 address takes 45 at most */
   if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
@@ -853,6 +843,20 @@ static void round_store_stop(rdzv_t *rz) {
 }
 
 /* ------------------------------------------------------------- joining */
+
+/* Adds this node to the state's member list (or, after the freeze, its wait
+ * list); the caller checked there is room.  A lost race is retried by the
+ * caller's loop. */
+static void add_self(job_t *job, int waiting) {
+  rdzv_t *rz = job->rz;
+  rz->nx = rz->st;
+  rnode_t *list = waiting ? rz->nx.wait : rz->nx.mem;
+  int *n = waiting ? &rz->nx.nwait : &rz->nx.nmem;
+  rnode_t *me = &list[(*n)++];
+  *me = (rnode_t){.nproc = job->nproc, .want = job->node_rank_opt};
+  snprintf(me->id, sizeof me->id, "%s", rz->id);
+  write_state(rz);
+}
 
 static void say_state_error(const rdzv_t *rz, int rc) {
   if (rc == -2) fprintf(stderr, "chorusrun: %s\n", rz->kv->err);
@@ -936,10 +940,7 @@ int rdzv_join(job_t *job) {
         continue;
       }
       if (find(s->wait, s->nwait, rz->id) < 0 && s->nwait < MAX_NODES) {
-        rz->nx = *s;
-        rz->nx.wait[rz->nx.nwait++] = (rnode_t){.nproc = job->nproc, .want = job->node_rank_opt};
-        snprintf(rz->nx.wait[rz->nx.nwait - 1].id, ID_MAX, "%s", rz->id);
-        write_state(rz);
+        add_self(job, 1);
         continue;
       }
       if (!said_waiting) {
@@ -961,10 +962,7 @@ int rdzv_join(job_t *job) {
           }
       }
       if (s->nmem < s->max) {
-        rz->nx = *s;
-        rz->nx.mem[rz->nx.nmem++] = (rnode_t){.nproc = job->nproc, .want = job->node_rank_opt};
-        snprintf(rz->nx.mem[rz->nx.nmem - 1].id, ID_MAX, "%s", rz->id);
-        write_state(rz);
+        add_self(job, 0);
         continue;
       }
     } else {
