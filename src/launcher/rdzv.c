@@ -272,12 +272,76 @@ static int parse_long_field(const char *s, long lo, long hi, long *out) {
   return chorus__parse_long(s, out) == 0 && *out >= lo && *out <= hi ? 0 : -1;
 }
 
+/* A node line's fields: prev ID GRANK, expect ID, member|wait ID NPROC WANT.
+ * 0, or -1 when a field is out of range. */
+static int parse_node(char *const *f, int nf, rnode_t *r) {
+  long a = 0, b = -1;
+  if (!id_ok(f[1], ID_MAX)) return -1;
+  if (nf == 3 && parse_long_field(f[2], 0, MAX_NODES - 1, &b) != 0) return -1;
+  if (nf == 4 && (parse_long_field(f[2], 1, MAX_NPROC, &a) != 0 ||
+                  parse_long_field(f[3], -1, MAX_NODES - 1, &b) != 0))
+    return -1;
+  snprintf(r->id, sizeof r->id, "%s", f[1]);
+  r->nproc = (int)a;
+  r->want = (int)b;
+  return 0;
+}
+
+/* One line of a state (after the first): 0, or -1 when it is malformed. */
+static int parse_line(char *line, rstate_t *s) {
+  if (!strncmp(line, "reason ", 7)) {
+    one_line(s->reason, sizeof s->reason, line + 7);
+    return 0;
+  }
+  char *f[5] = {0}, *save = NULL;
+  int nf = 0;
+  for (char *t = strtok_r(line, " ", &save); t && nf < 5; t = strtok_r(NULL, " ", &save))
+    f[nf++] = t;
+  if (nf == 0) return 0;
+  long a = 0, b = 0;
+  if (!strcmp(f[0], "round") && nf == 2 && parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
+    s->round = a;
+  } else if (!strcmp(f[0], "restarts") && nf == 2 &&
+             parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
+    s->restarts = a;
+  } else if (!strcmp(f[0], "max_restarts") && nf == 2 &&
+             parse_long_field(f[1], 0, 1000000, &a) == 0) {
+    s->max_restarts = (int)a;
+  } else if (!strcmp(f[0], "exit") && nf == 2 && parse_long_field(f[1], 0, 255, &a) == 0) {
+    s->exit_code = (int)a;
+  } else if (!strcmp(f[0], "phase") && nf == 2) {
+    for (int i = 0; i < 3; i++)
+      if (!strcmp(f[1], g_phase[i])) s->phase = i;
+    if (s->phase < 0) return -1;
+  } else if (!strcmp(f[0], "nnodes") && nf == 3 &&
+             parse_long_field(f[1], 1, MAX_NODES, &a) == 0 &&
+             parse_long_field(f[2], a, MAX_NODES, &b) == 0) {
+    s->min = (int)a;
+    s->max = (int)b;
+  } else if ((!strcmp(f[0], "prev") && nf == 3) || (!strcmp(f[0], "expect") && nf == 2) ||
+             ((!strcmp(f[0], "member") || !strcmp(f[0], "wait")) && nf == 4)) {
+    rnode_t *v;
+    int *n;
+    switch (f[0][0]) {
+      case 'p': v = s->prev, n = &s->nprev; break;
+      case 'e': v = s->exp, n = &s->nexp; break;
+      case 'm': v = s->mem, n = &s->nmem; break;
+      default: v = s->wait, n = &s->nwait; break;
+    }
+    if (*n >= MAX_NODES || parse_node(f, nf, &v[*n]) != 0) return -1;
+    (*n)++;
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
 /* Parses a state value into s.  0, or -1 with the reason in err. */
 static int state_parse(const char *text, rstate_t *s, char *err, size_t cap) {
   memset(s, 0, offsetof(rstate_t, prev));
   s->nprev = s->nexp = s->nmem = s->nwait = 0;
   s->phase = -1;
-  int have_magic = 0, lineno = 0;
+  int lineno = 0;
   for (const char *p = text; *p;) {
     const char *nl = strchr(p, '\n');
     size_t len = nl ? (size_t)(nl - p) : strlen(p);
@@ -290,75 +354,13 @@ static int state_parse(const char *text, rstate_t *s, char *err, size_t cap) {
     memcpy(line, p, len);
     line[len] = '\0';
     p += len + (nl ? 1 : 0);
-    if (!len) continue;
-    char *f[5] = {0};
-    int nf = 0;
-    char *save = NULL;
-    if (!strncmp(line, "reason ", 7)) {
-      one_line(s->reason, sizeof s->reason, line + 7);
-      continue;
-    }
-    for (char *t = strtok_r(line, " ", &save); t && nf < 5; t = strtok_r(NULL, " ", &save))
-      f[nf++] = t;
-    if (nf == 0) continue;
-    long a = 0, b = 0;
-    if (!have_magic) {
-      if (nf != 2 || strcmp(f[0], "chorus-rdzv") || strcmp(f[1], "1")) {
-        snprintf(err, cap, "not a chorus rendezvous state (version 1)");
-        return -1;
-      }
-      have_magic = 1;
-    } else if (!strcmp(f[0], "round") && nf == 2 && parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
-      s->round = a;
-    } else if (!strcmp(f[0], "restarts") && nf == 2 &&
-               parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
-      s->restarts = a;
-    } else if (!strcmp(f[0], "max_restarts") && nf == 2 &&
-               parse_long_field(f[1], 0, 1000000, &a) == 0) {
-      s->max_restarts = (int)a;
-    } else if (!strcmp(f[0], "exit") && nf == 2 && parse_long_field(f[1], 0, 255, &a) == 0) {
-      s->exit_code = (int)a;
-    } else if (!strcmp(f[0], "phase") && nf == 2) {
-      for (int i = 0; i < 3; i++)
-        if (!strcmp(f[1], g_phase[i])) s->phase = i;
-      if (s->phase < 0) break;
-    } else if (!strcmp(f[0], "nnodes") && nf == 3 &&
-               parse_long_field(f[1], 1, MAX_NODES, &a) == 0 &&
-               parse_long_field(f[2], a, MAX_NODES, &b) == 0) {
-      s->min = (int)a;
-      s->max = (int)b;
-    } else if ((!strcmp(f[0], "prev") && nf == 3) || (!strcmp(f[0], "expect") && nf == 2) ||
-               ((!strcmp(f[0], "member") || !strcmp(f[0], "wait")) && nf == 4)) {
-      rnode_t *v;
-      int *n;
-      switch (f[0][0]) {
-        case 'p': v = s->prev, n = &s->nprev; break;
-        case 'e': v = s->exp, n = &s->nexp; break;
-        case 'm': v = s->mem, n = &s->nmem; break;
-        default: v = s->wait, n = &s->nwait; break;
-      }
-      if (*n >= MAX_NODES || !id_ok(f[1], ID_MAX)) goto bad;
-      rnode_t *r = &v[*n];
-      snprintf(r->id, sizeof r->id, "%s", f[1]);
-      r->nproc = 0;
-      r->want = -1;
-      if (nf == 3 && parse_long_field(f[2], 0, MAX_NODES - 1, &a) == 0) r->want = (int)a;
-      else if (nf == 3) goto bad;
-      if (nf == 4) {
-        if (parse_long_field(f[2], 1, MAX_NPROC, &a) != 0 ||
-            parse_long_field(f[3], -1, MAX_NODES - 1, &b) != 0)
-          goto bad;
-        r->nproc = (int)a;
-        r->want = (int)b;
-      }
-      (*n)++;
-    } else {
-    bad:
-      snprintf(err, cap, "line %d is malformed", lineno);
+    if (lineno == 1 ? strcmp(line, "chorus-rdzv 1") != 0 : parse_line(line, s) != 0) {
+      if (lineno == 1) snprintf(err, cap, "not a chorus rendezvous state (version 1)");
+      else snprintf(err, cap, "line %d is malformed", lineno);
       return -1;
     }
   }
-  if (!have_magic || s->phase < 0 || s->min < 1) {
+  if (lineno == 0 || s->phase < 0 || s->min < 1) {
     snprintf(err, cap, "round, phase or nnodes missing");
     return -1;
   }
