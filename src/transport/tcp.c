@@ -120,6 +120,8 @@ typedef struct conn {
   int rank; /* world rank of the peer */
   char addr[80];
   int dead;
+  chorus_result_t dead_code; /* why it died, for endpoints made afterwards */
+  char dead_why[160];
   int bye_received;
   int64_t last_heard; /* monotonic ns of the last byte received */
   int epoll_out;
@@ -485,6 +487,8 @@ static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why) {
 static void conn_fail_locked(chorus__tp_t *tp, conn_t *c, const char *why, chorus_result_t code) {
   if (c->dead) return;
   c->dead = 1;
+  c->dead_code = code;
+  snprintf(c->dead_why, sizeof c->dead_why, "%s", why);
   if (c->fd >= 0) {
     epoll_ctl(tp->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     /* The peer must see EOF now, not at its timeout; the fd number itself
@@ -1141,10 +1145,14 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
   /* A member may have died, or reported an error, before we got here. */
   for (int g = 0; g < n; g++) {
     conn_t *c = &tp->conns[members[g]];
-    if (g != me && c->dead && !c->bye_received)
+    if (g != me && c->dead && !c->bye_received && c->dead_code == CHORUS_ERR_PROTOCOL)
+      ep_fail_locked(ep, CHORUS_ERR_PROTOCOL, 0,
+                     "chorus rank %d/%d: the connection with rank %d (world rank %d, %s) failed "
+                     "earlier: %s", me, n, g, members[g], c->addr, c->dead_why);
+    else if (g != me && c->dead && !c->bye_received)
       ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
                      "chorus rank %d/%d: rank %d (world rank %d, %s) is gone (its connection "
-                     "closed earlier)", me, n, g, members[g], c->addr);
+                     "closed earlier: %s)", me, n, g, members[g], c->addr, c->dead_why);
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
     if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {
