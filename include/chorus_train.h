@@ -232,6 +232,12 @@ CHORUS_API const size_t *chorus_sampler_indices(const chorus_sampler_t *s);
 CHORUS_API size_t chorus_sampler_next(chorus_sampler_t *s);
 CHORUS_API size_t chorus_sampler_pos(const chorus_sampler_t *s);
 CHORUS_API void chorus_sampler_set_pos(chorus_sampler_t *s, size_t pos);
+/* The sampler of another world (elastic training: the survivors of a failed
+ * rank, or new ranks): the same as creating it with world and rank, keeping
+ * the epoch and how far the whole old world got into it -- the new position
+ * is pos * old world / world, rounded down.  Torch's elastic examples do the
+ * same with a new DistributedSampler and the saved global position. */
+CHORUS_API chorus_result_t chorus_sampler_reshard(chorus_sampler_t *s, int world, int rank);
 
 /* ----------------------------------------------------------- checkpoints
  *

@@ -300,10 +300,12 @@ static int agent_run_nodes(job_t *job) {
     gen_outcome_t out = run_generation(job, &failed, &ev);
     remove_job_segments();
     switch (out) {
-      case GEN_OK: return rdzv_finish(job);
+      case GEN_OK: return rdzv_finish(job, 0);
       case GEN_SIGNALED: return 128 + job->got_sig;
       case GEN_FAILED:
         if (!job->w[failed].reported) report_failure(job, &job->w[failed]);
+        /* In place, this node's workers all died; the other nodes' go on. */
+        if (job->inplace) return rdzv_finish(job, status_exit_code(job->w[failed].status));
         rc = rdzv_after_failure(job, RDZV_EV_NONE);
         break;
       case GEN_ERROR: rc = rdzv_after_failure(job, RDZV_EV_NONE); break;

@@ -69,9 +69,10 @@ void usage(FILE *f) {
       "                          (default 0.1 s)\n"
       "  --elastic restart|inplace  what a worker's failure does: restart\n"
       "                          (default) stops the group (and restarts it, see\n"
-      "                          --max-restarts); inplace reports it and lets the\n"
-      "                          others go on (they call chorus_comm_shrink);\n"
-      "                          the run succeeds if every other worker exits 0\n"
+      "                          --max-restarts); inplace reports it (or a lost\n"
+      "                          node) and lets the others go on (they call\n"
+      "                          chorus_comm_shrink; chorus-train does); a node\n"
+      "                          succeeds if its workers that did not fail exit 0\n"
       "  --max-restarts K        after a failure, restart the whole group up\n"
       "                          to K times (default 0)\n"
       "  --grace-period S        seconds between SIGTERM and SIGKILL when\n"
@@ -387,9 +388,6 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     return ACT_RUN;
   }
   if (standalone) die_usage("--standalone is for one node; drop it or --nnodes");
-  if (job->inplace && job->max_nodes > 1)
-    die_usage("--elastic inplace runs on one node for now; several nodes restart (--elastic "
-              "restart)");
   if (!backend) backend = job->node_rank_opt >= 0 ? "static" : "c10d";
   if (strcmp(backend, "etcd") && strchr(endpoint_raw, ','))
     die_usage("--rdzv-endpoint lists several addresses only for --rdzv-backend etcd");

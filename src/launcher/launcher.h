@@ -84,8 +84,10 @@
  *    CHORUS_RESTART_COUNT (same store, same job id and secret, same port).
  *  - --elastic inplace: a failed worker is reported and the others go on
  *    (they shrink their communicators, chorus_comm_shrink, through the
- *    store this agent serves); the run succeeds when every worker that did
- *    not fail exits 0.
+ *    job's store); the run succeeds when every worker that did not fail
+ *    exits 0.  On several nodes a lost node is reported and the others go
+ *    on too; a node whose workers all failed leaves with their exit code
+ *    (the store's host stays until the others are done).
  */
 #ifndef CHORUS_LAUNCHER_LAUNCHER_H
 #define CHORUS_LAUNCHER_LAUNCHER_H
@@ -268,9 +270,11 @@ void rdzv_failed(job_t *job, const worker_t *w, const char *why);
 /* After a round that ended in a failure anywhere: prints the root cause.
  * Returns -1 to join again, else the exit code the job ends with. */
 int rdzv_after_failure(job_t *job, rdzv_event_t ev);
-/* Every local worker succeeded: tells the others, then (the store's host)
- * serves the store until every other node has left.  Returns the exit code. */
-int rdzv_finish(job_t *job);
+/* Every local worker is done (succeeded, or failed with --elastic
+ * inplace, where that does not stop the others): tells the others, then
+ * (the store's host) serves the store until every other node has left.
+ * Returns exit_code. */
+int rdzv_finish(job_t *job, int exit_code);
 /* We were interrupted by sig: ends the job on every node. */
 void rdzv_interrupt(job_t *job, int sig);
 /* Leaves with exit_code: says so in our heartbeat; the store's host waits

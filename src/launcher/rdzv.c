@@ -104,6 +104,7 @@ typedef struct {
   int64_t seen;  /* when that value last changed */
   int done;      /* it has left */
   int exit_code; /* ... with this code */
+  int gone;      /* --elastic inplace: reported lost, the group goes on */
 } peer_t;
 
 struct rdzv {
@@ -1038,7 +1039,14 @@ rdzv_event_t rdzv_poll(job_t *job) {
       if (!strcmp(rz->group[i].id, rz->id)) continue;
       peer_t *p = observe(rz, rz->group[i].id);
       if (!p) goto check;
-      if (peer_lost(rz, p)) {
+      if (peer_lost(rz, p) && job->inplace) {
+        /* Its workers' peers shrink their communicators and go on. */
+        if (!p->gone)
+          fprintf(stderr, "chorusrun: node %d (%s) was lost: no heartbeat for %.1f s; the "
+                  "workers of the other nodes go on without it (--elastic inplace)\n",
+                  find(rz->group, rz->ngroup, p->id), p->id, (now - p->seen) / 1e9);
+        p->gone = 1;
+      } else if (peer_lost(rz, p)) {
         lost_node(job, p);
         return RDZV_EV_NEW_ROUND;
       }
@@ -1051,7 +1059,8 @@ rdzv_event_t rdzv_poll(job_t *job) {
       const rstate_t *s = &rz->st;
       if (s->phase == PH_CLOSED) return RDZV_EV_CLOSED;
       if (s->round != job->round) return RDZV_EV_NEW_ROUND;
-      if (s->phase == PH_FROZEN && s->nwait > 0 && s->nmem < s->max && job->node_rank == 0) {
+      if (s->phase == PH_FROZEN && s->nwait > 0 && s->nmem < s->max && job->node_rank == 0 &&
+          !job->inplace) {
         char why[REASON_MAX];
         snprintf(why, sizeof why, "%d node(s) waiting to join (scale-up)", s->nwait);
         advance(job, 0, NULL, 0, why);
@@ -1187,15 +1196,15 @@ static void linger(job_t *job, int64_t deadline) {
   }
 }
 
-int rdzv_finish(job_t *job) {
+int rdzv_finish(job_t *job, int exit_code) {
   rdzv_t *rz = job->rz;
-  beat(rz, 1, 0);
+  beat(rz, 1, exit_code);
   if (rz->srv || rz->round_srv) {
     CHORUS_INFO(CHORUS__SUB_LAUNCH, "our workers finished; serving the store until the other "
                                     "nodes leave");
     linger(job, CHORUS__NO_DEADLINE);
   }
-  return 0;
+  return exit_code;
 }
 
 void rdzv_interrupt(job_t *job, int sig) {

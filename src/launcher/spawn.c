@@ -96,6 +96,7 @@ static char *contract_value(const job_t *job, const worker_t *w, contract_var_t 
     /* The round, not the restarts: rounds opened by a scale-up form new
      * groups too, and each needs its own store keys. */
     case CV_CHORUS_RESTART_COUNT: return xasprintf("%ld", job->round);
+    case CV_CHORUS_ELASTIC: return xstrdup(job->inplace ? "inplace" : "restart");
     case CV_TORCHELASTIC_MAX_RESTARTS: return xasprintf("%d", job->max_restarts);
     case CV_TORCHELASTIC_RUN_ID: return xstrdup(job->run_id);
     case CV_CHORUS_JOB_ID: return xstrdup(job->job_id);

@@ -118,6 +118,26 @@ void chorus_sampler_set_pos(chorus_sampler_t *s, size_t pos) {
   s->pos = pos < s->num_samples ? pos : s->num_samples;
 }
 
+chorus_result_t chorus_sampler_reshard(chorus_sampler_t *s, int world, int rank) {
+  if (world < 1 || rank < 0 || rank >= world || (s->drop_last && s->n < (size_t)world))
+    return CHORUS_ERR_INVALID_ARG;
+  size_t w = (size_t)world;
+  size_t num = s->drop_last && s->n % w ? (s->n - w + w - 1) / w : (s->n + w - 1) / w;
+  size_t *mine = malloc(sizeof(size_t) * (num ? num : 1));
+  if (!mine) return CHORUS_ERR_NO_MEMORY;
+  /* Samples the whole world has taken of this epoch so far. */
+  size_t taken = s->pos * (size_t)s->world;
+  free(s->mine);
+  s->mine = mine;
+  s->world = world;
+  s->rank = rank;
+  s->num_samples = num;
+  s->total = num * w;
+  chorus_sampler_set_epoch(s, s->epoch);
+  chorus_sampler_set_pos(s, taken / w);
+  return CHORUS_OK;
+}
+
 size_t chorus_sampler_next(chorus_sampler_t *s) {
   if (s->pos >= s->num_samples) chorus_sampler_set_epoch(s, s->epoch + 1);
   return s->mine[s->pos++];

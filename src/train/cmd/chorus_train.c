@@ -39,7 +39,8 @@ typedef struct {
   float momentum;
   uint64_t seed;
   const char *dump, *ckpt_dir, *trace;
-  int ckpt_every, keep, stop_after, kill_at;
+  int ckpt_every, keep, stop_after, kill_at, kill_rank;
+  int elastic; /* --elastic inplace (-1: CHORUS_ELASTIC decides) */
   int skip_rank, skip_layer;     /* --skip-layer R:L */
   int uneven_rank, uneven_steps; /* --uneven R:N */
   int dump_all;
@@ -105,8 +106,13 @@ static void usage(FILE *f) {
           "                       any rank is skipped everywhere and the scale halves; it\n"
           "                       doubles after 200 good steps (default with --hook fp16)\n"
           "  --inject-inf N       testing: rank 1 corrupts its gradient at step N\n"
-          "  --kill-at N          testing: rank 1 kills itself (SIGKILL) at step N of the\n"
-          "                       first generation (CHORUS_RESTART_COUNT 0)\n"
+          "  --elastic restart|inplace  when a rank dies: stop (chorusrun restarts the\n"
+          "                       group, which resumes from a checkpoint), or shrink to\n"
+          "                       the ranks alive, re-shard the data and go on from the\n"
+          "                       weights in memory (default: chorusrun's --elastic)\n"
+          "  --kill-at N          testing: a rank kills itself (SIGKILL) at the start of\n"
+          "                       step N of the first generation (CHORUS_RESTART_COUNT 0)\n"
+          "  --kill-rank R        testing: the rank --kill-at kills (1)\n"
           "  --trace-clock auto|ping  ranks on rank 0's host share its clock; others\n"
           "                       estimate their offset by round trips to rank 0 (auto);\n"
           "                       ping estimates it for every rank\n"
@@ -125,7 +131,8 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"log-every", 1, 0, 'g'}, {"dump", 1, 0, 'D'},        {"help", 0, 0, 'h'},
       {"optim", 1, 0, 'o'},    {"momentum", 1, 0, 'M'},    {"checkpoint-dir", 1, 0, 'K'},
       {"checkpoint-every", 1, 0, 'E'}, {"keep", 1, 0, 'P'}, {"stop-after", 1, 0, 'X'},
-      {"kill-at", 1, 0, 'Z'},    {"trace", 1, 0, 'R'},       {"skip-layer", 1, 0, 'Y'},
+      {"kill-at", 1, 0, 'Z'},    {"kill-rank", 1, 0, 'F'},   {"elastic", 1, 0, 'e'},
+      {"trace", 1, 0, 'R'},       {"skip-layer", 1, 0, 'Y'},
       {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},    {"loss-scale", 1, 0, 'Q'},
       {"inject-inf", 1, 0, 'I'}, {"trace-clock", 1, 0, 'G'}, {"clock-skew-ms", 1, 0, 'z'},
       {0, 0, 0, 0}};
@@ -171,6 +178,12 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 'P': o->keep = atoi(optarg); break;
       case 'X': o->stop_after = atoi(optarg); break;
       case 'Z': o->kill_at = atoi(optarg); break;
+      case 'F': o->kill_rank = atoi(optarg); break;
+      case 'e':
+        if (!strcmp(optarg, "inplace")) o->elastic = 1;
+        else if (!strcmp(optarg, "restart")) o->elastic = 0;
+        else return -1;
+        break;
       case 'R': o->trace = optarg; break;
       case 'Y':
         if (sscanf(optarg, "%d:%d", &o->skip_rank, &o->skip_layer) != 2) return -1;
@@ -410,12 +423,14 @@ static chorus_result_t init_comm(chorus_comm_t *comm) {
 }
 
 /* Mean validation loss over val_batches batches per rank, averaged over
- * ranks (every rank evaluates different samples). */
-static float validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *text,
-                      const opts_t *o, int *tok, int *tgt) {
+ * ranks (every rank evaluates different samples), into *avg. */
+static chorus_result_t validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *text,
+                                const opts_t *o, int *tok, int *tgt, float *avg) {
+  *avg = NAN;
   size_t n = chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx);
-  if (n == 0) return NAN;
+  if (n == 0) return CHORUS_OK;
   size_t *idx = malloc(sizeof(size_t) * (size_t)o->batch);
+  if (!idx) return CHORUS_ERR_NO_MEMORY;
   double sum = 0;
   for (int v = 0; v < o->val_batches; v++) {
     for (int b = 0; b < o->batch; b++)
@@ -426,9 +441,8 @@ static float validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *
     sum += loss;
   }
   free(idx);
-  float mine = (float)(sum / o->val_batches), avg = mine;
-  chorus_all_reduce(comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
-  return avg;
+  float mine = (float)(sum / o->val_batches);
+  return chorus_all_reduce(comm, &mine, avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
 }
 
 /* Rank 0 continues prompt for n bytes, sampling from the model's
@@ -466,6 +480,304 @@ static void sample_text(chorus_gpt_t *m, const opts_t *o, int n) {
   free(ctx);
 }
 
+/* ------------------------------------------------------------------ a run */
+
+/* --elastic inplace: the state at the start of a step.  Two are kept (the
+ * last two steps): when a rank dies, a survivor may already have finished
+ * the step the others failed in. */
+typedef struct {
+  long step; /* -1: empty */
+  float *params;
+  unsigned char *optim;
+  long epoch; /* the sampler's */
+  size_t pos;
+  int world;
+  float scale; /* loss scaling */
+  int good_steps, skipped_steps;
+} snap_t;
+
+/* Everything a training run changes as it goes. */
+typedef struct {
+  const opts_t *o;
+  chorus_comm_t comm;
+  chorus_gpt_t *m;
+  chorus_ddp_config_t dc;
+  chorus_ddp_t *ddp;
+  chorus_optim_t *opt;
+  chorus_sampler_t *sp;
+  chorus_text_t *text;
+  trace_t *tr;
+  int *tok, *tgt;
+  size_t *idx, np;
+  float scale; /* dynamic loss scaling */
+  int good_steps, skipped_steps;
+  int first_generation; /* CHORUS_RESTART_COUNT is 0 */
+  /* For the summary. */
+  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm;
+  int timed;
+  float first_val, last_val;
+  /* The collective that failed a step, and whether the step's update had
+   * been applied by then. */
+  const char *fail_what;
+  chorus_result_t fail_st;
+  int applied;
+  snap_t snap[2];
+  size_t optim_bytes;
+  int64_t failed_ns; /* when a failure was seen; 0 once a step completed after it */
+} run_t;
+
+enum { STEP_NEXT, STEP_STOP, STEP_FATAL, STEP_COMM };
+
+static int comm_failed(run_t *r, const char *what, chorus_result_t st) {
+  r->fail_what = what;
+  r->fail_st = st;
+  return STEP_COMM;
+}
+
+static int64_t wall_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* One optimizer step: STEP_NEXT, STEP_STOP (out of data, --stop-after),
+ * STEP_FATAL (reported) or STEP_COMM (a collective failed: r->fail_*). */
+static int train_step(run_t *r, long step) {
+  const opts_t *o = r->o;
+  const int T = o->model.ctx, B = o->batch;
+  chorus_result_t st;
+  r->applied = 0;
+  if (step == o->kill_at && g_rank == o->kill_rank && r->first_generation) {
+    fprintf(stderr, "chorus-train: rank %d kills itself at step %ld (--kill-at) at wall clock "
+            "%lld ms\n", g_rank, step, (long long)wall_ms());
+    raise(SIGKILL);
+  }
+  double t0 = now_s(), tf = 0, tb = 0;
+  chorus_gpt_zero_grad(r->m);
+  float loss_sum = 0;
+  /* Uneven inputs: a rank out of data joins -- it contributes zero
+   * gradients to the others' all_reduces (averaged over all ranks, as
+   * PyTorch's Join does by default) and applies the same update, so every
+   * rank keeps the same weights; training ends when no rank has data. */
+  int32_t have = !(g_rank == o->uneven_rank && step >= o->uneven_steps), active = have;
+  if (o->uneven_rank >= 0 &&
+      (st = chorus_all_reduce(r->comm, &have, &active, 1, CHORUS_INT32, CHORUS_SUM, NULL)) !=
+          CHORUS_OK)
+    return comm_failed(r, "join", st);
+  if (active == 0) {
+    say("step %ld: every rank is out of data\n", step);
+    return STEP_STOP;
+  }
+  for (int a = 0; a < o->accum && !have; a++) chorus_ddp_set_sync(r->ddp, a == o->accum - 1);
+  for (int a = 0; a < o->accum && have; a++) {
+    for (int b = 0; b < B; b++) r->idx[b] = chorus_sampler_next(r->sp);
+    chorus_text_batch(r->text, CHORUS_SPLIT_TRAIN, T, r->idx, B, r->tok, r->tgt);
+    double f0 = now_s();
+    int64_t n0 = now_ns();
+    float loss = 0;
+    if ((st = chorus_gpt_forward(r->m, r->tok, r->tgt, B, T, &loss)) != CHORUS_OK) {
+      die(NULL, "forward", st);
+      return STEP_FATAL;
+    }
+    double f1 = now_s();
+    int64_t n1 = now_ns();
+    chorus_ddp_set_sync(r->ddp, a == o->accum - 1);
+    if ((st = chorus_gpt_backward(r->m, r->scale / (float)o->accum, chorus_ddp_ready, r->ddp)) !=
+        CHORUS_OK) {
+      die(NULL, "backward", st);
+      return STEP_FATAL;
+    }
+    trace_add(r->tr, "forward", 0, (int)step, -1, n0, n1, 0);
+    trace_add(r->tr, "backward", 0, (int)step, -1, n1, now_ns(), 0);
+    tf += f1 - f0;
+    tb += now_s() - f1;
+    loss_sum += loss;
+    if (a < o->accum - 1) chorus_ddp_wait(r->ddp); /* resets the buckets; communicates nothing */
+  }
+  double w0 = now_s();
+  int64_t nw0 = now_ns();
+  if ((st = chorus_ddp_wait(r->ddp)) != CHORUS_OK) return comm_failed(r, "gradient all_reduce", st);
+  double w1 = now_s();
+  int64_t nw1 = now_ns();
+  trace_add(r->tr, "wait for gradients", 0, (int)step, -1, nw0, nw1, 0);
+  if (r->tr) {
+    chorus_ddp_stats_t bs;
+    chorus_ddp_get_stats(r->ddp, &bs);
+    for (int i = 0; i < bs.buckets; i++) {
+      int64_t b0, b1;
+      size_t bytes;
+      chorus_ddp_bucket_times(r->ddp, i, &b0, &b1, &bytes);
+      trace_add(r->tr, "all_reduce bucket", 1, (int)step, i, b0, b1, bytes);
+    }
+  }
+  const size_t np = r->np;
+  float *g = chorus_gpt_grads(r->m);
+  if (step == o->inject_inf && g_rank == 1) g[np / 2] = INFINITY;
+  int skip_step = 0;
+  if (o->loss_scale) {
+    /* Unscale; a non-finite value on any rank skips the step on all (the
+     * all_reduce already spread it, but the check must not depend on
+     * that: every rank votes). */
+    int32_t bad = 0, any = 0;
+    for (size_t i = 0; i < np; i++) {
+      g[i] /= r->scale;
+      bad |= !isfinite(g[i]);
+    }
+    if ((st = chorus_all_reduce(r->comm, &bad, &any, 1, CHORUS_INT32, CHORUS_MAX, NULL)) !=
+        CHORUS_OK)
+      return comm_failed(r, "loss-scale vote", st);
+    if (any) {
+      skip_step = 1;
+      r->skipped_steps++;
+      r->good_steps = 0;
+      r->scale = r->scale / 2.0f < 1.0f ? 1.0f : r->scale / 2.0f;
+      say("step %ld: inf/NaN in the gradients: step skipped on every rank, loss scale now %g\n",
+          step, r->scale);
+    } else if (++r->good_steps == 200) {
+      r->good_steps = 0;
+      r->scale = r->scale * 2.0f > 16777216.0f ? 16777216.0f : r->scale * 2.0f;
+    }
+  }
+  double norm = skip_step ? 0.0 : chorus_grad_norm(g, np);
+  if (o->clip > 0 && !skip_step) chorus_grad_clip(g, np, norm, o->clip);
+  float lr = chorus_lr_at(step, o->warmup, o->steps, o->lr, o->lr * o->min_lr_frac);
+  if (!skip_step) chorus_optim_step(r->opt, chorus_gpt_params(r->m), g, lr);
+  r->applied = 1;
+  double t1 = now_s();
+  trace_add(r->tr, "optimizer", 0, (int)step, -1, nw1, now_ns(), 0);
+  chorus_ddp_stats_t ds;
+  chorus_ddp_get_stats(r->ddp, &ds);
+  double dt = t1 - t0, tps = (double)g_size * B * T * o->accum / dt;
+  if (step >= 3) { /* after warm-up */
+    r->sum_tps += tps, r->sum_fwd += tf, r->sum_bwd += tb, r->sum_exp += w1 - w0;
+    r->sum_opt += t1 - w1, r->sum_comm += ds.comm_s;
+    r->timed++;
+  }
+  /* The loss every rank saw, averaged (what PyTorch users log). */
+  float mine = loss_sum / (float)o->accum, avg = mine;
+  if (step % o->log_every == 0 || step == o->steps - 1) {
+    if ((st = chorus_all_reduce(r->comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL)) !=
+        CHORUS_OK)
+      return comm_failed(r, "loss all_reduce", st);
+    say("step %4ld/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  fwd %.1f ms  bwd %.1f ms  "
+        "exposed comm %.1f ms  optim %.1f ms\n",
+        step, o->steps, avg, lr, norm, tps, 1e3 * tf, 1e3 * tb, 1e3 * (w1 - w0), 1e3 * (t1 - w1));
+  }
+  if (o->val_every && ((step + 1) % o->val_every == 0 || step == o->steps - 1)) {
+    float v;
+    if ((st = validate(r->comm, r->m, r->text, o, r->tok, r->tgt, &v)) != CHORUS_OK)
+      return comm_failed(r, "validation", st);
+    if (isnan(r->first_val)) r->first_val = v;
+    r->last_val = v;
+    say("step %4ld  validation loss %.4f\n", step, v);
+  }
+  int stopping = o->stop_after >= 0 && step + 1 >= o->stop_after;
+  if (o->ckpt_dir && ((o->ckpt_every && (step + 1) % o->ckpt_every == 0) ||
+                      step == o->steps - 1 || stopping)) {
+    st = checkpoint(r->comm, o, r->m, r->opt, r->sp, step + 1);
+    if (st == CHORUS_ERR_SYSTEM) {
+      fprintf(stderr, "chorus-train: rank %d: stopping: rank 0 could not write the checkpoint "
+              "(see its output)\n", g_rank);
+      return STEP_FATAL;
+    }
+    if (st != CHORUS_OK) return comm_failed(r, "checkpoint", st);
+  }
+  if (stopping) {
+    say("stopping after %ld steps (--stop-after)\n", step + 1);
+    return STEP_STOP;
+  }
+  return STEP_NEXT;
+}
+
+/* Keeps the state at the start of step (in the slot of its parity). */
+static void snap_take(run_t *r, long step) {
+  snap_t *s = &r->snap[step & 1];
+  memcpy(s->params, chorus_gpt_params(r->m), r->np * sizeof(float));
+  chorus_optim_state_save(r->opt, s->optim);
+  s->epoch = chorus_sampler_epoch(r->sp);
+  s->pos = chorus_sampler_pos(r->sp);
+  s->world = g_size;
+  s->scale = r->scale;
+  s->good_steps = r->good_steps;
+  s->skipped_steps = r->skipped_steps;
+  s->step = step;
+}
+
+/* Goes back to the start of step, with the data re-sharded over the
+ * current world (g_size, g_rank). */
+static int snap_restore(run_t *r, long step) {
+  const snap_t *s = &r->snap[step & 1];
+  if (s->step != step) return -1;
+  memcpy(chorus_gpt_params(r->m), s->params, r->np * sizeof(float));
+  if (chorus_optim_state_load(r->opt, s->optim, r->optim_bytes) != CHORUS_OK) return -1;
+  r->scale = s->scale;
+  r->good_steps = s->good_steps;
+  r->skipped_steps = s->skipped_steps;
+  /* The sampler as the old world had it at that step, then over the new one. */
+  if (chorus_sampler_reshard(r->sp, s->world, 0) != CHORUS_OK) return -1;
+  chorus_sampler_set_epoch(r->sp, s->epoch);
+  chorus_sampler_set_pos(r->sp, s->pos);
+  return chorus_sampler_reshard(r->sp, g_size, g_rank) == CHORUS_OK ? 0 : -1;
+}
+
+/* --elastic inplace: a collective of step failed (a rank died, or its host
+ * went away).  The survivors shrink the communicator to the ranks still
+ * alive (chorus_comm_shrink), agree on the first step that not all of them
+ * finished (this one, or the next when every survivor had applied it), go
+ * back to the state each kept of that step's start, re-shard the data over
+ * the smaller world (DistributedSampler's rule) and go on with the weights
+ * they hold: no checkpoint is read.  A rank that dies during this makes
+ * the agreement fail: it starts over without that rank, a bounded number
+ * of times.  Returns the step to go on from, or -1 (reported). */
+static long recover(run_t *r, long step) {
+  int64_t t0 = now_ns();
+  if (!r->failed_ns) r->failed_ns = t0;
+  fprintf(stderr, "chorus-train: rank %d: step %ld failed (%s: %s); going on with the ranks "
+          "still alive (--elastic inplace)\n", g_rank, step, r->fail_what,
+          chorus_comm_last_error(r->comm));
+  chorus_ddp_destroy(r->ddp);
+  r->ddp = NULL;
+  /* A rank that applied this step's update already has the state of the
+   * next one's start. */
+  if (r->applied) snap_take(r, step + 1);
+  int64_t done = step + r->applied;
+  const int before = g_size;
+  for (int attempt = 0; attempt < 8; attempt++) {
+    chorus_comm_t next = NULL;
+    chorus_result_t st = chorus_comm_shrink(r->comm, 0, &next);
+    if (st != CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: cannot go on: chorus_comm_shrink: %s: %s\n",
+              g_rank, chorus_result_name(st), chorus_comm_last_error(r->comm));
+      return -1;
+    }
+    chorus_comm_destroy(r->comm);
+    r->comm = next;
+    g_rank = chorus_comm_rank(next);
+    g_size = chorus_comm_size(next);
+    /* The earliest and the latest step done, in one all_reduce. */
+    int64_t mine[2] = {done, -done}, agreed[2];
+    st = chorus_all_reduce(next, mine, agreed, 2, CHORUS_INT64, CHORUS_MIN, NULL);
+    if (st != CHORUS_OK) continue; /* someone else died: shrink again */
+    long to = (long)agreed[0];
+    if (-agreed[1] - agreed[0] > 1 || snap_restore(r, to) != 0) {
+      fprintf(stderr, "chorus-train: rank %d: cannot go on: the survivors finished steps %lld "
+              "to %lld, and this rank kept the state of steps %ld and %ld only\n", g_rank,
+              (long long)agreed[0], (long long)-agreed[1], r->snap[0].step, r->snap[1].step);
+      return -1;
+    }
+    /* chorus_ddp_create broadcasts rank 0's weights: every survivor went
+     * back to the same step, so they are the ones it holds already. */
+    st = chorus_ddp_create(next, r->m, &r->dc, &r->ddp);
+    if (st != CHORUS_OK) continue;
+    say("elastic: %d of %d rank(s) go on from step %ld with the weights in memory, the data "
+        "re-sharded (recovery took %.0f ms)\n", g_size, before, to, (now_ns() - t0) / 1e6);
+    return to;
+  }
+  fprintf(stderr, "chorus-train: rank %d: cannot go on: ranks kept dying during the recovery\n",
+          g_rank);
+  return -1;
+}
+
 int main(int argc, char **argv) {
   opts_t o = {.data = "data/tinyshakespeare.txt",
               .model = CHORUS_GPT_CONFIG_DEFAULT,
@@ -474,243 +786,144 @@ int main(int argc, char **argv) {
               .lr = 3e-3f, .min_lr_frac = 0.1f, .weight_decay = 0.1f, .clip = 1.0f,
               .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
               .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1,
-              .skip_rank = -1, .uneven_rank = -1, .loss_scale = -1, .inject_inf = -1};
+              .kill_rank = 1, .skip_rank = -1, .uneven_rank = -1, .loss_scale = -1,
+              .inject_inf = -1, .elastic = -1};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
   }
+  if (o.elastic < 0) { /* chorusrun --elastic tells its workers */
+    const char *e = getenv("CHORUS_ELASTIC");
+    o.elastic = e && !strcmp(e, "inplace");
+  }
+  if (o.elastic && o.uneven_rank >= 0) {
+    fprintf(stderr, "chorus-train: --uneven and --elastic inplace do not go together (the "
+            "rank out of data could be the one that dies)\n");
+    return 2;
+  }
   if (o.loss_scale < 0) o.loss_scale = o.hook == CHORUS_DDP_HOOK_FP16;
-  chorus_comm_t comm = NULL;
-  chorus_result_t st = init_comm(&comm);
+  run_t r = {.o = &o, .first_val = NAN, .last_val = NAN};
+  chorus_result_t st = init_comm(&r.comm);
   if (st != CHORUS_OK) {
     fprintf(stderr, "chorus-train: cannot join the group: %s\n", chorus_last_init_error());
     return 1;
   }
-  g_rank = chorus_comm_rank(comm);
-  g_size = chorus_comm_size(comm);
+  g_rank = chorus_comm_rank(r.comm);
+  g_size = chorus_comm_size(r.comm);
   /* BLAS threads: share the cores among the ranks of this host. */
-  int local = chorus_comm_local_size(comm) > 0 ? chorus_comm_local_size(comm) : g_size;
+  int local = chorus_comm_local_size(r.comm) > 0 ? chorus_comm_local_size(r.comm) : g_size;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   int threads = o.threads > 0 ? o.threads : (int)(cores / local > 0 ? cores / local : 1);
   if (openblas_set_num_threads) openblas_set_num_threads(threads);
 
-  chorus_text_t *text = NULL;
-  st = chorus_text_load(o.data, 0.1, &text);
+  st = chorus_text_load(o.data, 0.1, &r.text);
   if (st != CHORUS_OK) {
     fprintf(stderr, "chorus-train: cannot read %s: %s\n", o.data, strerror(errno));
-    chorus_comm_abort(comm);
-    chorus_comm_destroy(comm);
+    chorus_comm_abort(r.comm);
+    chorus_comm_destroy(r.comm);
     return 1;
   }
-  chorus_gpt_t *m = NULL;
-  if ((st = chorus_gpt_create(&o.model, o.batch, o.seed, &m)) != CHORUS_OK)
+  if ((st = chorus_gpt_create(&o.model, o.batch, o.seed, &r.m)) != CHORUS_OK)
     return die(NULL, "model", st);
-  if (o.skip_rank == g_rank && (st = chorus_gpt_skip_layer(m, o.skip_layer, 1)) != CHORUS_OK)
+  if (o.skip_rank == g_rank && (st = chorus_gpt_skip_layer(r.m, o.skip_layer, 1)) != CHORUS_OK)
     return die(NULL, "--skip-layer", st);
-  chorus_ddp_config_t dc = CHORUS_DDP_CONFIG_DEFAULT;
-  dc.bucket_mb = o.bucket_mb;
-  dc.overlap = o.overlap;
-  dc.hook = o.hook;
-  chorus_ddp_t *ddp = NULL;
-  if ((st = chorus_ddp_create(comm, m, &dc, &ddp)) != CHORUS_OK) return die(comm, "ddp", st);
+  r.dc = (chorus_ddp_config_t)CHORUS_DDP_CONFIG_DEFAULT;
+  r.dc.bucket_mb = o.bucket_mb;
+  r.dc.overlap = o.overlap;
+  r.dc.hook = o.hook;
+  if ((st = chorus_ddp_create(r.comm, r.m, &r.dc, &r.ddp)) != CHORUS_OK)
+    return die(r.comm, "ddp", st);
   chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
   oc.kind = o.optim;
   oc.momentum = o.momentum;
   oc.weight_decay = o.weight_decay;
-  chorus_optim_t *opt = NULL;
-  size_t np = chorus_gpt_num_params(m);
-  if ((st = chorus_optim_create(&oc, np, &opt)) != CHORUS_OK) return die(NULL, "optimizer", st);
+  r.np = chorus_gpt_num_params(r.m);
+  if ((st = chorus_optim_create(&oc, r.np, &r.opt)) != CHORUS_OK)
+    return die(NULL, "optimizer", st);
 
   const int T = o.model.ctx, B = o.batch;
-  size_t nsamples = chorus_text_samples(text, CHORUS_SPLIT_TRAIN, T);
-  chorus_sampler_t *sp = NULL;
+  size_t nsamples = chorus_text_samples(r.text, CHORUS_SPLIT_TRAIN, T);
   if (nsamples < (size_t)g_size ||
-      chorus_sampler_create(nsamples, g_size, g_rank, 1, o.seed, 0, &sp) != CHORUS_OK) {
+      chorus_sampler_create(nsamples, g_size, g_rank, 1, o.seed, 0, &r.sp) != CHORUS_OK) {
     fprintf(stderr, "chorus-train: %s is too short for sequences of %d on %d ranks\n", o.data,
             T, g_size);
     return 1;
   }
-  int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);
-  size_t *idx = malloc(sizeof(size_t) * (size_t)B);
+  r.tok = malloc(sizeof(int) * (size_t)B * T);
+  r.tgt = malloc(sizeof(int) * (size_t)B * T);
+  r.idx = malloc(sizeof(size_t) * (size_t)B);
+  r.optim_bytes = chorus_optim_state_size(r.opt);
+  for (int k = 0; k < 2 && o.elastic; k++) {
+    r.snap[k].step = -1;
+    r.snap[k].params = malloc(r.np * sizeof(float));
+    r.snap[k].optim = malloc(r.optim_bytes ? r.optim_bytes : 1);
+    if (!r.snap[k].params || !r.snap[k].optim) return die(r.comm, "--elastic inplace", CHORUS_ERR_NO_MEMORY);
+  }
+  if (!r.tok || !r.tgt || !r.idx) return die(r.comm, "buffers", CHORUS_ERR_NO_MEMORY);
   chorus_ddp_stats_t ds;
-  chorus_ddp_get_stats(ddp, &ds);
+  chorus_ddp_get_stats(r.ddp, &ds);
   say("chorus-train: %d rank(s), %d BLAS thread(s) each; model %d layers, %d heads, %d "
       "channels, context %d: %zu parameters; %d DDP buckets; batch %d x %d per rank, %d "
-      "step(s) of %d micro-step(s); %zu training samples\n",
-      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, np, ds.buckets, B, T,
-      o.steps, o.accum, nsamples);
+      "step(s) of %d micro-step(s); %zu training samples%s\n",
+      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, r.np, ds.buckets, B,
+      T, o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "");
 
-  double sum_tps = 0, sum_fwd = 0, sum_bwd = 0, sum_exp = 0, sum_opt = 0, sum_comm = 0;
-  int timed = 0;
-  float first_val = NAN, last_val = NAN;
-  long start = o.ckpt_dir ? resume(&o, m, opt, sp) : 0;
-  float scale = o.loss_scale ? 65536.0f : 1.0f;
-  int good_steps = 0, skipped_steps = 0;
-  trace_t trace_buf = {0}, *tr = o.trace ? &trace_buf : NULL;
+  long start = o.ckpt_dir ? resume(&o, r.m, r.opt, r.sp) : 0;
+  r.scale = o.loss_scale ? 65536.0f : 1.0f;
+  trace_t trace_buf = {0};
+  r.tr = o.trace ? &trace_buf : NULL;
   if (g_rank == 1) trace_buf.skew = (int64_t)o.skew_ms * 1000000;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
-  int first_generation = !rc || !strcmp(rc, "0");
-  for (int step = (int)start; step < o.steps; step++) {
-    if (step == o.kill_at && g_rank == 1 && first_generation) {
-      fprintf(stderr, "chorus-train: rank 1 kills itself at step %d (--kill-at)\n", step);
-      raise(SIGKILL);
+  r.first_generation = !rc || !strcmp(rc, "0");
+  for (long step = start; step < o.steps;) {
+    if (o.elastic) snap_take(&r, step);
+    int how = train_step(&r, step);
+    if (how == STEP_STOP) break;
+    if (how == STEP_FATAL) return 1;
+    if (how == STEP_COMM) {
+      if (!o.elastic) return die(r.comm, r.fail_what, r.fail_st);
+      if ((step = recover(&r, step)) < 0) return 1;
+      continue;
     }
-    double t0 = now_s(), tf = 0, tb = 0;
-    chorus_gpt_zero_grad(m);
-    float loss_sum = 0;
-    /* Uneven inputs: a rank out of data joins -- it contributes zero
-     * gradients to the others' all_reduces (averaged over all ranks, as
-     * PyTorch's Join does by default) and applies the same update, so every
-     * rank keeps the same weights; training ends when no rank has data. */
-    int32_t have = !(g_rank == o.uneven_rank && step >= o.uneven_steps), active = have;
-    if (o.uneven_rank >= 0 &&
-        (st = chorus_all_reduce(comm, &have, &active, 1, CHORUS_INT32, CHORUS_SUM, NULL)) !=
-            CHORUS_OK)
-      return die(comm, "join", st);
-    if (active == 0) {
-      say("step %d: every rank is out of data\n", step);
-      break;
+    if (r.failed_ns) {
+      say("elastic: step %ld done %.0f ms after the failure was seen (wall clock %lld ms)\n",
+          step, (now_ns() - r.failed_ns) / 1e6, (long long)wall_ms());
+      r.failed_ns = 0;
     }
-    for (int a = 0; a < o.accum && !have; a++) chorus_ddp_set_sync(ddp, a == o.accum - 1);
-    for (int a = 0; a < o.accum && have; a++) {
-      for (int b = 0; b < B; b++) idx[b] = chorus_sampler_next(sp);
-      chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
-      double f0 = now_s();
-      int64_t n0 = now_ns();
-      float loss = 0;
-      if ((st = chorus_gpt_forward(m, tok, tgt, B, T, &loss)) != CHORUS_OK)
-        return die(NULL, "forward", st);
-      double f1 = now_s();
-      int64_t n1 = now_ns();
-      chorus_ddp_set_sync(ddp, a == o.accum - 1);
-      if ((st = chorus_gpt_backward(m, scale / (float)o.accum, chorus_ddp_ready, ddp)) !=
-          CHORUS_OK)
-        return die(NULL, "backward", st);
-      trace_add(tr, "forward", 0, step, -1, n0, n1, 0);
-      trace_add(tr, "backward", 0, step, -1, n1, now_ns(), 0);
-      tf += f1 - f0;
-      tb += now_s() - f1;
-      loss_sum += loss;
-      if (a < o.accum - 1) chorus_ddp_wait(ddp); /* resets the buckets; communicates nothing */
-    }
-    double w0 = now_s();
-    int64_t nw0 = now_ns();
-    if ((st = chorus_ddp_wait(ddp)) != CHORUS_OK) return die(comm, "gradient all_reduce", st);
-    double w1 = now_s();
-    int64_t nw1 = now_ns();
-    trace_add(tr, "wait for gradients", 0, step, -1, nw0, nw1, 0);
-    if (tr) {
-      chorus_ddp_stats_t bs;
-      chorus_ddp_get_stats(ddp, &bs);
-      for (int i = 0; i < bs.buckets; i++) {
-        int64_t b0, b1;
-        size_t bytes;
-        chorus_ddp_bucket_times(ddp, i, &b0, &b1, &bytes);
-        trace_add(tr, "all_reduce bucket", 1, step, i, b0, b1, bytes);
-      }
-    }
-    float *g = chorus_gpt_grads(m);
-    if (step == o.inject_inf && g_rank == 1) g[np / 2] = INFINITY;
-    int skip_step = 0;
-    if (o.loss_scale) {
-      /* Unscale; a non-finite value on any rank skips the step on all (the
-       * all_reduce already spread it, but the check must not depend on
-       * that: every rank votes). */
-      int32_t bad = 0, any = 0;
-      for (size_t i = 0; i < np; i++) {
-        g[i] /= scale;
-        bad |= !isfinite(g[i]);
-      }
-      if ((st = chorus_all_reduce(comm, &bad, &any, 1, CHORUS_INT32, CHORUS_MAX, NULL)) !=
-          CHORUS_OK)
-        return die(comm, "loss-scale vote", st);
-      if (any) {
-        skip_step = 1;
-        skipped_steps++;
-        good_steps = 0;
-        scale = scale / 2.0f < 1.0f ? 1.0f : scale / 2.0f;
-        say("step %d: inf/NaN in the gradients: step skipped on every rank, loss scale now %g\n",
-            step, scale);
-      } else if (++good_steps == 200) {
-        good_steps = 0;
-        scale = scale * 2.0f > 16777216.0f ? 16777216.0f : scale * 2.0f;
-      }
-    }
-    double norm = skip_step ? 0.0 : chorus_grad_norm(g, np);
-    if (o.clip > 0 && !skip_step) chorus_grad_clip(g, np, norm, o.clip);
-    float lr = chorus_lr_at(step, o.warmup, o.steps, o.lr, o.lr * o.min_lr_frac);
-    if (!skip_step) chorus_optim_step(opt, chorus_gpt_params(m), g, lr);
-    double t1 = now_s();
-    trace_add(tr, "optimizer", 0, step, -1, nw1, now_ns(), 0);
-    chorus_ddp_get_stats(ddp, &ds);
-    double dt = t1 - t0, tps = (double)g_size * B * T * o.accum / dt;
-    if (step >= 3) { /* after warm-up */
-      sum_tps += tps, sum_fwd += tf, sum_bwd += tb, sum_exp += w1 - w0, sum_opt += t1 - w1;
-      sum_comm += ds.comm_s;
-      timed++;
-    }
-    /* The loss every rank saw, averaged (what PyTorch users log). */
-    float mine = loss_sum / (float)o.accum, avg = mine;
-    if (step % o.log_every == 0 || step == o.steps - 1) {
-      chorus_all_reduce(comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
-      say("step %4d/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  fwd %.1f ms  bwd %.1f ms  "
-          "exposed comm %.1f ms  optim %.1f ms\n",
-          step, o.steps, avg, lr, norm, tps, 1e3 * tf, 1e3 * tb, 1e3 * (w1 - w0),
-          1e3 * (t1 - w1));
-    }
-    if (o.val_every && ((step + 1) % o.val_every == 0 || step == o.steps - 1)) {
-      float v = validate(comm, m, text, &o, tok, tgt);
-      if (isnan(first_val)) first_val = v;
-      last_val = v;
-      say("step %4d  validation loss %.4f\n", step, v);
-    }
-    int stopping = o.stop_after >= 0 && step + 1 >= o.stop_after;
-    if (o.ckpt_dir && ((o.ckpt_every && (step + 1) % o.ckpt_every == 0) || step == o.steps - 1 ||
-                       stopping)) {
-      if ((st = checkpoint(comm, &o, m, opt, sp, step + 1)) != CHORUS_OK) {
-        fprintf(stderr, "chorus-train: rank %d: stopping: %s\n", g_rank,
-                st == CHORUS_ERR_SYSTEM ? "rank 0 could not write the checkpoint (see its "
-                                          "output)" : chorus_comm_last_error(comm));
-        chorus_comm_destroy(comm);
-        return 1;
-      }
-    }
-    if (stopping) {
-      say("stopping after %d steps (--stop-after)\n", step + 1);
-      break;
-    }
+    step++;
   }
-  if (timed) {
-    double step_s = (sum_fwd + sum_bwd + sum_exp + sum_opt) / timed;
+  if (r.timed) {
+    double step_s = (r.sum_fwd + r.sum_bwd + r.sum_exp + r.sum_opt) / r.timed;
     say("summary: %.0f tok/s (mean after 3 steps), step %.1f ms: fwd %.1f, bwd %.1f, exposed "
         "comm %.1f (%.0f %%), optim %.1f; all_reduce %.1f ms per step, %.0f %% hidden behind "
         "backward\n",
-        sum_tps / timed, 1e3 * step_s, 1e3 * sum_fwd / timed, 1e3 * sum_bwd / timed,
-        1e3 * sum_exp / timed, 100.0 * sum_exp / timed / step_s, 1e3 * sum_opt / timed,
-        1e3 * sum_comm / timed,
-        sum_comm > 0 && sum_exp < sum_comm ? 100.0 * (1.0 - sum_exp / sum_comm) : 0.0);
-    if (!isnan(first_val)) say("validation loss %.4f -> %.4f\n", first_val, last_val);
+        r.sum_tps / r.timed, 1e3 * step_s, 1e3 * r.sum_fwd / r.timed, 1e3 * r.sum_bwd / r.timed,
+        1e3 * r.sum_exp / r.timed, 100.0 * r.sum_exp / r.timed / step_s,
+        1e3 * r.sum_opt / r.timed, 1e3 * r.sum_comm / r.timed,
+        r.sum_comm > 0 && r.sum_exp < r.sum_comm ? 100.0 * (1.0 - r.sum_exp / r.sum_comm) : 0.0);
+    if (!isnan(r.first_val)) say("validation loss %.4f -> %.4f\n", r.first_val, r.last_val);
   }
-  if (tr && trace_write(comm, tr, o.trace_ping, o.trace) != 0)
+  if (r.tr && trace_write(r.comm, r.tr, o.trace_ping, o.trace) != 0)
     fprintf(stderr, "chorus-train: rank %d: cannot write the trace %s\n", g_rank, o.trace);
   free(trace_buf.ev);
-  if (o.sample > 0) sample_text(m, &o, o.sample);
+  if (o.sample > 0) sample_text(r.m, &o, o.sample);
   if (o.dump && (g_rank == 0 || o.dump_all)) {
     char path[4096];
     if (o.dump_all) snprintf(path, sizeof path, "%s.rank%d", o.dump, g_rank);
     else snprintf(path, sizeof path, "%s", o.dump);
     FILE *f = fopen(path, "wb");
-    if (!f || fwrite(chorus_gpt_params(m), sizeof(float), np, f) != np || fclose(f) != 0) {
+    if (!f || fwrite(chorus_gpt_params(r.m), sizeof(float), r.np, f) != r.np || fclose(f) != 0) {
       fprintf(stderr, "chorus-train: cannot write %s: %s\n", path, strerror(errno));
       return 1;
     }
   }
-  free(tok), free(tgt), free(idx);
-  chorus_sampler_destroy(sp);
-  chorus_optim_destroy(opt);
-  chorus_ddp_destroy(ddp);
-  chorus_gpt_destroy(m);
-  chorus_text_free(text);
-  chorus_comm_destroy(comm);
+  for (int k = 0; k < 2; k++) free(r.snap[k].params), free(r.snap[k].optim);
+  free(r.tok), free(r.tgt), free(r.idx);
+  chorus_sampler_destroy(r.sp);
+  chorus_optim_destroy(r.opt);
+  chorus_ddp_destroy(r.ddp);
+  chorus_gpt_destroy(r.m);
+  chorus_text_free(r.text);
+  chorus_comm_destroy(r.comm);
   return 0;
 }

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# chorus-train --elastic inplace on 3 emulated hosts (tests/fixtures/netns.sh),
+# one worker each, chorusrun's c10d rendezvous on every host:
+#   1. a worker on a random host is SIGKILLed at a random moment (after a
+#      random step was logged: mid-step, mid-all_reduce or between steps);
+#      the two survivors shrink, re-shard the data and finish the run;
+#   2. the reference: the same job without a death stopped after the step
+#      the survivors went on from (a checkpoint), resumed on 2 hosts;
+#   3. the survivors' final weights must equal the reference's bit for bit
+#      (with 2 ranks every all_reduce algorithm adds the same two numbers),
+#      and differ from those of the uninterrupted 3-host run (so the check
+#      can fail).
+#   elastic_inplace.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA FIXTURES_DIR
+# Needs root (network namespaces); exits 77 (skipped, reason printed) when the
+# fixture cannot make hosts.  The EXIT trap kills what it started and removes
+# the hosts.
+set -u
+RUN=$1 TRAIN=$2 CMP=$3 DATA=$4 FIXTURES=$5
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-elastic.XXXXXX") || exit 1
+export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=che$$
+NETNS=$FIXTURES/netns.sh
+UP=0 FAILS=0
+cleanup() {
+  pkill -KILL -f "$TMP/" 2>/dev/null
+  if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'echo "interrupted"; exit 1' INT TERM HUP
+
+# Private copies, so pkill -f $TMP/ finds exactly our processes.
+cp "$RUN" "$TMP/chorusrun" && cp "$TRAIN" "$TMP/chorus-train" || exit 1
+RUN=$TMP/chorusrun TRAIN=$TMP/chorus-train
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
+export CHORUS_JOB_SECRET_FILE=$TMP/key OPENBLAS_NUM_THREADS=1
+unset CHORUS_JOB_SECRET RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
+
+out=$(bash "$NETNS" up 3 2>&1)
+rc=$?
+if ((rc == 77)); then echo "SKIPPED: $(tail -n 1 <<<"$out")"; exit 77; fi
+if ((rc != 0)); then echo "FAIL cannot make emulated hosts: $out"; exit 1; fi
+UP=1
+for i in 0 1 2; do ADDR[i]=$(bash "$NETNS" addr "$i"); done
+
+STEPS=40
+MODEL=(--data "$DATA" --layers 2 --heads 4 --channels 128 --ctx 64 --batch 16 --steps "$STEPS"
+       --warmup 5 --val-every 0 --sample 0 --log-every 1 --threads 1)
+fail() {
+  echo "FAIL $*"
+  for f in "$TMP"/*.out; do
+    [ -e "$f" ] || continue
+    echo "---- $(basename "$f") (last 15 lines):"; tail -n 15 "$f" | cut -c1-300
+  done
+  FAILS=$((FAILS + 1))
+}
+
+# job NAME NHOSTS PORT [chorusrun args --] chorus-train args: one agent per
+# host in the background; outputs in $TMP/NAME.hI.out, pids in PIDS[].
+job() {
+  local name=$1 n=$2 port=$3
+  shift 3
+  local pre=()
+  while (($#)) && [[ $1 != -- ]]; do pre+=("$1"); shift; done
+  (($#)) && shift
+  PIDS=()
+  for ((i = 0; i < n; i++)); do
+    (bash "$NETNS" exec "$i" bash -c 'echo $$ >"$1"; shift; exec "$@"' _ "$TMP/$name.h$i.pid" \
+      "$RUN" --nnodes "$n" -n 1 --rdzv-backend c10d --rdzv-endpoint "${ADDR[0]}:$port" \
+      --rdzv-id "$name" "${pre[@]}" "$TRAIN" "${MODEL[@]}" "$@" \
+      >"$TMP/$name.h$i.out" 2>&1 </dev/null; exit $?) &
+    PIDS[i]=$!
+  done
+}
+# job_wait: waits (at most 120 s, then SIGKILL) for the agents of the last
+# job; RCS[] gets their exit codes.
+job_wait() {
+  local end=$((SECONDS + 120)) i
+  RCS=()
+  for i in "${!PIDS[@]}"; do
+    while kill -0 "${PIDS[i]}" 2>/dev/null && ((SECONDS < end)); do sleep 0.05; done
+    kill -0 "${PIDS[i]}" 2>/dev/null && { echo "agent $i still running after 120 s"; kill -KILL "${PIDS[i]}"; }
+    wait "${PIDS[i]}" 2>/dev/null
+    RCS[i]=$?
+  done
+}
+
+# 1. The elastic run: a random host loses its worker after a random step.
+VICTIM=$((RANDOM % 3)) AFTER=$((3 + RANDOM % 25))
+job el 3 29500 --elastic inplace -- --dump "$TMP/inplace.bin"
+end=$((SECONDS + 60))
+until grep -qE "step +$AFTER/$STEPS" "$TMP"/el.h*.out 2>/dev/null || ((SECONDS >= end)); do
+  sleep 0.01
+done
+agent=$(cat "$TMP/el.h$VICTIM.pid" 2>/dev/null)
+worker=$(pgrep -P "$agent" -f "^$TMP/chorus-train " 2>/dev/null | head -n 1)
+if [[ -z $worker ]]; then
+  fail "could not find host $VICTIM's worker after step $AFTER"
+else
+  echo "killing pid $worker ($(tr "\0" " " </proc/$worker/cmdline 2>/dev/null | cut -c1-80)) of agent $agent"
+  kill -KILL "$worker"
+fi
+job_wait
+M=$(sed -n 's/.*elastic: 2 of 3 rank(s) go on from step \([0-9]*\) .*/\1/p' "$TMP"/el.h*.out | head -n 1)
+echo "host $VICTIM's worker SIGKILLed after step $AFTER was logged; the survivors went on from step ${M:-?}"
+grep -h "recovery took\|after the failure was seen" "$TMP"/el.h*.out | sed 's/^/  /'
+survivors_ok=1
+for i in 0 1 2; do
+  ((i == VICTIM)) && continue
+  ((RCS[i] == 0)) || survivors_ok=0
+done
+if ((survivors_ok)) && ((RCS[VICTIM] == 137)) && [[ -n $M ]] && [[ -s $TMP/inplace.bin ]] &&
+  grep -q "was killed by SIGKILL\|killed by signal 9" "$TMP/el.h$VICTIM.out"; then
+  echo "ok   the survivors finished $STEPS steps in place (agents: ${RCS[*]})"
+else
+  fail "elastic run: agents ${RCS[*]}, resumed at '${M}'"
+fi
+
+if [[ -n $M ]]; then
+  # 2. The reference: 3 hosts stopped after step M, then 2 hosts from there.
+  job ref1 3 29501 -- --checkpoint-dir "$TMP/ck" --stop-after "$M"
+  job_wait
+  [[ ${RCS[*]} == "0 0 0" ]] || fail "reference, first part: agents ${RCS[*]}"
+  job ref2 2 29502 -- --checkpoint-dir "$TMP/ck" --dump "$TMP/reference.bin"
+  job_wait
+  [[ ${RCS[*]} == "0 0" ]] || fail "reference, second part: agents ${RCS[*]}"
+  if ((M < STEPS)) && ! grep -q "resumed from .*ckpt-$(printf %09d "$M").bin" "$TMP"/ref2.h*.out; then
+    fail "the reference did not resume from step $M"
+  fi
+  # The uninterrupted run on 3 hosts.
+  job straight 3 29503 -- --dump "$TMP/straight.bin"
+  job_wait
+  [[ ${RCS[*]} == "0 0 0" ]] || fail "uninterrupted run: agents ${RCS[*]}"
+  # 3. The comparison.
+  if "$CMP" "$TMP/inplace.bin" "$TMP/reference.bin" 0; then
+    echo "ok   the survivors' weights equal the reference's bit for bit"
+  else
+    fail "the survivors' weights differ from the reference's"
+  fi
+  if ((M < STEPS)) && "$CMP" "$TMP/inplace.bin" "$TMP/straight.bin" 0 >/dev/null 2>&1; then
+    fail "the survivors' weights equal the uninterrupted run's: the check cannot tell"
+  else
+    echo "ok   ... and differ from the uninterrupted 3-host run's"
+  fi
+fi
+((FAILS == 0)) && echo "all elastic checks passed" && exit 0
+echo "$FAILS elastic check(s) FAILED"
+exit 1
