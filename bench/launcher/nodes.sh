@@ -10,6 +10,10 @@
 #   restart  4 hosts x 2 workers, one worker SIGKILLed: until the last of the
 #            8 workers of the next round has started (the program's own
 #            start-up is a few ms: launch_worker round-wait)
+#   inplace  4 hosts x 2 workers of chorus-train --elastic inplace (a small
+#            model), rank 5 SIGKILLs itself at the start of step 10: from
+#            the kill to the survivors' next completed step (step 10 again,
+#            in the world of 7)
 # Example: sudo bash bench/launcher/nodes.sh build 5
 set -u
 BUILD=$(cd "$1" && pwd) REPS=${2:-5}
@@ -17,8 +21,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 NETNS=$HERE/../../tests/fixtures/netns.sh
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-bnodes.XXXXXX") || exit 1
 export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=cbn$$
-cp "$BUILD/chorusrun" "$TMP/chorusrun" && cp "$BUILD/tests/launcher/launch_worker" "$TMP/worker" || exit 1
-RUN=$TMP/chorusrun WORKER=$TMP/worker
+cp "$BUILD/chorusrun" "$TMP/chorusrun" && cp "$BUILD/tests/launcher/launch_worker" "$TMP/worker" &&
+  cp "$BUILD/chorus-train" "$TMP/chorus-train" || exit 1
+RUN=$TMP/chorusrun WORKER=$TMP/worker TRAIN=$TMP/chorus-train
+DATA=$HERE/../../data/tinyshakespeare.txt
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
 export CHORUS_JOB_SECRET_FILE=$TMP/key
 cleanup() { pkill -KILL -f "$TMP/" 2>/dev/null; bash "$NETNS" down >/dev/null 2>&1; rm -rf "$TMP"; }
@@ -45,7 +51,7 @@ median() { sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : i
 c10d() { echo --rdzv-endpoint "${ADDR[0]}:$PORT" --rdzv-id "$1"; }
 finish() { pkill -KILL -f "$TMP/" 2>/dev/null; wait 2>/dev/null; rm -f "$TMP"/h*.out; PORT=$((PORT + 1)); }
 
-declare -a R L S
+declare -a R L S P
 for rep in $(seq 1 "$REPS"); do
   t0=$(now_ms)
   for i in $(seq 0 15); do agent "$i" --nnodes 16 -n 4 $(c10d r$rep) "$WORKER" reduce-loop 0; done
@@ -73,7 +79,20 @@ for rep in $(seq 1 "$REPS"); do
     S+=($((last - t0)))
   fi
   finish
+
+  for i in 0 1 2 3; do
+    agent "$i" --nnodes 4 -n 2 --elastic inplace $(c10d p$rep) "$TRAIN" --data "$DATA" \
+      --layers 2 --heads 2 --channels 64 --ctx 64 --batch 4 --steps 20 --val-every 0 --sample 0 \
+      --threads 1 --kill-at 10 --kill-rank 5
+  done
+  if wait_for "$TMP/h*.out" 'elastic: step 10 done' 1 60; then
+    k=$(cat "$TMP"/h*.out | sed -n 's/.*kills itself at step 10 .*wall clock \([0-9]*\) ms.*/\1/p' | head -n 1)
+    d=$(cat "$TMP"/h*.out | sed -n 's/.*elastic: step 10 done .*wall clock \([0-9]*\) ms.*/\1/p' | head -n 1)
+    [[ -n $k && -n $d ]] && P+=($((d - k)))
+  fi
+  finish
 done
 echo "rdzv 16x4 (ms):      ${R[*]}  median $(printf '%s\n' "${R[@]}" | median)"
 echo "lost node (ms):      ${L[*]}  median $(printf '%s\n' "${L[@]}" | median)"
 echo "restart 4x2 (ms):    ${S[*]}  median $(printf '%s\n' "${S[@]}" | median)"
+echo "in place 4x2 (ms):   ${P[*]}  median $(printf '%s\n' "${P[@]}" | median)"

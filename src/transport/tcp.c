@@ -193,6 +193,7 @@ struct chorus__tp {
   int bye_sent;
   size_t budget; /* CHORUS_RECV_BUFFER_MAX */
   int encrypt;   /* CHORUS_ENCRYPT */
+  int64_t peer_timeout_ns; /* CHORUS_PEER_TIMEOUT_MS; 0: silence is never death */
   chorus__ratelimit_t reject_log; /* strangers turned away (accept_all) */
   char discard[DISCARD_BUF];
 };
@@ -1062,6 +1063,27 @@ static void read_conn(chorus__tp_t *tp, conn_t *c) {
   }
 }
 
+/* The failure detector for what closes no connection (a host unplugged or
+ * powered off, a process stopped): a peer that sent nothing, not even a
+ * heartbeat, for the peer timeout is dead.  A connection we stopped
+ * reading (back-pressure) is not silent, we are deaf; nor is one we have
+ * not heard since we last listened (try_resume). */
+static void check_silence(chorus__tp_t *tp, int64_t now) {
+  if (!tp->peer_timeout_ns) return;
+  for (int r = 0; r < tp->size; r++) {
+    conn_t *c = &tp->conns[r];
+    if (r == tp->rank || c->dead || c->paused || c->fd < 0) continue;
+    int64_t quiet = now - c->last_heard;
+    if (quiet <= tp->peer_timeout_ns) continue;
+    char why[200];
+    snprintf(why, sizeof why, "went silent (nothing, not even a heartbeat, for %lld ms, "
+             "CHORUS_PEER_TIMEOUT_MS: its host unreachable or the process stopped)",
+             (long long)(quiet / 1000000));
+    CHORUS_WARN(CHORUS__SUB_TCP, "chorus: world rank %d (%s) %s", r, c->addr, why);
+    conn_dead_locked(tp, c, why);
+  }
+}
+
 static void *progress_main(void *arg) {
   chorus__tp_t *tp = arg;
   struct epoll_event evs[64];
@@ -1102,6 +1124,7 @@ static void *progress_main(void *arg) {
         if (r != tp->rank && !c->dead && !c->tx_head && !tp->bye_sent)
           send_control(tp, c, T_PING, 0, NULL);
       }
+      check_silence(tp, now);
     }
     pthread_mutex_unlock(&tp->lock);
   }
@@ -1744,6 +1767,9 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   long budget = chorus__env()->RECV_BUFFER_MAX;
   tp->budget = budget > 0 ? (size_t)budget : (size_t)64 << 20;
   tp->encrypt = chorus__env()->ENCRYPT;
+  long peer_ms = chorus__env()->PEER_TIMEOUT_MS;
+  /* Never below 4 heartbeats: a peer is not silent between two of them. */
+  tp->peer_timeout_ns = peer_ms <= 0 ? 0 : (int64_t)CHORUS__MAX(peer_ms, 4 * HEARTBEAT_MS) * 1000000;
   pthread_mutex_init(&tp->lock, NULL);
   chorus__cond_init_monotonic(&tp->cond);
   chorus_result_t st = CHORUS_OK;

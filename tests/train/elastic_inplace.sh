@@ -9,7 +9,9 @@
 #   3. the survivors' final weights must equal the reference's bit for bit
 #      (with 2 ranks every all_reduce algorithm adds the same two numbers),
 #      and differ from those of the uninterrupted 3-host run (so the check
-#      can fail).
+#      can fail);
+#   4. a random host other than the store's unplugged after a random step:
+#      the other two see it go silent and finish in place.
 #   elastic_inplace.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA FIXTURES_DIR
 # Needs root (network namespaces); exits 77 (skipped, reason printed) when the
 # fixture cannot make hosts.  The EXIT trap kills what it started and removes
@@ -142,6 +144,33 @@ if [[ -n $M ]]; then
     echo "ok   ... and differ from the uninterrupted 3-host run's"
   fi
 fi
+# 4. A host unplugged (the fixture's link down) after a random step: no
+# connection closes, the survivors see it go silent (CHORUS_PEER_TIMEOUT_MS,
+# 1.5 s here) and go on without it; its own agent loses the store and stops.
+VICTIM=$((RANDOM % 2 + 1)) AFTER=$((3 + RANDOM % 25))
+CHORUS_PEER_TIMEOUT_MS=1500 job link 3 29504 --elastic inplace -- --dump "$TMP/link.bin"
+end=$((SECONDS + 60))
+until grep -qE "step +$AFTER/$STEPS" "$TMP"/link.h*.out 2>/dev/null || ((SECONDS >= end)); do
+  sleep 0.01
+done
+bash "$NETNS" link "$VICTIM" down >/dev/null
+job_wait
+bash "$NETNS" link "$VICTIM" up >/dev/null
+grep -h "went silent\|recovery took\|after the failure was seen" "$TMP"/link.h*.out | grep -v WARN |
+  cut -c1-200 | sed 's/^/  /'
+survivors_ok=1
+for i in 0 1 2; do
+  ((i == VICTIM)) && continue
+  ((RCS[i] == 0)) || survivors_ok=0
+done
+if ((survivors_ok)) && ((RCS[VICTIM] != 0)) && [[ -s $TMP/link.bin ]] &&
+  grep -q "elastic: 2 of 3 rank(s) go on" "$TMP"/link.h*.out &&
+  grep -q "went silent" "$TMP"/link.h*.out; then
+  echo "ok   host $VICTIM unplugged after step $AFTER: the other two finished in place (agents: ${RCS[*]})"
+else
+  fail "host $VICTIM unplugged after step $AFTER: agents ${RCS[*]}"
+fi
+
 ((FAILS == 0)) && echo "all elastic checks passed" && exit 0
 echo "$FAILS elastic check(s) FAILED"
 exit 1
