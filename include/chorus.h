@@ -287,6 +287,32 @@ CHORUS_API chorus_result_t chorus_comm_shrink(chorus_comm_t comm, int timeout_ms
                                               chorus_comm_t *out);
 
 /*
+ * Elastic growth, the other half of chorus_comm_shrink.  A process that is
+ * not part of a running job asks to join it with chorus_comm_join.  config
+ * names the job's store as for chorus_comm_init (store_host, store_port,
+ * job_secret, and store_prefix: the job's first world's; rank and
+ * world_size are ignored) and timeout_ms bounds the wait to be admitted
+ * (<= 0: CHORUS_TIMEOUT); with config NULL they come from MASTER_ADDR,
+ * MASTER_PORT, the job secret's variables and CHORUS_RESTART_COUNT
+ * (chorusrun sets them all, and CHORUS_JOIN=1, for workers it starts into a
+ * running job).  The joiner gets a communicator of the grown world.  The members of a communicator learn how
+ * many processes wait with chorus_comm_joiners (collective; one store read
+ * by rank 0 and a broadcast: cheap enough to call every training step) and
+ * admit them all with chorus_comm_grow (collective), which gives every
+ * member a communicator of a new world: the members keep their ranks 0..n-1
+ * and the joiners follow in the order they asked (*out = NULL and CHORUS_OK
+ * when nobody waited).  The old communicator is untouched: destroy it when
+ * done with it.  A joiner that gave up before it was admitted is skipped;
+ * one that dies after it was admitted makes chorus_comm_grow fail within
+ * timeout_ms on every member (the old communicator still works).  The store
+ * must outlive the members that made it (chorusrun serves it).
+ */
+CHORUS_API chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *out);
+CHORUS_API chorus_result_t chorus_comm_joiners(chorus_comm_t comm, int *count);
+CHORUS_API chorus_result_t chorus_comm_grow(chorus_comm_t comm, int timeout_ms,
+                                            chorus_comm_t *out);
+
+/*
  * Forces the algorithm used for `coll` on this communicator ("ring",
  * "recursive_doubling", "binomial", "linear", ...; NULL or "auto" restores the
  * automatic choice).  Every rank must make the same choice; a difference is

@@ -167,7 +167,8 @@ static int env_timeout_ms(void) {
 /* Makes the world.  *server, when not NULL, is the store this rank already
  * serves (the launcher's key-value service published its port): the world
  * takes it (*server becomes NULL) once it is past the argument checks. */
-static chorus_result_t world_make(const chorus_config_t *cfg, chorus_store_server_t **server,
+static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_t *job_key,
+                                  const char *join_base, chorus_store_server_t **server,
                                   chorus_comm_t *out) {
   const chorus__env_t *env = chorus__env();
   chorus__log_init();
@@ -191,11 +192,12 @@ static chorus_result_t world_make(const chorus_config_t *cfg, chorus_store_serve
   else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
   int host = cfg->host_store >= 0 ? cfg->host_store : (rank == 0 && !env->STORE_EXTERNAL);
   int64_t deadline = chorus__deadline_ms(timeout_ms);
-  chorus_result_t st;
+  chorus_result_t st = CHORUS_OK;
 
   world_secret_t *ws = calloc(1, sizeof *ws);
   if (!ws) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-  st = world_secret(cfg, rank, host, cfg->store_port, deadline, ws);
+  if (job_key) ws->key = *job_key;
+  else st = world_secret(cfg, rank, host, cfg->store_port, deadline, ws);
   if (st != CHORUS_OK) {
     world_secret_done(ws);
     free(ws);
@@ -210,6 +212,10 @@ static chorus_result_t world_make(const chorus_config_t *cfg, chorus_store_serve
   pthread_mutex_init(&ctx->lock, NULL);
   ctx->rank = rank;
   ctx->size = size;
+  ctx->key = ws->key;
+  snprintf(ctx->store_host, sizeof ctx->store_host, "%s", cfg->store_host);
+  if (join_base) snprintf(ctx->join_base, sizeof ctx->join_base, "%s", join_base);
+  else snprintf(ctx->join_base, sizeof ctx->join_base, "%.190sjoin/", prefix);
   int port = cfg->store_port;
   char **addrs = NULL;
   if (*server) {
@@ -232,6 +238,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, chorus_store_serve
                    "rank that serves the store", rank);
     goto fail;
   }
+  ctx->store_port = port;
   for (;;) {
     st = chorus__store_connect_key(cfg->store_host, port, &ws->key, chorus__ms_left(deadline),
                                    &ctx->store);
@@ -377,9 +384,27 @@ fail:
   return st;
 }
 
+chorus_result_t chorus__world_key(const chorus_config_t *cfg, int timeout_ms,
+                                  chorus__key_t *key) {
+  world_secret_t *ws = calloc(1, sizeof *ws);
+  if (!ws) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+  chorus_result_t st = world_secret(cfg, 1, 0, cfg->store_port, chorus__deadline_ms(timeout_ms),
+                                    ws);
+  if (st == CHORUS_OK) *key = ws->key;
+  world_secret_done(ws);
+  free(ws);
+  return st;
+}
+
+chorus_result_t chorus__world_make(const chorus_config_t *cfg, const chorus__key_t *key,
+                                   const char *join_base, chorus_comm_t *out) {
+  chorus_store_server_t *server = NULL;
+  return world_make(cfg, key, join_base, &server, out);
+}
+
 static chorus_result_t world_init(const chorus_config_t *cfg, chorus_store_server_t *server,
                                   chorus_comm_t *out) {
-  chorus_result_t st = world_make(cfg, &server, out);
+  chorus_result_t st = world_make(cfg, NULL, NULL, &server, out);
   chorus_store_server_stop(server); /* NULL once the world took it */
   return st;
 }

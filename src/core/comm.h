@@ -41,6 +41,12 @@ typedef struct chorus__ctx {
   uint64_t *host; /* per world rank: hash of its host name and boot id */
   int local_count; /* world ranks on this host */
   chorus__memreg_t *memreg; /* chorus_mem_alloc memory, mine and mapped */
+  /* What a larger world grown from this one needs (grow.c): the job key,
+   * the store's address and where joiners and members meet in it. */
+  chorus__key_t key;
+  char store_host[256];
+  int store_port;
+  char join_base[200];
 } chorus__ctx_t;
 
 enum { CHORUS__WORK_QUEUED, CHORUS__WORK_RUNNING, CHORUS__WORK_DONE };
@@ -105,6 +111,18 @@ chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *
  * On failure the reason is on parent and *out is NULL. */
 chorus_result_t chorus__comm_derive(chorus_comm_t parent, uint64_t id, const int *world, int n,
                                     int me, chorus_comm_t *out);
+
+/* Makes a world as chorus_comm_init does.  key, when not NULL, is the job
+ * key (a world grown from another: the members hold it already); join_base,
+ * when not NULL, is where the world's joiners meet (default: the world's
+ * own store prefix followed by "join/"). */
+chorus_result_t chorus__world_make(const chorus_config_t *cfg, const chorus__key_t *key,
+                                   const char *join_base, chorus_comm_t *out);
+
+/* The job key a rank that does not serve cfg's store finds (cfg's secret,
+ * the configured one, or the agreement file on one host). */
+chorus_result_t chorus__world_key(const chorus_config_t *cfg, int timeout_ms,
+                                  chorus__key_t *key);
 
 /* Records the reason a world could not be made (chorus_last_init_error),
  * logs it, returns st. */

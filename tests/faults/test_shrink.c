@@ -26,6 +26,13 @@
  *   stopped    3 ranks, rank 1 SIGSTOPped: the others shrink to {0,2}
  *              (silence counts as death after ~1 s); resumed, rank 1 learns
  *              it was left out (CHORUS_ERR_REMOTE), in bounded time
+ *   grow       3 ranks, rank 1 SIGKILLed, the survivors shrink to 2; then a
+ *              new process asks to join (chorus_comm_join), the survivors see
+ *              it (chorus_comm_joiners) and grow (chorus_comm_grow) to a world
+ *              of 3 in which they keep ranks 0 and 1 and the joiner is 2;
+ *              an all_reduce there is right on all three ("grown <size>
+ *              <rank> <sum>"); a second joiner that nobody admits gives up
+ *              with CHORUS_ERR_TIMEOUT and is never counted
  *   nostore    4 ranks, rank 3 and the store killed: shrink fails with
  *              CHORUS_ERR_STORE, naming the store, in bounded time
  * Every child is killed and reaped however the test ends.
@@ -97,6 +104,44 @@ static chorus_comm_t join(int rank, int n) {
   return comm;
 }
 
+static int g_grow;       /* the grow scenario */
+static int g_slack_join; /* the joiner gives up after 1.5 s */
+
+/* Members: wait for a joiner, grow, all_reduce `mine` in the grown world
+ * and report.  Joiners (comm NULL): join first. */
+static void grow_and_report(chorus_comm_t comm, int64_t mine) {
+  chorus_comm_t grown = NULL;
+  chorus_result_t st;
+  if (!comm) {
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "s%d/", g_scenario);
+    chorus_config_t cfg = child_config(0, 1, g_port, prefix, SECRET,
+                                       g_slack_join ? 1500 : (int)(10000 * g_slack));
+    st = chorus_comm_join(&cfg, &grown);
+    if (st != CHORUS_OK) {
+      say("err %s %s", chorus_result_name(st), chorus_last_init_error());
+      _exit(0);
+    }
+  } else {
+    double until = now_ms() + 20000 * g_slack;
+    int waiting = 0;
+    while ((st = chorus_comm_joiners(comm, &waiting)) == CHORUS_OK && !waiting && now_ms() < until) {
+      struct timespec ts = {0, 5 * 1000000};
+      nanosleep(&ts, NULL);
+    }
+    if (st == CHORUS_OK && waiting) st = chorus_comm_grow(comm, (int)(10000 * g_slack), &grown);
+    if (st != CHORUS_OK || !grown) {
+      say("err %s %s", chorus_result_name(st), st ? chorus_comm_last_error(comm) : "nobody joined");
+      _exit(0);
+    }
+  }
+  int64_t sum = 0;
+  st = chorus_all_reduce(grown, &mine, &sum, 1, CHORUS_INT64, CHORUS_SUM, NULL);
+  if (st != CHORUS_OK) say("err %s %s", chorus_result_name(st), chorus_comm_last_error(grown));
+  else say("grown %d %d %lld", chorus_comm_size(grown), chorus_comm_rank(grown), (long long)sum);
+  chorus_comm_destroy(grown);
+}
+
 /* All_reduces until one fails; then shrinks (again while the new
  * communicator fails at once) and reports. */
 static void rank_main(int rank, int n) {
@@ -124,6 +169,7 @@ static void rank_main(int rank, int n) {
     if (st == CHORUS_OK) {
       say("ok %d %d %.1f %lld", chorus_comm_size(comm), chorus_comm_rank(comm), now_ms(),
           (long long)sum);
+      if (g_grow) grow_and_report(comm, 1);
       chorus_comm_destroy(comm);
       free(buf);
       _exit(0);
@@ -266,6 +312,51 @@ TEST(stopped) {
   kill_all();
 }
 
+/* Forks one more child into slot r that joins the running job. */
+static void spawn_joiner(int r) {
+  if ((g_wfd = child_fork_reporting(&g_pids[r], &g_fds[r])) >= 0) {
+    grow_and_report(NULL, 100);
+    _exit(0);
+  }
+  if (r >= g_n) g_n = r + 1;
+}
+
+TEST(grow) {
+  g_grow = 1;
+  spawn(3);
+  all_ready();
+  kill(g_pids[1], SIGKILL);
+  expect_ok(0x5, now_ms() + 15000 * g_slack);
+  double t0 = now_ms();
+  spawn_joiner(3);
+  char line[1200];
+  const int who[3] = {0, 2, 3}, rank_in_grown[3] = {0, 1, 2};
+  for (int i = 0; i < 3; i++) {
+    if (!wait_line(who[i], "grown", t0 + 20000 * g_slack, line, sizeof line)) {
+      char err[1200] = "(no report)";
+      wait_line(who[i], "err", now_ms(), err, sizeof err);
+      HARNESS_FAIL("process %d did not grow: %s", who[i], err);
+      continue;
+    }
+    int size, rank;
+    long long sum;
+    if (sscanf(line, "grown %d %d %lld", &size, &rank, &sum) != 3 || size != 3 ||
+        rank != rank_in_grown[i] || sum != 102)
+      HARNESS_FAIL("process %d: '%s', expected grown 3 %d 102", who[i], line, rank_in_grown[i]);
+  }
+  printf("     2 survivors + 1 joiner: grown world ready %.0f ms after the joiner started\n",
+         now_ms() - t0);
+  /* Nobody admits a second joiner: it gives up, and is not counted. */
+  g_slack_join = 1;
+  spawn_joiner(4);
+  if (!wait_line(4, "err", now_ms() + 15000 * g_slack, line, sizeof line) ||
+      !strstr(line, "CHORUS_ERR_TIMEOUT") || !strstr(line, "admitted"))
+    HARNESS_FAIL("the joiner nobody admitted: '%s'", line);
+  g_slack_join = 0;
+  g_grow = 0;
+  kill_all();
+}
+
 TEST(nostore) {
   spawn(4);
   all_ready();
@@ -298,6 +389,7 @@ int main(void) {
   RUN(kill0);
   RUN(twice);
   RUN(stopped);
+  RUN(grow);
   RUN(nostore);
   return HARNESS_DONE();
 }
