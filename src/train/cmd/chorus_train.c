@@ -411,6 +411,9 @@ static int die(chorus_comm_t comm, const char *what, chorus_result_t st) {
 }
 
 static chorus_result_t init_comm(chorus_comm_t *comm) {
+  /* chorusrun starts workers into a running job (a node admitted in place). */
+  const char *join = getenv("CHORUS_JOIN");
+  if (join && !strcmp(join, "1")) return chorus_comm_join(NULL, comm);
   if (getenv("RANK") && getenv("WORLD_SIZE")) return chorus_comm_init_env(comm);
   /* Alone: a world of one, its own store on a free port. */
   chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
@@ -524,6 +527,7 @@ typedef struct {
   snap_t snap[2];
   size_t optim_bytes;
   int64_t failed_ns; /* when a failure was seen; 0 once a step completed after it */
+  int snap_world;    /* the world the sampler is sharded over */
 } run_t;
 
 enum { STEP_NEXT, STEP_STOP, STEP_FATAL, STEP_COMM };
@@ -696,7 +700,7 @@ static void snap_take(run_t *r, long step) {
   chorus_optim_state_save(r->opt, s->optim);
   s->epoch = chorus_sampler_epoch(r->sp);
   s->pos = chorus_sampler_pos(r->sp);
-  s->world = g_size;
+  s->world = r->snap_world;
   s->scale = r->scale;
   s->good_steps = r->good_steps;
   s->skipped_steps = r->skipped_steps;
@@ -717,7 +721,9 @@ static int snap_restore(run_t *r, long step) {
   if (chorus_sampler_reshard(r->sp, s->world, 0) != CHORUS_OK) return -1;
   chorus_sampler_set_epoch(r->sp, s->epoch);
   chorus_sampler_set_pos(r->sp, s->pos);
-  return chorus_sampler_reshard(r->sp, g_size, g_rank) == CHORUS_OK ? 0 : -1;
+  if (chorus_sampler_reshard(r->sp, g_size, g_rank) != CHORUS_OK) return -1;
+  r->snap_world = g_size;
+  return 0;
 }
 
 /* --elastic inplace: a collective of step failed (a rank died, or its host
@@ -778,6 +784,82 @@ static long recover(run_t *r, long step) {
   return -1;
 }
 
+/* What a rank that joins a running job gets from rank 0 besides the
+ * weights and the optimizer state. */
+typedef struct {
+  int64_t step, epoch, taken; /* taken: samples of the epoch the world took */
+  float scale;
+  int32_t good_steps, skipped_steps, pad;
+} join_state_t;
+
+/* After a grow: rank 0 sends the members' state to the newcomers (every
+ * rank calls it; the members hold it already, so only the newcomers'
+ * copies change), and everyone re-shards the data over the new world.
+ * *step gets the step to go on from.  0, or -1 when a broadcast failed. */
+static int share_state(run_t *r, long *step) {
+  join_state_t js = {0};
+  if (g_rank == 0) {
+    js.step = *step;
+    js.epoch = chorus_sampler_epoch(r->sp);
+    js.taken = (int64_t)(chorus_sampler_pos(r->sp) * (size_t)r->snap_world);
+    js.scale = r->scale;
+    js.good_steps = r->good_steps;
+    js.skipped_steps = r->skipped_steps;
+  }
+  unsigned char *optim = malloc(r->optim_bytes ? r->optim_bytes : 1);
+  if (!optim) return -1;
+  if (g_rank == 0) chorus_optim_state_save(r->opt, optim);
+  chorus_result_t st = chorus_broadcast(r->comm, &js, sizeof js, CHORUS_UINT8, 0, NULL);
+  if (st == CHORUS_OK)
+    st = chorus_broadcast(r->comm, optim, r->optim_bytes, CHORUS_UINT8, 0, NULL);
+  if (st == CHORUS_OK && chorus_optim_state_load(r->opt, optim, r->optim_bytes) != CHORUS_OK)
+    st = CHORUS_ERR_INVALID_ARG;
+  free(optim);
+  if (st != CHORUS_OK || js.step < 0 || js.epoch < 0 || js.taken < 0) return -1;
+  *step = (long)js.step;
+  r->scale = js.scale;
+  r->good_steps = js.good_steps;
+  r->skipped_steps = js.skipped_steps;
+  /* The sampler: the epoch, and how far the old world got into it. */
+  if (chorus_sampler_reshard(r->sp, 1, 0) != CHORUS_OK) return -1;
+  chorus_sampler_set_epoch(r->sp, (long)js.epoch);
+  chorus_sampler_set_pos(r->sp, (size_t)js.taken);
+  if (chorus_sampler_reshard(r->sp, g_size, g_rank) != CHORUS_OK) return -1;
+  r->snap_world = g_size;
+  /* chorus_ddp_create broadcasts rank 0's weights to the newcomers. */
+  return chorus_ddp_create(r->comm, r->m, &r->dc, &r->ddp) == CHORUS_OK ? 0 : -1;
+}
+
+/* --elastic inplace, at the start of a step: when processes wait to join
+ * the job (chorusrun started them on a node it admitted), the ranks grow
+ * the communicator to take them in and hand them the state.  A grow that
+ * fails (a newcomer died) leaves the old communicator as it was.  1: grown,
+ * 0: as before, -1: the state could not be handed over. */
+static int admit_joiners(run_t *r, long *step) {
+  int waiting = 0;
+  if (chorus_comm_joiners(r->comm, &waiting) != CHORUS_OK || !waiting) return 0;
+  int64_t t0 = now_ns();
+  chorus_comm_t grown = NULL;
+  chorus_result_t st = chorus_comm_grow(r->comm, 0, &grown);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: could not take in %d new rank(s): %s; going on "
+            "without them\n", g_rank, waiting, chorus_comm_last_error(r->comm));
+    return 0;
+  }
+  if (!grown) return 0;
+  const int before = g_size;
+  chorus_ddp_destroy(r->ddp);
+  r->ddp = NULL;
+  chorus_comm_destroy(r->comm);
+  r->comm = grown;
+  g_rank = chorus_comm_rank(grown);
+  g_size = chorus_comm_size(grown);
+  if (share_state(r, step) != 0) return -1;
+  say("elastic: %d new rank(s) joined at step %ld: %d rank(s) now, the data re-sharded "
+      "(took %.0f ms)\n", g_size - before, *step, g_size, (now_ns() - t0) / 1e6);
+  return 1;
+}
+
 int main(int argc, char **argv) {
   opts_t o = {.data = "data/tinyshakespeare.txt",
               .model = CHORUS_GPT_CONFIG_DEFAULT,
@@ -831,7 +913,10 @@ int main(int argc, char **argv) {
   r.dc.bucket_mb = o.bucket_mb;
   r.dc.overlap = o.overlap;
   r.dc.hook = o.hook;
-  if ((st = chorus_ddp_create(r.comm, r.m, &r.dc, &r.ddp)) != CHORUS_OK)
+  const char *joining = getenv("CHORUS_JOIN");
+  const int join = joining && !strcmp(joining, "1");
+  /* A newcomer makes its DDP once it has the members' state (share_state). */
+  if (!join && (st = chorus_ddp_create(r.comm, r.m, &r.dc, &r.ddp)) != CHORUS_OK)
     return die(r.comm, "ddp", st);
   chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
   oc.kind = o.optim;
@@ -860,15 +945,24 @@ int main(int argc, char **argv) {
     if (!r.snap[k].params || !r.snap[k].optim) return die(r.comm, "--elastic inplace", CHORUS_ERR_NO_MEMORY);
   }
   if (!r.tok || !r.tgt || !r.idx) return die(r.comm, "buffers", CHORUS_ERR_NO_MEMORY);
-  chorus_ddp_stats_t ds;
-  chorus_ddp_get_stats(r.ddp, &ds);
+  chorus_ddp_stats_t ds = {0};
+  if (r.ddp) chorus_ddp_get_stats(r.ddp, &ds);
   say("chorus-train: %d rank(s), %d BLAS thread(s) each; model %d layers, %d heads, %d "
       "channels, context %d: %zu parameters; %d DDP buckets; batch %d x %d per rank, %d "
       "step(s) of %d micro-step(s); %zu training samples%s\n",
       g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, r.np, ds.buckets, B,
       T, o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "");
 
-  long start = o.ckpt_dir ? resume(&o, r.m, r.opt, r.sp) : 0;
+  r.snap_world = g_size;
+  long start = 0;
+  if (join) {
+    /* A newcomer: the members hand over their state. */
+    if (share_state(&r, &start) != 0) return die(r.comm, "joining the running job", CHORUS_ERR_REMOTE);
+    fprintf(stderr, "chorus-train: joined the running job as rank %d of %d at step %ld\n", g_rank,
+            g_size, start);
+  } else if (o.ckpt_dir) {
+    start = resume(&o, r.m, r.opt, r.sp);
+  }
   r.scale = o.loss_scale ? 65536.0f : 1.0f;
   trace_t trace_buf = {0};
   r.tr = o.trace ? &trace_buf : NULL;
@@ -876,6 +970,10 @@ int main(int argc, char **argv) {
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   r.first_generation = !rc || !strcmp(rc, "0");
   for (long step = start; step < o.steps;) {
+    /* After a grow, every rank (the newcomers too) looks again. */
+    int grew = o.elastic ? admit_joiners(&r, &step) : 0;
+    if (grew < 0) return die(r.comm, "handing the state to the new ranks", CHORUS_ERR_REMOTE);
+    if (grew) continue;
     if (o.elastic) snap_take(&r, step);
     int how = train_step(&r, step);
     if (how == STEP_STOP) break;
