@@ -194,6 +194,8 @@ typedef struct {
   int master_port;
   int max_restarts;
   int inplace;  /* --elastic inplace: a failed worker does not stop the others */
+  int joining;  /* in place: this node was admitted into a running round, its
+                   workers join the running job (CHORUS_JOIN=1) */
   int prefix;
   int bind;     /* 1: each worker on its own share of our CPUs (--cpu-bind) */
   const char *log_dir;  /* --log-dir, NULL when not given */

@@ -870,7 +870,9 @@ int rdzv_join(job_t *job) {
   int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
   int64_t last_call = CHORUS__NO_DEADLINE;
   int said_waiting = 0;
+  long waited_in = -1; /* the frozen round this node waits to enter */
   rz->left = 0;
+  job->joining = 0;
   round_store_stop(rz); /* the last round's workers are gone */
   for (;;) {
     if (job->got_sig) {
@@ -930,6 +932,9 @@ int rdzv_join(job_t *job) {
     }
     if (s->phase == PH_FROZEN) {
       if (me >= 0 && s->round > job->round) {
+        /* In place, group rank 0 admits waiting nodes into the running
+         * round: their workers join the running job. */
+        job->joining = job->inplace && s->round == waited_in;
         take_placement(job);
         CHORUS_INFO(CHORUS__SUB_LAUNCH, "round %ld frozen: node %d of %d, ranks %d..%d of %d",
                     s->round, job->node_rank, job->nnodes, job->rank_base,
@@ -944,13 +949,14 @@ int rdzv_join(job_t *job) {
       }
       if (find(s->wait, s->nwait, rz->id) < 0 && s->nwait < MAX_NODES) {
         add_self(job, 1);
+        waited_in = s->round;
         continue;
       }
       if (!said_waiting) {
         fprintf(stderr,
                 "chorusrun: run '%s' is running with %d node(s) (at most %d); waiting to be "
-                "admitted when the group re-forms\n",
-                job->run_id, s->nmem, s->max);
+                "admitted %s\n", job->run_id, s->nmem, s->max,
+                job->inplace ? "into it (--elastic inplace)" : "when the group re-forms");
         said_waiting = 1;
       }
     } else if (me < 0) {
@@ -1020,6 +1026,33 @@ static void lost_node(job_t *job, const peer_t *p) {
   advance(job, 1, p->id, rec.code, rec.what);
 }
 
+/* --elastic inplace: nodes that wait are admitted into the running round
+ * by group rank 0 (they take the next group ranks; their workers join the
+ * running job, chorus_comm_join, and the running workers take them in,
+ * chorus_comm_grow); every agent watches the grown group's heartbeats. */
+static void admit_in_place(job_t *job) {
+  rdzv_t *rz = job->rz;
+  const rstate_t *s = &rz->st;
+  if (job->node_rank == 0 && s->nwait > 0 && s->nmem < s->max) {
+    rz->nx = *s;
+    int k = 0;
+    while (k < s->nwait && rz->nx.nmem < s->max) rz->nx.mem[rz->nx.nmem++] = s->wait[k++];
+    memmove(rz->nx.wait, s->wait + k, sizeof s->wait[0] * (size_t)(s->nwait - k));
+    rz->nx.nwait = s->nwait - k;
+    set_reason(&rz->nx, "%d node(s) admitted into the running round (--elastic inplace)", k);
+    if (write_state(rz) == 1)
+      fprintf(stderr, "chorusrun: %d node(s) admitted into the running job (--elastic "
+              "inplace)\n", k);
+    return; /* the others see it at their next read */
+  }
+  if (s->nmem > rz->ngroup) {
+    int64_t now = chorus__now_ns();
+    for (int i = rz->ngroup; i < s->nmem; i++) peer(rz, s->mem[i].id)->seen = now;
+    rz->ngroup = s->nmem;
+    memcpy(rz->group, s->mem, sizeof s->mem[0] * (size_t)s->nmem);
+  }
+}
+
 rdzv_event_t rdzv_poll(job_t *job) {
   rdzv_t *rz = job->rz;
   if (rz->dead) return RDZV_EV_NONE;
@@ -1059,6 +1092,7 @@ rdzv_event_t rdzv_poll(job_t *job) {
       const rstate_t *s = &rz->st;
       if (s->phase == PH_CLOSED) return RDZV_EV_CLOSED;
       if (s->round != job->round) return RDZV_EV_NEW_ROUND;
+      if (job->inplace && s->phase == PH_FROZEN) admit_in_place(job);
       if (s->phase == PH_FROZEN && s->nwait > 0 && s->nmem < s->max && job->node_rank == 0 &&
           !job->inplace) {
         char why[REASON_MAX];

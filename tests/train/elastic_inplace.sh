@@ -11,7 +11,10 @@
 #      and differ from those of the uninterrupted 3-host run (so the check
 #      can fail);
 #   4. a random host other than the store's unplugged after a random step:
-#      the other two see it go silent and finish in place.
+#      the other two see it go silent and finish in place;
+#   5. a third host arrives while 2 train (--nnodes 2:3): it is admitted into
+#      the running job, which grows to 3 ranks; the weights equal a run
+#      that switched from 2 to 3 hosts at the step it joined.
 #   elastic_inplace.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA FIXTURES_DIR
 # Needs root (network namespaces); exits 77 (skipped, reason printed) when the
 # fixture cannot make hosts.  The EXIT trap kills what it started and removes
@@ -57,7 +60,8 @@ fail() {
 }
 
 # job NAME NHOSTS PORT [chorusrun args --] chorus-train args: one agent per
-# host in the background; outputs in $TMP/NAME.hI.out, pids in PIDS[].
+# host in the background (--nnodes NHOSTS, or $NNODES); outputs in
+# $TMP/NAME.hI.out, pids in PIDS[].
 job() {
   local name=$1 n=$2 port=$3
   shift 3
@@ -67,7 +71,7 @@ job() {
   PIDS=()
   for ((i = 0; i < n; i++)); do
     (bash "$NETNS" exec "$i" bash -c 'echo $$ >"$1"; shift; exec "$@"' _ "$TMP/$name.h$i.pid" \
-      "$RUN" --nnodes "$n" -n 1 --rdzv-backend c10d --rdzv-endpoint "${ADDR[0]}:$port" \
+      "$RUN" --nnodes "${NNODES:-$n}" -n 1 --rdzv-backend c10d --rdzv-endpoint "${ADDR[0]}:$port" \
       --rdzv-id "$name" "${pre[@]}" "$TRAIN" "${MODEL[@]}" "$@" \
       >"$TMP/$name.h$i.out" 2>&1 </dev/null; exit $?) &
     PIDS[i]=$!
@@ -169,6 +173,42 @@ if ((survivors_ok)) && ((RCS[VICTIM] != 0)) && [[ -s $TMP/link.bin ]] &&
   echo "ok   host $VICTIM unplugged after step $AFTER: the other two finished in place (agents: ${RCS[*]})"
 else
   fail "host $VICTIM unplugged after step $AFTER: agents ${RCS[*]}"
+fi
+
+# 5. Growing: 2 hosts train (--nnodes 2:3), a third host's agent arrives
+# after a random step; it is admitted into the running round, its worker
+# joins the running job (chorus_comm_join) and the two take it in
+# (chorus_comm_grow) and hand it the state.  The weights must equal those
+# of a run that switched from 2 to 3 hosts at that step (a checkpoint).
+AFTER=$((3 + RANDOM % 20))
+NNODES=2:3 job grow 2 29505 --rdzv-conf last_call_timeout=0.2 --elastic inplace -- \
+  --dump "$TMP/grow.bin"
+GROW2=("${PIDS[@]}")
+end=$((SECONDS + 60))
+until grep -qE "step +$AFTER/$STEPS" "$TMP"/grow.h*.out 2>/dev/null || ((SECONDS >= end)); do
+  sleep 0.01
+done
+(bash "$NETNS" exec 2 "$RUN" --nnodes 2:3 -n 1 --rdzv-backend c10d \
+  --rdzv-endpoint "${ADDR[0]}:29505" --rdzv-id grow --elastic inplace "$TRAIN" "${MODEL[@]}" \
+  >"$TMP/grow.h2.out" 2>&1 </dev/null; exit $?) &
+PIDS=("${GROW2[@]}" $!)
+job_wait
+G=$(sed -n 's/.*elastic: 1 new rank(s) joined at step \([0-9]*\):.*/\1/p' "$TMP"/grow.h*.out | head -n 1)
+echo "host 2 arrived after step $AFTER was logged; it joined at step ${G:-?}"
+grep -h "joined\|admitted" "$TMP"/grow.h*.out | cut -c1-200 | sed 's/^/  /'
+if [[ ${RCS[*]} == "0 0 0" && -n $G && -s $TMP/grow.bin ]]; then
+  echo "ok   the job grew from 2 to 3 hosts in place and finished"
+  job gref1 2 29506 -- --checkpoint-dir "$TMP/gck" --stop-after "$G"
+  job_wait
+  job gref2 3 29507 -- --checkpoint-dir "$TMP/gck" --dump "$TMP/grow-ref.bin"
+  job_wait
+  if "$CMP" "$TMP/grow.bin" "$TMP/grow-ref.bin" 0; then
+    echo "ok   the grown job's weights equal the reference's (2 hosts to step $G, then 3) bit for bit"
+  else
+    fail "the grown job's weights differ from the reference's"
+  fi
+else
+  fail "growing: agents ${RCS[*]}, joined at '$G'"
 fi
 
 ((FAILS == 0)) && echo "all elastic checks passed" && exit 0
