@@ -212,7 +212,6 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   pthread_mutex_init(&ctx->lock, NULL);
   ctx->rank = rank;
   ctx->size = size;
-  ctx->key = ws->key;
   snprintf(ctx->store_host, sizeof ctx->store_host, "%s", cfg->store_host);
   if (join_base) snprintf(ctx->join_base, sizeof ctx->join_base, "%s", join_base);
   else snprintf(ctx->join_base, sizeof ctx->join_base, "%.190sjoin/", prefix);
@@ -255,6 +254,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
               cfg->store_host, port, chorus__store_connect_error());
     goto fail;
   }
+  ctx->key = ws->key; /* as the store accepted it (it may have been read again) */
   /* The world id: fresh per world, so stale peers cannot join. */
   char key[300], idbuf[40];
   uint64_t world_id = 0;
@@ -380,6 +380,7 @@ fail:
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
   pthread_mutex_destroy(&ctx->lock);
+  chorus__wipe(&ctx->key, sizeof ctx->key);
   free(ctx);
   return st;
 }

@@ -11,10 +11,12 @@
  *   joiner   i = add(next, 1) - 1, then waits for grant/i.  At its deadline
  *            it withdraws with a compare-and-set of slot/i from absent to
  *            "withdrawn"; if that fails, rank 0 claimed it just before, and
- *            the joiner waits for its grant a little longer.
+ *            the joiner waits 5 s more for its grant, then withdraws from
+ *            that claim (compare-and-set from it) too.
  *   members  (collective) rank 0 reads next and admitted, claims every
  *            slot/i in [admitted, next) with a compare-and-set from absent
- *            to "claimed" (withdrawn ones are skipped), takes a generation
+ *            to "claimed <nonce>" (withdrawn slots, and slots an earlier
+ *            attempt claimed and never granted, are skipped), takes a generation
  *            g = add(gen, 1), writes grant/i = "g rank size" for each
  *            claimed joiner in the order they asked, sets admitted = next
  *            and broadcasts (g, size) over the old communicator.
@@ -27,6 +29,7 @@
  * communicator still works: the caller may try again).  Grants come from
  * the store: they are parsed as untrusted input.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +39,7 @@
 #include "core/comm.h"
 #include "store/store.h"
 #include "util/clock.h"
+#include "util/crypto.h"
 #include "util/env.h"
 #include "util/util.h"
 
@@ -69,51 +73,71 @@ chorus_result_t chorus_comm_joiners(chorus_comm_t comm, int *count) {
     if (comm->rank) chorus__comm_set_error(comm, "chorus_comm_joiners: rank 0 cannot read the store");
     return CHORUS_ERR_STORE;
   }
-  int64_t waiting = n[0] - n[1];
-  *count = waiting < 0 ? 0 : waiting > INT32_MAX ? INT32_MAX : (int)waiting;
+  /* Counters from the store: only 0 <= admitted <= next makes sense. */
+  int64_t waiting = n[1] >= 0 && n[1] <= n[0] ? n[0] - n[1] : 0;
+  *count = waiting > INT32_MAX ? INT32_MAX : (int)waiting;
   return st;
 }
 
-/* Rank 0 of the members: claims the waiting joiners and grants them ranks.
- * out[0] = generation (0: nobody to admit), out[1] = new size. */
-static chorus_result_t admit(chorus_comm_t comm, int64_t out[2]) {
+/* Bounds the next store call by the deadline. */
+static void store_deadline(chorus_store_t *s, int64_t deadline) {
+  chorus__store_set_timeout(s, CHORUS__MAX(1, chorus__ms_left(deadline)));
+}
+
+/* Rank 0 of the members: claims the waiting joiners and grants them ranks,
+ * every store call within the deadline.  out[0] = generation (0: nobody
+ * to admit), out[1] = new size. */
+static chorus_result_t admit(chorus_comm_t comm, int64_t deadline, int64_t out[2]) {
   chorus__ctx_t *ctx = comm->ctx;
   chorus_store_t *s = ctx->store;
-  char key[256], val[96];
+  char key[256], val[96], mark[40];
   int64_t next = 0, done = 0;
   out[0] = 0;
   out[1] = comm->size;
   snprintf(key, sizeof key, "%snext", ctx->join_base);
+  store_deadline(s, deadline);
   chorus_result_t st = read_counter(s, key, &next);
   snprintf(key, sizeof key, "%sadmitted", ctx->join_base);
+  store_deadline(s, deadline);
   if (st == CHORUS_OK) st = read_counter(s, key, &done);
   if (st != CHORUS_OK) return st;
-  if (next <= done) return CHORUS_OK;
-  if (next - done > 65536) next = done + 65536; /* the rest at the next grow */
+  if (done < 0 || next < done) return CHORUS_ERR_PROTOCOL; /* not what we wrote */
+  if (next == done) return CHORUS_OK;
+  if (next - done > 4096) next = done + 4096; /* the rest at the next grow */
   size_t cap = (size_t)(next - done);
   int64_t *claimed = malloc(sizeof *claimed * cap);
   if (!claimed) return CHORUS_ERR_NO_MEMORY;
+  /* This attempt's own mark: a slot another attempt claimed and never
+   * granted (it failed half-way) is not ours to grant. */
+  uint64_t nonce;
+  chorus__random_bytes(&nonce, sizeof nonce);
+  int mlen = snprintf(mark, sizeof mark, "claimed %016" PRIx64, nonce);
   size_t k = 0;
   for (int64_t i = done; i < next && st == CHORUS_OK; i++) {
     void *cur = NULL;
     size_t len = 0;
     snprintf(key, sizeof key, "%sslot/%" PRId64, ctx->join_base, i);
-    st = chorus_store_compare_set(s, key, NULL, 0, "claimed", 7, &cur, &len);
-    if (st == CHORUS_OK && len == 7 && !memcmp(cur, "claimed", 7)) claimed[k++] = i;
+    store_deadline(s, deadline);
+    st = chorus_store_compare_set(s, key, NULL, 0, mark, (size_t)mlen, &cur, &len);
+    if (st == CHORUS_OK && len == (size_t)mlen && !memcmp(cur, mark, len)) claimed[k++] = i;
     free(cur);
   }
   int64_t gen = 0;
   snprintf(key, sizeof key, "%sgen", ctx->join_base);
+  store_deadline(s, deadline);
   if (st == CHORUS_OK && k) st = chorus_store_add(s, key, 1, &gen);
+  if (st == CHORUS_OK && k && gen < 1) st = CHORUS_ERR_PROTOCOL;
   int64_t size = comm->size + (int64_t)k;
   if (size > INT32_MAX / 2) st = CHORUS_ERR_INVALID_ARG;
   for (size_t j = 0; j < k && st == CHORUS_OK; j++) {
     snprintf(key, sizeof key, "%sgrant/%" PRId64, ctx->join_base, claimed[j]);
     int len = snprintf(val, sizeof val, "%" PRId64 " %" PRId64 " %" PRId64, gen,
                        comm->size + (int64_t)j, size);
+    store_deadline(s, deadline);
     st = chorus_store_set(s, key, val, (size_t)len);
   }
   snprintf(key, sizeof key, "%sadmitted", ctx->join_base);
+  store_deadline(s, deadline);
   if (st == CHORUS_OK) st = chorus_store_add(s, key, next - done, &done);
   free(claimed);
   if (st == CHORUS_OK && k) {
@@ -146,8 +170,9 @@ chorus_result_t chorus_comm_grow(chorus_comm_t comm, int timeout_ms, chorus_comm
   if (timeout_ms <= 0) timeout_ms = comm->timeout_ms;
   int64_t plan[2] = {-1, -1};
   if (comm->rank == 0) {
-    chorus__store_set_timeout(ctx->store, timeout_ms);
-    chorus_result_t st = admit(comm, plan);
+    /* Half the time for admitting: the others wait for it in the broadcast
+     * below, and the world still has to form. */
+    chorus_result_t st = admit(comm, chorus__deadline_ms(CHORUS__MAX(1, timeout_ms / 2)), plan);
     chorus__store_set_timeout(ctx->store, comm->timeout_ms);
     if (st != CHORUS_OK) {
       chorus__comm_set_error(comm, "chorus_comm_grow: rank 0/%d cannot admit the joiners: %s: %s",
@@ -178,21 +203,38 @@ chorus_result_t chorus_comm_grow(chorus_comm_t comm, int timeout_ms, chorus_comm
     return st;
   }
   grown->timeout_ms = comm->timeout_ms;
+  /* When this rank serves the job's store, the grown world takes it over:
+   * the old one is about to be destroyed, and the store must go on. */
+  pthread_mutex_lock(&ctx->lock);
+  grown->ctx->server = ctx->server;
+  ctx->server = NULL;
+  pthread_mutex_unlock(&ctx->lock);
   CHORUS_INFO(CHORUS__SUB_INIT, "grow: rank %d/%d is rank %d/%d of the grown world (generation %" PRId64 ")",
               comm->rank, comm->size, grown->rank, grown->size, plan[0]);
   *out = grown;
   return CHORUS_OK;
 }
 
-/* Parses "gen rank size" (untrusted). */
+/* Parses "gen rank size" (untrusted): three decimal numbers, one space
+ * apart, nothing else. */
 static int parse_grant(const char *v, size_t len, int64_t *gen, int *rank, int *size) {
   char buf[96];
   if (len == 0 || len >= sizeof buf) return -1;
   memcpy(buf, v, len);
   buf[len] = '\0';
-  long long g, r, n;
-  char tail;
-  if (sscanf(buf, "%lld %lld %lld%c", &g, &r, &n, &tail) != 3) return -1;
+  long long f[3];
+  const char *p = buf;
+  for (int i = 0; i < 3; i++) {
+    if (*p < '0' || *p > '9') return -1;
+    char *end;
+    errno = 0;
+    f[i] = strtoll(p, &end, 10);
+    if (errno || end - p > 18) return -1;
+    p = end;
+    if (i < 2 && *p++ != ' ') return -1;
+  }
+  if (*p) return -1;
+  long long g = f[0], r = f[1], n = f[2];
   if (g < 1 || n < 2 || n > INT32_MAX / 2 || r < 1 || r >= n) return -1;
   *gen = g;
   *rank = (int)r;
@@ -223,7 +265,8 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
   }
   if (!cfg.store_host || !*cfg.store_host || cfg.store_port < 1 || cfg.store_port > 65535)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_join: the running job's store "
-                             "is not known: set MASTER_ADDR and MASTER_PORT (chorusrun does)");
+                             "is not known: %s", config ? "config's store_host and store_port "
+                             "must name it" : "set MASTER_ADDR and MASTER_PORT (chorusrun does)");
   int timeout_ms = cfg.timeout_ms;
   if (timeout_ms <= 0) {
     long s = env->TIMEOUT;
@@ -253,9 +296,11 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
   int64_t idx = 0;
   snprintf(key, sizeof key, "%snext", probe.join_base);
   st = chorus_store_add(s, key, 1, &idx);
-  idx--;
+  if (st == CHORUS_OK && --idx < 0) st = CHORUS_ERR_PROTOCOL;
   int64_t gen = 0;
   int rank = -1, size = 0, extended = 0;
+  char claim[64];
+  size_t claim_len = 0;
   while (st == CHORUS_OK) {
     snprintf(key, sizeof key, "%sgrant/%" PRId64, probe.join_base, idx);
     const char *keys[1] = {key};
@@ -275,21 +320,30 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
       st = CHORUS_OK;
       continue;
     }
-    if (extended) break;
-    /* Out of time: withdraw, unless rank 0 claimed us first. */
+    /* Out of time: withdraw, unless rank 0 claimed us first (then its
+     * grant follows at once; a claim without a grant for 5 more seconds
+     * is an admission that failed half-way: withdraw from it too). */
     void *cur = NULL;
     size_t len = 0;
     snprintf(key, sizeof key, "%sslot/%" PRId64, probe.join_base, idx);
-    st = chorus_store_compare_set(s, key, NULL, 0, "withdrawn", 9, &cur, &len);
-    int claimed = st == CHORUS_OK && len == 7 && !memcmp(cur, "claimed", 7);
+    st = chorus_store_compare_set(s, key, extended ? claim : NULL, extended ? claim_len : 0,
+                                  "withdrawn", 9, &cur, &len);
+    int claimed = st == CHORUS_OK && !extended && len > 8 && len < sizeof claim &&
+                  !memcmp(cur, "claimed ", 8);
+    if (claimed) {
+      memcpy(claim, cur, len);
+      claim_len = len;
+    }
     free(cur);
     if (!claimed) {
       if (st == CHORUS_OK) st = CHORUS_ERR_TIMEOUT;
       break;
     }
-    extended = 1; /* claimed: its grant is on its way */
-    deadline = chorus__deadline_ms(timeout_ms);
+    extended = 1;
+    deadline = chorus__deadline_ms(CHORUS__MIN(timeout_ms, 5000));
   }
+  char store_err[300];
+  snprintf(store_err, sizeof store_err, "%s", chorus_store_last_error(s));
   chorus_store_close(s);
   if (st == CHORUS_OK) st = make_world(&probe, &probe.key, gen, rank, size, timeout_ms, out);
   else if (st == CHORUS_ERR_TIMEOUT)
@@ -300,8 +354,8 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
     chorus__init_fail(st, "chorus_comm_join: the grant in the store at %s:%d is malformed",
                       probe.store_host, probe.store_port);
   else
-    chorus__init_fail(st, "chorus_comm_join: the job's store at %s:%d failed: %s",
-                      probe.store_host, probe.store_port, chorus_result_name(st));
+    chorus__init_fail(st, "chorus_comm_join: the job's store at %s:%d failed: %s: %s",
+                      probe.store_host, probe.store_port, chorus_result_name(st), store_err);
   chorus__wipe(&probe.key, sizeof probe.key);
   return st;
 }

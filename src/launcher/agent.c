@@ -305,7 +305,12 @@ static int agent_run_nodes(job_t *job) {
       case GEN_FAILED:
         if (!job->w[failed].reported) report_failure(job, &job->w[failed]);
         /* In place, this node's workers all died; the other nodes' go on. */
-        if (job->inplace) return rdzv_finish(job, status_exit_code(job->w[failed].status));
+        if (job->inplace && !job->got_sig)
+          return rdzv_finish(job, status_exit_code(job->w[failed].status));
+        if (job->got_sig) {
+          rdzv_interrupt(job, job->got_sig);
+          return 128 + job->got_sig;
+        }
         rc = rdzv_after_failure(job, RDZV_EV_NONE);
         break;
       case GEN_ERROR: rc = rdzv_after_failure(job, RDZV_EV_NONE); break;

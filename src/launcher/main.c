@@ -229,8 +229,10 @@ int main(int argc, char **argv) {
   } else {
     exit_code = agent_run(&job);
   }
-  chorus__wipe(&key, sizeof key);
+  /* The rendezvous seals its last heartbeat and reads the state while the
+   * store's host lingers: the key goes after it. */
   rdzv_close(&job, exit_code);
+  chorus__wipe(&key, sizeof key);
   chorus_store_server_stop(srv);
   guard_stop();
   if (g_secret_file[0]) unlink(g_secret_file);

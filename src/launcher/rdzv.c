@@ -1027,13 +1027,25 @@ static void lost_node(job_t *job, const peer_t *p) {
 }
 
 /* --elastic inplace: nodes that wait are admitted into the running round
- * by group rank 0 (they take the next group ranks; their workers join the
- * running job, chorus_comm_join, and the running workers take them in,
- * chorus_comm_grow); every agent watches the grown group's heartbeats. */
+ * by the first member still there in this agent's view (group rank 0 unless
+ * it was lost or left; two agents that both think so race on the state's
+ * compare-and-set, and one wins): they take the next group ranks, their
+ * workers join the running job (chorus_comm_join) and the running workers
+ * take them in (chorus_comm_grow).  Every agent watches the grown group's
+ * heartbeats. */
 static void admit_in_place(job_t *job) {
   rdzv_t *rz = job->rz;
   const rstate_t *s = &rz->st;
-  if (job->node_rank == 0 && s->nwait > 0 && s->nmem < s->max) {
+  int first = -1;
+  for (int i = 0; i < rz->ngroup && first < 0; i++) {
+    if (!strcmp(rz->group[i].id, rz->id)) first = i;
+    const peer_t *p = NULL;
+    for (int k = 0; k < rz->npeers && !p; k++)
+      if (!strcmp(rz->peers[k].id, rz->group[i].id)) p = &rz->peers[k];
+    if (first < 0 && p && !p->gone && !p->done) first = i;
+  }
+  int admitter = first >= 0 && !strcmp(rz->group[first].id, rz->id);
+  if (admitter && s->nwait > 0 && s->nmem < s->max) {
     rz->nx = *s;
     int k = 0;
     while (k < s->nwait && rz->nx.nmem < s->max) rz->nx.mem[rz->nx.nmem++] = s->wait[k++];

@@ -1072,7 +1072,8 @@ static void check_silence(chorus__tp_t *tp, int64_t now) {
   if (!tp->peer_timeout_ns) return;
   for (int r = 0; r < tp->size; r++) {
     conn_t *c = &tp->conns[r];
-    if (r == tp->rank || c->dead || c->paused || c->fd < 0) continue;
+    /* A peer that said goodbye stops its heartbeats. */
+    if (r == tp->rank || c->dead || c->paused || c->fd < 0 || c->bye_received) continue;
     int64_t quiet = now - c->last_heard;
     if (quiet <= tp->peer_timeout_ns) continue;
     char why[200];
@@ -1173,7 +1174,7 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
                      "chorus rank %d/%d: the connection with rank %d (world rank %d, %s) failed "
                      "earlier: %s", me, n, g, members[g], c->addr, c->dead_why);
     else if (g != me && c->dead && !c->bye_received)
-      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0,
+      ep_fail_locked(ep, c->dead_code ? c->dead_code : CHORUS_ERR_REMOTE, 0,
                      "chorus rank %d/%d: rank %d (world rank %d, %s) is gone (its connection "
                      "closed earlier: %s)", me, n, g, members[g], c->addr, c->dead_why);
   }
@@ -1873,6 +1874,10 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
       return CHORUS_ERR_SYSTEM;
     }
   }
+  /* Silence is counted from now: connecting may have taken a while. */
+  int64_t start = chorus__now_ns();
+  for (int r = 0; r < cfg->size; r++) tp->conns[r].last_heard = start;
+  tp->last_ping = start;
   if (pthread_create(&tp->thread, NULL, progress_main, tp) != 0) {
     snprintf(errmsg, errcap, "cannot start the progress thread");
     tp_free(tp);

@@ -765,10 +765,15 @@ static long recover(run_t *r, long step) {
     st = chorus_all_reduce(next, mine, agreed, 2, CHORUS_INT64, CHORUS_MIN, NULL);
     if (st != CHORUS_OK) continue; /* someone else died: shrink again */
     long to = (long)agreed[0];
-    if (-agreed[1] - agreed[0] > 1 || snap_restore(r, to) != 0) {
-      fprintf(stderr, "chorus-train: rank %d: cannot go on: the survivors finished steps %lld "
-              "to %lld, and this rank kept the state of steps %ld and %ld only\n", g_rank,
-              (long long)agreed[0], (long long)-agreed[1], r->snap[0].step, r->snap[1].step);
+    if (-agreed[1] - agreed[0] > 1) {
+      fprintf(stderr, "chorus-train: rank %d: cannot go on: the survivors are at steps %lld to "
+              "%lld, more than one apart\n", g_rank, (long long)agreed[0],
+              (long long)-agreed[1]);
+      return -1;
+    }
+    if (snap_restore(r, to) != 0) {
+      fprintf(stderr, "chorus-train: rank %d: cannot go on: cannot go back to the start of step "
+              "%ld (kept: steps %ld and %ld)\n", g_rank, to, r->snap[0].step, r->snap[1].step);
       return -1;
     }
     /* chorus_ddp_create broadcasts rank 0's weights: every survivor went
@@ -833,20 +838,36 @@ static int share_state(run_t *r, long *step) {
 /* --elastic inplace, at the start of a step: when processes wait to join
  * the job (chorusrun started them on a node it admitted), the ranks grow
  * the communicator to take them in and hand them the state.  A grow that
- * fails (a newcomer died) leaves the old communicator as it was.  1: grown,
- * 0: as before, -1: the state could not be handed over. */
+ * fails on any member (a newcomer died) leaves every member on the old
+ * communicator.  1: grown, 0: as before, -1: a collective failed (r->fail_*:
+ * recover as from a failed step). */
 static int admit_joiners(run_t *r, long *step) {
   int waiting = 0;
-  if (chorus_comm_joiners(r->comm, &waiting) != CHORUS_OK || !waiting) return 0;
+  chorus_result_t st = chorus_comm_joiners(r->comm, &waiting);
+  if (st != CHORUS_OK) {
+    comm_failed(r, "looking for new ranks", st);
+    return -1;
+  }
+  if (!waiting) return 0;
   int64_t t0 = now_ns();
   chorus_comm_t grown = NULL;
-  chorus_result_t st = chorus_comm_grow(r->comm, 0, &grown);
-  if (st != CHORUS_OK) {
-    fprintf(stderr, "chorus-train: rank %d: could not take in %d new rank(s): %s; going on "
-            "without them\n", g_rank, waiting, chorus_comm_last_error(r->comm));
+  st = chorus_comm_grow(r->comm, 10000, &grown);
+  if (st != CHORUS_OK)
+    fprintf(stderr, "chorus-train: rank %d: could not take in %d new rank(s): %s\n", g_rank,
+            waiting, chorus_comm_last_error(r->comm));
+  /* Every member moves to the grown world, or none does (a newcomer that
+   * died half-way may leave it formed on some members only). */
+  int32_t ok = st == CHORUS_OK && grown, all = 0;
+  chorus_result_t vs = chorus_all_reduce(r->comm, &ok, &all, 1, CHORUS_INT32, CHORUS_MIN, NULL);
+  if (vs != CHORUS_OK || !all) {
+    chorus_comm_destroy(grown);
+    if (vs != CHORUS_OK) {
+      comm_failed(r, "the vote on new ranks", vs);
+      return -1;
+    }
+    if (ok) say("elastic: some rank could not take in the new rank(s); going on without them\n");
     return 0;
   }
-  if (!grown) return 0;
   const int before = g_size;
   chorus_ddp_destroy(r->ddp);
   r->ddp = NULL;
@@ -854,7 +875,10 @@ static int admit_joiners(run_t *r, long *step) {
   r->comm = grown;
   g_rank = chorus_comm_rank(grown);
   g_size = chorus_comm_size(grown);
-  if (share_state(r, step) != 0) return -1;
+  if (share_state(r, step) != 0) {
+    comm_failed(r, "handing the state to the new ranks", CHORUS_ERR_REMOTE);
+    return -1;
+  }
   say("elastic: %d new rank(s) joined at step %ld: %d rank(s) now, the data re-sharded "
       "(took %.0f ms)\n", g_size - before, *step, g_size, (now_ns() - t0) / 1e6);
   return 1;
@@ -877,6 +901,12 @@ int main(int argc, char **argv) {
   if (o.elastic < 0) { /* chorusrun --elastic tells its workers */
     const char *e = getenv("CHORUS_ELASTIC");
     o.elastic = e && !strcmp(e, "inplace");
+  }
+  const char *join_env = getenv("CHORUS_JOIN");
+  if (!o.elastic && join_env && !strcmp(join_env, "1")) {
+    fprintf(stderr, "chorus-train: CHORUS_JOIN=1 (started into a running job) needs --elastic "
+            "inplace: the running ranks take newcomers in only then\n");
+    return 2;
   }
   if (o.elastic && o.uneven_rank >= 0) {
     fprintf(stderr, "chorus-train: --uneven and --elastic inplace do not go together (the "
@@ -954,6 +984,7 @@ int main(int argc, char **argv) {
       T, o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "");
 
   r.snap_world = g_size;
+  r.scale = o.loss_scale ? 65536.0f : 1.0f;
   long start = 0;
   if (join) {
     /* A newcomer: the members hand over their state. */
@@ -963,19 +994,18 @@ int main(int argc, char **argv) {
   } else if (o.ckpt_dir) {
     start = resume(&o, r.m, r.opt, r.sp);
   }
-  r.scale = o.loss_scale ? 65536.0f : 1.0f;
   trace_t trace_buf = {0};
   r.tr = o.trace ? &trace_buf : NULL;
   if (g_rank == 1) trace_buf.skew = (int64_t)o.skew_ms * 1000000;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   r.first_generation = !rc || !strcmp(rc, "0");
   for (long step = start; step < o.steps;) {
-    /* After a grow, every rank (the newcomers too) looks again. */
-    int grew = o.elastic ? admit_joiners(&r, &step) : 0;
-    if (grew < 0) return die(r.comm, "handing the state to the new ranks", CHORUS_ERR_REMOTE);
-    if (grew) continue;
     if (o.elastic) snap_take(&r, step);
-    int how = train_step(&r, step);
+    /* After a grow, every rank (the newcomers too) looks again. */
+    int how = o.elastic ? admit_joiners(&r, &step) : 0;
+    if (how == 1) continue;
+    r.applied = 0;
+    how = how < 0 ? STEP_COMM : train_step(&r, step);
     if (how == STEP_STOP) break;
     if (how == STEP_FATAL) return 1;
     if (how == STEP_COMM) {
