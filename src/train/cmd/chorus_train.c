@@ -384,6 +384,16 @@ static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_gp
   return cs != CHORUS_OK ? cs : all ? CHORUS_OK : CHORUS_ERR_SYSTEM;
 }
 
+/* Puts the sampler at (epoch, pos) as a world of `world` ranks had it, then
+ * re-shards it over this world (g_size, g_rank): the samples taken of the
+ * epoch so far, pos * world, divided by the new size.  0, or -1. */
+static int sampler_place(chorus_sampler_t *sp, long epoch, size_t pos, int world) {
+  if (chorus_sampler_reshard(sp, world, 0) != CHORUS_OK) return -1;
+  chorus_sampler_set_epoch(sp, epoch);
+  chorus_sampler_set_pos(sp, pos);
+  return chorus_sampler_reshard(sp, g_size, g_rank) == CHORUS_OK ? 0 : -1;
+}
+
 /* Every rank loads the newest checkpoint (the same file); the sampler goes
  * on from the same global position, also with another number of ranks. */
 static long resume(const opts_t *o, chorus_gpt_t *m, chorus_optim_t *opt, chorus_sampler_t *sp) {
@@ -393,9 +403,8 @@ static long resume(const opts_t *o, chorus_gpt_t *m, chorus_optim_t *opt, chorus
   if (chorus_ckpt_load(o->ckpt_dir, &step, m, opt, &ts, sizeof ts, &len) != CHORUS_OK || step < 0)
     return 0;
   if (len != sizeof ts || ts.world < 1) return 0;
-  chorus_sampler_set_epoch(sp, (long)ts.epoch);
-  size_t global = (size_t)ts.pos * (size_t)ts.world; /* samples taken this epoch, all ranks */
-  chorus_sampler_set_pos(sp, global / (size_t)g_size);
+  if (ts.epoch < 0 || ts.pos < 0 || sampler_place(sp, (long)ts.epoch, (size_t)ts.pos, ts.world))
+    return 0;
   say("resumed from %s/ckpt-%09ld.bin (saved by %d rank(s), epoch %ld)\n", o->ckpt_dir, step,
       (int)ts.world, (long)ts.epoch);
   return (long)ts.steps_done;
@@ -410,10 +419,10 @@ static int die(chorus_comm_t comm, const char *what, chorus_result_t st) {
   return 1;
 }
 
-static chorus_result_t init_comm(chorus_comm_t *comm) {
-  /* chorusrun starts workers into a running job (a node admitted in place). */
-  const char *join = getenv("CHORUS_JOIN");
-  if (join && !strcmp(join, "1")) return chorus_comm_join(NULL, comm);
+/* join: chorusrun started this worker into a running job (CHORUS_JOIN=1,
+ * a node admitted in place). */
+static chorus_result_t init_comm(int join, chorus_comm_t *comm) {
+  if (join) return chorus_comm_join(NULL, comm);
   if (getenv("RANK") && getenv("WORLD_SIZE")) return chorus_comm_init_env(comm);
   /* Alone: a world of one, its own store on a free port. */
   chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
@@ -527,7 +536,6 @@ typedef struct {
   snap_t snap[2];
   size_t optim_bytes;
   int64_t failed_ns; /* when a failure was seen; 0 once a step completed after it */
-  int snap_world;    /* the world the sampler is sharded over */
 } run_t;
 
 enum { STEP_NEXT, STEP_STOP, STEP_FATAL, STEP_COMM };
@@ -700,7 +708,7 @@ static void snap_take(run_t *r, long step) {
   chorus_optim_state_save(r->opt, s->optim);
   s->epoch = chorus_sampler_epoch(r->sp);
   s->pos = chorus_sampler_pos(r->sp);
-  s->world = r->snap_world;
+  s->world = g_size;
   s->scale = r->scale;
   s->good_steps = r->good_steps;
   s->skipped_steps = r->skipped_steps;
@@ -718,12 +726,7 @@ static int snap_restore(run_t *r, long step) {
   r->good_steps = s->good_steps;
   r->skipped_steps = s->skipped_steps;
   /* The sampler as the old world had it at that step, then over the new one. */
-  if (chorus_sampler_reshard(r->sp, s->world, 0) != CHORUS_OK) return -1;
-  chorus_sampler_set_epoch(r->sp, s->epoch);
-  chorus_sampler_set_pos(r->sp, s->pos);
-  if (chorus_sampler_reshard(r->sp, g_size, g_rank) != CHORUS_OK) return -1;
-  r->snap_world = g_size;
-  return 0;
+  return sampler_place(r->sp, s->epoch, s->pos, s->world);
 }
 
 /* --elastic inplace: a collective of step failed (a rank died, or its host
@@ -800,13 +803,14 @@ typedef struct {
 /* After a grow: rank 0 sends the members' state to the newcomers (every
  * rank calls it; the members hold it already, so only the newcomers'
  * copies change), and everyone re-shards the data over the new world.
- * *step gets the step to go on from.  0, or -1 when a broadcast failed. */
-static int share_state(run_t *r, long *step) {
+ * old_world: the world rank 0's sampler is sharded over.  *step gets the
+ * step to go on from.  0, or -1 when a broadcast failed. */
+static int share_state(run_t *r, int old_world, long *step) {
   join_state_t js = {0};
   if (g_rank == 0) {
     js.step = *step;
     js.epoch = chorus_sampler_epoch(r->sp);
-    js.taken = (int64_t)(chorus_sampler_pos(r->sp) * (size_t)r->snap_world);
+    js.taken = (int64_t)(chorus_sampler_pos(r->sp) * (size_t)old_world);
     js.scale = r->scale;
     js.good_steps = r->good_steps;
     js.skipped_steps = r->skipped_steps;
@@ -826,11 +830,7 @@ static int share_state(run_t *r, long *step) {
   r->good_steps = js.good_steps;
   r->skipped_steps = js.skipped_steps;
   /* The sampler: the epoch, and how far the old world got into it. */
-  if (chorus_sampler_reshard(r->sp, 1, 0) != CHORUS_OK) return -1;
-  chorus_sampler_set_epoch(r->sp, (long)js.epoch);
-  chorus_sampler_set_pos(r->sp, (size_t)js.taken);
-  if (chorus_sampler_reshard(r->sp, g_size, g_rank) != CHORUS_OK) return -1;
-  r->snap_world = g_size;
+  if (sampler_place(r->sp, (long)js.epoch, (size_t)js.taken, 1) != 0) return -1;
   /* chorus_ddp_create broadcasts rank 0's weights to the newcomers. */
   return chorus_ddp_create(r->comm, r->m, &r->dc, &r->ddp) == CHORUS_OK ? 0 : -1;
 }
@@ -875,7 +875,7 @@ static int admit_joiners(run_t *r, long *step) {
   r->comm = grown;
   g_rank = chorus_comm_rank(grown);
   g_size = chorus_comm_size(grown);
-  if (share_state(r, step) != 0) {
+  if (share_state(r, before, step) != 0) {
     comm_failed(r, "handing the state to the new ranks", CHORUS_ERR_REMOTE);
     return -1;
   }
@@ -903,7 +903,8 @@ int main(int argc, char **argv) {
     o.elastic = e && !strcmp(e, "inplace");
   }
   const char *join_env = getenv("CHORUS_JOIN");
-  if (!o.elastic && join_env && !strcmp(join_env, "1")) {
+  const int join = join_env && !strcmp(join_env, "1");
+  if (!o.elastic && join) {
     fprintf(stderr, "chorus-train: CHORUS_JOIN=1 (started into a running job) needs --elastic "
             "inplace: the running ranks take newcomers in only then\n");
     return 2;
@@ -915,7 +916,7 @@ int main(int argc, char **argv) {
   }
   if (o.loss_scale < 0) o.loss_scale = o.hook == CHORUS_DDP_HOOK_FP16;
   run_t r = {.o = &o, .first_val = NAN, .last_val = NAN};
-  chorus_result_t st = init_comm(&r.comm);
+  chorus_result_t st = init_comm(join, &r.comm);
   if (st != CHORUS_OK) {
     fprintf(stderr, "chorus-train: cannot join the group: %s\n", chorus_last_init_error());
     return 1;
@@ -943,8 +944,6 @@ int main(int argc, char **argv) {
   r.dc.bucket_mb = o.bucket_mb;
   r.dc.overlap = o.overlap;
   r.dc.hook = o.hook;
-  const char *joining = getenv("CHORUS_JOIN");
-  const int join = joining && !strcmp(joining, "1");
   /* A newcomer makes its DDP once it has the members' state (share_state). */
   if (!join && (st = chorus_ddp_create(r.comm, r.m, &r.dc, &r.ddp)) != CHORUS_OK)
     return die(r.comm, "ddp", st);
@@ -983,12 +982,11 @@ int main(int argc, char **argv) {
       g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, r.np, ds.buckets, B,
       T, o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "");
 
-  r.snap_world = g_size;
   r.scale = o.loss_scale ? 65536.0f : 1.0f;
   long start = 0;
   if (join) {
     /* A newcomer: the members hand over their state. */
-    if (share_state(&r, &start) != 0) return die(r.comm, "joining the running job", CHORUS_ERR_REMOTE);
+    if (share_state(&r, g_size, &start) != 0) return die(r.comm, "joining the running job", CHORUS_ERR_REMOTE);
     fprintf(stderr, "chorus-train: joined the running job as rank %d of %d at step %ld\n", g_rank,
             g_size, start);
   } else if (o.ckpt_dir) {
