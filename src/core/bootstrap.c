@@ -158,8 +158,7 @@ static void world_secret_done(world_secret_t *ws) {
   chorus__wipe(ws, sizeof *ws);
 }
 
-/* CHORUS_TIMEOUT in ms (300 s when unset or out of range). */
-static int env_timeout_ms(void) {
+int chorus__env_timeout_ms(void) {
   long s = chorus__env()->TIMEOUT;
   return (int)((s > 0 && s < 2000000 ? s : 300) * 1000);
 }
@@ -186,7 +185,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of range",
                      cfg->store_port);
   int rank = cfg->rank, size = cfg->world_size;
-  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : env_timeout_ms();
+  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : chorus__env_timeout_ms();
   char prefix[256];
   if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
   else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
@@ -749,7 +748,7 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
                              "is not a port number", getenv("MASTER_PORT"));
   const char *addr = getenv("MASTER_ADDR");
   int one_host = launch_one_host(&L);
-  int64_t deadline = chorus__deadline_ms(env_timeout_ms());
+  int64_t deadline = chorus__deadline_ms(chorus__env_timeout_ms());
   chorus_store_server_t *server = NULL;
   chorus_result_t st;
   char why[300] = "";

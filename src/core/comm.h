@@ -119,6 +119,9 @@ chorus_result_t chorus__comm_derive(chorus_comm_t parent, uint64_t id, const int
 chorus_result_t chorus__world_make(const chorus_config_t *cfg, const chorus__key_t *key,
                                    const char *join_base, chorus_comm_t *out);
 
+/* CHORUS_TIMEOUT in ms (300 s when unset or out of range). */
+int chorus__env_timeout_ms(void);
+
 /* The job key a rank that does not serve cfg's store finds (cfg's secret,
  * the configured one, or the agreement file on one host). */
 chorus_result_t chorus__world_key(const chorus_config_t *cfg, int timeout_ms,

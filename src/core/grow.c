@@ -257,21 +257,18 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
     cfg.store_prefix = config->store_prefix;
     cfg.timeout_ms = config->timeout_ms;
   } else {
+    /* As chorus_comm_init_env reads them (the range is checked below). */
+    long port = -1;
     const char *port_s = getenv("MASTER_PORT");
-    char *end = NULL;
-    long port = port_s ? strtol(port_s, &end, 10) : -1;
+    if (!port_s || chorus__parse_long(port_s, &port) < 0) port = -1;
     cfg.store_host = getenv("MASTER_ADDR");
-    cfg.store_port = port_s && !*end && port > 0 && port < 65536 ? (int)port : -1;
+    cfg.store_port = port > 0 && port < 65536 ? (int)port : -1;
   }
   if (!cfg.store_host || !*cfg.store_host || cfg.store_port < 1 || cfg.store_port > 65535)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_join: the running job's store "
                              "is not known: %s", config ? "config's store_host and store_port "
                              "must name it" : "set MASTER_ADDR and MASTER_PORT (chorusrun does)");
-  int timeout_ms = cfg.timeout_ms;
-  if (timeout_ms <= 0) {
-    long s = env->TIMEOUT;
-    timeout_ms = (int)((s > 0 && s < 2000000 ? s : 300) * 1000);
-  }
+  int timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : chorus__env_timeout_ms();
   int64_t deadline = chorus__deadline_ms(timeout_ms);
   /* What make_world needs of a context: the store, the job key (found as
    * chorus_comm_init finds it) and the job's join base. */
