@@ -207,6 +207,38 @@ CHORUS_API chorus_result_t chorus_comm_init_env(chorus_comm_t *comm);
 CHORUS_API chorus_result_t chorus_comm_init(const chorus_config_t *config,
                                             chorus_comm_t *comm);
 
+/*
+ * A key-value service the caller already has -- torch's c10d::Store, a
+ * scheduler's, a file system's -- to find the world's store through, the
+ * way NCCL passes its unique id.  set stores len bytes under key; get waits
+ * up to timeout_ms for key to exist and copies its value into val (at most
+ * cap bytes; *len receives the value's full length).  Both return 0, or
+ * non-zero with a reason written into err (errcap bytes).  They are called
+ * from the thread that calls chorus_comm_init_kv, and only during it.
+ */
+typedef struct chorus_kv {
+  void *ctx;
+  int (*set)(void *ctx, const char *key, const void *val, size_t len, char *err,
+             size_t errcap);
+  int (*get)(void *ctx, const char *key, void *val, size_t cap, size_t *len, int timeout_ms,
+             char *err, size_t errcap);
+} chorus_kv_t;
+
+/*
+ * Same as chorus_comm_init() with the store found through kv: rank 0 starts
+ * the world's store on a port the kernel picks (config->store_port when >
+ * 0), on every interface (on 127.0.0.1 when config->local_world_size equals
+ * world_size), and sets the key "chorus-store" to its port and addresses;
+ * the other ranks get it and use the first address that answers.  When no
+ * job secret is configured (config->job_secret, CHORUS_JOB_SECRET,
+ * CHORUS_JOB_SECRET_FILE), rank 0 makes a fresh one and it travels in that
+ * value: the service must then be readable only by the job (torch's
+ * TCPStore is readable by anyone who can reach its port: configure a
+ * secret where that matters).  config->store_host is ignored.
+ */
+CHORUS_API chorus_result_t chorus_comm_init_kv(const chorus_config_t *config,
+                                               const chorus_kv_t *kv, chorus_comm_t *comm);
+
 /* Reason of the last failed chorus_comm_init*() in this thread. */
 CHORUS_API const char *chorus_last_init_error(void);
 

@@ -615,23 +615,27 @@ static int derived_port(const launch_t *L) {
   return 20000 + (int)(chorus__siphash(key, L->tag, strlen(L->tag)) % 12000);
 }
 
-/* The key-value exchange (b above).  On success cfg has the store's host
+/* The key-value exchange (b above, and chorus_comm_init_kv); kvs is closed
+ * on every path.  On success cfg has the store's host
  * and port (and the job secret, in secret, when rank 0 made one), and rank
  * 0 holds the running store in *server. */
-static chorus_result_t kvs_exchange(const launch_t *L, chorus_config_t *cfg, char *host,
-                                    size_t host_cap, char *secret, size_t secret_cap,
+typedef struct {
+  int rank, size;
+  const char *source; /* the service, for messages */
+  int one_host;       /* 1: every rank on this host (the store on 127.0.0.1) */
+} exchange_t;
+
+static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, chorus_config_t *cfg,
+                                    char *host, size_t host_cap, char *secret, size_t secret_cap,
                                     chorus_store_server_t **server, int64_t deadline) {
   const chorus__env_t *env = chorus__env();
   char err[600], val[CHORUS__KVS_VALUE_MAX + 1], why[600];
-  chorus__kvs_t *kvs = NULL;
-  chorus_result_t st = chorus__kvs_open(&kvs, L->rank, deadline, err, sizeof err);
-  if (st != CHORUS_OK)
-    return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L->rank, L->size, L->source, err);
-  int one_host = launch_one_host(L) == 1;
+  chorus_result_t st = CHORUS_OK;
+  int one_host = L->one_host;
   char addrs[400]; /* rank 0's, published */
   if (L->rank == 0) {
     /* Bind first, publish second: the port is ours before anyone reads it. */
-    int have = chorus__secret_configured(secret, secret_cap, why, sizeof why);
+    int have = secret[0] ? 1 : chorus__secret_configured(secret, secret_cap, why, sizeof why);
     if (have < 0) {
       chorus__kvs_close(kvs, deadline);
       return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank 0: %s", why);
@@ -758,7 +762,13 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_ADDR is set "
                              "but MASTER_PORT is not");
   } else if (chorus__kvs_available(why, sizeof why) && L.size > 1 && !env->STORE_EXTERNAL) {
-    st = kvs_exchange(&L, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
+    chorus__kvs_t *kvs = NULL;
+    char kerr[600];
+    exchange_t X = {L.rank, L.size, L.source, one_host == 1};
+    st = chorus__kvs_open(&kvs, L.rank, deadline, kerr, sizeof kerr);
+    if (st != CHORUS_OK)
+      return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L.rank, L.size, L.source, kerr);
+    st = kvs_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
     if (st != CHORUS_OK) {
       chorus__wipe(secret, sizeof secret);
       return st;
@@ -792,6 +802,53 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
               L.rank, L.size, L.source, L.local_rank, L.local_size, cfg.store_host,
               cfg.store_port);
   if (server) cfg.host_store = 1;
+  st = world_init(&cfg, server, comm);
+  chorus__wipe(secret, sizeof secret);
+  return st;
+}
+
+chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_kv_t *kv,
+                                    chorus_comm_t *comm) {
+  chorus__log_init();
+  if (comm) *comm = NULL;
+  if (!comm || !config || !kv || !kv->set || !kv->get)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_kv: comm, config, kv, "
+                             "kv->set and kv->get are required");
+  if (config->magic != CHORUS_CONFIG_MAGIC || config->size < sizeof(chorus_config_t))
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_kv: config not "
+                             "initialised with CHORUS_CONFIG_INITIALIZER");
+  if (config->world_size < 1 || config->rank < 0 || config->rank >= config->world_size)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_kv: rank %d is not in "
+                             "[0, %d)", config->rank, config->world_size);
+  chorus_config_t cfg = *config;
+  int timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : chorus__env_timeout_ms();
+  int64_t deadline = chorus__deadline_ms(timeout_ms);
+  char host[300] = "127.0.0.1", secret[CHORUS__SECRET_MAX] = "";
+  if (cfg.job_secret && *cfg.job_secret) snprintf(secret, sizeof secret, "%s", cfg.job_secret);
+  chorus_store_server_t *server = NULL;
+  chorus_result_t st = CHORUS_OK;
+  if (cfg.world_size > 1) {
+    chorus__kvs_t *kvs = NULL;
+    exchange_t X = {cfg.rank, cfg.world_size, "the caller's key-value service",
+                    cfg.local_world_size == cfg.world_size};
+    if ((st = chorus__kvs_wrap(&kvs, kv, cfg.rank)) != CHORUS_OK)
+      return chorus__init_fail(st, "chorus_comm_init_kv: out of memory");
+    if (cfg.rank != 0) cfg.store_port = 0;
+    st = kvs_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
+    if (st != CHORUS_OK) {
+      chorus__wipe(secret, sizeof secret);
+      return st;
+    }
+  } else {
+    cfg.store_host = host; /* a world of one serves itself */
+    cfg.store_port = 0;
+    cfg.host_store = 1;
+  }
+  if (server) cfg.host_store = 1;
+  else if (cfg.world_size > 1) cfg.host_store = 0;
+  cfg.timeout_ms = timeout_ms;
+  CHORUS_INFO(CHORUS__SUB_INIT, "bootstrap: rank %d/%d through the caller's key-value service, "
+              "store %s:%d", cfg.rank, cfg.world_size, cfg.store_host, cfg.store_port);
   st = world_init(&cfg, server, comm);
   chorus__wipe(secret, sizeof secret);
   return st;

@@ -34,7 +34,7 @@
 
 #define LINE_MAX_BYTES 2048 /* longest PMI-1 reply we accept */
 
-typedef enum { KVS_PMI1, KVS_PMIX } kvs_kind_t;
+typedef enum { KVS_PMI1, KVS_PMIX, KVS_USER } kvs_kind_t;
 
 #ifdef CHORUS_HAVE_PMIX
 typedef struct {
@@ -53,6 +53,7 @@ typedef struct {
 
 struct chorus__kvs {
   kvs_kind_t kind;
+  chorus_kv_t user;   /* KVS_USER: the caller's callbacks */
   int fd;             /* PMI-1: the launcher's socket */
   int rank;           /* ours, as the launcher numbers us */
   char kvsname[256];  /* PMI-1 */
@@ -298,11 +299,34 @@ chorus_result_t chorus__kvs_open(chorus__kvs_t **out, int rank, int64_t deadline
   return CHORUS_OK;
 }
 
+chorus_result_t chorus__kvs_wrap(chorus__kvs_t **out, const chorus_kv_t *kv, int rank) {
+  *out = NULL;
+  if (!kv || !kv->set || !kv->get) return CHORUS_ERR_INVALID_ARG;
+  chorus__kvs_t *k = calloc(1, sizeof *k);
+  if (!k) return CHORUS_ERR_NO_MEMORY;
+  k->kind = KVS_USER;
+  k->user = *kv;
+  k->fd = -1;
+  k->rank = rank;
+  *out = k;
+  return CHORUS_OK;
+}
+
 chorus_result_t chorus__kvs_put(chorus__kvs_t *k, const char *key, const char *value,
                                 int64_t deadline, char *err, size_t cap) {
   if (!pmi1_token_ok(key, 64) || !pmi1_token_ok(value, CHORUS__KVS_VALUE_MAX)) {
     snprintf(err, cap, "PMI: key or value not printable or too long");
     return CHORUS_ERR_INVALID_ARG;
+  }
+  if (k->kind == KVS_USER) {
+    char why[300] = "";
+    if (k->user.set(k->user.ctx, key, value, strlen(value), why, sizeof why) != 0) {
+      why[sizeof why - 1] = '\0';
+      snprintf(err, cap, "setting '%s' in the caller's key-value service failed: %s", key,
+               why[0] ? why : "(no reason given)");
+      return CHORUS_ERR_STORE;
+    }
+    return CHORUS_OK;
   }
 #ifdef CHORUS_HAVE_PMIX
   if (k->kind == KVS_PMIX) {
@@ -325,6 +349,7 @@ chorus_result_t chorus__kvs_put(chorus__kvs_t *k, const char *key, const char *v
 }
 
 chorus_result_t chorus__kvs_fence(chorus__kvs_t *k, int64_t deadline, char *err, size_t cap) {
+  if (k->kind == KVS_USER) return CHORUS_OK; /* its get waits for the key */
 #ifdef CHORUS_HAVE_PMIX
   if (k->kind == KVS_PMIX) {
     pmix_status_t rc = k->px.commit();
@@ -359,6 +384,31 @@ chorus_result_t chorus__kvs_fence(chorus__kvs_t *k, int64_t deadline, char *err,
 
 chorus_result_t chorus__kvs_get(chorus__kvs_t *k, int from, const char *key, char *value,
                                 size_t value_cap, int64_t deadline, char *err, size_t cap) {
+  if (k->kind == KVS_USER) {
+    /* One writer (rank 0), so the key needs no rank suffix.  The value is
+     * the caller's service's bytes: bounded, NUL-free, printable. */
+    char v[CHORUS__KVS_VALUE_MAX + 1], why[300] = "";
+    size_t len = 0;
+    int ms = chorus__ms_left(deadline);
+    if (k->user.get(k->user.ctx, key, v, sizeof v - 1, &len, ms > 0 ? ms : 1, why, sizeof why)) {
+      why[sizeof why - 1] = '\0';
+      snprintf(err, cap, "waiting %d ms for rank %d's '%s' in the caller's key-value service "
+               "failed: %s", ms, from, key, why[0] ? why : "(no reason given)");
+      return CHORUS_ERR_STORE;
+    }
+    if (len > sizeof v - 1 || len >= value_cap) {
+      snprintf(err, cap, "rank %d's '%s' is %zu bytes, more than the %d allowed", from, key, len,
+               CHORUS__KVS_VALUE_MAX);
+      return CHORUS_ERR_PROTOCOL;
+    }
+    v[len] = '\0';
+    if (strlen(v) != len || !pmi1_token_ok(v, CHORUS__KVS_VALUE_MAX)) {
+      snprintf(err, cap, "rank %d's '%s' is not printable text", from, key);
+      return CHORUS_ERR_PROTOCOL;
+    }
+    memcpy(value, v, len + 1);
+    return CHORUS_OK;
+  }
 #ifdef CHORUS_HAVE_PMIX
   if (k->kind == KVS_PMIX) {
     pmix_proc_t src;

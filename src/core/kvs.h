@@ -43,6 +43,10 @@ const char *chorus__kvs_available(char *why, size_t cap);
 chorus_result_t chorus__kvs_open(chorus__kvs_t **out, int rank, int64_t deadline, char *err,
                                  size_t cap);
 
+/* The caller's own service (chorus_comm_init_kv): put is its set, get its
+ * waiting get, the fence a no-op.  kv is copied. */
+chorus_result_t chorus__kvs_wrap(chorus__kvs_t **out, const chorus_kv_t *kv, int rank);
+
 /* Publishes key=value (value: printable ASCII without spaces or '=',
  * at most CHORUS__KVS_VALUE_MAX bytes). */
 chorus_result_t chorus__kvs_put(chorus__kvs_t *kvs, const char *key, const char *value,
