@@ -24,8 +24,10 @@
  *    must make that order the same on every rank.
  *  - Nothing blocks forever: every wait is bounded by the communicator's
  *    timeout (CHORUS_TIMEOUT, default 300 s).  A dead peer, a timed-out peer or
- *    a mismatched collective fails the communicator on every surviving rank;
- *    after that every call returns the error until chorus_comm_destroy().
+ *    a mismatched collective fails the communicator on every surviving rank
+ *    (a mismatch or a timeout with the same code everywhere, other failures
+ *    of a peer as CHORUS_ERR_REMOTE); after that every call returns the
+ *    error until chorus_comm_destroy().
  *  - The library never calls exit() or abort() and never installs signal
  *    handlers.  It ignores SIGPIPE only for its own writes (MSG_NOSIGNAL).
  */

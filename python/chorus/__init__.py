@@ -158,17 +158,24 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             raise ValueError("chorus: init_method %r is not tcp://HOST:PORT" % init_method)
         comm = _chorus.init(rank, world_size, host.strip("[]"), int(port), ms)
     elif init_method in (None, "env://"):
-        if explicit:
-            addr = _os.environ.get("MASTER_ADDR", "127.0.0.1")
-            port = _os.environ.get("MASTER_PORT")
-            if not port or not port.isdigit():
+        env = _os.environ
+        torchrun_style = all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+        if explicit or (ms > 0 and torchrun_style):
+            # The values given (or torchrun's variables) with this timeout.
+            port = env.get("MASTER_PORT", "")
+            if not port.isdigit():
                 raise ValueError("chorus: env:// with explicit rank needs MASTER_PORT")
-            comm = _chorus.init(rank, world_size, addr, int(port), ms,
-                                local_rank=int(_os.environ.get("LOCAL_RANK", -1)),
-                                local_world_size=int(_os.environ.get("LOCAL_WORLD_SIZE", -1)))
+            comm = _chorus.init(rank if explicit else int(env["RANK"]),
+                                world_size if explicit else int(env["WORLD_SIZE"]),
+                                env.get("MASTER_ADDR") or "127.0.0.1", int(port), ms,
+                                local_rank=int(env.get("LOCAL_RANK", -1)),
+                                local_world_size=int(env.get("LOCAL_WORLD_SIZE", -1)))
         else:
+            # srun, mpirun, mpiexec: the library reads their variables (and
+            # CHORUS_TIMEOUT, which a timeout given here sets if the library
+            # has not read its environment yet in this process).
             if ms > 0:
-                _os.environ.setdefault("CHORUS_TIMEOUT", str(max(1, ms // 1000)))
+                env["CHORUS_TIMEOUT"] = str(max(1, (ms + 999) // 1000))
             comm = _chorus.init_env()
     else:
         raise ValueError("chorus: init_method %r: use env:// or tcp://HOST:PORT" % init_method)

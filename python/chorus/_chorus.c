@@ -1151,7 +1151,7 @@ static void store_close(StoreObject *s) {
 
 static void Store_dealloc(StoreObject *s) {
   store_close(s);
-  PyObject_Free(s);
+  Py_TYPE(s)->tp_free((PyObject *)s); /* a Python subclass's instance is GC-allocated */
 }
 
 /* Store(host, port, is_master=False, secret=None, timeout_ms=300000) */

@@ -132,7 +132,8 @@ def _enc_numpy(np, o, out):
     if a.dtype.str[0] == ">" or kind not in _ARRAY_KINDS:
         raise TypeError("chorus: NumPy dtype %s is not sent as data (numeric and bool dtypes, "
                         "native byte order)" % a.dtype)
-    a = np.ascontiguousarray(a)
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")
     out += b"g" if scalar else b"a"
     k = kind.encode()
     _uleb(len(k), out)
@@ -218,7 +219,10 @@ class _Reader:
             re_, im = struct.unpack("<dd", self.take(16))
             return complex(re_, im)
         if tag == "s":
-            return str(self.take(self.uleb()), "utf-8", "surrogatepass")
+            try:
+                return str(self.take(self.uleb()), "utf-8", "surrogatepass")
+            except UnicodeDecodeError as e:
+                raise DecodeError("a string is not UTF-8: %s" % e) from None
         if tag == "b":
             return bytes(self.take(self.uleb()))
         if tag == "y":
@@ -262,7 +266,7 @@ class _Reader:
         if kind not in _ARRAY_KINDS:
             raise DecodeError("array dtype %r is not accepted" % kind)
         ndim = self.uleb()
-        if ndim > 64:
+        if ndim > 32:  # NumPy's own limit
             raise DecodeError("array of %d dimensions" % ndim)
         shape = tuple(self.uleb() for _ in range(ndim))
         dt = np.dtype("<" + kind if kind not in ("b1", "i1", "u1") else "|" + kind)
@@ -273,7 +277,10 @@ class _Reader:
         if len(raw) != n * dt.itemsize:
             raise DecodeError("array of shape %s and dtype %s needs %d bytes, %d were sent"
                               % (shape, dt, n * dt.itemsize, len(raw)))
-        a = np.frombuffer(bytes(raw), dtype=dt).reshape(shape)
+        try:
+            a = np.frombuffer(bytes(raw), dtype=dt).reshape(shape)
+        except ValueError as e:
+            raise DecodeError("array of shape %s: %s" % (shape, e)) from None
         if scalar:
             if shape != ():
                 raise DecodeError("a NumPy scalar with shape %s" % (shape,))

@@ -671,7 +671,7 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     st = chorus__kvs_get(kvs, 0, "chorus-store", val, sizeof val, deadline, err, sizeof err);
   chorus__kvs_close(kvs, deadline);
   if (st != CHORUS_OK)
-    return chorus__init_fail(st, "chorus rank %d/%d (%s): the launcher's key-value exchange "
+    return chorus__init_fail(st, "chorus rank %d/%d (%s): the key-value exchange "
                              "failed: %s", L->rank, L->size, L->source, err);
   if (L->rank == 0) {
     /* Our own store through the first address we published (127.0.0.1 on

@@ -220,8 +220,9 @@ static void resume_all(chorus__tp_t *tp);
 static void conn_dead_locked(chorus__tp_t *tp, conn_t *c, const char *why);
 static void conn_fail_locked(chorus__tp_t *tp, conn_t *c, const char *why, chorus_result_t code);
 
+/* tag: for T_ABORT the code the sender failed with (abort_code), else -1. */
 static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
-                         const char *text) {
+                         const char *text, int32_t tag) {
   if (c->dead || c->fd < 0) return;
   txitem_t *it = calloc(1, sizeof *it);
   if (!it) return;
@@ -235,7 +236,7 @@ static void send_control(chorus__tp_t *tp, conn_t *c, int type, uint64_t ep_id,
     }
     memcpy(it->owned, text, len);
   }
-  hdr_t h = {.magic = MSG_MAGIC, .type = (uint16_t)type, .ep_id = ep_id, .tag = -1, .len = len};
+  hdr_t h = {.magic = MSG_MAGIC, .type = (uint16_t)type, .ep_id = ep_id, .tag = tag, .len = len};
   h.fp.root = -1;
   chorus__wire_encode(&h, it->hdr);
   it->payload = it->owned;
@@ -291,6 +292,17 @@ static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
   ep->recvs = NULL;
 }
 
+/* The code a peer's ABORT makes this rank fail with: the sender's own for
+ * the failures the whole group shares (a mismatch is one for everyone, so
+ * is a timeout the group hit), REMOTE for the rest (a peer's abort or
+ * broken connection is not this rank's) and for anything else the
+ * untrusted tag holds. */
+static chorus_result_t abort_code(int32_t tag) {
+  if (tag == CHORUS_ERR_MISMATCH || tag == CHORUS_ERR_TIMEOUT)
+    return (chorus_result_t)tag;
+  return CHORUS_ERR_REMOTE;
+}
+
 static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
                             const char *fmt, va_list ap) {
   if (ep->status != CHORUS_OK) return;
@@ -305,7 +317,8 @@ static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
   if (notify) {
     for (int g = 0; g < ep->n; g++) {
       if (g == ep->me) continue;
-      send_control(ep->tp, &ep->tp->conns[ep->members[g]], T_ABORT, ep->id, ep->msg);
+      send_control(ep->tp, &ep->tp->conns[ep->members[g]], T_ABORT, ep->id, ep->msg,
+                   (int32_t)ep->status);
     }
   }
   wake_all(ep->tp);
@@ -949,7 +962,7 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
         chorus__ep_rank_desc(ep, ep->w2g[c->rank], rd, sizeof rd);
         /* The peer's text is untrusted: escaped before any log or message. */
         chorus__escape(c->rx_abort, c->rx_abort_len, text, sizeof text);
-        ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: %s reported an error: %s",
+        ep_fail_locked(ep, abort_code(c->h.tag), 1, "chorus rank %d/%d: %s reported an error: %s",
                        ep->me, ep->n, rd, text);
       }
       free(c->rx_abort);
@@ -1123,7 +1136,7 @@ static void *progress_main(void *arg) {
       for (int r = 0; r < tp->size; r++) {
         conn_t *c = &tp->conns[r];
         if (r != tp->rank && !c->dead && !c->tx_head && !tp->bye_sent)
-          send_control(tp, c, T_PING, 0, NULL);
+          send_control(tp, c, T_PING, 0, NULL, -1);
       }
       check_silence(tp, now);
     }
@@ -1183,7 +1196,7 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
       char rd[64], text[MAX_ABORT_TEXT + 1];
       chorus__ep_rank_desc(ep, ep->w2g[u->src], rd, sizeof rd);
       chorus__escape(u->buf ? u->buf : "", u->h.len, text, sizeof text);
-      ep_fail_locked(ep, CHORUS_ERR_REMOTE, 0, "chorus rank %d/%d: %s reported an error: %s",
+      ep_fail_locked(ep, abort_code(u->h.tag), 0, "chorus rank %d/%d: %s reported an error: %s",
                      me, n, rd, text);
       break;
     }
@@ -1894,7 +1907,7 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   tp->bye_sent = 1;
   resume_all(tp); /* leaving: held-back messages are read and dropped */
   for (int r = 0; r < tp->size; r++)
-    if (r != tp->rank) send_control(tp, &tp->conns[r], T_BYE, 0, NULL);
+    if (r != tp->rank) send_control(tp, &tp->conns[r], T_BYE, 0, NULL, -1);
   /* A peer that sent nothing, not even a heartbeat, for SILENT_MS is
    * stopped or hung: its goodbye is not worth waiting for (a survivor of a
    * failure would otherwise linger the whole bye timeout). */
