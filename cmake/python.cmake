@@ -76,6 +76,7 @@ endfunction()
 add_library(chorus_python MODULE python/chorus/_chorus.c)
 chorus_python_module(chorus_python _chorus)
 set(CHORUS_PYTHON_BUILT ON)
+file(WRITE ${CHORUS_PYTHON_DIR}/targets.txt "chorus_python\n") # for setup.py
 message(STATUS "chorus: Python package for ${CHORUS_PYTHON_EXECUTABLE} in ${CHORUS_PYTHON_DIR}")
 
 # ---------------------------------------------------------------- torch
@@ -114,4 +115,5 @@ target_include_directories(chorus_torch SYSTEM PRIVATE ${CHORUS_TORCH_INCLUDES}
                            ${CHORUS_PYBIND11_INCLUDE})
 target_link_libraries(chorus_torch PRIVATE c10 torch torch_cpu torch_python)
 set(CHORUS_TORCH_BUILT ON)
+file(APPEND ${CHORUS_PYTHON_DIR}/targets.txt "chorus_torch\n")
 message(STATUS "chorus: PyTorch backend (C++ ABI ${CHORUS_TORCH_ABI})")

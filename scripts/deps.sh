@@ -15,12 +15,19 @@
 #                            it from); optional like the fuzzers (the tests
 #                            that need them skip and say why).  Slurm is
 #                            installed by its fixture (tests/fixtures/).
+#   scripts/deps.sh --torch  also PyTorch from Debian (python3-torch,
+#                            libtorch-dev, pybind11-dev, g++) for the torch
+#                            backend, and pip + setuptools for the
+#                            `pip install ./python` test; optional like the
+#                            fuzzers (the backend's tests skip and say why).
+# Always: python3-dev and python3-numpy, for `import chorus` (python/).
 set -euo pipefail
-fuzz=0 cluster=0
+fuzz=0 cluster=0 torch=0
 for arg in "$@"; do
   case $arg in
     --fuzz) fuzz=1 ;;
     --cluster) cluster=1 ;;
+    --torch) torch=1 ;;
     *) echo "deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -36,6 +43,8 @@ command -v pgrep >/dev/null 2>&1 || need+=(procps)
 # libcrypto (OpenSSL 3) for authentication and encryption (src/util/crypto.c).
 [[ "$(dpkg-query -W -f='${Status}' libssl-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libssl-dev)
+# The Python package (python/chorus): headers and NumPy.
+for p in python3-dev python3-numpy; do installed "$p" || need+=("$p"); done
 # The fuzzers: clang 14 and its runtime libraries (libFuzzer, ASan, UBSan).
 fuzz_need=()
 if ((fuzz)); then
@@ -47,9 +56,15 @@ cluster_need=()
 if ((cluster)); then
   for p in openmpi-bin mpich libpmix-dev iproute2 etcd-server etcd-client; do installed "$p" || cluster_need+=("$p"); done
 fi
+torch_need=()
+if ((torch)); then
+  for p in python3-torch libtorch-dev pybind11-dev g++ python3-pip python3-setuptools; do
+    installed "$p" || torch_need+=("$p")
+  done
+fi
 sudo=""
 [[ $(id -u) -ne 0 ]] && sudo="sudo"
-if ((${#need[@]} + ${#fuzz_need[@]} + ${#cluster_need[@]})); then
+if ((${#need[@]} + ${#fuzz_need[@]} + ${#cluster_need[@]} + ${#torch_need[@]})); then
   $sudo apt-get update -qq || echo "deps: apt-get update failed" >&2
 fi
 if ((${#need[@]})); then
@@ -66,4 +81,10 @@ if ((${#cluster_need[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
     -o DPkg::Lock::Timeout=600 "${cluster_need[@]}" >/dev/null ||
     echo "deps: could not install ${cluster_need[*]}: the tests that need them will skip" >&2
+fi
+if ((${#torch_need[@]})); then
+  echo "deps: installing ${torch_need[*]} (the PyTorch backend and its tests)"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    -o DPkg::Lock::Timeout=600 "${torch_need[@]}" >/dev/null ||
+    echo "deps: could not install ${torch_need[*]}: the torch tests will skip" >&2
 fi

@@ -13,7 +13,7 @@
 # skip pass 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then scripts/deps.sh --cluster; else scripts/deps.sh --fuzz --cluster; fi
+if [[ "${CHORUS_SKIP_FUZZ:-0}" == 1 ]]; then scripts/deps.sh --cluster --torch; else scripts/deps.sh --fuzz --cluster --torch; fi
 jobs=$(nproc)
 
 echo "== build (release, -Werror)"
