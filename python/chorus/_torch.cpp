@@ -1,0 +1,1659 @@
+/*
+ * _torch.cpp - chorus as a torch.distributed process-group backend (torch
+ * 1.13's c10d::ProcessGroup), a thin C++17 shim over chorus.h.
+ *
+ * Every torch group (the default one and each new_group) is its own chorus
+ * world, bootstrapped with chorus_comm_init_kv through the c10d::Store
+ * (a PrefixStore per group) that torch hands to the creator.  Every
+ * collective is issued in chorus's asynchronous form and wrapped in a
+ * ChorusWork:
+ *   - the Work holds every tensor the operation touches (and the contiguous
+ *     temporaries it needed) until the operation completes;
+ *   - completion ("finishing") happens once: copy the temporaries back into
+ *     the caller's tensors, complete the Future, then c10d::Work::finish;
+ *   - wait() calls chorus_work_wait on the calling thread (no hand-off);
+ *     isCompleted() calls chorus_work_test;
+ *   - getFuture() hands the Work to a completion thread of its process group
+ *     (started on first use) so the Future completes even if nobody waits
+ *     (DDP's reducer only calls getFuture).
+ * Ownership: the chorus communicator lives in a shared Comm that the process
+ * group and every Work hold, so chorus_work_free always precedes
+ * chorus_comm_destroy.  The completion thread is joined by the process
+ * group's destructor.
+ * Errors: arguments are checked here (sizes and dtypes of every list entry,
+ * roots, split sizes) and raise at call time; a collective that raises on
+ * one rank enters a barrier in its place, so the ranks that did call it fail
+ * with CHORUS_ERR_MISMATCH at once instead of waiting for the timeout (when
+ * every rank made the same mistake, the barriers match and the group stays
+ * usable).  The library's errors read "CHORUS_ERR_<CODE>: <its message>".
+ * Non-contiguous tensors go through contiguous temporaries, copied back on
+ * completion.
+ *
+ * ChorusStore is a c10d::Store over chorus's own (authenticated) store, for
+ * jobs started by chorusrun, whose MASTER_ADDR:MASTER_PORT is that store
+ * (python/chorus/torch.py uses it for env:// there).
+ */
+#include <torch/extension.h>
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/record_function.h>
+#include <pybind11/chrono.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "chorus.h"
+
+namespace chorus_torch {
+
+using c10d::OpType;
+using c10d::ReduceOp;
+using TensorPairs = std::vector<std::pair<at::Tensor, at::Tensor>>;
+
+// --------------------------------------------------------------- utilities
+
+// Releases the GIL for a scope when this thread holds it (destructors that
+// join threads or tear connections down may run from Python).
+class GilRelease {
+ public:
+  GilRelease() {
+    if (Py_IsInitialized() && !_Py_IsFinalizing() && PyGILState_Check())
+      state_ = PyEval_SaveThread();
+  }
+  ~GilRelease() {
+    if (state_) PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
+[[noreturn]] static void fail(const std::string& msg) {
+  throw std::runtime_error(msg);
+}
+
+// The library refused a call (its message, prefixed with the code's name).
+struct LibraryError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+static std::string resultText(chorus_result_t rc, const char* msg) {
+  std::string s = chorus_result_name(rc);
+  s += ": ";
+  s += (msg && *msg) ? msg : chorus_strerror(rc);
+  return s;
+}
+
+static std::string dtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return "torch.bool";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+static std::string sizesStr(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); i++) {
+    if (i) s += ", ";
+    s += std::to_string(t.size(i));
+  }
+  return s + "]";
+}
+
+static const char* redOpName(ReduceOp::RedOpType op) {
+  switch (op) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::BAND: return "BAND";
+    case ReduceOp::BOR: return "BOR";
+    case ReduceOp::BXOR: return "BXOR";
+    case ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "UNUSED";
+  }
+}
+
+// A dense CPU tensor, or a clear error naming the call.
+static void checkTensor(const char* fn, const at::Tensor& t, const char* what) {
+  if (!t.defined()) fail(c10::str("chorus ", fn, ": ", what, " is an undefined tensor"));
+  if (!t.device().is_cpu())
+    fail(c10::str("chorus ", fn, ": ", what, " is on ", t.device(),
+                  "; chorus is a CPU backend (use nccl for CUDA tensors)"));
+  if (t.layout() != c10::kStrided)
+    fail(c10::str("chorus ", fn, ": ", what, " has layout ", t.layout(),
+                  "; chorus supports dense (strided) tensors only"));
+}
+
+// chorus's element type of t.  torch.bool travels as uint8 in ops that only
+// move bytes (reducing == false).
+static chorus_dtype_t dtypeOf(const char* fn, const at::Tensor& t, bool reducing) {
+  switch (t.scalar_type()) {
+    case at::kChar: return CHORUS_INT8;
+    case at::kByte: return CHORUS_UINT8;
+    case at::kInt: return CHORUS_INT32;
+    case at::kLong: return CHORUS_INT64;
+    case at::kHalf: return CHORUS_FLOAT16;
+    case at::kBFloat16: return CHORUS_BFLOAT16;
+    case at::kFloat: return CHORUS_FLOAT32;
+    case at::kDouble: return CHORUS_FLOAT64;
+    case at::kBool:
+      if (!reducing) return CHORUS_UINT8;
+      fail(c10::str("chorus ", fn, ": dtype torch.bool not supported by chorus in reductions "
+                    "(convert to torch.uint8; bool is supported by the ops that only move data)"));
+    default:
+      fail(c10::str("chorus ", fn, ": dtype ", dtypeName(t.scalar_type()),
+                    " not supported by chorus (supported: int8, uint8, int32, int64, float16, "
+                    "bfloat16, float32, float64; bool in ops that do not reduce)"));
+  }
+}
+
+static bool isIntegral(chorus_dtype_t d) {
+  return d == CHORUS_INT8 || d == CHORUS_UINT8 || d == CHORUS_INT32 || d == CHORUS_INT64;
+}
+
+// chorus's op for a torch ReduceOp (PREMUL_SUM is SUM after scaling the input).
+static chorus_op_t opOf(const char* fn, const ReduceOp& op, chorus_dtype_t dt) {
+  switch (op.op_) {
+    case ReduceOp::SUM: return CHORUS_SUM;
+    case ReduceOp::PREMUL_SUM: return CHORUS_SUM;
+    case ReduceOp::AVG: return CHORUS_AVG;
+    case ReduceOp::PRODUCT: return CHORUS_PROD;
+    case ReduceOp::MIN: return CHORUS_MIN;
+    case ReduceOp::MAX: return CHORUS_MAX;
+    case ReduceOp::BAND:
+    case ReduceOp::BOR:
+    case ReduceOp::BXOR:
+      if (!isIntegral(dt))
+        fail(c10::str("chorus ", fn, ": ReduceOp.", redOpName(op.op_),
+                      " is defined for integer dtypes only, not ", chorus_dtype_name(dt)));
+      return op.op_ == ReduceOp::BAND ? CHORUS_BAND
+             : op.op_ == ReduceOp::BOR ? CHORUS_BOR
+                                       : CHORUS_BXOR;
+    default:
+      fail(c10::str("chorus ", fn, ": ReduceOp ", static_cast<int>(op.op_),
+                    " not supported by chorus"));
+  }
+}
+
+// The tensor PREMUL_SUM reduces: a copy of t multiplied by the factor the
+// ReduceOp carries (index idx of the tensor factors, if it has those).
+static at::Tensor premulInput(const char* fn, const ReduceOp& op, const at::Tensor& t,
+                              size_t idx) {
+  if (!at::isFloatingType(t.scalar_type()))
+    fail(c10::str("chorus ", fn, ": PREMUL_SUM needs a floating-point tensor, not ",
+                  dtypeName(t.scalar_type())));
+  auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  if (!sup) fail(c10::str("chorus ", fn, ": PREMUL_SUM without its factor"));
+  if (!sup->tensor_factors.empty()) {
+    if (idx >= sup->tensor_factors.size())
+      fail(c10::str("chorus ", fn, ": PREMUL_SUM has ", sup->tensor_factors.size(),
+                    " tensor factors for tensor ", idx));
+    at::Tensor f = sup->tensor_factors[idx];
+    checkTensor(fn, f, "the PREMUL_SUM factor");
+    if (f.numel() != 1) fail(c10::str("chorus ", fn, ": the PREMUL_SUM factor must be a scalar"));
+    return at::mul(t, f.to(t.scalar_type())).contiguous();
+  }
+  return at::mul(t, sup->double_factor).contiguous();
+}
+
+static size_t nelem(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel());
+}
+
+// Byte ranges of two contiguous tensors intersect.
+static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  auto a0 = reinterpret_cast<uintptr_t>(a.data_ptr()), a1 = a0 + a.nbytes();
+  auto b0 = reinterpret_cast<uintptr_t>(b.data_ptr()), b1 = b0 + b.nbytes();
+  return a0 < b1 && b0 < a1;
+}
+
+static char* bytePtr(const at::Tensor& t) {
+  return static_cast<char*>(t.data_ptr());
+}
+
+// ts are contiguous and lie one after the other in memory, each of the same
+// size: one flat buffer that chorus can use as is.
+static bool consecutive(const std::vector<at::Tensor>& ts) {
+  if (ts.empty()) return false;
+  const size_t nb = ts[0].nbytes();
+  char* base = bytePtr(ts[0]);
+  for (size_t i = 0; i < ts.size(); i++) {
+    if (!ts[i].is_contiguous() || ts[i].nbytes() != nb) return false;
+    if (nb && bytePtr(ts[i]) != base + i * nb) return false;
+  }
+  return true;
+}
+
+// A contiguous flat tensor over the consecutive tensors ts.
+static at::Tensor flatOver(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (auto& t : ts) n += t.numel();
+  if (n == 0) return at::empty({0}, ts[0].options());
+  return at::from_blob(ts[0].data_ptr(), {n}, ts[0].options());
+}
+
+// An input chorus may read: t itself when contiguous, else a contiguous copy.
+static at::Tensor inputBuffer(const at::Tensor& t) {
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
+// An output chorus may write: t itself when contiguous, else a contiguous
+// temporary that is copied into t when the operation completes.  An output
+// with internal overlap (an expanded tensor) cannot hold a result.
+static at::Tensor outputBuffer(const char* fn, const at::Tensor& t, TensorPairs& copies,
+                               bool keepData) {
+  if (t.is_contiguous()) return t;
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
+    fail(c10::str("chorus ", fn, ": an output tensor has overlapping elements (e.g. made by "
+                  "expand()); it cannot receive a result"));
+  at::Tensor buf = keepData ? t.contiguous() : at::empty(t.sizes(), t.options());
+  copies.emplace_back(t, buf);
+  return buf;
+}
+
+// Packs ts into one contiguous flat tensor (a copy).
+static at::Tensor pack(const std::vector<at::Tensor>& ts, const at::TensorOptions& opts) {
+  int64_t n = 0;
+  for (auto& t : ts) n += t.numel();
+  at::Tensor flat = at::empty({n}, opts);
+  int64_t off = 0;
+  for (auto& t : ts) {
+    if (t.numel()) flat.narrow(0, off, t.numel()).view(t.sizes()).copy_(t);
+    off += t.numel();
+  }
+  return flat;
+}
+
+// Copy-backs from consecutive slices of flat into ts.
+static void unpackInto(const at::Tensor& flat, const std::vector<at::Tensor>& ts,
+                       TensorPairs& copies) {
+  int64_t off = 0;
+  for (auto& t : ts) {
+    if (t.numel()) copies.emplace_back(t, flat.narrow(0, off, t.numel()).view(t.sizes()));
+    off += t.numel();
+  }
+}
+
+static void checkSameTypeAndSizes(const char* fn, const at::Tensor& expected,
+                                  const at::Tensor& t, const std::string& what,
+                                  const char* expectedWhat) {
+  if (t.scalar_type() != expected.scalar_type())
+    fail(c10::str("chorus ", fn, ": ", what, " has dtype ", dtypeName(t.scalar_type()),
+                  " but ", expectedWhat, " has ", dtypeName(expected.scalar_type())));
+  if (t.sizes() != expected.sizes())
+    fail(c10::str("chorus ", fn, ": ", what, " has sizes ", sizesStr(t), " but ",
+                  expectedWhat, " has ", sizesStr(expected)));
+}
+
+static void checkSingle(const char* fn, size_t n, const char* what) {
+  if (n != 1)
+    fail(c10::str("chorus ", fn, ": takes exactly one ", what, " per rank (got ", n,
+                  "); lists of several tensors per rank (the multi-device forms) are not "
+                  "supported on CPU"));
+}
+
+// ----------------------------------------------------- communicator, thread
+
+// The communicator, shared by the process group and its Works: destroyed
+// after the last Work is freed.
+struct Comm {
+  chorus_comm_t comm = nullptr;
+  std::mutex issueMu;  // issuing order == library order on this rank
+  ~Comm() {
+    if (comm) {
+      GilRelease nogil;
+      chorus_comm_destroy(comm);
+    }
+  }
+};
+
+class ChorusWork;
+
+// Finishes, in order, the Works whose Future someone asked for.
+class Completer {
+ public:
+  // false once the group is gone (the caller then finishes the Work itself).
+  bool enqueue(c10::intrusive_ptr<ChorusWork> w);
+  void shutdown();
+  ~Completer() { shutdown(); }
+
+ private:
+  void run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<ChorusWork>> q_;
+  bool stop_ = false;
+  std::thread th_;
+};
+
+// ------------------------------------------------------------------- Work
+
+class ChorusWork : public c10d::Work {
+ public:
+  ChorusWork(int rank, OpType type, const char* title, const std::vector<at::Tensor>* inputs,
+             std::shared_ptr<Comm> comm, std::shared_ptr<Completer> completer,
+             std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep,
+             TensorPairs copies, int srcRank)
+      : c10d::Work(rank, type, profiling() ? title : nullptr,
+                   profiling() && inputs ? c10::optional<std::vector<at::Tensor>>(*inputs)
+                                         : c10::nullopt),
+        comm_(std::move(comm)),
+        completer_(std::move(completer)),
+        outputs_(std::move(outputs)),
+        keep_(std::move(keep)),
+        copies_(std::move(copies)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(listOfTensors())),
+        srcRank_(srcRank),
+        title_(title) {}
+
+  ~ChorusWork() override {
+    if (!h_) return;
+    try {
+      if (!finishing()) {
+        GilRelease nogil;
+        chorus_result_t rc = chorus_work_wait(h_, -1);
+        complete(rc);
+      }
+    } catch (...) {
+    }
+    chorus_work_free(h_);
+  }
+
+  chorus_work_t* handle() { return &h_; }
+
+  bool isCompleted() override {
+    if (done()) return true;
+    chorus_result_t rc = chorus_work_test(h_);
+    if (rc == CHORUS_INPROGRESS) return false;
+    complete(rc);
+    return done();
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!done()) {
+      int ms = -1;
+      if (timeout != kNoTimeout)
+        ms = static_cast<int>(std::min<int64_t>(std::max<int64_t>(timeout.count(), 0), INT_MAX));
+      chorus_result_t rc = chorus_work_wait(h_, ms);
+      if (rc == CHORUS_INPROGRESS)
+        fail(c10::str("chorus: ", title_, " did not complete within the ", ms,
+                      " ms given to Work.wait() (it continues in the background; the "
+                      "communicator's own timeout, CHORUS_TIMEOUT or init_process_group's "
+                      "timeout, fails it if a peer never takes part)"));
+      if (!complete(rc)) awaitFinish();
+    }
+    std::lock_guard<std::mutex> g(finishMu_);
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+  void synchronize() override {}
+
+  void abort() override { chorus_comm_abort(comm_->comm); }
+
+  int sourceRank() const override {
+    if (srcRank_ < 0)
+      fail("sourceRank() may only be called on work objects that correspond to a recv");
+    return srcRank_;
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    if (!registered_.exchange(true) && !finishing()) {
+      if (!completer_ || !completer_->enqueue(c10::intrusive_ptr<ChorusWork>::reclaim_copy(this))) {
+        GilRelease nogil;
+        complete(chorus_work_wait(h_, -1));
+      }
+    }
+    return future_;
+  }
+
+  // The completion thread's part: wait for the outcome and finish.
+  void completeBlocking() {
+    if (finishing()) return;
+    complete(chorus_work_wait(h_, -1));
+  }
+
+  // Finishes the Work once; true when this call did it.
+  bool complete(chorus_result_t rc) {
+    {
+      std::lock_guard<std::mutex> g(finishMu_);
+      if (finishing_) return false;
+      finishing_ = true;
+      finisher_ = std::this_thread::get_id();
+    }
+    std::exception_ptr e;
+    if (rc == CHORUS_OK) {
+      try {
+        at::AutoDispatchBelowAutograd guard;
+        for (auto& c : copies_) c.first.copy_(c.second);
+      } catch (...) {
+        e = std::current_exception();
+      }
+    } else {
+      const char* msg = chorus_work_error(h_);
+      e = std::make_exception_ptr(std::runtime_error(resultText(rc, msg)));
+    }
+    copies_.clear();
+    keep_.clear();
+    {
+      std::lock_guard<std::mutex> g(finishMu_);
+      error_ = e;  // known before the Future's callbacks run (they may wait())
+    }
+    try {
+      if (e)
+        future_->setError(e);
+      else
+        future_->markCompleted(c10::IValue(outputs_));
+    } catch (...) {
+      // A callback of the Future threw: it must not escape the finishing
+      // thread (which may be the completion thread).
+    }
+    finish(e);
+    return true;
+  }
+
+ private:
+  static bool profiling() { return at::hasCallbacks(); }
+  static const c10::TypePtr& listOfTensors() {
+    static const c10::TypePtr t = c10::ListType::create(c10::TensorType::get());
+    return t;
+  }
+
+  bool done() {
+    std::lock_guard<std::mutex> g(mutex_);
+    return completed_;
+  }
+  bool finishing() {
+    std::lock_guard<std::mutex> g(finishMu_);
+    return finishing_;
+  }
+  // Another thread is finishing: wait until it has (unless this thread is
+  // that one, called back from the Future's callbacks).
+  void awaitFinish() {
+    {
+      std::lock_guard<std::mutex> g(finishMu_);
+      if (finisher_ == std::this_thread::get_id()) return;
+    }
+    std::unique_lock<std::mutex> l(mutex_);
+    cv_.wait(l, [&] { return completed_; });
+  }
+
+  chorus_work_t h_ = nullptr;
+  std::shared_ptr<Comm> comm_;
+  std::shared_ptr<Completer> completer_;
+  std::vector<at::Tensor> outputs_;  // the Future's value
+  std::vector<at::Tensor> keep_;     // alive until completion
+  TensorPairs copies_;               // (caller's tensor, buffer) after success
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int srcRank_;
+  const char* title_;
+  std::mutex finishMu_;
+  bool finishing_ = false;
+  std::thread::id finisher_;
+  std::exception_ptr error_;  // the outcome, once finishing has decided it
+  std::atomic<bool> registered_{false};
+};
+
+bool Completer::enqueue(c10::intrusive_ptr<ChorusWork> w) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (stop_) return false;
+  if (!th_.joinable()) th_ = std::thread([this] { run(); });
+  q_.push_back(std::move(w));
+  cv_.notify_one();
+  return true;
+}
+
+void Completer::run() {
+  for (;;) {
+    c10::intrusive_ptr<ChorusWork> w;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;  // stopping, and nothing left to finish
+      w = std::move(q_.front());
+      q_.pop_front();
+    }
+    try {
+      w->completeBlocking();
+    } catch (...) {
+    }
+    w.reset();
+  }
+}
+
+void Completer::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (th_.joinable()) {
+    if (th_.get_id() == std::this_thread::get_id()) {
+      th_.detach();  // the group died in one of its own callbacks
+    } else {
+      GilRelease nogil;
+      th_.join();
+    }
+  }
+}
+
+// ----------------------------------------------------------- bootstrapping
+
+struct KvCtx {
+  c10d::Store* store;
+};
+
+static void setErr(char* err, size_t cap, const std::string& s) {
+  if (err && cap) std::snprintf(err, cap, "%s", s.c_str());
+}
+
+static int chorusKvSet(void* ctx, const char* key, const void* val, size_t len, char* err,
+                       size_t errcap) {
+  try {
+    auto* p = static_cast<const uint8_t*>(val);
+    std::vector<uint8_t> v(p, p + len);
+    static_cast<KvCtx*>(ctx)->store->set(key, v);
+    return 0;
+  } catch (const std::exception& e) {
+    setErr(err, errcap, c10::str("torch store set('", key, "'): ", e.what()));
+  } catch (...) {
+    setErr(err, errcap, c10::str("torch store set('", key, "'): unknown C++ exception"));
+  }
+  return 1;
+}
+
+static int chorusKvGet(void* ctx, const char* key, void* val, size_t cap, size_t* len,
+                       int timeout_ms, char* err, size_t errcap) {
+  try {
+    c10d::Store* store = static_cast<KvCtx*>(ctx)->store;
+    auto tmo = timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : store->getTimeout();
+    store->wait({key}, tmo);
+    std::vector<uint8_t> v = store->get(key);
+    if (len) *len = v.size();
+    if (val && cap) std::memcpy(val, v.data(), std::min(cap, v.size()));
+    return 0;
+  } catch (const std::exception& e) {
+    setErr(err, errcap, c10::str("torch store get('", key, "'): ", e.what()));
+  } catch (...) {
+    setErr(err, errcap, c10::str("torch store get('", key, "'): unknown C++ exception"));
+  }
+  return 1;
+}
+
+static int envInt(const char* name, int dflt) {
+  const char* s = std::getenv(name);
+  if (!s || !*s) return dflt;
+  char* end = nullptr;
+  long v = std::strtol(s, &end, 10);
+  if (*end || v < INT_MIN || v > INT_MAX) return dflt;
+  return static_cast<int>(v);
+}
+
+// torch's default process-group timeout (init_process_group's default).
+static constexpr int64_t kTorchDefaultTimeoutMs = 30 * 60 * 1000;
+
+// ------------------------------------------------------------ ProcessGroup
+
+class ProcessGroupChorus : public c10d::ProcessGroup {
+ public:
+  ProcessGroupChorus(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                     std::chrono::milliseconds timeout)
+      : c10d::ProcessGroup(rank, size),
+        comm_(std::make_shared<Comm>()),
+        completer_(std::make_shared<Completer>()) {
+    if (!store) fail("chorus: create_process_group needs a store");
+    chorus_config_t cfg = CHORUS_CONFIG_INITIALIZER;
+    cfg.rank = rank;
+    cfg.world_size = size;
+    // init_process_group always passes a timeout; its default (30 min)
+    // yields to CHORUS_TIMEOUT when that is set, any other value is the
+    // user's and wins.
+    const char* envTimeout = std::getenv("CHORUS_TIMEOUT");
+    if (timeout.count() == kTorchDefaultTimeoutMs && envTimeout && *envTimeout)
+      cfg.timeout_ms = 0;
+    else
+      cfg.timeout_ms = static_cast<int>(std::min<int64_t>(std::max<int64_t>(timeout.count(), 1), INT_MAX));
+    // Every rank of the job on this host: every group is, too.
+    int lws = envInt("LOCAL_WORLD_SIZE", -1), ws = envInt("WORLD_SIZE", -1);
+    if (lws > 0 && lws == ws) {
+      cfg.local_rank = rank;
+      cfg.local_world_size = size;
+    } else if (ws == size && envInt("RANK", -1) == rank && lws > 0) {
+      cfg.local_rank = envInt("LOCAL_RANK", -1);
+      cfg.local_world_size = lws;
+    }
+    KvCtx ctx{store.get()};
+    chorus_kv_t kv;
+    kv.ctx = &ctx;
+    kv.set = chorusKvSet;
+    kv.get = chorusKvGet;
+    chorus_comm_t c = nullptr;
+    chorus_result_t rc = chorus_comm_init_kv(&cfg, &kv, &c);
+    if (rc != CHORUS_OK || !c)
+      fail(resultText(rc != CHORUS_OK ? rc : CHORUS_ERR_INTERNAL, chorus_last_init_error()));
+    comm_->comm = c;
+    timeoutMs_ = chorus_comm_timeout_ms(c);
+    init();
+  }
+
+  ~ProcessGroupChorus() override { completer_->shutdown(); }
+
+  const std::string getBackendName() const override { return "chorus"; }
+
+  chorus_comm_t comm() const { return comm_->comm; }
+  int timeoutMs() const { return timeoutMs_; }
+
+  // ---- collectives
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "broadcast";
+      at::AutoDispatchBelowAutograd guard;
+      checkRoot(fn, opts.rootRank);
+      if (tensors.empty()) fail("chorus broadcast: no tensor given");
+      if (opts.rootTensor < 0 || opts.rootTensor >= static_cast<int64_t>(tensors.size()))
+        fail(c10::str("chorus broadcast: rootTensor ", opts.rootTensor, " is not in [0, ",
+                      tensors.size(), ")"));
+      for (size_t i = 0; i < tensors.size(); i++) {
+        checkTensor(fn, tensors[i], "the tensor");
+        if (i) checkSameTypeAndSizes(fn, tensors[0], tensors[i], c10::str("tensor ", i), "tensor 0");
+      }
+      const at::Tensor& t = tensors[opts.rootTensor];
+      chorus_dtype_t dt = dtypeOf(fn, t, false);
+      TensorPairs copies;
+      at::Tensor buf = outputBuffer(fn, t, copies, true);
+      for (size_t i = 0; i < tensors.size(); i++)
+        if (static_cast<int64_t>(i) != opts.rootTensor) copies.emplace_back(tensors[i], buf);
+      int root = static_cast<int>(opts.rootRank);
+      return issue(OpType::BROADCAST, "chorus:broadcast", &tensors, tensors, {buf},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_broadcast(comm(), buf.data_ptr(), nelem(buf), dt, root, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "allreduce";
+      at::AutoDispatchBelowAutograd guard;
+      if (tensors.empty()) fail("chorus allreduce: no tensor given");
+      for (size_t i = 0; i < tensors.size(); i++) {
+        checkTensor(fn, tensors[i], "the tensor");
+        if (i) checkSameTypeAndSizes(fn, tensors[0], tensors[i], c10::str("tensor ", i), "tensor 0");
+      }
+      chorus_dtype_t dt = dtypeOf(fn, tensors[0], true);
+      chorus_op_t op = opOf(fn, opts.reduceOp, dt);
+      TensorPairs copies;
+      at::Tensor send, recv;
+      if (tensors.size() == 1) {
+        const at::Tensor& t = tensors[0];
+        if (opts.reduceOp.op_ == ReduceOp::PREMUL_SUM) {
+          send = premulInput(fn, opts.reduceOp, t, 0);
+          recv = outputBuffer(fn, t, copies, false);
+        } else {
+          recv = outputBuffer(fn, t, copies, true);
+          send = recv;
+        }
+      } else {
+        // Several tensors per rank (all_reduce_multigpu): reduce them here,
+        // reduce the result across ranks, copy it into each.
+        if (opts.reduceOp.op_ == ReduceOp::AVG || opts.reduceOp.op_ == ReduceOp::PREMUL_SUM)
+          fail(c10::str("chorus allreduce: ReduceOp.", redOpName(opts.reduceOp.op_),
+                        " with several tensors per rank is not supported"));
+        recv = localReduce(tensors, opts.reduceOp.op_);
+        send = recv;
+        for (auto& t : tensors) copies.emplace_back(t, recv);
+      }
+      return issue(OpType::ALLREDUCE, "chorus:all_reduce", &tensors, tensors, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_reduce(comm(), send.data_ptr(), recv.data_ptr(),
+                                              nelem(recv), dt, op, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "allreduce_coalesced";
+      at::AutoDispatchBelowAutograd guard;
+      if (tensors.empty()) fail("chorus allreduce_coalesced: no tensor given");
+      for (size_t i = 0; i < tensors.size(); i++) {
+        checkTensor(fn, tensors[i], "a tensor");
+        if (tensors[i].scalar_type() != tensors[0].scalar_type())
+          fail(c10::str("chorus allreduce_coalesced: tensor ", i, " has dtype ",
+                        dtypeName(tensors[i].scalar_type()), " but tensor 0 has ",
+                        dtypeName(tensors[0].scalar_type()), "; all must have the same dtype"));
+      }
+      chorus_dtype_t dt = dtypeOf(fn, tensors[0], true);
+      chorus_op_t op = opOf(fn, opts.reduceOp, dt);
+      std::vector<at::Tensor> in = tensors;
+      if (opts.reduceOp.op_ == ReduceOp::PREMUL_SUM)
+        for (size_t i = 0; i < in.size(); i++) in[i] = premulInput(fn, opts.reduceOp, in[i], 0);
+      at::Tensor flat = pack(in, tensors[0].options());
+      TensorPairs copies;
+      unpackInto(flat, tensors, copies);
+      return issue(OpType::ALLREDUCE_COALESCED, "chorus:all_reduce_coalesced", &tensors, tensors,
+                   {flat}, std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_reduce(comm(), flat.data_ptr(), flat.data_ptr(),
+                                              nelem(flat), dt, op, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "reduce";
+      at::AutoDispatchBelowAutograd guard;
+      checkRoot(fn, opts.rootRank);
+      checkSingle(fn, tensors.size(), "tensor");
+      if (opts.rootTensor != 0) fail("chorus reduce: rootTensor must be 0 (one tensor per rank)");
+      const at::Tensor& t = tensors[0];
+      checkTensor(fn, t, "the tensor");
+      chorus_dtype_t dt = dtypeOf(fn, t, true);
+      chorus_op_t op = opOf(fn, opts.reduceOp, dt);
+      int root = static_cast<int>(opts.rootRank);
+      bool isRoot = root == rank_;
+      TensorPairs copies;
+      at::Tensor send, recv;
+      if (opts.reduceOp.op_ == ReduceOp::PREMUL_SUM) {
+        send = premulInput(fn, opts.reduceOp, t, 0);
+        if (isRoot) recv = outputBuffer(fn, t, copies, false);
+      } else if (isRoot) {
+        recv = outputBuffer(fn, t, copies, true);
+        send = recv;
+      } else {
+        send = inputBuffer(t);
+      }
+      return issue(OpType::REDUCE, "chorus:reduce", &tensors, tensors, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_reduce(comm(), send.data_ptr(),
+                                          recv.defined() ? recv.data_ptr() : nullptr, nelem(send),
+                                          dt, op, root, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    return guarded([&] {
+      static const char* fn = "allgather";
+      at::AutoDispatchBelowAutograd guard;
+      checkSingle(fn, inputs.size(), "input tensor");
+      checkSingle(fn, outputs.size(), "output list");
+      const at::Tensor& in = inputs[0];
+      checkTensor(fn, in, "the input");
+      chorus_dtype_t dt = dtypeOf(fn, in, false);
+      std::vector<at::Tensor>& outs = outputs[0];
+      checkList(fn, outs, in, "the output list");
+      size_t count = nelem(in);
+      at::Tensor send = inputBuffer(in);
+      std::vector<at::Tensor> keep{send};
+      TensorPairs copies;
+      std::vector<at::Tensor> flatOuts = outs;
+      if (consecutive(outs)) {
+        // One flat buffer: all_gather (in place when the input is our block).
+        at::Tensor flat = flatOver(outs);
+        keep.push_back(flat);
+        bool inPlace = count && bytePtr(send) == bytePtr(flat) + rank_ * send.nbytes();
+        if (!inPlace && overlaps(send, flat)) keep[0] = send = send.clone();
+        return issue(OpType::ALLGATHER, "chorus:all_gather", &inputs, flatOuts, std::move(keep),
+                     std::move(copies), true, [&](chorus_work_t* w) {
+                       return chorus_all_gather(comm(), send.data_ptr(), flat.data_ptr(), count,
+                                                dt, w);
+                     });
+      }
+      std::vector<void*> ptrs(outs.size());
+      for (size_t r = 0; r < outs.size(); r++) {
+        at::Tensor b = outputBuffer(fn, outs[r], copies, false);
+        if (overlaps(send, b)) keep[0] = send = send.clone();
+        keep.push_back(b);
+        ptrs[r] = b.data_ptr();
+      }
+      return issue(OpType::ALLGATHER, "chorus:all_gather", &inputs, flatOuts, std::move(keep),
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_gather_list(comm(), send.data_ptr(), ptrs.data(), count,
+                                                   dt, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions&) override {
+    return guarded([&] {
+      static const char* fn = "_allgather_base";
+      at::AutoDispatchBelowAutograd guard;
+      checkTensor(fn, input, "the input");
+      checkTensor(fn, output, "the output");
+      chorus_dtype_t dt = dtypeOf(fn, input, false);
+      if (output.scalar_type() != input.scalar_type())
+        fail(c10::str("chorus _allgather_base: the output has dtype ",
+                      dtypeName(output.scalar_type()), " but the input has ",
+                      dtypeName(input.scalar_type())));
+      size_t count = nelem(input);
+      if (nelem(output) != count * size_)
+        fail(c10::str("chorus _allgather_base: the output has ", output.numel(),
+                      " elements; it must have world size (", size_, ") times the input's (",
+                      input.numel(), ")"));
+      TensorPairs copies;
+      at::Tensor recv = outputBuffer(fn, output, copies, false);
+      at::Tensor send = inputBuffer(input);
+      bool inPlace = count && output.is_contiguous() &&
+                     bytePtr(send) == bytePtr(recv) + rank_ * send.nbytes();
+      if (!inPlace && overlaps(send, recv)) send = send.clone();
+      std::vector<at::Tensor> ins{input};
+      return issue(OpType::_ALLGATHER_BASE, "chorus:_allgather_base", &ins, {output},
+                   {send, recv}, std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_gather(comm(), send.data_ptr(), recv.data_ptr(), count, dt,
+                                              w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions&) override {
+    return guarded([&] {
+      static const char* fn = "allgather_coalesced";
+      at::AutoDispatchBelowAutograd guard;
+      if (inputs.empty()) fail("chorus allgather_coalesced: no input tensor given");
+      if (outputLists.size() != static_cast<size_t>(size_))
+        fail(c10::str("chorus allgather_coalesced: ", outputLists.size(),
+                      " output lists given; one per rank (", size_, ") is needed"));
+      for (size_t i = 0; i < inputs.size(); i++) {
+        checkTensor(fn, inputs[i], "an input");
+        if (inputs[i].scalar_type() != inputs[0].scalar_type())
+          fail(c10::str("chorus allgather_coalesced: input ", i, " has dtype ",
+                        dtypeName(inputs[i].scalar_type()), " but input 0 has ",
+                        dtypeName(inputs[0].scalar_type()), "; all must have the same dtype"));
+      }
+      chorus_dtype_t dt = dtypeOf(fn, inputs[0], false);
+      std::vector<at::Tensor> flatOuts;
+      for (size_t r = 0; r < outputLists.size(); r++) {
+        if (outputLists[r].size() != inputs.size())
+          fail(c10::str("chorus allgather_coalesced: output list ", r, " has ",
+                        outputLists[r].size(), " tensors; it must have one per input (",
+                        inputs.size(), ")"));
+        for (size_t i = 0; i < inputs.size(); i++) {
+          checkTensor(fn, outputLists[r][i], "an output");
+          checkSameTypeAndSizes(fn, inputs[i], outputLists[r][i],
+                                c10::str("output ", i, " of list ", r),
+                                c10::str("input ", i).c_str());
+          flatOuts.push_back(outputLists[r][i]);
+        }
+      }
+      at::Tensor send = pack(inputs, inputs[0].options());
+      size_t count = nelem(send);
+      at::Tensor recv = at::empty({static_cast<int64_t>(count * size_)}, inputs[0].options());
+      TensorPairs copies;
+      unpackInto(recv, flatOuts, copies);
+      return issue(OpType::ALLGATHER_COALESCED, "chorus:all_gather_coalesced", &inputs, flatOuts,
+                   {send, recv}, std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_gather(comm(), send.data_ptr(), recv.data_ptr(), count, dt,
+                                              w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "gather";
+      at::AutoDispatchBelowAutograd guard;
+      checkRoot(fn, opts.rootRank);
+      checkSingle(fn, inputs.size(), "input tensor");
+      const at::Tensor& in = inputs[0];
+      checkTensor(fn, in, "the input");
+      chorus_dtype_t dt = dtypeOf(fn, in, false);
+      int root = static_cast<int>(opts.rootRank);
+      size_t count = nelem(in);
+      at::Tensor send = inputBuffer(in);
+      TensorPairs copies;
+      std::vector<at::Tensor> flatOuts;
+      at::Tensor recv;
+      if (rank_ == root) {
+        checkSingle(fn, outputs.size(), "output list (on the root)");
+        std::vector<at::Tensor>& outs = outputs[0];
+        checkList(fn, outs, in, "the gather list");
+        flatOuts = outs;
+        if (consecutive(outs)) {
+          recv = flatOver(outs);
+          bool inPlace = count && bytePtr(send) == bytePtr(recv) + root * send.nbytes();
+          if (!inPlace && overlaps(send, recv)) send = send.clone();
+        } else {
+          recv = at::empty({static_cast<int64_t>(count * size_)}, in.options());
+          unpackInto(recv, outs, copies);
+        }
+      } else if (!outputs.empty() && !(outputs.size() == 1 && outputs[0].empty())) {
+        fail(c10::str("chorus gather: only the root (rank ", root,
+                      ") may pass a gather list; this rank is ", rank_));
+      }
+      return issue(OpType::GATHER, "chorus:gather", &inputs, flatOuts, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_gather(comm(), send.data_ptr(),
+                                          recv.defined() ? recv.data_ptr() : nullptr, count, dt,
+                                          root, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "scatter";
+      at::AutoDispatchBelowAutograd guard;
+      checkRoot(fn, opts.rootRank);
+      checkSingle(fn, outputs.size(), "output tensor");
+      const at::Tensor& out = outputs[0];
+      checkTensor(fn, out, "the output");
+      chorus_dtype_t dt = dtypeOf(fn, out, false);
+      int root = static_cast<int>(opts.rootRank);
+      size_t count = nelem(out);
+      TensorPairs copies;
+      at::Tensor recv = outputBuffer(fn, out, copies, false);
+      at::Tensor send;
+      std::vector<at::Tensor> ins;
+      if (rank_ == root) {
+        checkSingle(fn, inputs.size(), "input list (on the root)");
+        ins = inputs[0];
+        checkList(fn, ins, out, "the scatter list");
+        if (consecutive(ins)) {
+          send = flatOver(ins);
+          bool inPlace = count && out.is_contiguous() &&
+                         bytePtr(recv) == bytePtr(send) + root * recv.nbytes();
+          if (!inPlace && overlaps(send, recv)) send = send.clone();
+        } else {
+          send = pack(ins, out.options());
+        }
+      } else if (!inputs.empty() && !(inputs.size() == 1 && inputs[0].empty())) {
+        fail(c10::str("chorus scatter: only the source (rank ", root,
+                      ") may pass a scatter list; this rank is ", rank_));
+      }
+      return issue(OpType::SCATTER, "chorus:scatter", &ins, outputs, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_scatter(comm(), send.defined() ? send.data_ptr() : nullptr,
+                                           recv.data_ptr(), count, dt, root, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "reduce_scatter";
+      at::AutoDispatchBelowAutograd guard;
+      checkSingle(fn, outputs.size(), "output tensor");
+      checkSingle(fn, inputs.size(), "input list");
+      const at::Tensor& out = outputs[0];
+      checkTensor(fn, out, "the output");
+      chorus_dtype_t dt = dtypeOf(fn, out, true);
+      chorus_op_t op = opOf(fn, opts.reduceOp, dt);
+      std::vector<at::Tensor> ins = inputs[0];
+      checkList(fn, ins, out, "the input list");
+      size_t count = nelem(out);
+      TensorPairs copies;
+      at::Tensor recv = outputBuffer(fn, out, copies, false);
+      at::Tensor send;
+      if (opts.reduceOp.op_ == ReduceOp::PREMUL_SUM) {
+        std::vector<at::Tensor> scaled;
+        for (auto& t : ins) scaled.push_back(premulInput(fn, opts.reduceOp, t, 0));
+        send = pack(scaled, out.options());
+      } else if (consecutive(ins)) {
+        send = flatOver(ins);
+        bool inPlace = count && out.is_contiguous() &&
+                       bytePtr(recv) == bytePtr(send) + rank_ * recv.nbytes();
+        if (!inPlace && overlaps(send, recv)) send = send.clone();
+      } else {
+        send = pack(ins, out.options());
+      }
+      return issue(OpType::REDUCE_SCATTER, "chorus:reduce_scatter", &ins, outputs, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_reduce_scatter(comm(), send.data_ptr(), recv.data_ptr(), count,
+                                                  dt, op, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    return guarded([&] {
+      static const char* fn = "_reduce_scatter_base";
+      at::AutoDispatchBelowAutograd guard;
+      checkTensor(fn, input, "the input");
+      checkTensor(fn, output, "the output");
+      chorus_dtype_t dt = dtypeOf(fn, output, true);
+      chorus_op_t op = opOf(fn, opts.reduceOp, dt);
+      if (output.scalar_type() != input.scalar_type())
+        fail(c10::str("chorus _reduce_scatter_base: the output has dtype ",
+                      dtypeName(output.scalar_type()), " but the input has ",
+                      dtypeName(input.scalar_type())));
+      size_t count = nelem(output);
+      if (nelem(input) != count * size_)
+        fail(c10::str("chorus _reduce_scatter_base: the input has ", input.numel(),
+                      " elements; it must have world size (", size_, ") times the output's (",
+                      output.numel(), ")"));
+      TensorPairs copies;
+      at::Tensor recv = outputBuffer(fn, output, copies, false);
+      at::Tensor send;
+      if (opts.reduceOp.op_ == ReduceOp::PREMUL_SUM) {
+        send = premulInput(fn, opts.reduceOp, input, 0);
+      } else {
+        send = inputBuffer(input);
+        bool inPlace = count && output.is_contiguous() &&
+                       bytePtr(recv) == bytePtr(send) + rank_ * recv.nbytes();
+        if (!inPlace && overlaps(send, recv)) send = send.clone();
+      }
+      std::vector<at::Tensor> ins{input};
+      return issue(OpType::_REDUCE_SCATTER_BASE, "chorus:_reduce_scatter_base", &ins, {output},
+                   {send, recv}, std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_reduce_scatter(comm(), send.data_ptr(), recv.data_ptr(), count,
+                                                  dt, op, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outSplits,
+                                               std::vector<int64_t>& inSplits,
+                                               const c10d::AllToAllOptions&) override {
+    return guarded([&] {
+      static const char* fn = "alltoall_base";
+      at::AutoDispatchBelowAutograd guard;
+      checkTensor(fn, input, "the input");
+      checkTensor(fn, output, "the output");
+      chorus_dtype_t dt = dtypeOf(fn, input, false);
+      if (output.scalar_type() != input.scalar_type())
+        fail(c10::str("chorus alltoall_base: the output has dtype ",
+                      dtypeName(output.scalar_type()), " but the input has ",
+                      dtypeName(input.scalar_type())));
+      TensorPairs copies;
+      at::Tensor recv = outputBuffer(fn, output, copies, false);
+      at::Tensor send = inputBuffer(input);
+      std::vector<at::Tensor> ins{input};
+      if (outSplits.empty() && inSplits.empty()) {
+        if (input.numel() != output.numel())
+          fail(c10::str("chorus alltoall_base: the input has ", input.numel(),
+                        " elements and the output ", output.numel(), "; without split sizes "
+                        "they must be equal"));
+        if (input.dim() == 0 || input.size(0) % size_ != 0)
+          fail(c10::str("chorus alltoall_base: the input's first dimension (",
+                        input.dim() ? input.size(0) : 0, ") does not divide equally across the ",
+                        size_, " ranks; give split sizes"));
+        size_t count = nelem(input) / size_;
+        bool inPlace = bytePtr(send) == bytePtr(recv) && send.nbytes() == recv.nbytes();
+        if (!inPlace && overlaps(send, recv)) send = send.clone();
+        return issue(OpType::ALLTOALL_BASE, "chorus:all_to_all", &ins, {output}, {send, recv},
+                     std::move(copies), true, [&](chorus_work_t* w) {
+                       return chorus_all_to_all(comm(), send.data_ptr(), recv.data_ptr(), count,
+                                                dt, w);
+                     });
+      }
+      std::vector<size_t> sc, sd, rc, rd;
+      splits(fn, "input", input, inSplits, sc, sd);
+      splits(fn, "output", output, outSplits, rc, rd);
+      if (overlaps(send, recv)) send = send.clone();
+      return issue(OpType::ALLTOALL_BASE, "chorus:all_to_allv", &ins, {output}, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_to_allv(comm(), send.data_ptr(), sc.data(), sd.data(),
+                                               recv.data_ptr(), rc.data(), rd.data(), dt, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions&) override {
+    return guarded([&] {
+      static const char* fn = "alltoall";
+      at::AutoDispatchBelowAutograd guard;
+      if (outputs.size() != static_cast<size_t>(size_) || inputs.size() != static_cast<size_t>(size_))
+        fail(c10::str("chorus alltoall: the input list has ", inputs.size(),
+                      " tensors and the output list ", outputs.size(),
+                      "; both need one per rank (", size_, ")"));
+      for (size_t i = 0; i < inputs.size(); i++) {
+        checkTensor(fn, inputs[i], "an input");
+        checkTensor(fn, outputs[i], "an output");
+        if (inputs[i].scalar_type() != inputs[0].scalar_type() ||
+            outputs[i].scalar_type() != inputs[0].scalar_type())
+          fail(c10::str("chorus alltoall: input ", i, " (", dtypeName(inputs[i].scalar_type()),
+                        ") or output ", i, " (", dtypeName(outputs[i].scalar_type()),
+                        ") differs from input 0's dtype ", dtypeName(inputs[0].scalar_type())));
+      }
+      chorus_dtype_t dt = dtypeOf(fn, inputs[0], false);
+      std::vector<size_t> sc(size_), sd(size_), rc(size_), rd(size_);
+      size_t so = 0, ro = 0;
+      for (int r = 0; r < size_; r++) {
+        sc[r] = nelem(inputs[r]);
+        sd[r] = so;
+        so += sc[r];
+        rc[r] = nelem(outputs[r]);
+        rd[r] = ro;
+        ro += rc[r];
+      }
+      at::Tensor send = pack(inputs, inputs[0].options());
+      TensorPairs copies;
+      at::Tensor recv;
+      if (consecutive(outputs) || (size_ == 1 && outputs[0].is_contiguous())) {
+        recv = flatOver(outputs);
+      } else {
+        recv = at::empty({static_cast<int64_t>(ro)}, inputs[0].options());
+        unpackInto(recv, outputs, copies);
+      }
+      return issue(OpType::ALLTOALL, "chorus:all_to_allv", &inputs, outputs, {send, recv},
+                   std::move(copies), true, [&](chorus_work_t* w) {
+                     return chorus_all_to_allv(comm(), send.data_ptr(), sc.data(), sd.data(),
+                                               recv.data_ptr(), rc.data(), rd.data(), dt, w);
+                   });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override {
+    static const char* fn = "send";
+    at::AutoDispatchBelowAutograd guard;
+    checkSingle(fn, tensors.size(), "tensor");
+    checkPeer(fn, dstRank, tag);
+    const at::Tensor& t = tensors[0];
+    checkTensor(fn, t, "the tensor");
+    chorus_dtype_t dt = dtypeOf(fn, t, false);
+    at::Tensor buf = inputBuffer(t);
+    return issue(OpType::SEND, "chorus:send", &tensors, tensors, {buf}, {}, false,
+                 [&](chorus_work_t* w) {
+                   return chorus_send(comm(), buf.data_ptr(), nelem(buf), dt, dstRank, tag, w);
+                 });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override {
+    static const char* fn = "recv";
+    at::AutoDispatchBelowAutograd guard;
+    checkSingle(fn, tensors.size(), "tensor");
+    checkPeer(fn, srcRank, tag);
+    const at::Tensor& t = tensors[0];
+    checkTensor(fn, t, "the tensor");
+    chorus_dtype_t dt = dtypeOf(fn, t, false);
+    TensorPairs copies;
+    at::Tensor buf = outputBuffer(fn, t, copies, false);
+    return issue(OpType::RECV, "chorus:recv", &tensors, tensors, {buf}, std::move(copies),
+                 false,
+                 [&](chorus_work_t* w) {
+                   return chorus_recv(comm(), buf.data_ptr(), nelem(buf), dt, srcRank, tag, w);
+                 },
+                 srcRank);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
+    fail("chorus recv: receiving from any source is not supported by chorus: give recv a "
+         "source rank (src=...)");
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    return issue(OpType::BARRIER, "chorus:barrier", nullptr, {}, {}, {}, true,
+                 [&](chorus_work_t* w) { return chorus_barrier(comm(), w); });
+  }
+
+  // Gloo's algorithm over tagged point-to-point messages: every rank
+  // reports to rank 0, which waits for the reports until the timeout, then
+  // sends every rank the verdict (which ranks failed), failed or not, so
+  // that every message posted has its match and the next monitored barrier
+  // starts clean.  A late rank gets the verdict when it arrives.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
+    at::AutoDispatchBelowAutograd guard;
+    int64_t tmo = opts.timeout == c10d::kUnsetTimeout ? timeoutMs_ : opts.timeout.count();
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(tmo);
+    auto left = [&]() {
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    deadline - std::chrono::steady_clock::now())
+                    .count();
+      return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms, INT_MAX)));
+    };
+    auto post = [&](bool isSend, int peer, const at::Tensor& t) {
+      return issue(isSend ? OpType::SEND : OpType::RECV, "chorus:monitored_barrier", nullptr,
+                   {}, {t}, {}, false, [&](chorus_work_t* w) {
+                     return isSend ? chorus_send(comm(), t.data_ptr(), nelem(t), CHORUS_UINT8,
+                                                 peer, kMonitoredBarrierTag, w)
+                                   : chorus_recv(comm(), t.data_ptr(), nelem(t), CHORUS_UINT8,
+                                                 peer, kMonitoredBarrierTag, w);
+                   });
+    };
+    // Waits for w until the deadline: "" on success, else why not.  A
+    // pending Work goes to the completion thread (its buffer must live on).
+    auto waitFor = [&](const c10::intrusive_ptr<ChorusWork>& w) -> std::string {
+      chorus_result_t rc = chorus_work_wait(*w->handle(), left());
+      if (rc == CHORUS_INPROGRESS) {
+        w->getFuture();
+        return "timed out";
+      }
+      w->complete(rc);
+      return rc == CHORUS_OK ? "" : resultText(rc, chorus_work_error(*w->handle()));
+    };
+    auto names = [](const std::vector<std::string>& v) {
+      std::string list;
+      for (auto& f : v) list += (list.empty() ? "" : ", ") + f;
+      return list;
+    };
+    if (rank_ != 0) {
+      at::Tensor verdict = at::zeros({size_}, at::kByte);
+      auto s = post(true, 0, at::zeros({1}, at::kByte));
+      auto r = post(false, 0, verdict);
+      std::string why = waitFor(s);
+      if (why.empty()) why = waitFor(r);
+      else r->getFuture();
+      if (!why.empty())
+        fail(c10::str("[Rank ", rank_, "]: chorus monitoredBarrier: rank 0 did not release this "
+                      "rank within ", tmo, " ms (", why, "); rank 0 names the ranks that "
+                      "did not arrive"));
+      std::vector<std::string> failed;
+      for (int q = 1; q < size_; q++)
+        if (verdict[q].item<uint8_t>()) failed.push_back(std::to_string(q));
+      if (!failed.empty())
+        fail(c10::str("[Rank ", rank_, "]: chorus monitoredBarrier: rank 0 reports that ",
+                      failed.size() == 1 ? "rank " : "ranks ", names(failed),
+                      " failed to pass monitoredBarrier in ", tmo, " ms"));
+      return;
+    }
+    std::vector<c10::intrusive_ptr<ChorusWork>> recvs;
+    for (int r = 1; r < size_; r++) recvs.push_back(post(false, r, at::zeros({1}, at::kByte)));
+    at::Tensor verdict = at::zeros({size_}, at::kByte);
+    std::vector<std::string> failed;
+    for (int r = 1; r < size_; r++) {
+      std::string why = waitFor(recvs[r - 1]);
+      if (why.empty()) continue;
+      verdict[r] = 1;
+      failed.push_back(c10::str(r, " (", why, ")"));
+      if (!waitAllRanks) {
+        for (int q = r + 1; q < size_; q++) recvs[q - 1]->getFuture();
+        break;
+      }
+    }
+    std::vector<c10::intrusive_ptr<ChorusWork>> sends;
+    for (int r = 1; r < size_; r++) sends.push_back(post(true, r, verdict));
+    std::vector<std::string> unsent;
+    for (int r = 1; r < size_; r++) {
+      std::string why = waitFor(sends[r - 1]);
+      if (!why.empty()) unsent.push_back(c10::str(r, " (", why, ")"));
+    }
+    if (!failed.empty())
+      fail(c10::str("[Rank 0]: chorus monitoredBarrier: ", failed.size() == 1 ? "rank " : "ranks ",
+                    names(failed), " failed to pass monitoredBarrier in ", tmo, " ms",
+                    waitAllRanks ? "" : " (the first rank that failed; wait_all_ranks=True "
+                                        "names all)"));
+    if (!unsent.empty())
+      fail(c10::str("[Rank 0]: chorus monitoredBarrier: releasing ", unsent.size() == 1 ? "rank " : "ranks ",
+                    names(unsent), " failed"));
+  }
+
+  void setSequenceNumberForGroup() override {}  // 0 on every rank at creation
+
+  uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
+
+  void abort() { chorus_comm_abort(comm()); }
+
+ private:
+  static constexpr int kMonitoredBarrierTag = INT_MAX - 1;
+
+  // Runs a collective's preparation and issue.  When it throws (an
+  // argument this rank got wrong, or the library refused the call), this
+  // rank enters a barrier in its place before rethrowing: when every rank
+  // made the same mistake the barriers match and the group stays usable;
+  // when only some did, the others' call meets a barrier and fails with
+  // CHORUS_ERR_MISMATCH on every rank at once instead of waiting for the
+  // timeout.
+  template <class F>
+  c10::intrusive_ptr<c10d::Work> guarded(F&& f) {
+    try {
+      return f();
+    } catch (const LibraryError&) {
+      poison();
+      throw;
+    } catch (const std::exception& e) {
+      poison();
+      throw std::runtime_error(c10::str(e.what(), " (this rank entered a barrier in place of "
+                                        "the call, so that the other ranks' call fails rather "
+                                        "than waits)"));
+    }
+  }
+
+  void poison() noexcept {
+    try {
+      auto w = issue(OpType::BARRIER, "chorus:barrier", nullptr, {}, {}, {}, true,
+                     [&](chorus_work_t* h) { return chorus_barrier(comm(), h); });
+      w->getFuture();  // reaped by the completion thread
+    } catch (...) {
+    }
+  }
+
+  // Issues one operation: call(&handle) enters the library (in the
+  // asynchronous form) under the issue mutex.
+  template <class F>
+  c10::intrusive_ptr<ChorusWork> issue(OpType type, const char* title,
+                                       const std::vector<at::Tensor>* inputs,
+                                       std::vector<at::Tensor> outputs,
+                                       std::vector<at::Tensor> keep, TensorPairs copies,
+                                       bool collective, F&& call, int srcRank = -1) {
+    auto w = c10::make_intrusive<ChorusWork>(rank_, type, title, inputs, comm_, completer_,
+                                             std::move(outputs), std::move(keep),
+                                             std::move(copies), srcRank);
+    std::string err;
+    {
+      std::lock_guard<std::mutex> g(comm_->issueMu);
+      chorus_result_t rc = call(w->handle());
+      if (rc != CHORUS_OK) {
+        *w->handle() = nullptr;
+        err = resultText(rc, chorus_comm_last_error(comm()));
+      } else if (collective) {
+        seq_++;
+      }
+    }
+    if (!err.empty()) throw LibraryError(err);
+    return w;
+  }
+
+  void checkRoot(const char* fn, int64_t root) const {
+    if (root < 0 || root >= size_)
+      fail(c10::str("chorus ", fn, ": root rank ", root, " is not in [0, ", size_, ")"));
+  }
+
+  void checkPeer(const char* fn, int peer, int tag) const {
+    if (peer < 0 || peer >= size_)
+      fail(c10::str("chorus ", fn, ": peer rank ", peer, " is not in [0, ", size_, ")"));
+    if (tag < 0)
+      fail(c10::str("chorus ", fn, ": tag ", tag, " is negative; chorus tags are >= 0"));
+  }
+
+  // A list of size_ tensors, each of the reference's dtype and sizes.
+  void checkList(const char* fn, const std::vector<at::Tensor>& list, const at::Tensor& ref,
+                 const char* what) const {
+    if (list.size() != static_cast<size_t>(size_))
+      fail(c10::str("chorus ", fn, ": ", what, " has ", list.size(),
+                    " tensors; it needs one per rank (", size_, ")"));
+    for (size_t r = 0; r < list.size(); r++) {
+      checkTensor(fn, list[r], "a list entry");
+      checkSameTypeAndSizes(fn, ref, list[r], c10::str("entry ", r, " of ", what),
+                            "this rank's tensor");
+    }
+  }
+
+  // Split sizes (in rows of dim 0) to counts and displacements (elements).
+  void splits(const char* fn, const char* what, const at::Tensor& t,
+              const std::vector<int64_t>& split, std::vector<size_t>& counts,
+              std::vector<size_t>& displs) const {
+    if (t.dim() == 0)
+      fail(c10::str("chorus ", fn, ": the ", what, " is a scalar; it needs a first dimension"));
+    int64_t rows = t.size(0);
+    size_t row = rows ? nelem(t) / static_cast<size_t>(rows) : 0;
+    counts.assign(size_, 0);
+    displs.assign(size_, 0);
+    if (split.empty()) {
+      if (rows % size_)
+        fail(c10::str("chorus ", fn, ": the ", what, "'s first dimension (", rows,
+                      ") does not divide equally across the ", size_, " ranks; give split sizes"));
+      for (int r = 0; r < size_; r++) {
+        counts[r] = static_cast<size_t>(rows / size_) * row;
+        displs[r] = r * counts[r];
+      }
+      return;
+    }
+    if (split.size() != static_cast<size_t>(size_))
+      fail(c10::str("chorus ", fn, ": ", split.size(), " ", what, " split sizes given; one per "
+                    "rank (", size_, ") is needed"));
+    int64_t sum = 0;
+    for (int r = 0; r < size_; r++) {
+      if (split[r] < 0)
+        fail(c10::str("chorus ", fn, ": ", what, " split size ", r, " is negative"));
+      displs[r] = static_cast<size_t>(sum) * row;
+      counts[r] = static_cast<size_t>(split[r]) * row;
+      sum += split[r];
+    }
+    if (sum != rows)
+      fail(c10::str("chorus ", fn, ": the ", what, " split sizes add up to ", sum,
+                    " but its first dimension is ", rows));
+  }
+
+  // The local part of a multi-tensor allreduce: op over tensors, in a fresh
+  // contiguous tensor.
+  static at::Tensor localReduce(const std::vector<at::Tensor>& ts, ReduceOp::RedOpType op) {
+    at::Tensor acc = ts[0].clone(at::MemoryFormat::Contiguous);
+    for (size_t i = 1; i < ts.size(); i++) {
+      switch (op) {
+        case ReduceOp::SUM: acc.add_(ts[i]); break;
+        case ReduceOp::PRODUCT: acc.mul_(ts[i]); break;
+        case ReduceOp::MIN: acc = at::minimum(acc, ts[i]); break;
+        case ReduceOp::MAX: acc = at::maximum(acc, ts[i]); break;
+        case ReduceOp::BAND: acc.bitwise_and_(ts[i]); break;
+        case ReduceOp::BOR: acc.bitwise_or_(ts[i]); break;
+        case ReduceOp::BXOR: acc.bitwise_xor_(ts[i]); break;
+        default: fail("chorus allreduce: unsupported ReduceOp with several tensors");
+      }
+    }
+    return acc.contiguous();
+  }
+
+  std::shared_ptr<Comm> comm_;
+  std::shared_ptr<Completer> completer_;
+  std::atomic<uint64_t> seq_{0};
+  int timeoutMs_ = 0;
+};
+
+// ------------------------------------------------------------------ Store
+
+// A c10d::Store over chorus's store (chorusrun serves one at
+// MASTER_ADDR:MASTER_PORT, authenticated with the job secret).
+class ChorusStore : public c10d::Store {
+ public:
+  ChorusStore(const std::string& host, int port, std::chrono::milliseconds timeout,
+              const std::string& secret)
+      : c10d::Store(timeout), host_(host), port_(port) {
+    chorus_result_t rc = chorus_store_connect(host.c_str(), port,
+                                              secret.empty() ? nullptr : secret.c_str(),
+                                              clampMs(timeout), &c_);
+    if (rc != CHORUS_OK)
+      fail(c10::str("ChorusStore: cannot connect to chorus's store at ", host, ":", port, ": ",
+                    chorus_result_name(rc), ": ", chorus_strerror(rc),
+                    " (is chorusrun serving it, and is the job secret, CHORUS_JOB_SECRET or "
+                    "CHORUS_JOB_SECRET_FILE, the job's?)"));
+  }
+  ~ChorusStore() override {
+    if (c_) chorus_store_close(c_);
+  }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    std::lock_guard<std::mutex> g(mu_);
+    ok(chorus_store_set(c_, key.c_str(), value.data(), value.size()), "set", key);
+  }
+
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    std::lock_guard<std::mutex> g(mu_);
+    void* cur = nullptr;
+    size_t curLen = 0;
+    ok(chorus_store_compare_set(c_, key.c_str(), expected.empty() ? nullptr : expected.data(),
+                                   expected.size(), desired.data(), desired.size(), &cur, &curLen),
+          "compare_set", key);
+    std::vector<uint8_t> out;
+    if (cur) {
+      auto* p = static_cast<uint8_t*>(cur);
+      out.assign(p, p + curLen);
+      chorus_free(cur);
+    } else {
+      out = expected;  // absent key, expected value given: torch returns it
+    }
+    return out;
+  }
+
+  std::vector<uint8_t> get(const std::string& key) override {
+    std::lock_guard<std::mutex> g(mu_);
+    const char* k = key.c_str();
+    ok(chorus_store_wait(c_, &k, 1, clampMs(timeout_)), "get (wait)", key);
+    void* val = nullptr;
+    size_t len = 0;
+    ok(chorus_store_get(c_, k, &val, &len), "get", key);
+    auto* p = static_cast<uint8_t*>(val);
+    std::vector<uint8_t> out(p, p + len);
+    chorus_free(val);
+    return out;
+  }
+
+  int64_t add(const std::string& key, int64_t value) override {
+    std::lock_guard<std::mutex> g(mu_);
+    int64_t out = 0;
+    ok(chorus_store_add(c_, key.c_str(), value, &out), "add", key);
+    return out;
+  }
+
+  bool deleteKey(const std::string& key) override {
+    std::lock_guard<std::mutex> g(mu_);
+    int deleted = 0;
+    ok(chorus_store_delete(c_, key.c_str(), &deleted), "delete_key", key);
+    return deleted != 0;
+  }
+
+  bool check(const std::vector<std::string>& keys) override {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<const char*> ks;
+    for (auto& k : keys) ks.push_back(k.c_str());
+    int exists = 0;
+    ok(chorus_store_check(c_, ks.data(), static_cast<int>(ks.size()), &exists), "check",
+          keys.empty() ? "" : keys[0]);
+    return exists != 0;
+  }
+
+  int64_t getNumKeys() override {
+    std::lock_guard<std::mutex> g(mu_);
+    int64_t n = 0;
+    ok(chorus_store_num_keys(c_, &n), "num_keys", "");
+    return n;
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<const char*> ks;
+    for (auto& k : keys) ks.push_back(k.c_str());
+    ok(chorus_store_wait(c_, ks.data(), static_cast<int>(ks.size()), clampMs(timeout)),
+          "wait", keys.empty() ? "" : keys[0]);
+  }
+
+ private:
+  static int clampMs(std::chrono::milliseconds t) {
+    if (t.count() <= 0) return -1;  // the client's default
+    return static_cast<int>(std::min<int64_t>(t.count(), INT_MAX));
+  }
+  void ok(chorus_result_t rc, const char* what, const std::string& key) {
+    if (rc != CHORUS_OK)
+      fail(c10::str("ChorusStore ", what, "('", key, "') at ", host_, ":", port_, ": ",
+                    resultText(rc, chorus_store_last_error(c_))));
+  }
+
+  std::string host_;
+  int port_;
+  chorus_store_t* c_ = nullptr;
+  std::mutex mu_;
+};
+
+static c10::intrusive_ptr<c10d::ProcessGroup> createProcessGroup(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout) {
+  return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, timeout);
+}
+
+}  // namespace chorus_torch
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace chorus_torch;
+  // The base classes (ProcessGroup, Store, Work) are torch's.
+  py::module_::import("torch.distributed");
+  m.doc() = "chorus as a torch.distributed backend (torch 1.13 c10d::ProcessGroup)";
+  m.attr("CHORUS_VERSION") = py::int_(chorus_version());
+
+  py::class_<ProcessGroupChorus, c10d::ProcessGroup, c10::intrusive_ptr<ProcessGroupChorus>>(
+      m, "ProcessGroupChorus",
+      "A chorus world bootstrapped through a c10d Store (one per torch group).")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout) {
+             return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, timeout);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"),
+           py::arg("timeout") = std::chrono::milliseconds(kTorchDefaultTimeoutMs),
+           py::call_guard<py::gil_scoped_release>())
+      .def("abort", &ProcessGroupChorus::abort,
+           "chorus_comm_abort: pending and later operations fail with CHORUS_ERR_ABORTED.",
+           py::call_guard<py::gil_scoped_release>())
+      .def("status",
+           [](const ProcessGroupChorus& pg) {
+             return std::string(chorus_result_name(chorus_comm_status(pg.comm())));
+           },
+           "The communicator's sticky state: 'CHORUS_OK' or the error that failed it.")
+      .def("last_error",
+           [](const ProcessGroupChorus& pg) {
+             return std::string(chorus_comm_last_error(pg.comm()));
+           })
+      .def_property_readonly("timeout_ms", &ProcessGroupChorus::timeoutMs)
+      .def("same_host",
+           [](const ProcessGroupChorus& pg, int peer) {
+             return chorus_comm_same_host(pg.comm(), peer);
+           },
+           py::arg("peer"));
+
+  py::class_<ChorusStore, c10d::Store, c10::intrusive_ptr<ChorusStore>>(
+      m, "ChorusStore", "A c10d Store over chorus's authenticated store (chorusrun's).")
+      .def(py::init([](const std::string& host, int port, std::chrono::milliseconds timeout,
+                       const std::string& secret) {
+             return c10::make_intrusive<ChorusStore>(host, port, timeout, secret);
+           }),
+           py::arg("host"), py::arg("port"),
+           py::arg("timeout") = std::chrono::milliseconds(300000), py::arg("secret") = "",
+           py::call_guard<py::gil_scoped_release>());
+
+  m.def("create_process_group", &createProcessGroup, py::arg("store"), py::arg("rank"),
+        py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+        "The creator torch.distributed calls for backend 'chorus'.");
+}
