@@ -45,7 +45,14 @@ def main():
     if MODE == "ddp":
         wrapped = DDP(model)
     else:
-        wrapped = FSDP(model, device_id=None)
+        try:
+            wrapped = FSDP(model, device_id=None)
+        except AssertionError as e:  # "Torch not compiled with CUDA enabled"
+            if torch.cuda.is_available():
+                raise
+            out("needs CUDA: torch %s's FSDP puts its compute on a CUDA device (%s)"
+                % (torch.__version__, e))
+            sys.exit(3)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
     per = 16 // size
     for step in range(10):
