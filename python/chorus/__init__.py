@@ -383,6 +383,24 @@ def _unpack(flat, buffers):
         off += len(m)
 
 
+def _refuse(g, exc):
+    """Raises exc for an argument error only this rank can see (the root's
+    list): the rank enters a barrier in the collective's place first, so the
+    ranks that did call it fail at once with a mismatch instead of waiting
+    for the timeout (where every rank erred alike, the barriers match and
+    the group stays usable)."""
+    try:
+        g._c.barrier(False)
+    except Error:
+        pass
+    raise exc
+
+
+# The largest object a peer may make this rank allocate (bytes): received
+# lengths are untrusted.
+OBJECT_BYTES_MAX = 1 << 30
+
+
 def _code(x, dtype):
     return _chorus.dtype_of(x) if dtype < 0 else dtype
 
@@ -445,13 +463,13 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, dtype=No
             raise ValueError("chorus: gather_list must be given only on the destination rank")
         return _run(g._c.gather(tensor, None, root, dt, async_op), async_op)
     if gather_list is None or len(gather_list) != g.size():
-        raise ValueError("chorus: gather needs a gather_list of %d tensors on the destination"
-                         % g.size())
+        _refuse(g, ValueError("chorus: gather needs a gather_list of %d tensors on the "
+                              "destination" % g.size()))
     n = _nbytes(tensor)
     for i, t in enumerate(gather_list):
         if _nbytes(t) != n:
-            raise ValueError("chorus: gather_list[%d] has %d bytes, the tensor %d"
-                             % (i, _nbytes(t), n))
+            _refuse(g, ValueError("chorus: gather_list[%d] has %d bytes, the tensor %d"
+                                  % (i, _nbytes(t), n)))
     flat = bytearray(n * g.size())
     w = g._c.gather(tensor, flat, root, _code(tensor, dt), async_op)
     return _run(w, async_op, lambda: _unpack(flat, gather_list))
@@ -469,13 +487,13 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, dtype=
             raise ValueError("chorus: scatter_list must be given only on the source rank")
         return _run(g._c.scatter(None, tensor, root, dt, async_op), async_op)
     if scatter_list is None or len(scatter_list) != g.size():
-        raise ValueError("chorus: scatter needs a scatter_list of %d tensors on the source"
-                         % g.size())
+        _refuse(g, ValueError("chorus: scatter needs a scatter_list of %d tensors on the "
+                              "source" % g.size()))
     n = _nbytes(tensor)
     for i, t in enumerate(scatter_list):
         if _nbytes(t) != n:
-            raise ValueError("chorus: scatter_list[%d] has %d bytes, the tensor %d"
-                             % (i, _nbytes(t), n))
+            _refuse(g, ValueError("chorus: scatter_list[%d] has %d bytes, the tensor %d"
+                                  % (i, _nbytes(t), n)))
     flat = _pack(scatter_list)
     return _run(g._c.scatter(flat, tensor, root, _code(tensor, dt), async_op), async_op)
 
@@ -561,10 +579,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     rd = [sum(rc[:i]) for i in range(n)]
     src = _pack(input_tensor_list)
     out = bytearray(sum(rc) * esz)
-    if len(set(sc)) <= 1 and sc == rc:
-        w = g._c.all_to_all(src, out, dt, async_op)
-    else:
-        w = g._c.all_to_allv(src, sc, sd, out, rc, rd, dt, async_op)
+    # all_to_allv whatever the sizes: whether they are equal is only known
+    # per rank, and every rank must issue the same collective.
+    w = g._c.all_to_allv(src, sc, sd, out, rc, rd, dt, async_op)
     return _run(w, async_op, lambda: _unpack(out, output_tensor_list))
 
 
@@ -584,7 +601,11 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
         return None
     w = g._c.barrier(True)
     ms = -1 if timeout is None else int(_seconds(timeout) * 1000)
-    w.wait(ms)
+    try:
+        w.wait(ms)
+    except TimeoutError:  # chorus's: some rank is stuck; the group cannot go on
+        g._c.abort()
+        raise
 
 
 def send(tensor, dst, group=None, tag=0, dtype=None):
@@ -645,7 +666,28 @@ def batch_isend_irecv(p2p_op_list):
 # allow_unsafe_pickle() was called: bytes from the network must not run code.
 
 
+_FAILED = b"CHO\x00"  # what a rank that could not encode its object sends
+
+
+def _encode_or_marker(obj):
+    """(bytes to send, exception to raise after the collective or None)."""
+    try:
+        return _objects.dumps(obj), None
+    except (TypeError, ValueError) as e:
+        return _FAILED + str(e).encode("utf-8", "replace")[:2000], e
+
+
+def _failure(why):
+    """An argument error in an object collective, as what the rank sends in
+    place of its object and the exception it raises afterwards."""
+    return _FAILED + why.encode("utf-8", "replace"), ValueError("chorus: " + why)
+
+
 def _decode(raw, sender):
+    if bytes(raw[:4]) == _FAILED:
+        raise InvalidArgumentError(  # noqa: F405
+            "CHORUS_ERR_INVALID_ARG: rank %d could not send its object: %s"
+            % (sender, bytes(raw[4:]).decode("utf-8", "replace")))
     try:
         return _objects.loads(raw)
     except _objects.DecodeError as e:
@@ -659,9 +701,13 @@ def all_gather_object(object_list, obj, group=None):
     g = _group(group)
     if g is None:
         return None
-    if len(object_list) != g.size():
-        raise ValueError("chorus: object_list must have %d entries" % g.size())
-    parts = g._c.all_gather_bytes(_objects.dumps(obj))
+    data, err = _encode_or_marker(obj)
+    if len(object_list) != g.size() and err is None:
+        data, err = _failure("object_list must have %d entries, not %d"
+                             % (g.size(), len(object_list)))
+    parts = g._c.all_gather_bytes(data)  # every rank takes part, even one that failed
+    if err is not None:
+        raise err
     for r, raw in enumerate(parts):
         object_list[r] = _decode(raw, g.ranks[r])
 
@@ -672,9 +718,14 @@ def gather_object(obj, object_gather_list=None, dst=0, group=None):
     if g is None:
         return None
     root = g._local(dst, "dst")
-    if g.rank() == root and (object_gather_list is None or len(object_gather_list) != g.size()):
+    data, err = _encode_or_marker(obj)
+    bad_list = g.rank() == root and (object_gather_list is None or
+                                     len(object_gather_list) != g.size())
+    parts = g._c.gather_bytes(data, root)  # every rank takes part, even one that failed
+    if err is not None:
+        raise err
+    if bad_list:
         raise ValueError("chorus: object_gather_list must have %d entries on dst" % g.size())
-    parts = g._c.gather_bytes(_objects.dumps(obj), root)
     if parts is not None and g.rank() == root:
         for r, raw in enumerate(parts):
             object_gather_list[r] = _decode(raw, g.ranks[r])
@@ -688,15 +739,21 @@ def broadcast_object_list(object_list, src=0, group=None, device=None):
     root = g._local(src, "src")
     import array
     length = array.array("q", [0])
+    err = None
     if g.rank() == root:
-        data = _objects.dumps(list(object_list))
+        data, err = _encode_or_marker(list(object_list))
         length[0] = len(data)
     g._c.broadcast(length, root, -1, False)
     if g.rank() != root:
-        if length[0] < 0:
-            raise ProtocolError("CHORUS_ERR_PROTOCOL: a negative object length")  # noqa: F405
+        if not 0 <= length[0] <= OBJECT_BYTES_MAX:
+            raise ProtocolError(  # noqa: F405
+                "CHORUS_ERR_PROTOCOL: rank %d announced %d bytes of objects (more than "
+                "chorus.OBJECT_BYTES_MAX = %d, or negative)" % (src, length[0],
+                                                                OBJECT_BYTES_MAX))
         data = bytearray(length[0])
     g._c.broadcast(data, root, -1, False)
+    if err is not None:
+        raise err
     if g.rank() != root:
         got = _decode(data, src)
         if not isinstance(got, list) or len(got) != len(object_list):
@@ -719,15 +776,22 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     import array
     n = g.size()
     counts = array.array("q", [0] * n)
+    err = None
     if g.rank() == root:
         if scatter_object_input_list is None or len(scatter_object_input_list) != n:
-            raise ValueError("chorus: scatter_object_input_list must have %d entries on src" % n)
-        blobs = [_objects.dumps(o) for o in scatter_object_input_list]
+            blob, err = _failure("scatter_object_input_list must have %d entries on src" % n)
+            blobs = [blob] * n
+        else:
+            enc = [_encode_or_marker(o) for o in scatter_object_input_list]
+            blobs = [b for b, _ in enc]
+            err = next((e for _, e in enc if e is not None), None)
         for i, b in enumerate(blobs):
             counts[i] = len(b)
     g._c.broadcast(counts, root, -1, False)
-    if any(c < 0 for c in counts):
-        raise ProtocolError("CHORUS_ERR_PROTOCOL: a negative object length")  # noqa: F405
+    if not all(0 <= c <= OBJECT_BYTES_MAX for c in counts):
+        raise ProtocolError(  # noqa: F405
+            "CHORUS_ERR_PROTOCOL: rank %d announced an object length that is negative or over "
+            "chorus.OBJECT_BYTES_MAX" % src)
     displs = [sum(counts[:i]) for i in range(n)]
     zeros = [0] * n
     mine = bytearray(counts[g.rank()])
@@ -738,6 +802,8 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
         g._c.all_to_allv(b"", zeros, zeros, mine,
                          [counts[g.rank()] if r == root else 0 for r in range(n)], zeros, -1,
                          False)
+    if err is not None:
+        raise err
     scatter_object_output_list[0] = _decode(mine, src)
 
 

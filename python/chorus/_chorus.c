@@ -23,6 +23,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "chorus.h"
 
@@ -229,14 +230,18 @@ static void work_settle(WorkObject *w, int timeout_ms) {
 }
 
 static void comm_finish_works(CommObject *c) {
-  /* Only called with no other thread inside (inflight == 0), so nobody
-   * else waits on these works and settling unlinks each. */
+  /* c->comm is already NULL, so no new call starts.  A work another
+   * thread still waits on (Work.wait) stays linked until that thread
+   * leaves its wait, which the operation's end (bounded by the timeout)
+   * lets it do: give it the GIL until then. */
   while (c->works) {
     WorkObject *w = c->works;
     work_settle(w, -1);
-    if (c->works == w) { /* cannot happen; never loop forever */
-      c->works = w->next;
-      w->next = w->prev = NULL;
+    if (c->works == w) {
+      Py_BEGIN_ALLOW_THREADS
+      struct timespec ts = {0, 1000000};
+      nanosleep(&ts, NULL);
+      Py_END_ALLOW_THREADS
     }
   }
 }
@@ -244,9 +249,9 @@ static void comm_finish_works(CommObject *c) {
 static chorus_result_t comm_destroy_now(CommObject *c, int abort_first) {
   if (!c->comm) return CHORUS_OK;
   chorus_comm_t comm = c->comm;
+  c->comm = NULL; /* before the GIL is let go: no call may start now */
   if (abort_first) chorus_comm_abort(comm);
   comm_finish_works(c);
-  c->comm = NULL;
   chorus_result_t st;
   Py_BEGIN_ALLOW_THREADS
   st = chorus_comm_destroy(comm);
@@ -443,10 +448,10 @@ static void call_release(call_t *k) {
 static int call_begin(call_t *k, CommObject *c, PyObject *async_obj) {
   memset(k, 0, sizeof *k);
   k->c = c;
-  if (!(k->comm = comm_ok(c))) return -1;
-  int a = PyObject_IsTrue(async_obj);
+  int a = PyObject_IsTrue(async_obj); /* may run Python code: before the comm */
   if (a < 0) return -1;
   k->async = a;
+  if (!(k->comm = comm_ok(c))) return -1;
   return 0;
 }
 
@@ -488,8 +493,14 @@ static PyObject *call_end(call_t *k, chorus_result_t st, chorus_work_t h) {
   return (PyObject *)w;
 }
 
+/* The communicator is fetched again here: converting the arguments may
+ * have run Python code (__index__, __bool__) that destroyed the group. */
 #define ISSUE(k, expr)                                                         \
   do {                                                                         \
+    if (!((k)->comm = comm_ok((k)->c))) {                                      \
+      call_release(k);                                                         \
+      return NULL;                                                             \
+    }                                                                          \
     chorus_work_t h_ = NULL;                                                   \
     chorus_work_t *work = (k)->async ? &h_ : NULL;                             \
     chorus_result_t st_;                                                       \
@@ -535,8 +546,8 @@ static PyObject *size_error(const char *fmt, size_t a, size_t b) {
 static PyObject *Comm_broadcast(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int root, dt;
-  if (nargs_is(n, 4, "broadcast(buf, root, dtype, async_op)") || call_begin(&k, c, a[3]) ||
-      arg_int(a[1], &root, "root") || arg_int(a[2], &dt, "dtype"))
+  if (nargs_is(n, 4, "broadcast(buf, root, dtype, async_op)") || arg_int(a[1], &root, "root") || arg_int(a[2], &dt, "dtype") ||
+      call_begin(&k, c, a[3]))
     return NULL;
   if (buf_get(a[0], root != chorus_comm_rank(k.comm), dt, &k.bufs[0], "the tensor") < 0) {
     call_release(&k);
@@ -550,8 +561,8 @@ static PyObject *Comm_broadcast(CommObject *c, PyObject *const *a, Py_ssize_t n)
 static PyObject *Comm_all_reduce(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int op, dt;
-  if (nargs_is(n, 5, "all_reduce(send, recv, op, dtype, async_op)") || call_begin(&k, c, a[4]) ||
-      arg_int(a[2], &op, "op") || arg_int(a[3], &dt, "dtype"))
+  if (nargs_is(n, 5, "all_reduce(send, recv, op, dtype, async_op)") || arg_int(a[2], &op, "op") || arg_int(a[3], &dt, "dtype") ||
+      call_begin(&k, c, a[4]))
     return NULL;
   if (buf_get(a[1], 1, dt, &k.bufs[1], "the output") < 0 ||
       (a[0] != a[1] && buf_get(a[0], 0, dt, &k.bufs[0], "the input") < 0)) {
@@ -574,8 +585,9 @@ static PyObject *Comm_reduce(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int op, root, dt;
   if (nargs_is(n, 6, "reduce(send, recv, op, root, dtype, async_op)") ||
-      call_begin(&k, c, a[5]) || arg_int(a[2], &op, "op") || arg_int(a[3], &root, "root") ||
-      arg_int(a[4], &dt, "dtype"))
+      arg_int(a[2], &op, "op") || arg_int(a[3], &root, "root") ||
+      arg_int(a[4], &dt, "dtype") ||
+      call_begin(&k, c, a[5]))
     return NULL;
   int is_root = root == chorus_comm_rank(k.comm);
   int inplace = a[0] == a[1];
@@ -625,8 +637,8 @@ static int check_blocks(const buf_t *small, const buf_t *big, size_t size, const
 static PyObject *Comm_scatter(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int root, dt;
-  if (nargs_is(n, 5, "scatter(send, recv, root, dtype, async_op)") || call_begin(&k, c, a[4]) ||
-      arg_int(a[2], &root, "root") || arg_int(a[3], &dt, "dtype"))
+  if (nargs_is(n, 5, "scatter(send, recv, root, dtype, async_op)") || arg_int(a[2], &root, "root") || arg_int(a[3], &dt, "dtype") ||
+      call_begin(&k, c, a[4]))
     return NULL;
   int is_root = root == chorus_comm_rank(k.comm);
   size_t size = (size_t)chorus_comm_size(k.comm);
@@ -645,8 +657,8 @@ static PyObject *Comm_scatter(CommObject *c, PyObject *const *a, Py_ssize_t n) {
 static PyObject *Comm_gather(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int root, dt;
-  if (nargs_is(n, 5, "gather(send, recv, root, dtype, async_op)") || call_begin(&k, c, a[4]) ||
-      arg_int(a[2], &root, "root") || arg_int(a[3], &dt, "dtype"))
+  if (nargs_is(n, 5, "gather(send, recv, root, dtype, async_op)") || arg_int(a[2], &root, "root") || arg_int(a[3], &dt, "dtype") ||
+      call_begin(&k, c, a[4]))
     return NULL;
   int is_root = root == chorus_comm_rank(k.comm);
   size_t size = (size_t)chorus_comm_size(k.comm);
@@ -665,8 +677,8 @@ static PyObject *Comm_gather(CommObject *c, PyObject *const *a, Py_ssize_t n) {
 static PyObject *Comm_all_gather(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int dt;
-  if (nargs_is(n, 4, "all_gather(send, recv, dtype, async_op)") || call_begin(&k, c, a[3]) ||
-      arg_int(a[2], &dt, "dtype"))
+  if (nargs_is(n, 4, "all_gather(send, recv, dtype, async_op)") || arg_int(a[2], &dt, "dtype") ||
+      call_begin(&k, c, a[3]))
     return NULL;
   size_t size = (size_t)chorus_comm_size(k.comm);
   if (buf_get(a[0], 0, dt, &k.bufs[0], "the input") < 0 ||
@@ -684,7 +696,8 @@ static PyObject *Comm_all_gather_list(CommObject *c, PyObject *const *a, Py_ssiz
   call_t k;
   int dt;
   if (nargs_is(n, 4, "all_gather_list(send, outputs, dtype, async_op)") ||
-      call_begin(&k, c, a[3]) || arg_int(a[2], &dt, "dtype"))
+      arg_int(a[2], &dt, "dtype") ||
+      call_begin(&k, c, a[3]))
     return NULL;
   Py_ssize_t size = chorus_comm_size(k.comm);
   if (buf_get(a[0], 0, dt, &k.bufs[0], "the input") < 0) goto fail;
@@ -714,6 +727,10 @@ static PyObject *Comm_all_gather_list(CommObject *c, PyObject *const *a, Py_ssiz
     }
     ptrs[i] = k.list[i].view.buf;
   }
+  if (!(k.comm = comm_ok(c))) { /* see ISSUE */
+    PyMem_Free(ptrs);
+    goto fail;
+  }
   {
     chorus_work_t h = NULL;
     chorus_result_t st;
@@ -736,7 +753,8 @@ static PyObject *Comm_reduce_scatter(CommObject *c, PyObject *const *a, Py_ssize
   call_t k;
   int op, dt;
   if (nargs_is(n, 5, "reduce_scatter(send, recv, op, dtype, async_op)") ||
-      call_begin(&k, c, a[4]) || arg_int(a[2], &op, "op") || arg_int(a[3], &dt, "dtype"))
+      arg_int(a[2], &op, "op") || arg_int(a[3], &dt, "dtype") ||
+      call_begin(&k, c, a[4]))
     return NULL;
   size_t size = (size_t)chorus_comm_size(k.comm);
   if (buf_get(a[0], 0, dt, &k.bufs[0], "the input") < 0 ||
@@ -755,8 +773,8 @@ static PyObject *Comm_reduce_scatter(CommObject *c, PyObject *const *a, Py_ssize
 static PyObject *Comm_all_to_all(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int dt;
-  if (nargs_is(n, 4, "all_to_all(send, recv, dtype, async_op)") || call_begin(&k, c, a[3]) ||
-      arg_int(a[2], &dt, "dtype"))
+  if (nargs_is(n, 4, "all_to_all(send, recv, dtype, async_op)") || arg_int(a[2], &dt, "dtype") ||
+      call_begin(&k, c, a[3]))
     return NULL;
   size_t size = (size_t)chorus_comm_size(k.comm);
   int inplace = a[0] == a[1];
@@ -828,7 +846,8 @@ static PyObject *Comm_all_to_allv(CommObject *c, PyObject *const *a, Py_ssize_t 
   int dt;
   if (nargs_is(n, 8, "all_to_allv(send, scounts, sdispls, recv, rcounts, rdispls, dtype, "
                      "async_op)") ||
-      call_begin(&k, c, a[7]) || arg_int(a[6], &dt, "dtype"))
+      arg_int(a[6], &dt, "dtype") ||
+      call_begin(&k, c, a[7]))
     return NULL;
   Py_ssize_t size = chorus_comm_size(k.comm);
   size_t *sc = NULL, *sd = NULL, *rc = NULL, *rd = NULL;
@@ -841,6 +860,10 @@ static PyObject *Comm_all_to_allv(CommObject *c, PyObject *const *a, Py_ssize_t 
       !(rd = size_array(a[5], size, "output offsets")) ||
       check_layout(sc, sd, size, k.bufs[0].count, "input") ||
       check_layout(rc, rd, size, k.bufs[1].count, "output")) {
+    call_release(&k);
+    goto out;
+  }
+  if (!(k.comm = comm_ok(c))) { /* see ISSUE */
     call_release(&k);
     goto out;
   }
@@ -876,8 +899,8 @@ static PyObject *p2p(CommObject *c, PyObject *const *a, Py_ssize_t n, int is_sen
   int peer, tag, dt;
   if (nargs_is(n, 5, is_send ? "send(buf, peer, tag, dtype, async_op)"
                              : "recv(buf, peer, tag, dtype, async_op)") ||
-      call_begin(&k, c, a[4]) || arg_int(a[1], &peer, "peer") || arg_int(a[2], &tag, "tag") ||
-      arg_int(a[3], &dt, "dtype"))
+      arg_int(a[1], &peer, "peer") || arg_int(a[2], &tag, "tag") ||
+      arg_int(a[3], &dt, "dtype") || call_begin(&k, c, a[4]))
     return NULL;
   if (buf_get(a[0], !is_send, dt, &k.bufs[0], "the tensor") < 0) {
     call_release(&k);
@@ -1025,6 +1048,8 @@ static PyObject *Work_wait(WorkObject *w, PyObject *const *a, Py_ssize_t n) {
   if (n == 1 && a[0] != Py_None) {
     ms = PyLong_AsLong(a[0]);
     if (ms == -1 && PyErr_Occurred()) return NULL;
+    if (ms > INT32_MAX) ms = INT32_MAX;
+    if (ms < 0) ms = -1;
   }
   work_settle(w, (int)ms);
   if (w->result == CHORUS_INPROGRESS) {

@@ -345,11 +345,16 @@ struct Comm {
 class ChorusWork;
 
 // Finishes, in order, the Works whose Future someone asked for.
-class Completer {
+class Completer : public std::enable_shared_from_this<Completer> {
  public:
   // false once the group is gone (the caller then finishes the Work itself).
   bool enqueue(c10::intrusive_ptr<ChorusWork> w);
   void shutdown();
+  // True on the completion thread itself (a Future callback running there).
+  bool onThread() {
+    std::lock_guard<std::mutex> g(mu_);
+    return th_.joinable() && th_.get_id() == std::this_thread::get_id();
+  }
   ~Completer() { shutdown(); }
 
  private:
@@ -436,7 +441,11 @@ class ChorusWork : public c10d::Work {
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     if (!registered_.exchange(true) && !finishing()) {
-      if (!completer_ || !completer_->enqueue(c10::intrusive_ptr<ChorusWork>::reclaim_copy(this))) {
+      // On the completion thread (a callback asking for another Work's
+      // future, as torch's PowerSGD hook does and then waits on it), finish
+      // it here: queued behind the callback it would never complete.
+      if (!completer_ || completer_->onThread() ||
+          !completer_->enqueue(c10::intrusive_ptr<ChorusWork>::reclaim_copy(this))) {
         GilRelease nogil;
         complete(chorus_work_wait(h_, -1));
       }
@@ -534,7 +543,9 @@ class ChorusWork : public c10d::Work {
 bool Completer::enqueue(c10::intrusive_ptr<ChorusWork> w) {
   std::lock_guard<std::mutex> g(mu_);
   if (stop_) return false;
-  if (!th_.joinable()) th_ = std::thread([this] { run(); });
+  // The thread owns a reference: a callback may drop the group's last one
+  // (shutdown then detaches the thread, which must not outlive *this).
+  if (!th_.joinable()) th_ = std::thread([self = shared_from_this()] { self->run(); });
   q_.push_back(std::move(w));
   cv_.notify_one();
   return true;
@@ -580,10 +591,6 @@ struct KvCtx {
   c10d::Store* store;
 };
 
-static void setErr(char* err, size_t cap, const std::string& s) {
-  if (err && cap) std::snprintf(err, cap, "%s", s.c_str());
-}
-
 static int chorusKvSet(void* ctx, const char* key, const void* val, size_t len, char* err,
                        size_t errcap) {
   try {
@@ -592,9 +599,9 @@ static int chorusKvSet(void* ctx, const char* key, const void* val, size_t len, 
     static_cast<KvCtx*>(ctx)->store->set(key, v);
     return 0;
   } catch (const std::exception& e) {
-    setErr(err, errcap, c10::str("torch store set('", key, "'): ", e.what()));
+    if (err && errcap) std::snprintf(err, errcap, "torch store set('%s'): %s", key, e.what());
   } catch (...) {
-    setErr(err, errcap, c10::str("torch store set('", key, "'): unknown C++ exception"));
+    if (err && errcap) std::snprintf(err, errcap, "torch store set('%s'): unknown C++ exception", key);
   }
   return 1;
 }
@@ -610,9 +617,9 @@ static int chorusKvGet(void* ctx, const char* key, void* val, size_t cap, size_t
     if (val && cap) std::memcpy(val, v.data(), std::min(cap, v.size()));
     return 0;
   } catch (const std::exception& e) {
-    setErr(err, errcap, c10::str("torch store get('", key, "'): ", e.what()));
+    if (err && errcap) std::snprintf(err, errcap, "torch store get('%s'): %s", key, e.what());
   } catch (...) {
-    setErr(err, errcap, c10::str("torch store get('", key, "'): unknown C++ exception"));
+    if (err && errcap) std::snprintf(err, errcap, "torch store get('%s'): unknown C++ exception", key);
   }
   return 1;
 }
@@ -1012,7 +1019,11 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
         fail(c10::str("chorus scatter: only the source (rank ", root,
                       ") may pass a scatter list; this rank is ", rank_));
       }
-      return issue(OpType::SCATTER, "chorus:scatter", &ins, outputs, {send, recv},
+      // send may be a view over the caller's list (flatOver): the list's
+      // tensors own that memory and must live until the operation ends.
+      std::vector<at::Tensor> keep = {send, recv};
+      keep.insert(keep.end(), ins.begin(), ins.end());
+      return issue(OpType::SCATTER, "chorus:scatter", &ins, outputs, std::move(keep),
                    std::move(copies), true, [&](chorus_work_t* w) {
                      return chorus_scatter(comm(), send.defined() ? send.data_ptr() : nullptr,
                                            recv.data_ptr(), count, dt, root, w);
@@ -1050,8 +1061,10 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       } else {
         send = pack(ins, out.options());
       }
-      return issue(OpType::REDUCE_SCATTER, "chorus:reduce_scatter", &ins, outputs, {send, recv},
-                   std::move(copies), true, [&](chorus_work_t* w) {
+      std::vector<at::Tensor> keep = {send, recv};  // and the list send may view
+      keep.insert(keep.end(), ins.begin(), ins.end());
+      return issue(OpType::REDUCE_SCATTER, "chorus:reduce_scatter", &ins, outputs,
+                   std::move(keep), std::move(copies), true, [&](chorus_work_t* w) {
                      return chorus_reduce_scatter(comm(), send.data_ptr(), recv.data_ptr(), count,
                                                   dt, op, w);
                    });
@@ -1443,8 +1456,9 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
                     "rank (", size_, ") is needed"));
     int64_t sum = 0;
     for (int r = 0; r < size_; r++) {
-      if (split[r] < 0)
-        fail(c10::str("chorus ", fn, ": ", what, " split size ", r, " is negative"));
+      if (split[r] < 0 || split[r] > rows - sum)
+        fail(c10::str("chorus ", fn, ": ", what, " split size ", r, " (", split[r], ") is "
+                      "negative or runs past the tensor's ", rows, " rows"));
       displs[r] = static_cast<size_t>(sum) * row;
       counts[r] = static_cast<size_t>(split[r]) * row;
       sum += split[r];

@@ -146,6 +146,23 @@ static int executing(chorus_comm_t comm) {
   return __atomic_load_n(&comm->executing, __ATOMIC_SEQ_CST);
 }
 
+/* Takes the queue's head and runs it on this thread, with the lock held on
+ * entry and exit: the worker's loop and a waiting caller do exactly this. */
+static void run_head_locked(chorus_comm_t comm) {
+  struct chorus_work *w = comm->q_head;
+  comm->q_head = w->next;
+  if (!comm->q_head) comm->q_tail = NULL;
+  __atomic_store_n(&comm->executing, 1, __ATOMIC_SEQ_CST);
+  __atomic_fetch_sub(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
+  w->state = CHORUS__WORK_RUNNING;
+  pthread_mutex_unlock(&comm->lock);
+  run_op(w);
+  pthread_mutex_lock(&comm->lock);
+  __atomic_store_n(&comm->executing, 0, __ATOMIC_SEQ_CST);
+  finish_locked(comm, w);
+  work_release_locked(w); /* the queue's reference */
+}
+
 static void *worker_main(void *arg) {
   chorus_comm_t comm = arg;
   pthread_mutex_lock(&comm->lock);
@@ -157,18 +174,7 @@ static void *worker_main(void *arg) {
       pthread_cond_wait(&comm->cond, &comm->lock);
       continue;
     }
-    struct chorus_work *w = comm->q_head;
-    comm->q_head = w->next;
-    if (!comm->q_head) comm->q_tail = NULL;
-    __atomic_store_n(&comm->executing, 1, __ATOMIC_SEQ_CST);
-    __atomic_fetch_sub(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
-    w->state = CHORUS__WORK_RUNNING;
-    pthread_mutex_unlock(&comm->lock);
-    run_op(w);
-    pthread_mutex_lock(&comm->lock);
-    __atomic_store_n(&comm->executing, 0, __ATOMIC_SEQ_CST);
-    finish_locked(comm, w);
-    work_release_locked(w);
+    run_head_locked(comm);
   }
   pthread_mutex_unlock(&comm->lock);
   return NULL;
@@ -281,28 +287,15 @@ chorus_result_t chorus_work_wait(chorus_work_t w, int timeout_ms) {
   int64_t deadline = chorus__deadline_ms(timeout_ms < 0 ? -1 : timeout_ms);
   pthread_mutex_lock(&comm->lock);
   while (w->state != CHORUS__WORK_DONE) {
-    if (timeout_ms < 0 && w->state == CHORUS__WORK_QUEUED && comm->q_head == w &&
-        !executing(comm)) {
-      /* Next in line and nothing runs: this thread runs it, as the worker
-       * would (same order, same bookkeeping), instead of waking the worker
-       * and then being woken by it -- two hand-offs, about 10 us, the
-       * whole cost of a small async call waited at once (torch's
-       * dist.all_reduce is one).  Only an unbounded wait may: a bounded
-       * one must be able to return before the operation ends. */
-      comm->q_head = w->next;
-      if (!comm->q_head) comm->q_tail = NULL;
-      __atomic_store_n(&comm->executing, 1, __ATOMIC_SEQ_CST);
-      __atomic_fetch_sub(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
-      w->state = CHORUS__WORK_RUNNING;
-      pthread_mutex_unlock(&comm->lock);
-      run_op(w);
-      pthread_mutex_lock(&comm->lock);
-      __atomic_store_n(&comm->executing, 0, __ATOMIC_SEQ_CST);
-      finish_locked(comm, w);
-      chorus_result_t st = w->result;
-      work_release_locked(w); /* the queue's reference; the caller keeps its own */
-      pthread_mutex_unlock(&comm->lock);
-      return st;
+    if (timeout_ms < 0 && comm->q_head && !executing(comm)) {
+      /* Ours or one before ours is next in line and nothing runs: this
+       * thread runs it, as the worker would (same order, same
+       * bookkeeping), instead of waking the worker and then being woken by
+       * it -- two hand-offs, about 10 us, the whole cost of a small async
+       * call waited at once.  Only an unbounded wait may: a bounded one
+       * must be able to return before the operation ends. */
+      run_head_locked(comm);
+      continue;
     }
     if (timeout_ms >= 0 && chorus__ms_left(deadline) == 0) break;
     if (timeout_ms < 0) {

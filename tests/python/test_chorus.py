@@ -8,7 +8,9 @@ collectives (and that pickles from the wire are refused), the store, the
 GIL released while blocked, argument errors, a mismatch raised on every
 rank, and the object codec against mutated bytes.  "dead": the last rank
 exits mid-run and the others must get an exception, quickly.  "timeout":
-rank 0 is late and the others must get chorus.TimeoutError.
+rank 0 is late and the others must get chorus.TimeoutError.  "refuse":
+rank 0's gather_list is wrong; it raises ValueError, the others a
+MismatchError at once.
 Exit status 0 when every check passed; failures are printed with the rank.
 """
 
@@ -306,6 +308,15 @@ def test_objects(rank, size):
     check(out[0] == {"for": rank}, "scatter_object_list")
     expect(TypeError, lambda: chorus.all_gather_object([None] * size, object()),
            "an object that is not data")
+    # One rank's object cannot be sent: that rank raises TypeError, the
+    # others learn why (no one waits for the timeout) and the group goes on.
+    if size > 1:
+        bad = object() if rank == 1 else 1
+        expect(TypeError if rank == 1 else chorus.InvalidArgumentError,
+               lambda: chorus.all_gather_object([None] * size, bad), "one rank's bad object")
+        lst2 = [None] * size
+        chorus.all_gather_object(lst2, rank)
+        check(lst2 == list(range(size)), "the group works after a refused object")
     # A pickle sent by one rank that opted in must not be unpickled by the
     # others; the marker file proves nothing ran.
     marker = "/tmp/chorus-pickle-ran-%s" % os.environ.get("MASTER_PORT")
@@ -460,6 +471,14 @@ def main():
         expect(chorus.Error, lambda: [chorus.all_reduce(a) for _ in range(100)],
                "collectives with a dead peer")
         check(time.time() - t0 < 20, "dead peer noticed after %.1f s" % (time.time() - t0))
+    elif MODE == "refuse":
+        # A gather_list only the destination can get wrong: the others fail
+        # fast (a mismatch), not at the timeout.
+        t0 = time.time()
+        gl = [np.zeros(3), np.zeros(4)] + [np.zeros(3)] * (size - 2) if rank == 0 else None
+        expect(ValueError if rank == 0 else chorus.MismatchError,
+               lambda: chorus.gather(np.zeros(3), gl, dst=0), "a bad gather_list on dst")
+        check(time.time() - t0 < 10, "refusal noticed after %.1f s" % (time.time() - t0))
     elif MODE == "timeout":
         if rank == 0:
             time.sleep(6)

@@ -71,6 +71,11 @@ def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
             os.killpg(p.pid, signal.SIGKILL)  # nothing may outlive the run
         except ProcessLookupError:
             pass
+    if (p.returncode != 0 and launcher == "torchrun" and not (env or {}).get("_RETRIED")
+            and "address already in use" in text.lower()):
+        # free_port()'s port was taken by someone else before torchrun bound it.
+        return launch(launcher, n, backend, script, *args, env=dict(env or {}, _RETRIED="1"),
+                      expect_ok=expect_ok)
     lines = sorted(m.group(0) for m in re.finditer(r"rank \d+:.*", text))
     if expect_ok and p.returncode != 0:
         failures.append("%s %s n=%d %s %s: exit status %d" % (launcher, backend, n, script,
