@@ -2,7 +2,9 @@
 # The whole test suite, as CI runs it (README's second command):
 #   1. a release build with warnings as errors, all CTest tests, among them
 #      those (label "cluster") against real launchers and services: Open
-#      MPI, MPICH, Slurm, etcd, emulated hosts -- only in this pass;
+#      MPI, MPICH, Slurm, etcd, emulated hosts, and the Python package and
+#      PyTorch backend (labels "python", "torch"; the extensions are built
+#      once, by this build) -- only in this pass;
 #   2. an ASan+UBSan build (LeakSanitizer included), all tests again but the
 #      cluster ones;
 #   3. a TSan build, all tests but the launcher's and the cluster ones;
