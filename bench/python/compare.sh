@@ -42,6 +42,8 @@ for rep in $(seq "$reps"); do
       torchrun "$n" "$here/ddp_step.py" --backend "$b" | grep -o 'backend=.*' >> "$raw"
     done
   done
+  # The floor: the same step on one rank (no communication to speak of).
+  torchrun 1 "$here/ddp_step.py" --backend chorus | grep -o 'backend=.*' >> "$raw"
 done
 $py - "$raw" "$reps" "${ranks[*]}" > "$root/bench/results/python.md" <<'PY'
 import re, statistics, sys
@@ -67,10 +69,13 @@ for n in ranks:
         print("| %s | %d | %.2f | %.2f | %.2f | %.2f | %+.2f | %+.2f (%.1f%%) | %.1fx |" % (
             n, b, c, p, tc, tg, p - c, tc - c, 100 * (tc - c) / c, tg / tc))
 print("\n## torch DDP step, wide MLP (4 x 1536, 9.4 M parameters, batch 8), ms\n")
-print("| ranks | chorus | Gloo | chorus / Gloo |")
-print("|---|---|---|---|")
+floor = med(ddp.get(("chorus", "1"), []))
+print("| ranks | chorus | Gloo | chorus / Gloo | floor / Gloo |")
+print("|---|---|---|---|---|")
 for n in ranks:
     c, g = med(ddp.get(("chorus", n), [])), med(ddp.get(("gloo", n), []))
-    print("| %s | %.1f | %.1f | %.2f |" % (n, c, g, c / g))
+    print("| %s | %.1f | %.1f | %.2f | %.2f |" % (n, c, g, c / g, floor / g))
+print("\nfloor: the same step on 1 rank, %.1f ms (compute, backward and optimizer with no "
+      "communication): no backend can make a step faster than that." % floor)
 PY
 cat "$root/bench/results/python.md"

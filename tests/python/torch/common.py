@@ -18,3 +18,16 @@ def out(*args):
     """One line, prefixed with the rank so sorted output is comparable."""
     print("rank %d:" % dist.get_rank(), *args, flush=True)
     sys.stdout.flush()
+
+
+class Net(torch.nn.Module):
+    """The small MLP fsdp.py and zero_sharded.py train."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(20, 64)
+        self.l2 = torch.nn.Linear(64, 64)
+        self.l3 = torch.nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import BACKEND, out
+from common import BACKEND, Net, out
 
 # Debian 12: torch 1.13's FSDP does not import on Python 3.11 without it
 # (whatever the backend).
@@ -24,17 +24,6 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 MODE = os.environ.get("MODE", "fsdp")
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = nn.Linear(20, 64)
-        self.l2 = nn.Linear(64, 64)
-        self.l3 = nn.Linear(64, 3)
-
-    def forward(self, x):
-        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
 
 
 def main():

@@ -134,8 +134,7 @@ def compare(a, b, what, *tol):
 
 
 def ddp(n):
-    tmp = tempfile.mkdtemp(prefix="chorus-ddp.")
-    try:
+    with tempfile.TemporaryDirectory(prefix="chorus-ddp.") as tmp:
         ref, got = os.path.join(tmp, "gloo.pt"), os.path.join(tmp, "chorus.pt")
         launch("torchrun", n, "gloo", "ddp_equivalence.py", ref)
         launch("torchrun", n, "chorus", "ddp_equivalence.py", got)
@@ -143,18 +142,13 @@ def ddp(n):
             compare(ref, got, "DDP at %d ranks: chorus = Gloo" % n)
         else:
             failures.append("DDP at %d ranks: no weights written" % n)
-    finally:
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
 
 
 def fsdp():
     """Sharded data parallel in torch on CPU: ZeRO-3's collectives by hand
     (zero_sharded.py) on chorus = DDP on Gloo; torch's own FSDP where this
     torch can run it on CPU."""
-    tmp = tempfile.mkdtemp(prefix="chorus-fsdp.")
-    try:
+    with tempfile.TemporaryDirectory(prefix="chorus-fsdp.") as tmp:
         ref, got = os.path.join(tmp, "ddp.pt"), os.path.join(tmp, "zero.pt")
         launch("torchrun", 2, "gloo", "zero_sharded.py", ref, env={"MODE": "ddp"})
         rc, lines = launch("torchrun", 2, "chorus", "zero_sharded.py", got)
@@ -180,10 +174,6 @@ def fsdp():
                 compare(ref2, got2, "torch FSDP on chorus at 2 ranks = DDP on Gloo")
             else:
                 failures.append("torch FSDP on chorus failed (exit status %d)" % rc)
-    finally:
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
 
 
 if CASE == "tutorials":

@@ -18,20 +18,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import BACKEND, out
+from common import BACKEND, Net, out
 
 MODE = os.environ.get("MODE", "zero")
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = nn.Linear(20, 64)
-        self.l2 = nn.Linear(64, 64)
-        self.l3 = nn.Linear(64, 3)
-
-    def forward(self, x):
-        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+def gather_params(params, shard, size):
+    """All-gathers the flat parameters (all_gather_into_tensor) into the
+    model's parameters."""
+    full = torch.empty(shard.numel() * size)
+    dist.all_gather_into_tensor(full, shard)
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(full[off:off + p.numel()].view_as(p))
+            off += p.numel()
 
 
 def main():
@@ -61,13 +62,7 @@ def main():
             loss.backward()
             opt.step()
         else:
-            full = torch.empty(shard_len * size)
-            dist.all_gather_into_tensor(full, shard)
-            off = 0
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(full[off:off + p.numel()].view_as(p))
-                    off += p.numel()
+            gather_params(params, shard, size)
             for p in params:
                 p.grad = None
             loss = nn.functional.mse_loss(model(xb), yb)
@@ -81,13 +76,7 @@ def main():
         dist.all_reduce(lt)
         out("step %d loss %.5f" % (step, lt.item() / size))
     if MODE != "ddp":
-        full = torch.empty(shard_len * size)
-        dist.all_gather_into_tensor(full, shard)
-        off = 0
-        with torch.no_grad():
-            for p in params:
-                p.copy_(full[off:off + p.numel()].view_as(p))
-                off += p.numel()
+        gather_params(params, shard, size)
     if rank == 0:
         torch.save({"train": {k: v.detach().clone() for k, v in model.state_dict().items()}},
                    sys.argv[1])
