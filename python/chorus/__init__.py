@@ -19,7 +19,9 @@ GIL.  For PyTorch, ``import chorus.torch`` registers the "chorus" backend
 of torch.distributed instead (docs/python.md).
 """
 
+import array as _array
 import datetime as _dt
+import itertools as _itertools
 import os as _os
 import warnings as _warnings
 
@@ -258,17 +260,17 @@ def split(color, key=None, group=None):
     comm = g._c.split(color, key)
     if comm is None:
         return GroupMember.NON_GROUP_MEMBER
-    me = _np_int64([g.ranks[g.rank()]])
-    allr = _np_int64([0] * comm.size())
+    me = _int64s([g.ranks[g.rank()]])
+    allr = _int64s([0] * comm.size())
     comm.all_gather(me, allr, -1, False)
     sub = ProcessGroup(comm, [int(x) for x in allr])
     _groups.append(sub)
     return sub
 
 
-def _np_int64(values):
-    import array
-    return array.array("q", values)
+def _int64s(values):
+    """An int64 buffer of values (for counts and lengths; no NumPy needed)."""
+    return _array.array("q", values)
 
 
 def destroy_process_group(group=None):
@@ -338,13 +340,13 @@ class _After:
         return self._w.duration()
 
 
-def _run(work, async_op, after=None):
-    """The outcome of an issued call: the Work (async) or None, running
-    `after` when the data is in place."""
+def _then(work, async_op, after):
+    """The outcome of an issued call whose data needs one more step here once
+    it is in place (`after`): an _After Work (async), or None once done.
+    (The extension itself returns None for a blocking call.)"""
     if async_op:
-        return _After(work, after) if after else work
-    if after:
-        after()
+        return _After(work, after)
+    after()
     return None
 
 
@@ -396,9 +398,32 @@ def _refuse(g, exc):
     raise exc
 
 
+def _check_root_list(g, lst, tensor, name, is_root):
+    """gather's and scatter's list: only on the root, one entry per rank,
+    each the tensor's size.  Only this rank can see a mistake in it, so
+    it is refused through _refuse.  Returns the tensor's size in bytes."""
+    n = _nbytes(tensor)
+    if not is_root:
+        if lst:
+            _refuse(g, ValueError("chorus: %s must be given only on the root rank" % name))
+        return n
+    if lst is None or len(lst) != g.size():
+        _refuse(g, ValueError("chorus: %s needs %d tensors on the root rank" % (name, g.size())))
+    for i, t in enumerate(lst):
+        if _nbytes(t) != n:
+            _refuse(g, ValueError("chorus: %s[%d] has %d bytes, the tensor %d"
+                                  % (name, i, _nbytes(t), n)))
+    return n
+
+
 # The largest object a peer may make this rank allocate (bytes): received
 # lengths are untrusted.
 OBJECT_BYTES_MAX = 1 << 30
+
+
+def _offsets(counts):
+    """Where each block starts when the blocks lie end to end."""
+    return [0] + list(_itertools.accumulate(counts))[:-1] if counts else []
 
 
 def _code(x, dtype):
@@ -409,24 +434,21 @@ def broadcast(tensor, src, group=None, async_op=False, dtype=None):
     g = _group(group)
     if g is None:
         return None
-    w = g._c.broadcast(tensor, g._local(src, "src"), _dtype(dtype), async_op)
-    return w if async_op else None
+    return g._c.broadcast(tensor, g._local(src, "src"), _dtype(dtype), async_op)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, dtype=None):
     g = _group(group)
     if g is None:
         return None
-    w = g._c.all_reduce(tensor, tensor, op, _dtype(dtype), async_op)
-    return w if async_op else None
+    return g._c.all_reduce(tensor, tensor, op, _dtype(dtype), async_op)
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, dtype=None):
     g = _group(group)
     if g is None:
         return None
-    w = g._c.reduce(tensor, tensor, op, g._local(dst, "dst"), _dtype(dtype), async_op)
-    return w if async_op else None
+    return g._c.reduce(tensor, tensor, op, g._local(dst, "dst"), _dtype(dtype), async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, dtype=None):
@@ -435,8 +457,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     g = _group(group)
     if g is None:
         return None
-    w = g._c.all_gather(input_tensor, output_tensor, _dtype(dtype), async_op)
-    return w if async_op else None
+    return g._c.all_gather(input_tensor, output_tensor, _dtype(dtype), async_op)
 
 
 _all_gather_base = all_gather_into_tensor
@@ -447,8 +468,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, dtype=None):
     g = _group(group)
     if g is None:
         return None
-    w = g._c.all_gather_list(tensor, tensor_list, _dtype(dtype), async_op)
-    return w if async_op else None
+    return g._c.all_gather_list(tensor, tensor_list, _dtype(dtype), async_op)
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, dtype=None):
@@ -459,20 +479,12 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, dtype=No
     root = g._local(dst, "dst")
     dt = _dtype(dtype)
     if g.rank() != root:
-        if gather_list:
-            raise ValueError("chorus: gather_list must be given only on the destination rank")
-        return _run(g._c.gather(tensor, None, root, dt, async_op), async_op)
-    if gather_list is None or len(gather_list) != g.size():
-        _refuse(g, ValueError("chorus: gather needs a gather_list of %d tensors on the "
-                              "destination" % g.size()))
-    n = _nbytes(tensor)
-    for i, t in enumerate(gather_list):
-        if _nbytes(t) != n:
-            _refuse(g, ValueError("chorus: gather_list[%d] has %d bytes, the tensor %d"
-                                  % (i, _nbytes(t), n)))
+        _check_root_list(g, gather_list, tensor, "gather_list", False)
+        return g._c.gather(tensor, None, root, dt, async_op)
+    n = _check_root_list(g, gather_list, tensor, "gather_list", True)
     flat = bytearray(n * g.size())
     w = g._c.gather(tensor, flat, root, _code(tensor, dt), async_op)
-    return _run(w, async_op, lambda: _unpack(flat, gather_list))
+    return _then(w, async_op, lambda: _unpack(flat, gather_list))
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, dtype=None):
@@ -483,19 +495,11 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, dtype=
     root = g._local(src, "src")
     dt = _dtype(dtype)
     if g.rank() != root:
-        if scatter_list:
-            raise ValueError("chorus: scatter_list must be given only on the source rank")
-        return _run(g._c.scatter(None, tensor, root, dt, async_op), async_op)
-    if scatter_list is None or len(scatter_list) != g.size():
-        _refuse(g, ValueError("chorus: scatter needs a scatter_list of %d tensors on the "
-                              "source" % g.size()))
-    n = _nbytes(tensor)
-    for i, t in enumerate(scatter_list):
-        if _nbytes(t) != n:
-            _refuse(g, ValueError("chorus: scatter_list[%d] has %d bytes, the tensor %d"
-                                  % (i, _nbytes(t), n)))
+        _check_root_list(g, scatter_list, tensor, "scatter_list", False)
+        return g._c.scatter(None, tensor, root, dt, async_op)
+    _check_root_list(g, scatter_list, tensor, "scatter_list", True)
     flat = _pack(scatter_list)
-    return _run(g._c.scatter(flat, tensor, root, _code(tensor, dt), async_op), async_op)
+    return g._c.scatter(flat, tensor, root, _code(tensor, dt), async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
@@ -505,8 +509,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     g = _group(group)
     if g is None:
         return None
-    w = g._c.reduce_scatter(input, output, op, _dtype(dtype), async_op)
-    return w if async_op else None
+    return g._c.reduce_scatter(input, output, op, _dtype(dtype), async_op)
 
 
 _reduce_scatter_base = reduce_scatter_tensor
@@ -522,8 +525,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
                          % (g.size(), len(input_list)))
     dt = _code(output, _dtype(dtype))
     flat = _pack(input_list)
-    w = g._c.reduce_scatter(flat, output, op, dt, async_op)
-    return w if async_op else None
+    return g._c.reduce_scatter(flat, output, op, dt, async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
@@ -535,8 +537,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         return None
     dt = _dtype(dtype)
     if output_split_sizes is None and input_split_sizes is None:
-        w = g._c.all_to_all(input, output, dt, async_op)
-        return w if async_op else None
+        return g._c.all_to_all(input, output, dt, async_op)
     n = g.size()
 
     def layout(x, splits, what):
@@ -551,16 +552,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             raise ValueError("chorus: %s split sizes %s do not cover its %d rows in %d parts"
                              % (what, list(splits), rows, n))
         counts = [s * per_row for s in splits]
-        displs, off = [], 0
-        for c in counts:
-            displs.append(off)
-            off += c
-        return counts, displs
+        return counts, _offsets(counts)
 
     sc, sd = layout(input, input_split_sizes, "input")
     rc, rd = layout(output, output_split_sizes, "output")
-    w = g._c.all_to_allv(input, sc, sd, output, rc, rd, dt, async_op)
-    return w if async_op else None
+    return g._c.all_to_allv(input, sc, sd, output, rc, rd, dt, async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False, dtype=None):
@@ -575,22 +571,20 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     esz = memoryview(input_tensor_list[0]).itemsize if n else 1
     sc = [_nbytes(t) // esz for t in input_tensor_list]
     rc = [_nbytes(t) // esz for t in output_tensor_list]
-    sd = [sum(sc[:i]) for i in range(n)]
-    rd = [sum(rc[:i]) for i in range(n)]
+    sd, rd = _offsets(sc), _offsets(rc)
     src = _pack(input_tensor_list)
     out = bytearray(sum(rc) * esz)
     # all_to_allv whatever the sizes: whether they are equal is only known
     # per rank, and every rank must issue the same collective.
     w = g._c.all_to_allv(src, sc, sd, out, rc, rd, dt, async_op)
-    return _run(w, async_op, lambda: _unpack(out, output_tensor_list))
+    return _then(w, async_op, lambda: _unpack(out, output_tensor_list))
 
 
 def barrier(group=None, async_op=False, device_ids=None):
     g = _group(group)
     if g is None:
         return None
-    w = g._c.barrier(async_op)
-    return w if async_op else None
+    return g._c.barrier(async_op)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
@@ -683,6 +677,15 @@ def _failure(why):
     return _FAILED + why.encode("utf-8", "replace"), ValueError("chorus: " + why)
 
 
+def _check_lengths(lengths, sender):
+    """Object lengths a peer announced: untrusted, so bounded before anything
+    is allocated for them."""
+    if not all(0 <= n <= OBJECT_BYTES_MAX for n in lengths):
+        raise ProtocolError(  # noqa: F405
+            "CHORUS_ERR_PROTOCOL: rank %d announced an object length that is negative or over "
+            "chorus.OBJECT_BYTES_MAX (%d bytes)" % (sender, OBJECT_BYTES_MAX))
+
+
 def _decode(raw, sender):
     if bytes(raw[:4]) == _FAILED:
         raise InvalidArgumentError(  # noqa: F405
@@ -737,19 +740,14 @@ def broadcast_object_list(object_list, src=0, group=None, device=None):
     if g is None:
         return None
     root = g._local(src, "src")
-    import array
-    length = array.array("q", [0])
+    length = _int64s([0])
     err = None
     if g.rank() == root:
         data, err = _encode_or_marker(list(object_list))
         length[0] = len(data)
     g._c.broadcast(length, root, -1, False)
     if g.rank() != root:
-        if not 0 <= length[0] <= OBJECT_BYTES_MAX:
-            raise ProtocolError(  # noqa: F405
-                "CHORUS_ERR_PROTOCOL: rank %d announced %d bytes of objects (more than "
-                "chorus.OBJECT_BYTES_MAX = %d, or negative)" % (src, length[0],
-                                                                OBJECT_BYTES_MAX))
+        _check_lengths(length, src)
         data = bytearray(length[0])
     g._c.broadcast(data, root, -1, False)
     if err is not None:
@@ -773,9 +771,8 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     root = g._local(src, "src")
     if not scatter_object_output_list:
         raise ValueError("chorus: scatter_object_output_list needs at least one entry")
-    import array
     n = g.size()
-    counts = array.array("q", [0] * n)
+    counts = _int64s([0] * n)
     err = None
     if g.rank() == root:
         if scatter_object_input_list is None or len(scatter_object_input_list) != n:
@@ -788,20 +785,16 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
         for i, b in enumerate(blobs):
             counts[i] = len(b)
     g._c.broadcast(counts, root, -1, False)
-    if not all(0 <= c <= OBJECT_BYTES_MAX for c in counts):
-        raise ProtocolError(  # noqa: F405
-            "CHORUS_ERR_PROTOCOL: rank %d announced an object length that is negative or over "
-            "chorus.OBJECT_BYTES_MAX" % src)
-    displs = [sum(counts[:i]) for i in range(n)]
+    _check_lengths(counts, src)
+    # One all_to_allv in which only src sends: counts[r] bytes to rank r.
     zeros = [0] * n
     mine = bytearray(counts[g.rank()])
+    recv_counts = [counts[g.rank()] if r == root else 0 for r in range(n)]
     if g.rank() == root:
-        g._c.all_to_allv(b"".join(blobs), list(counts), displs, mine,
-                         [counts[root] if r == root else 0 for r in range(n)], zeros, -1, False)
+        g._c.all_to_allv(b"".join(blobs), list(counts), _offsets(counts), mine, recv_counts,
+                         zeros, -1, False)
     else:
-        g._c.all_to_allv(b"", zeros, zeros, mine,
-                         [counts[g.rank()] if r == root else 0 for r in range(n)], zeros, -1,
-                         False)
+        g._c.all_to_allv(b"", zeros, zeros, mine, recv_counts, zeros, -1, False)
     if err is not None:
         raise err
     scatter_object_output_list[0] = _decode(mine, src)

@@ -111,7 +111,8 @@ static int buf_get(PyObject *obj, int writable, int want, buf_t *b, const char *
       PyErr_Format(PyExc_ValueError, "chorus: dtype code %d is not valid", want);
       return -1;
     }
-    if ((size_t)b->view.itemsize != es && !(b->view.itemsize == 1 && b->view.len % (Py_ssize_t)es == 0)) {
+    int raw_bytes = b->view.itemsize == 1 && b->view.len % (Py_ssize_t)es == 0;
+    if ((size_t)b->view.itemsize != es && !raw_bytes) {
       PyErr_Format(PyExc_ValueError, "chorus: %s has %zd-byte elements but dtype %s has %zu",
                    what, b->view.itemsize, chorus_dtype_name((chorus_dtype_t)want), es);
       return -1;
@@ -246,11 +247,10 @@ static void comm_finish_works(CommObject *c) {
   }
 }
 
-static chorus_result_t comm_destroy_now(CommObject *c, int abort_first) {
+static chorus_result_t comm_destroy_now(CommObject *c) {
   if (!c->comm) return CHORUS_OK;
   chorus_comm_t comm = c->comm;
   c->comm = NULL; /* before the GIL is let go: no call may start now */
-  if (abort_first) chorus_comm_abort(comm);
   comm_finish_works(c);
   chorus_result_t st;
   Py_BEGIN_ALLOW_THREADS
@@ -261,7 +261,7 @@ static chorus_result_t comm_destroy_now(CommObject *c, int abort_first) {
 
 static void Comm_dealloc(CommObject *c) {
   if (c->weakrefs) PyObject_ClearWeakRefs((PyObject *)c);
-  (void)comm_destroy_now(c, 0);
+  (void)comm_destroy_now(c);
   PyObject_Free(c);
 }
 
@@ -271,7 +271,7 @@ static PyObject *Comm_destroy(CommObject *c, PyObject *unused) {
                     "on this group; abort() it first or wait for that call");
     return NULL;
   }
-  chorus_result_t st = comm_destroy_now(c, 0);
+  chorus_result_t st = comm_destroy_now(c);
   if (st != CHORUS_OK) return raise_code(st, "destroying the communicator");
   Py_RETURN_NONE;
 }
@@ -281,34 +281,20 @@ static PyObject *Comm_abort(CommObject *c, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
-static PyObject *Comm_rank(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyLong_FromLong(chorus_comm_rank(m)) : NULL;
-}
-static PyObject *Comm_size(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyLong_FromLong(chorus_comm_size(m)) : NULL;
-}
-static PyObject *Comm_local_rank(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyLong_FromLong(chorus_comm_local_rank(m)) : NULL;
-}
-static PyObject *Comm_local_size(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyLong_FromLong(chorus_comm_local_size(m)) : NULL;
-}
-static PyObject *Comm_timeout_ms(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyLong_FromLong(chorus_comm_timeout_ms(m)) : NULL;
-}
-static PyObject *Comm_status(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyLong_FromLong(chorus_comm_status(m)) : NULL;
-}
-static PyObject *Comm_last_error(CommObject *c, PyObject *u) {
-  chorus_comm_t m = comm_ok(c);
-  return m ? PyUnicode_FromString(chorus_comm_last_error(m)) : NULL;
-}
+/* Comm_<name>(): conv(fn(comm)), or the "destroyed" error. */
+#define COMM_GETTER(name, fn, conv)                                            \
+  static PyObject *Comm_##name(CommObject *c, PyObject *u) {                   \
+    chorus_comm_t m = comm_ok(c);                                              \
+    return m ? conv(fn(m)) : NULL;                                             \
+  }
+COMM_GETTER(rank, chorus_comm_rank, PyLong_FromLong)
+COMM_GETTER(size, chorus_comm_size, PyLong_FromLong)
+COMM_GETTER(local_rank, chorus_comm_local_rank, PyLong_FromLong)
+COMM_GETTER(local_size, chorus_comm_local_size, PyLong_FromLong)
+COMM_GETTER(timeout_ms, chorus_comm_timeout_ms, PyLong_FromLong)
+COMM_GETTER(status, chorus_comm_status, PyLong_FromLong)
+COMM_GETTER(last_error, chorus_comm_last_error, PyUnicode_FromString)
+#undef COMM_GETTER
 static PyObject *Comm_destroyed(CommObject *c, PyObject *u) { return PyBool_FromLong(!c->comm); }
 
 static PyObject *Comm_same_host(CommObject *c, PyObject *arg) {
@@ -317,6 +303,23 @@ static PyObject *Comm_same_host(CommObject *c, PyObject *arg) {
   long peer = PyLong_AsLong(arg);
   if (peer == -1 && PyErr_Occurred()) return NULL;
   return PyLong_FromLong(chorus_comm_same_host(m, (int)peer));
+}
+
+static int arg_int(PyObject *o, int *out, const char *what) {
+  long v = PyLong_AsLong(o);
+  if (v == -1 && PyErr_Occurred()) return -1;
+  if (v < INT32_MIN || v > INT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "chorus: %s out of range", what);
+    return -1;
+  }
+  *out = (int)v;
+  return 0;
+}
+
+static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
+  if (nargs == want) return 0;
+  PyErr_Format(PyExc_TypeError, "chorus: %s takes %zd arguments (%zd given)", sig, want, nargs);
+  return -1;
 }
 
 /* ranks: a sequence of ints -> a malloc'd int array. */
@@ -333,7 +336,8 @@ static int *int_array(PyObject *seq, Py_ssize_t *n, const char *what) {
   for (Py_ssize_t i = 0; i < *n; i++) {
     long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
     if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
-      if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "chorus: %s[%zd] out of range", what, i);
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "chorus: %s[%zd] out of range", what, i);
       PyMem_Free(out);
       Py_DECREF(fast);
       return NULL;
@@ -342,6 +346,14 @@ static int *int_array(PyObject *seq, Py_ssize_t *n, const char *what) {
   }
   Py_DECREF(fast);
   return out;
+}
+
+/* The outcome of a call that makes a communicator: the new Comm, None
+ * (this rank is not a member), or the error. */
+static PyObject *comm_made(CommObject *c, chorus_result_t st, chorus_comm_t out) {
+  if (st != CHORUS_OK) return comm_error(c, st);
+  if (!out) Py_RETURN_NONE;
+  return comm_wrap(out);
 }
 
 static PyObject *Comm_new_group(CommObject *c, PyObject *arg) {
@@ -358,48 +370,37 @@ static PyObject *Comm_new_group(CommObject *c, PyObject *arg) {
   Py_END_ALLOW_THREADS
   c->inflight--;
   PyMem_Free(ranks);
-  if (st != CHORUS_OK) return comm_error(c, st);
-  if (!out) Py_RETURN_NONE;
-  return comm_wrap(out);
+  return comm_made(c, st, out);
 }
 
 static PyObject *Comm_split(CommObject *c, PyObject *const *args, Py_ssize_t nargs) {
-  chorus_comm_t m = comm_ok(c);
-  if (!m) return NULL;
   int color, key;
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "split(color, key)");
+  if (nargs_is(nargs, 2, "split(color, key)") || arg_int(args[0], &color, "color") ||
+      arg_int(args[1], &key, "key"))
     return NULL;
-  }
-  color = (int)PyLong_AsLong(args[0]);
-  key = (int)PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
-  chorus_comm_t out = NULL;
+  chorus_comm_t m = comm_ok(c), out = NULL;
+  if (!m) return NULL;
   chorus_result_t st;
   c->inflight++;
   Py_BEGIN_ALLOW_THREADS
   st = chorus_comm_split(m, color, key, &out);
   Py_END_ALLOW_THREADS
   c->inflight--;
-  if (st != CHORUS_OK) return comm_error(c, st);
-  if (!out) Py_RETURN_NONE;
-  return comm_wrap(out);
+  return comm_made(c, st, out);
 }
 
 static PyObject *Comm_shrink(CommObject *c, PyObject *arg) {
-  chorus_comm_t m = comm_ok(c);
+  int ms;
+  if (arg_int(arg, &ms, "timeout_ms")) return NULL;
+  chorus_comm_t m = comm_ok(c), out = NULL;
   if (!m) return NULL;
-  long ms = PyLong_AsLong(arg);
-  if (ms == -1 && PyErr_Occurred()) return NULL;
-  chorus_comm_t out = NULL;
   chorus_result_t st;
   c->inflight++;
   Py_BEGIN_ALLOW_THREADS
-  st = chorus_comm_shrink(m, (int)ms, &out);
+  st = chorus_comm_shrink(m, ms, &out);
   Py_END_ALLOW_THREADS
   c->inflight--;
-  if (st != CHORUS_OK) return raise_code(st, chorus_comm_last_error(m));
-  return comm_wrap(out);
+  return comm_made(c, st, out);
 }
 
 static PyObject *Comm_set_algo(CommObject *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -493,13 +494,16 @@ static PyObject *call_end(call_t *k, chorus_result_t st, chorus_work_t h) {
   return (PyObject *)w;
 }
 
-/* The communicator is fetched again here: converting the arguments may
- * have run Python code (__index__, __bool__) that destroyed the group. */
-#define ISSUE(k, expr)                                                         \
+/* res = the outcome of expr, the library call (which names `work`: NULL
+ * when blocking), run with the GIL released.  The communicator is fetched
+ * again first: converting the arguments may have run Python code
+ * (__index__, __bool__) that destroyed the group. */
+#define ISSUE_INTO(res, k, expr)                                               \
   do {                                                                         \
     if (!((k)->comm = comm_ok((k)->c))) {                                      \
       call_release(k);                                                         \
-      return NULL;                                                             \
+      (res) = NULL;                                                            \
+      break;                                                                   \
     }                                                                          \
     chorus_work_t h_ = NULL;                                                   \
     chorus_work_t *work = (k)->async ? &h_ : NULL;                             \
@@ -509,25 +513,15 @@ static PyObject *call_end(call_t *k, chorus_result_t st, chorus_work_t h) {
     st_ = (expr);                                                              \
     Py_END_ALLOW_THREADS                                                       \
     (k)->c->inflight--;                                                        \
-    return call_end((k), st_, h_);                                             \
+    (res) = call_end((k), st_, h_);                                            \
   } while (0)
 
-static int arg_int(PyObject *o, int *out, const char *what) {
-  long v = PyLong_AsLong(o);
-  if (v == -1 && PyErr_Occurred()) return -1;
-  if (v < INT32_MIN || v > INT32_MAX) {
-    PyErr_Format(PyExc_ValueError, "chorus: %s out of range", what);
-    return -1;
-  }
-  *out = (int)v;
-  return 0;
-}
-
-static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
-  if (nargs == want) return 0;
-  PyErr_Format(PyExc_TypeError, "chorus: %s takes %zd arguments (%zd given)", sig, want, nargs);
-  return -1;
-}
+#define ISSUE(k, expr)                                                         \
+  do {                                                                         \
+    PyObject *res_;                                                            \
+    ISSUE_INTO(res_, k, expr);                                                 \
+    return res_;                                                               \
+  } while (0)
 
 static int same_dtype(const buf_t *a, const buf_t *b) {
   if (a->dtype == b->dtype) return 0;
@@ -537,16 +531,21 @@ static int same_dtype(const buf_t *a, const buf_t *b) {
   return -1;
 }
 
-static PyObject *size_error(const char *fmt, size_t a, size_t b) {
-  PyErr_Format(PyExc_ValueError, fmt, a, b);
-  return NULL;
+/* Input and output of an element-wise collective: same dtype and count. */
+static int check_same(const buf_t *in, const buf_t *out, const char *coll) {
+  if (same_dtype(in, out) < 0) return -1;
+  if (in->count == out->count) return 0;
+  PyErr_Format(PyExc_ValueError, "chorus: %s input has %zu elements, output %zu", coll,
+               in->count, out->count);
+  return -1;
 }
 
 /* broadcast(buf, root, dtype, async) */
 static PyObject *Comm_broadcast(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int root, dt;
-  if (nargs_is(n, 4, "broadcast(buf, root, dtype, async_op)") || arg_int(a[1], &root, "root") || arg_int(a[2], &dt, "dtype") ||
+  if (nargs_is(n, 4, "broadcast(buf, root, dtype, async_op)") || arg_int(a[1], &root, "root") ||
+      arg_int(a[2], &dt, "dtype") ||
       call_begin(&k, c, a[3]))
     return NULL;
   if (buf_get(a[0], root != chorus_comm_rank(k.comm), dt, &k.bufs[0], "the tensor") < 0) {
@@ -561,7 +560,8 @@ static PyObject *Comm_broadcast(CommObject *c, PyObject *const *a, Py_ssize_t n)
 static PyObject *Comm_all_reduce(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int op, dt;
-  if (nargs_is(n, 5, "all_reduce(send, recv, op, dtype, async_op)") || arg_int(a[2], &op, "op") || arg_int(a[3], &dt, "dtype") ||
+  if (nargs_is(n, 5, "all_reduce(send, recv, op, dtype, async_op)") || arg_int(a[2], &op, "op") ||
+      arg_int(a[3], &dt, "dtype") ||
       call_begin(&k, c, a[4]))
     return NULL;
   if (buf_get(a[1], 1, dt, &k.bufs[1], "the output") < 0 ||
@@ -570,9 +570,7 @@ static PyObject *Comm_all_reduce(CommObject *c, PyObject *const *a, Py_ssize_t n
     return NULL;
   }
   const buf_t *in = a[0] == a[1] ? &k.bufs[1] : &k.bufs[0];
-  if (same_dtype(in, &k.bufs[1]) < 0 || (in->count != k.bufs[1].count &&
-      !size_error("chorus: all_reduce input has %zu elements, output %zu", in->count,
-                  k.bufs[1].count))) {
+  if (check_same(in, &k.bufs[1], "all_reduce") < 0) {
     call_release(&k);
     return NULL;
   }
@@ -605,10 +603,7 @@ static PyObject *Comm_reduce(CommObject *c, PyObject *const *a, Py_ssize_t n) {
       PyErr_SetString(PyExc_ValueError, "chorus: reduce needs an output on the root");
       return NULL;
     } else {
-      if (same_dtype(&k.bufs[0], &k.bufs[1]) < 0 ||
-          (k.bufs[0].count != k.bufs[1].count &&
-           !size_error("chorus: reduce input has %zu elements, output %zu", k.bufs[0].count,
-                       k.bufs[1].count))) {
+      if (check_same(&k.bufs[0], &k.bufs[1], "reduce") < 0) {
         call_release(&k);
         return NULL;
       }
@@ -637,7 +632,9 @@ static int check_blocks(const buf_t *small, const buf_t *big, size_t size, const
 static PyObject *Comm_scatter(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int root, dt;
-  if (nargs_is(n, 5, "scatter(send, recv, root, dtype, async_op)") || arg_int(a[2], &root, "root") || arg_int(a[3], &dt, "dtype") ||
+  if (nargs_is(n, 5, "scatter(send, recv, root, dtype, async_op)") ||
+      arg_int(a[2], &root, "root") ||
+      arg_int(a[3], &dt, "dtype") ||
       call_begin(&k, c, a[4]))
     return NULL;
   int is_root = root == chorus_comm_rank(k.comm);
@@ -657,7 +654,8 @@ static PyObject *Comm_scatter(CommObject *c, PyObject *const *a, Py_ssize_t n) {
 static PyObject *Comm_gather(CommObject *c, PyObject *const *a, Py_ssize_t n) {
   call_t k;
   int root, dt;
-  if (nargs_is(n, 5, "gather(send, recv, root, dtype, async_op)") || arg_int(a[2], &root, "root") || arg_int(a[3], &dt, "dtype") ||
+  if (nargs_is(n, 5, "gather(send, recv, root, dtype, async_op)") || arg_int(a[2], &root, "root") ||
+      arg_int(a[3], &dt, "dtype") ||
       call_begin(&k, c, a[4]))
     return NULL;
   int is_root = root == chorus_comm_rank(k.comm);
@@ -727,22 +725,11 @@ static PyObject *Comm_all_gather_list(CommObject *c, PyObject *const *a, Py_ssiz
     }
     ptrs[i] = k.list[i].view.buf;
   }
-  if (!(k.comm = comm_ok(c))) { /* see ISSUE */
-    PyMem_Free(ptrs);
-    goto fail;
-  }
-  {
-    chorus_work_t h = NULL;
-    chorus_result_t st;
-    c->inflight++;
-    Py_BEGIN_ALLOW_THREADS
-    st = chorus_all_gather_list(k.comm, k.bufs[0].view.buf, ptrs, k.bufs[0].count,
-                                (chorus_dtype_t)k.bufs[0].dtype, k.async ? &h : NULL);
-    Py_END_ALLOW_THREADS
-    c->inflight--;
-    PyMem_Free(ptrs); /* the library copied the array */
-    return call_end(&k, st, h);
-  }
+  PyObject *res;
+  ISSUE_INTO(res, &k, chorus_all_gather_list(k.comm, k.bufs[0].view.buf, ptrs, k.bufs[0].count,
+                                             (chorus_dtype_t)k.bufs[0].dtype, work));
+  PyMem_Free(ptrs); /* the library copied the array */
+  return res;
 fail:
   call_release(&k);
   return NULL;
@@ -863,21 +850,8 @@ static PyObject *Comm_all_to_allv(CommObject *c, PyObject *const *a, Py_ssize_t 
     call_release(&k);
     goto out;
   }
-  if (!(k.comm = comm_ok(c))) { /* see ISSUE */
-    call_release(&k);
-    goto out;
-  }
-  {
-    chorus_work_t h = NULL;
-    chorus_result_t st;
-    c->inflight++;
-    Py_BEGIN_ALLOW_THREADS
-    st = chorus_all_to_allv(k.comm, k.bufs[0].view.buf, sc, sd, k.bufs[1].view.buf, rc, rd,
-                            (chorus_dtype_t)k.bufs[0].dtype, k.async ? &h : NULL);
-    Py_END_ALLOW_THREADS
-    c->inflight--;
-    res = call_end(&k, st, h);
-  }
+  ISSUE_INTO(res, &k, chorus_all_to_allv(k.comm, k.bufs[0].view.buf, sc, sd, k.bufs[1].view.buf,
+                                         rc, rd, (chorus_dtype_t)k.bufs[0].dtype, work));
 out:
   PyMem_Free(sc);
   PyMem_Free(sd);

@@ -158,6 +158,16 @@ static void checkTensor(const char* fn, const at::Tensor& t, const char* what) {
                   "; chorus supports dense (strided) tensors only"));
 }
 
+// The input and output of a one-tensor-each call (the *_base methods):
+// both dense CPU tensors of one dtype.
+static void checkPair(const char* fn, const at::Tensor& input, const at::Tensor& output) {
+  checkTensor(fn, input, "the input");
+  checkTensor(fn, output, "the output");
+  if (output.scalar_type() != input.scalar_type())
+    fail(c10::str("chorus ", fn, ": the output has dtype ", dtypeName(output.scalar_type()),
+                  " but the input has ", dtypeName(input.scalar_type())));
+}
+
 // chorus's element type of t.  torch.bool travels as uint8 in ops that only
 // move bytes (reducing == false).
 static chorus_dtype_t dtypeOf(const char* fn, const at::Tensor& t, bool reducing) {
@@ -871,13 +881,8 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     return guarded([&] {
       static const char* fn = "_allgather_base";
       at::AutoDispatchBelowAutograd guard;
-      checkTensor(fn, input, "the input");
-      checkTensor(fn, output, "the output");
+      checkPair(fn, input, output);
       chorus_dtype_t dt = dtypeOf(fn, input, false);
-      if (output.scalar_type() != input.scalar_type())
-        fail(c10::str("chorus _allgather_base: the output has dtype ",
-                      dtypeName(output.scalar_type()), " but the input has ",
-                      dtypeName(input.scalar_type())));
       size_t count = nelem(input);
       if (nelem(output) != count * size_)
         fail(c10::str("chorus _allgather_base: the output has ", output.numel(),
@@ -1076,14 +1081,9 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     return guarded([&] {
       static const char* fn = "_reduce_scatter_base";
       at::AutoDispatchBelowAutograd guard;
-      checkTensor(fn, input, "the input");
-      checkTensor(fn, output, "the output");
+      checkPair(fn, input, output);
       chorus_dtype_t dt = dtypeOf(fn, output, true);
       chorus_op_t op = opOf(fn, opts.reduceOp, dt);
-      if (output.scalar_type() != input.scalar_type())
-        fail(c10::str("chorus _reduce_scatter_base: the output has dtype ",
-                      dtypeName(output.scalar_type()), " but the input has ",
-                      dtypeName(input.scalar_type())));
       size_t count = nelem(output);
       if (nelem(input) != count * size_)
         fail(c10::str("chorus _reduce_scatter_base: the input has ", input.numel(),
@@ -1116,13 +1116,8 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     return guarded([&] {
       static const char* fn = "alltoall_base";
       at::AutoDispatchBelowAutograd guard;
-      checkTensor(fn, input, "the input");
-      checkTensor(fn, output, "the output");
+      checkPair(fn, input, output);
       chorus_dtype_t dt = dtypeOf(fn, input, false);
-      if (output.scalar_type() != input.scalar_type())
-        fail(c10::str("chorus alltoall_base: the output has dtype ",
-                      dtypeName(output.scalar_type()), " but the input has ",
-                      dtypeName(input.scalar_type())));
       TensorPairs copies;
       at::Tensor recv = outputBuffer(fn, output, copies, false);
       at::Tensor send = inputBuffer(input);

@@ -615,16 +615,17 @@ static int derived_port(const launch_t *L) {
   return 20000 + (int)(chorus__siphash(key, L->tag, strlen(L->tag)) % 12000);
 }
 
-/* The key-value exchange (b above, and chorus_comm_init_kv); kvs is closed
- * on every path.  On success cfg has the store's host
- * and port (and the job secret, in secret, when rank 0 made one), and rank
- * 0 holds the running store in *server. */
+/* Who takes part in a key-value exchange. */
 typedef struct {
   int rank, size;
   const char *source; /* the service, for messages */
   int one_host;       /* 1: every rank on this host (the store on 127.0.0.1) */
 } exchange_t;
 
+/* The key-value exchange (b above, and chorus_comm_init_kv); kvs is closed
+ * on every path.  On success cfg has the store's host and port (and the job
+ * secret, in secret, when rank 0 made one), and rank 0 holds the running
+ * store in *server. */
 static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, chorus_config_t *cfg,
                                     char *host, size_t host_cap, char *secret, size_t secret_cap,
                                     chorus_store_server_t **server, int64_t deadline) {
