@@ -14,10 +14,16 @@ CASE:
   fsdp          ZeRO-3's all-gather / reduce-scatter(AVG) training by hand
                 on chorus at 2 ranks = DDP's weights (on Gloo it cannot
                 run); torch's own FSDP too where this torch runs it on CPU
+  nodes         2 emulated hosts x 2 processes (tests/fixtures/netns.sh,
+                root): the collectives tutorial and DDP under torchrun
+                (static rendezvous, --node_rank) and under chorusrun (c10d
+                rendezvous) print and reach what Gloo on one host does
+                (exit 77 when the hosts cannot be made)
 Exit 0 when everything matched; every difference is printed.
 """
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +31,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NETNS = os.path.join(HERE, "..", "..", "fixtures", "netns.sh")
 PY = sys.executable
 CHORUSRUN = sys.argv[1]
 CASE = sys.argv[2]
@@ -82,6 +89,57 @@ def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
                                                               " ".join(args), p.returncode))
         print(text[-4000:])
     return p.returncode, lines
+
+
+def launch_nodes(launcher, addrs, per_host, script, *args):
+    """Runs script with backend chorus on every emulated host (addrs[i] is
+    host i's address; the rendezvous is on host 0), per_host processes each;
+    returns (worst exit status, the rank lines of all hosts)."""
+    e = dict(os.environ)
+    e["TEST_BACKEND"] = "chorus"
+    e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    port, n = free_port(), len(addrs)
+    path = os.path.join(HERE, script)
+    procs = []
+    for i in range(n):
+        if launcher == "torchrun":
+            cmd = [PY, "-m", "torch.distributed.run", "--nnodes", str(n), "--node_rank", str(i),
+                   "--nproc_per_node", str(per_host), "--master_addr", addrs[0],
+                   "--master_port", str(port), "--redirects", "1", "--tee", "1", path]
+        else:
+            cmd = [CHORUSRUN, "--nnodes", str(n), "-n", str(per_host), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", "%s:%d" % (addrs[0], port), "--rdzv-id", "suite%d" % port,
+                   "--", PY, path]
+        procs.append(subprocess.Popen(["bash", NETNS, "exec", str(i)] + cmd + list(args),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e,
+                                      start_new_session=True, text=True))
+    texts, worst = [], 0
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                try:
+                    os.killpg(q.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            text, _ = p.communicate()
+            failures.append("%s on %d hosts %s: timed out after %d s" % (launcher, n, script,
+                                                                      TIMEOUT))
+        texts.append(text)
+        worst = worst or p.returncode
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if worst != 0:
+        failures.append("%s on %d hosts %s: exit status %d" % (launcher, n, script, worst))
+        for i, t in enumerate(texts):
+            print("---- host %d:\n%s" % (i, t[-3000:]))
+    lines = sorted(m.group(0) for t in texts for m in re.finditer(r"rank \d+:.*", t))
+    return worst, lines
 
 
 def same_output(what, ref, got):
@@ -176,6 +234,48 @@ def fsdp():
                 failures.append("torch FSDP on chorus failed (exit status %d)" % rc)
 
 
+def nodes():
+    """Two emulated hosts with two processes each: what users do with
+    torchrun --nnodes and chorusrun --nnodes.  The references are Gloo's
+    runs of the same scripts on one host with 4 processes."""
+    scratch = tempfile.mkdtemp(prefix="chorus-nodes.")
+    os.environ["CHORUS_NETNS_DIR"] = scratch + "/netns"
+    # chorusrun across hosts wants the job's secret on every node.
+    key = os.path.join(scratch, "key")
+    with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    os.environ["CHORUS_JOB_SECRET_FILE"] = key
+    os.environ["CHORUS_NETNS_PREFIX"] = "cpt%d" % os.getpid()
+    up = subprocess.run(["bash", NETNS, "up", "2"], capture_output=True, text=True)
+    if up.returncode == 77:
+        print("SKIPPED: " + (up.stderr.strip().splitlines() or ["no reason given"])[-1])
+        sys.exit(77)
+    try:
+        if up.returncode != 0:
+            failures.append("cannot make emulated hosts: " + up.stderr.strip())
+            return
+        addrs = [subprocess.run(["bash", NETNS, "addr", str(i)], capture_output=True,
+                                text=True, check=True).stdout.strip() for i in range(2)]
+        _, ref = launch("torchrun", 4, "gloo", "tutorial_p2p_collectives.py")
+        for launcher in ("torchrun", "chorusrun"):
+            _, got = launch_nodes(launcher, addrs, 2, "tutorial_p2p_collectives.py")
+            same_output("chorus under %s, 2 hosts x 2, tutorial_p2p_collectives.py" % launcher,
+                        ref, got)
+        with tempfile.TemporaryDirectory(prefix="chorus-ddp.") as tmp:
+            ref = os.path.join(tmp, "gloo.pt")
+            launch("torchrun", 4, "gloo", "ddp_equivalence.py", ref)
+            for launcher in ("torchrun", "chorusrun"):
+                got = os.path.join(tmp, launcher + ".pt")
+                launch_nodes(launcher, addrs, 2, "ddp_equivalence.py", got)
+                if os.path.exists(ref) and os.path.exists(got):
+                    compare(ref, got, "DDP under %s on 2 hosts x 2 = Gloo on one host" % launcher)
+                else:
+                    failures.append("DDP under %s on 2 hosts: no weights written" % launcher)
+    finally:
+        subprocess.run(["bash", NETNS, "down"], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 if CASE == "tutorials":
     tutorials()
 elif CASE == "gloo_wrong":
@@ -184,6 +284,8 @@ elif CASE.startswith("ddp:"):
     ddp(int(CASE[4:]))
 elif CASE == "fsdp":
     fsdp()
+elif CASE == "nodes":
+    nodes()
 else:
     sys.exit("unknown case " + CASE)
 for f in failures:
