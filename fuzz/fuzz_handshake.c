@@ -56,9 +56,9 @@ static void connect_mac(const chorus__key_t *key, uint32_t connector, uint32_t a
   static const char label[] = "chorus data connect"; /* with its NUL */
   static const uint8_t na[CHORUS__NONCE_LEN];
   uint8_t ids[16];
-  chorus__wire_put64(ids, FUZZ_WORLD_ID);
-  chorus__wire_put32(ids + 8, connector);
-  chorus__wire_put32(ids + 12, acceptor);
+  chorus__le64_put(ids, FUZZ_WORLD_ID);
+  chorus__le32_put(ids + 8, connector);
+  chorus__le32_put(ids + 12, acceptor);
   const void *parts[4] = {label, ids, na, nc};
   size_t lens[4] = {sizeof label, sizeof ids, sizeof na, CHORUS__NONCE_LEN};
   chorus__hmac(key, parts, lens, 4, mac);
@@ -75,7 +75,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t n = size - 1 < sizeof msg ? size - 1 : sizeof msg;
   memset(msg, 0, sizeof msg);
   memcpy(msg, data + 1, n);
-  uint32_t version = chorus__wire_get32(msg + 4), peer = chorus__wire_get32(msg + 8);
+  uint32_t version = chorus__le32_get(msg + 4), peer = chorus__le32_get(msg + 8);
   if (flags & 16) {
     connect_mac(&g_key, peer, (uint32_t)rank, msg + 12, msg + 12 + CHORUS__NONCE_LEN);
     if (n < CONNECT_LEN) n = CONNECT_LEN;
@@ -94,7 +94,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   uint8_t want[CHORUS__MAC_LEN];
   connect_mac(tp_key, peer, (uint32_t)rank, msg + 12, want);
   int mac_ok = memcmp(want, msg + 12 + CHORUS__NONCE_LEN, sizeof want) == 0;
-  int ok = chorus__wire_get32(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && mac_ok &&
+  int ok = chorus__le32_get(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && mac_ok &&
            peer < (uint32_t)nproc && (int)peer > rank && (int)peer != connected &&
            !(version & HS_FLAG_ENCRYPT);
   if (ok) {
@@ -103,7 +103,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     FUZZ_REQUIRE(got >= -4 && got <= -1);
   }
   /* A wrong proof is refused as such, before anything else is believed. */
-  if (chorus__wire_get32(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && !mac_ok)
+  if (chorus__le32_get(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && !mac_ok)
     FUZZ_REQUIRE(got == -1);
 
   chorus__tp_fuzz_free(tp);

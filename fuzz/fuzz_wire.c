@@ -42,7 +42,7 @@ static void one_header(const uint8_t *p) {
   FUZZ_REQUIRE(h.magic == h2.magic && h.type == h2.type && h.kind == h2.kind &&
                h.ep_id == h2.ep_id && h.seq == h2.seq && h.step == h2.step && h.tag == h2.tag &&
                chorus__fp_equal(&h.fp, &h2.fp) && h.len == h2.len);
-  FUZZ_REQUIRE(chorus__wire_get32(p) == h.magic && chorus__wire_get64(p + 48) == h.len);
+  FUZZ_REQUIRE(chorus__le32_get(p) == h.magic && chorus__le64_get(p + 48) == h.len);
 
   const char *bad = chorus__wire_check(&h);
   if (bad) {

@@ -36,6 +36,7 @@
 
 #include "store.h"
 #include "util/crypto.h"
+#include "util/le.h"
 
 #define CHORUS__STORE_MAGIC "CHST"
 #define CHORUS__STORE_VERSION 2u
@@ -79,26 +80,6 @@ enum {
   CHORUS__STORE_HS_DENIED = 1,  /* wrong secret */
   CHORUS__STORE_HS_VERSION = 2, /* bad magic or protocol version */
 };
-
-static inline void chorus__le32_put(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-  p[2] = (uint8_t)(v >> 16);
-  p[3] = (uint8_t)(v >> 24);
-}
-
-static inline uint32_t chorus__le32_get(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static inline void chorus__le64_put(uint8_t *p, uint64_t v) {
-  chorus__le32_put(p, (uint32_t)v);
-  chorus__le32_put(p + 4, (uint32_t)(v >> 32));
-}
-
-static inline uint64_t chorus__le64_get(const uint8_t *p) {
-  return (uint64_t)chorus__le32_get(p) | (uint64_t)chorus__le32_get(p + 4) << 32;
-}
 
 /* ------------------------------------------------------------ write buffer */
 

@@ -202,9 +202,6 @@ struct chorus__tp {
 
 /* The message header is encoded by wire.c; the handshake below uses the same
  * little-endian helpers. */
-static void put32(uint8_t *p, uint32_t v) { chorus__wire_put32(p, v); }
-static void put64(uint8_t *p, uint64_t v) { chorus__wire_put64(p, v); }
-static uint32_t get32(const uint8_t *p) { return chorus__wire_get32(p); }
 
 int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
   return a->coll == b->coll && a->dtype == b->dtype && a->op == b->op &&
@@ -586,7 +583,7 @@ static int seal_record(chorus__tp_t *tp, conn_t *c) {
   for (txitem_t *it = c->tx_head; it && plen < REC_MAX; it = it->next)
     plen += CHORUS__MIN(REC_MAX - plen, HDR_SIZE + it->len - it->off);
   uint8_t *rec = c->tx_rec, *out = rec + 4;
-  put32(rec, (uint32_t)plen);
+  chorus__le32_put(rec, (uint32_t)plen);
   int rc = chorus__aead_begin(c->tx_aead, rec, 4);
   size_t left = plen;
   while (rc == 0 && left > 0) {
@@ -989,8 +986,8 @@ static void on_payload_done(chorus__tp_t *tp, conn_t *c) {
 static int open_record(chorus__tp_t *tp, conn_t *c) {
   uint8_t *rec = c->rx_rec;
   for (;;) {
-    size_t need = c->rx_got < 4 ? 4 : REC_OVERHEAD + get32(rec);
-    if (c->rx_got == 4 && get32(rec) > REC_MAX) {
+    size_t need = c->rx_got < 4 ? 4 : REC_OVERHEAD + chorus__le32_get(rec);
+    if (c->rx_got == 4 && chorus__le32_get(rec) > REC_MAX) {
       protocol_error(tp, c, "encrypted record longer than the protocol allows");
       errno = EBADMSG;
       return -1;
@@ -1000,7 +997,7 @@ static int open_record(chorus__tp_t *tp, conn_t *c) {
     if (n <= 0) return n == 0 ? 0 : -1;
     c->rx_got += (size_t)n;
   }
-  size_t plen = get32(rec);
+  size_t plen = chorus__le32_get(rec);
   int rc = chorus__aead_begin(c->rx_aead, rec, 4);
   if (rc == 0) rc = chorus__aead_update(c->rx_aead, rec + 4, rec + 4, plen);
   if (rc == 0) rc = chorus__aead_open_end(c->rx_aead, rec + 4 + plen);
@@ -1399,9 +1396,9 @@ static void hs_mac(const chorus__tp_t *tp, int accept_side, uint32_t connector, 
                    const uint8_t *na, const uint8_t *nc, uint8_t mac[CHORUS__MAC_LEN]) {
   static const char lc[] = "chorus data connect", la[] = "chorus data accept";
   uint8_t ids[16];
-  put64(ids, tp->world_id);
-  put32(ids + 8, connector);
-  put32(ids + 12, acceptor);
+  chorus__le64_put(ids, tp->world_id);
+  chorus__le32_put(ids + 8, connector);
+  chorus__le32_put(ids + 12, acceptor);
   const void *parts[4] = {accept_side ? (const void *)la : (const void *)lc, ids, na, nc};
   size_t lens[4] = {accept_side ? sizeof la : sizeof lc, sizeof ids, CHORUS__NONCE_LEN,
                     CHORUS__NONCE_LEN};
@@ -1416,9 +1413,9 @@ static int hs_keys(const chorus__tp_t *tp, uint32_t connector, uint32_t acceptor
   memcpy(salt, na, CHORUS__NONCE_LEN);
   memcpy(salt + CHORUS__NONCE_LEN, nc, CHORUS__NONCE_LEN);
   memcpy(info, "chorus data keys", 16);
-  put64(info + 16, tp->world_id);
-  put32(info + 24, connector);
-  put32(info + 28, acceptor);
+  chorus__le64_put(info + 16, tp->world_id);
+  chorus__le32_put(info + 24, connector);
+  chorus__le32_put(info + 28, acceptor);
   int rc = chorus__hkdf(&tp->key, salt, sizeof salt, info, sizeof info, out, 64);
   chorus__wipe(salt, sizeof salt);
   return rc;
@@ -1437,9 +1434,9 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
     snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
     return rc;
   }
-  uint32_t version = get32(in + 4);
-  if (get32(in) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
-    snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)", get32(in),
+  uint32_t version = chorus__le32_get(in + 4);
+  if (chorus__le32_get(in) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
+    snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)", chorus__le32_get(in),
              version & HS_VERSION_MASK);
     return -EPROTO;
   }
@@ -1450,9 +1447,9 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
   }
   const uint8_t *na = in + 8;
   uint8_t *nc = out + 12;
-  put32(out, HS_CONNECT);
-  put32(out + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
-  put32(out + 8, (uint32_t)tp->rank);
+  chorus__le32_put(out, HS_CONNECT);
+  chorus__le32_put(out + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
+  chorus__le32_put(out + 8, (uint32_t)tp->rank);
   if ((rc = chorus__random_bytes(nc, CHORUS__NONCE_LEN)) < 0) {
     snprintf(why, cap, "no randomness: %s", strerror(-rc));
     return rc;
@@ -1464,8 +1461,8 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
     snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
     return rc;
   }
-  if (get32(ok) == HS_DENY) {
-    uint32_t reason = get32(ok + 4);
+  if (chorus__le32_get(ok) == HS_DENY) {
+    uint32_t reason = chorus__le32_get(ok + 4);
     snprintf(why, cap, "%s", reason == HS_DENY_AUTH ? "it refused our proof: the ranks have "
              "different job secrets, or the address belongs to another world or generation"
              : reason == HS_DENY_RANK    ? "it already has a connection from this rank"
@@ -1474,7 +1471,7 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
                                          : "it speaks another handshake version");
     return -EACCES;
   }
-  if (get32(ok) != HS_OK || get32(ok + 4) != (uint32_t)peer) {
+  if (chorus__le32_get(ok) != HS_OK || chorus__le32_get(ok + 4) != (uint32_t)peer) {
     snprintf(why, cap, "unexpected answer (not rank %d of this world?)", peer);
     return -EPROTO;
   }
@@ -1512,12 +1509,12 @@ typedef struct pending {
  * HS_DENY_* reason with why filled. */
 static int hs_verify(chorus__tp_t *tp, const pending_t *p, char *why, size_t cap) {
   const uint8_t *in = p->in;
-  uint32_t version = get32(in + 4);
-  if (get32(in) != HS_CONNECT || (version & HS_VERSION_MASK) != HS_VERSION) {
+  uint32_t version = chorus__le32_get(in + 4);
+  if (chorus__le32_get(in) != HS_CONNECT || (version & HS_VERSION_MASK) != HS_VERSION) {
     snprintf(why, cap, "not a chorus peer of this version");
     return -HS_DENY_VERSION;
   }
-  uint32_t peer = get32(in + 8);
+  uint32_t peer = chorus__le32_get(in + 8);
   uint8_t want[CHORUS__MAC_LEN];
   /* The MAC is checked before the claimed rank is believed. */
   hs_mac(tp, 0, peer, (uint32_t)tp->rank, p->na, in + 12, want);
@@ -1637,12 +1634,12 @@ static chorus_result_t accept_all(chorus__tp_t *tp, int listen_fd, int64_t deadl
       uint8_t reply[HS_OK_LEN];
       size_t rlen;
       if (peer < 0) {
-        put32(reply, HS_DENY);
-        put32(reply + 4, (uint32_t)-peer);
+        chorus__le32_put(reply, HS_DENY);
+        chorus__le32_put(reply + 4, (uint32_t)-peer);
         rlen = HS_DENY_LEN;
       } else {
-        put32(reply, HS_OK);
-        put32(reply + 4, (uint32_t)tp->rank);
+        chorus__le32_put(reply, HS_OK);
+        chorus__le32_put(reply + 4, (uint32_t)tp->rank);
         hs_mac(tp, 1, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12, reply + 8);
         rlen = HS_OK_LEN;
       }
@@ -1692,8 +1689,8 @@ static chorus_result_t accept_all(chorus__tp_t *tp, int listen_fd, int64_t deadl
       chorus__net_peer_addr(fd, host, sizeof host, &port);
       snprintf(p->addr, sizeof p->addr, "%s:%d", host, port);
       uint8_t hello[HS_HELLO_LEN];
-      put32(hello, HS_ACCEPT);
-      put32(hello + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
+      chorus__le32_put(hello, HS_ACCEPT);
+      chorus__le32_put(hello + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
       if (chorus__random_bytes(p->na, sizeof p->na) < 0) {
         close(fd);
         continue;
@@ -1790,8 +1787,8 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   tp->conns = calloc((size_t)cfg->size, sizeof(conn_t));
   if (!tp->conns) {
     close(cfg->listen_fd);
-    tp_free(tp);
-    return CHORUS_ERR_NO_MEMORY;
+    st = CHORUS_ERR_NO_MEMORY;
+    goto fail;
   }
   for (int r = 0; r < cfg->size; r++) {
     tp->conns[r].fd = -1;
@@ -1845,16 +1842,13 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   /* Accept every higher rank; strangers are rejected (rate-limited log). */
   if (st == CHORUS_OK) st = accept_all(tp, cfg->listen_fd, cfg->deadline, errmsg, errcap);
   close(cfg->listen_fd);
-  if (st != CHORUS_OK) {
-    tp_free(tp);
-    return st;
-  }
+  if (st != CHORUS_OK) goto fail;
   tp->epfd = epoll_create1(EPOLL_CLOEXEC);
   tp->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (tp->epfd < 0 || tp->evfd < 0) {
     snprintf(errmsg, errcap, "epoll/eventfd: %s", strerror(errno));
-    tp_free(tp);
-    return CHORUS_ERR_SYSTEM;
+    st = CHORUS_ERR_SYSTEM;
+    goto fail;
   }
   struct epoll_event ev = {.events = EPOLLIN, .data.u32 = UINT32_MAX};
   epoll_ctl(tp->epfd, EPOLL_CTL_ADD, tp->evfd, &ev);
@@ -1871,8 +1865,8 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
       chorus__wipe(c->keys, sizeof c->keys);
       if (!c->tx_aead || !c->rx_aead || !c->tx_rec || !c->rx_rec) {
         snprintf(errmsg, errcap, "out of memory for the encryption state");
-        tp_free(tp);
-        return CHORUS_ERR_NO_MEMORY;
+        st = CHORUS_ERR_NO_MEMORY;
+        goto fail;
       }
     }
     chorus__net_set_nonblock(c->fd, 1);
@@ -1883,8 +1877,8 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
     ev.data.u32 = (uint32_t)r;
     if (epoll_ctl(tp->epfd, EPOLL_CTL_ADD, c->fd, &ev) < 0) {
       snprintf(errmsg, errcap, "epoll_ctl: %s", strerror(errno));
-      tp_free(tp);
-      return CHORUS_ERR_SYSTEM;
+      st = CHORUS_ERR_SYSTEM;
+      goto fail;
     }
   }
   /* Silence is counted from now: connecting may have taken a while. */
@@ -1893,12 +1887,15 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   tp->last_ping = start;
   if (pthread_create(&tp->thread, NULL, progress_main, tp) != 0) {
     snprintf(errmsg, errcap, "cannot start the progress thread");
-    tp_free(tp);
-    return CHORUS_ERR_SYSTEM;
+    st = CHORUS_ERR_SYSTEM;
+    goto fail;
   }
   tp->thread_started = 1;
   *out = tp;
   return CHORUS_OK;
+fail:
+  tp_free(tp);
+  return st;
 }
 
 void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
@@ -2013,7 +2010,7 @@ chorus__aead_t *chorus__tp_fuzz_encrypt(chorus__tp_t *tp, int peer) {
 
 size_t chorus__tp_fuzz_seal(chorus__aead_t *sealer, const void *in, size_t n, uint8_t *out) {
   if (n > REC_MAX) n = REC_MAX;
-  put32(out, (uint32_t)n);
+  chorus__le32_put(out, (uint32_t)n);
   if (chorus__aead_seal(sealer, out, 4, in, out + 4, n, out + 4 + n) < 0) return 0;
   return n + REC_OVERHEAD;
 }

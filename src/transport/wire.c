@@ -7,37 +7,37 @@
 #include "transport/wire.h"
 
 void chorus__wire_encode(const chorus__wire_hdr_t *h, uint8_t *p) {
-  chorus__wire_put32(p + 0, h->magic);
-  chorus__wire_put16(p + 4, h->type);
-  chorus__wire_put16(p + 6, h->kind);
-  chorus__wire_put64(p + 8, h->ep_id);
-  chorus__wire_put64(p + 16, h->seq);
-  chorus__wire_put32(p + 24, h->step);
-  chorus__wire_put32(p + 28, (uint32_t)h->tag);
+  chorus__le32_put(p + 0, h->magic);
+  chorus__le16_put(p + 4, h->type);
+  chorus__le16_put(p + 6, h->kind);
+  chorus__le64_put(p + 8, h->ep_id);
+  chorus__le64_put(p + 16, h->seq);
+  chorus__le32_put(p + 24, h->step);
+  chorus__le32_put(p + 28, (uint32_t)h->tag);
   p[32] = h->fp.coll;
   p[33] = h->fp.dtype;
   p[34] = h->fp.op;
   p[35] = h->fp.algo;
-  chorus__wire_put32(p + 36, (uint32_t)h->fp.root);
-  chorus__wire_put64(p + 40, h->fp.count);
-  chorus__wire_put64(p + 48, h->len);
+  chorus__le32_put(p + 36, (uint32_t)h->fp.root);
+  chorus__le64_put(p + 40, h->fp.count);
+  chorus__le64_put(p + 48, h->len);
 }
 
 void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h) {
-  h->magic = chorus__wire_get32(p + 0);
-  h->type = chorus__wire_get16(p + 4);
-  h->kind = chorus__wire_get16(p + 6);
-  h->ep_id = chorus__wire_get64(p + 8);
-  h->seq = chorus__wire_get64(p + 16);
-  h->step = chorus__wire_get32(p + 24);
-  h->tag = (int32_t)chorus__wire_get32(p + 28);
+  h->magic = chorus__le32_get(p + 0);
+  h->type = chorus__le16_get(p + 4);
+  h->kind = chorus__le16_get(p + 6);
+  h->ep_id = chorus__le64_get(p + 8);
+  h->seq = chorus__le64_get(p + 16);
+  h->step = chorus__le32_get(p + 24);
+  h->tag = (int32_t)chorus__le32_get(p + 28);
   h->fp.coll = p[32];
   h->fp.dtype = p[33];
   h->fp.op = p[34];
   h->fp.algo = p[35];
-  h->fp.root = (int32_t)chorus__wire_get32(p + 36);
-  h->fp.count = chorus__wire_get64(p + 40);
-  h->len = chorus__wire_get64(p + 48);
+  h->fp.root = (int32_t)chorus__le32_get(p + 36);
+  h->fp.count = chorus__le64_get(p + 40);
+  h->len = chorus__le64_get(p + 48);
 }
 
 const char *chorus__wire_check(const chorus__wire_hdr_t *h) {

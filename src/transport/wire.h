@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "transport/transport.h"
+#include "util/le.h"
 
 #define CHORUS__WIRE_HDR_SIZE 56
 #define CHORUS__WIRE_MAGIC 0x4d524843u /* "CHRM" */
@@ -54,31 +55,6 @@ typedef struct chorus__wire_hdr {
   chorus__fp_t fp;
   uint64_t len;
 } chorus__wire_hdr_t;
-
-/* Little-endian stores and loads of unaligned fields. */
-static inline void chorus__wire_put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-static inline void chorus__wire_put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void chorus__wire_put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint16_t chorus__wire_get16(const uint8_t *p) {
-  return (uint16_t)(p[0] | (unsigned)p[1] << 8);
-}
-static inline uint32_t chorus__wire_get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
-static inline uint64_t chorus__wire_get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
 
 /* Writes h into the CHORUS__WIRE_HDR_SIZE bytes at p.  Can't fail. */
 void chorus__wire_encode(const chorus__wire_hdr_t *h, uint8_t *p);

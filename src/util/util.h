@@ -16,26 +16,6 @@
 #define CHORUS__MAX(a, b) ((a) > (b) ? (a) : (b))
 #define CHORUS__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
-/* Returns on error (negative result), leaving a DEBUG trace of where. */
-#define CHORUS_CHECK(call)                                                      \
-  do {                                                                         \
-    int chorus__rc = (call);                                                   \
-    if (chorus__rc < 0) {                                                      \
-      CHORUS_DEBUG(CHORUS__SUB_ALL, "%s -> %d", #call, chorus__rc);            \
-      return chorus__rc;                                                       \
-    }                                                                          \
-  } while (0)
-
-/* Stores the result in rc and jumps to label on error. */
-#define CHORUS_CHECK_GOTO(call, rc, label)                                      \
-  do {                                                                         \
-    (rc) = (call);                                                             \
-    if ((rc) < 0) {                                                            \
-      CHORUS_DEBUG(CHORUS__SUB_ALL, "%s -> %d", #call, (int)(rc));             \
-      goto label;                                                              \
-    }                                                                          \
-  } while (0)
-
 /* a * b into *out; returns 0, or -1 on overflow. */
 static inline int chorus__mul_overflow(size_t a, size_t b, size_t *out) {
   return __builtin_mul_overflow(a, b, out) ? -1 : 0;

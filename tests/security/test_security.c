@@ -205,8 +205,6 @@ static int rank0_addr(char *host, int *port) {
   return ok ? 0 : -1;
 }
 
-static void put32(uint8_t *p, uint32_t v) { chorus__wire_put32(p, v); }
-static uint32_t get32(const uint8_t *p) { return chorus__wire_get32(p); }
 
 /* The data handshake's MAC, computed the way tcp.c does (a connecting
  * rank's proof, or an accepting rank's with accept_side). */
@@ -214,9 +212,9 @@ static void data_mac(const chorus__key_t *key, int accept_side, uint64_t world, 
                      uint32_t a, const uint8_t *na, const uint8_t *nc, uint8_t *mac) {
   static const char lc[] = "chorus data connect", la[] = "chorus data accept";
   uint8_t ids[16];
-  chorus__wire_put64(ids, world);
-  put32(ids + 8, c);
-  put32(ids + 12, a);
+  chorus__le64_put(ids, world);
+  chorus__le32_put(ids + 8, c);
+  chorus__le32_put(ids + 12, a);
   const void *parts[4] = {accept_side ? (const void *)la : (const void *)lc, ids, na, nc};
   size_t lens[4] = {accept_side ? sizeof la : sizeof lc, sizeof ids, 32, 32};
   chorus__hmac(key, parts, lens, 4, mac);
@@ -233,19 +231,19 @@ static int data_handshake(const char *host, int port, const chorus__key_t *key, 
   int64_t dl = chorus__deadline_ms(5000);
   uint8_t out[76], in[40];
   if (chorus__net_read_full(fd, hello, 40, dl) < 0) goto bad;
-  put32(out, 0x43524843u); /* "CHRC" */
-  put32(out + 4, 2);
-  put32(out + 8, me);
+  chorus__le32_put(out, 0x43524843u); /* "CHRC" */
+  chorus__le32_put(out + 4, 2);
+  chorus__le32_put(out + 8, me);
   memset(out + 12, 0x33, 32);
   data_mac(key, 0, world, me, to, hello + 8, out + 12, out + 44);
   if (chorus__net_write_full(fd, out, sizeof out, dl) < 0) goto bad;
   if (chorus__net_read_full(fd, in, 8, dl) < 0) goto bad;
-  if (get32(in) == 0x44524843u) { /* "CHRD" */
-    *deny = get32(in + 4);
+  if (chorus__le32_get(in) == 0x44524843u) { /* "CHRD" */
+    *deny = chorus__le32_get(in + 4);
     close(fd);
     return -1;
   }
-  if (get32(in) != 0x4b524843u || chorus__net_read_full(fd, in + 8, 32, dl) < 0) goto bad;
+  if (chorus__le32_get(in) != 0x4b524843u || chorus__net_read_full(fd, in + 8, 32, dl) < 0) goto bad;
   return fd;
 bad:
   close(fd);
@@ -377,7 +375,7 @@ TEST(acceptor) {
   start_rank0(&t, &th, &job_key, world, &port, a0, sizeof a0, addrs);
   uint8_t hello[40], wbytes[8];
   uint32_t deny = 0;
-  chorus__wire_put64(wbytes, world);
+  chorus__le64_put(wbytes, world);
   int rc_open = data_handshake("127.0.0.1", port, &open_key, world, 1, 0, hello, &deny);
   uint32_t deny_open = deny;
   int rc_world = data_handshake("127.0.0.1", port, &job_key, world + 1, 1, 0, hello, &deny);
@@ -409,7 +407,7 @@ TEST(acceptor) {
   ASSERT_EQ(deny_open, 1);
   ASSERT_EQ(rc_world, -1);
   ASSERT_EQ(deny, 1);
-  ASSERT_EQ(get32(hello), 0x41524843u);
+  ASSERT_EQ(chorus__le32_get(hello), 0x41524843u);
   ASSERT_TRUE(memmem(hello, sizeof hello, wbytes, sizeof wbytes) == NULL);
   ASSERT_EQ(closed, 200);
   ASSERT_TRUE(fd >= 0);

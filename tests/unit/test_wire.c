@@ -178,18 +178,18 @@ TEST(byte_layout) {
 
 TEST(byte_helpers) {
   uint8_t p[8];
-  chorus__wire_put16(p, 0xbeef);
+  chorus__le16_put(p, 0xbeef);
   ASSERT_EQ(p[0], 0xef);
   ASSERT_EQ(p[1], 0xbe);
-  ASSERT_EQ(chorus__wire_get16(p), 0xbeef);
-  chorus__wire_put32(p, 0xdeadbeefu);
+  ASSERT_EQ(chorus__le16_get(p), 0xbeef);
+  chorus__le32_put(p, 0xdeadbeefu);
   ASSERT_EQ(p[0], 0xef);
   ASSERT_EQ(p[3], 0xde);
-  ASSERT_EQ(chorus__wire_get32(p), 0xdeadbeefu);
-  chorus__wire_put64(p, 0x0123456789abcdefull);
+  ASSERT_EQ(chorus__le32_get(p), 0xdeadbeefu);
+  chorus__le64_put(p, 0x0123456789abcdefull);
   ASSERT_EQ(p[0], 0xef);
   ASSERT_EQ(p[7], 0x01);
-  ASSERT_TRUE(chorus__wire_get64(p) == 0x0123456789abcdefull);
+  ASSERT_TRUE(chorus__le64_get(p) == 0x0123456789abcdefull);
 }
 
 /* ----------------------------------------------------------- validation */
