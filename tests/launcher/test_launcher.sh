@@ -26,8 +26,12 @@ BG=""
 
 ours() { pgrep -f "$TMP/"; }
 
+# Only the test's own shell cleans up: a subshell that inherited the EXIT
+# trap (one CI run lost $TMP halfway through the signal cases) must not.
+MAIN_PID=$BASHPID
 cleanup() {
   local pids
+  [ "$BASHPID" = "$MAIN_PID" ] || return 0
   [ -n "$BG" ] && kill -KILL "$BG" 2>/dev/null
   pids=$(ours)
   [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
