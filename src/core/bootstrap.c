@@ -163,6 +163,55 @@ int chorus__env_timeout_ms(void) {
   return (int)((s > 0 && s < 2000000 ? s : 300) * 1000);
 }
 
+static void copy_str(char *out, size_t cap, const char *s) {
+  size_t n = strlen(s);
+  if (n >= cap) n = cap - 1;
+  memcpy(out, s, n);
+  out[n] = '\0';
+}
+
+/* The address this rank listens on for its peers: CHORUS_SOCKET_IFADDR,
+ * else the first address of an interface CHORUS_SOCKET_IFNAME names (none
+ * is an error), else the address the store connection leaves from -- but
+ * never a loopback address when the job may span hosts: a peer on another
+ * host would connect to its own loopback. */
+static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int size, int store_fd,
+                                   char *out, size_t cap) {
+  const chorus__env_t *env = chorus__env();
+  if (env->SOCKET_IFADDR && *env->SOCKET_IFADDR) {
+    snprintf(out, cap, "%s", env->SOCKET_IFADDR);
+    return CHORUS_OK;
+  }
+  if (env->SOCKET_IFNAME && *env->SOCKET_IFNAME) {
+    char found[512];
+    int rc = chorus__net_ifname_addr(env->SOCKET_IFNAME, found, sizeof found);
+    if (rc > 0) {
+      copy_str(out, cap, found);
+      return CHORUS_OK;
+    }
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG,
+                             "chorus rank %d: CHORUS_SOCKET_IFNAME=%s matches no interface that is "
+                             "up with an address%s%s; set it to one of them (a name prefix, =name, "
+                             "or ^names to avoid)", rank, env->SOCKET_IFNAME,
+                             rc == 0 && found[0] ? "; this host has: " : "",
+                             rc == 0 ? found : "");
+  }
+  int port;
+  if (chorus__net_local_addr(store_fd, out, cap, &port) < 0) snprintf(out, cap, "127.0.0.1");
+  int one_host = cfg->local_world_size > 0 && cfg->local_world_size == size;
+  if (!one_host && chorus__net_is_loopback(out)) {
+    char addrs[400];
+    if (chorus__net_host_addrs(addrs, sizeof addrs) > 0) {
+      addrs[strcspn(addrs, ",")] = '\0';
+      CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank %d: the store is reached over loopback (%s) but "
+                  "the job may span hosts: listening for peers on %s (set CHORUS_SOCKET_IFNAME or "
+                  "CHORUS_SOCKET_IFADDR to choose)", rank, out, addrs);
+      copy_str(out, cap, addrs);
+    }
+  }
+  return CHORUS_OK;
+}
+
 /* Makes the world.  *server, when not NULL, is the store this rank already
  * serves (the launcher's key-value service published its port): the world
  * takes it (*server becomes NULL) once it is past the argument checks. */
@@ -277,13 +326,10 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
               chorus_store_last_error(ctx->store));
     goto fail;
   }
-  /* Listen where peers can reach us: the interface toward the store. */
+  /* Listen where peers can reach us. */
   char ifaddr[80];
-  int ignored;
-  if (env->SOCKET_IFADDR && *env->SOCKET_IFADDR)
-    snprintf(ifaddr, sizeof ifaddr, "%s", env->SOCKET_IFADDR);
-  else if (chorus__net_local_addr(chorus__store_fd(ctx->store), ifaddr, sizeof ifaddr, &ignored) < 0)
-    snprintf(ifaddr, sizeof ifaddr, "127.0.0.1");
+  st = listen_addr(cfg, rank, size, chorus__store_fd(ctx->store), ifaddr, sizeof ifaddr);
+  if (st != CHORUS_OK) goto fail;
   int data_port = 0;
   int lfd = chorus__net_listen(ifaddr, 0, 4096, &data_port); /* strangers must not fill it */
   if (lfd < 0) {

@@ -291,3 +291,74 @@ int chorus__net_host_addrs(char *out, size_t cap) {
   freeifaddrs(ifs);
   return count;
 }
+
+/* Whether interface name matches one entry of the list (prefix, or exact
+ * after '='); entries are separated by commas. */
+static int ifname_listed(const char *list, const char *name) {
+  const char *p = list;
+  while (*p) {
+    const char *e = strchr(p, ',');
+    size_t n = e ? (size_t)(e - p) : strlen(p);
+    int exact = n > 0 && *p == '=';
+    const char *w = exact ? p + 1 : p;
+    size_t wn = exact ? n - 1 : n;
+    if (wn > 0 && strncmp(name, w, wn) == 0 && (!exact || name[wn] == '\0')) return 1;
+    if (!e) break;
+    p = e + 1;
+  }
+  return 0;
+}
+
+int chorus__net_ifname_addr(const char *spec, char *out, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  if (!spec || cap == 0) return -EINVAL;
+  out[0] = '\0';
+  int avoid = *spec == '^';
+  const char *list = avoid ? spec + 1 : spec;
+  if (getifaddrs(&ifs) < 0) return -errno;
+  int found = 0;
+  for (int pass = 0; pass < 2 && !found; pass++) {
+    for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
+      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP)) continue;
+      if (i->ifa_addr->sa_family != (pass == 0 ? AF_INET : AF_INET6)) continue;
+      if (avoid ? (i->ifa_flags & IFF_LOOPBACK) || ifname_listed(list, i->ifa_name)
+                : !ifname_listed(list, i->ifa_name))
+        continue;
+      if (pass == 1 &&
+          IN6_IS_ADDR_LINKLOCAL(&((const struct sockaddr_in6 *)(const void *)i->ifa_addr)->sin6_addr))
+        continue;
+      int port;
+      if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, out, cap,
+                       &port) == 0)
+        found = 1;
+    }
+  }
+  if (!found) {
+    /* What there is, so the message can say what to choose from. */
+    size_t len = 0;
+    out[0] = '\0';
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP)) continue;
+      int fam = i->ifa_addr->sa_family;
+      if (fam != AF_INET && fam != AF_INET6) continue;
+      char host[INET6_ADDRSTRLEN];
+      int port;
+      if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host,
+                       sizeof host, &port) < 0)
+        continue;
+      int k = snprintf(out + len, cap - len, "%s%s %s", len ? ", " : "", i->ifa_name, host);
+      if (k < 0 || (size_t)k >= cap - len) break;
+      len += (size_t)k;
+    }
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+int chorus__net_is_loopback(const char *host) {
+  struct in_addr a4;
+  struct in6_addr a6;
+  if (inet_pton(AF_INET, host, &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+  if (inet_pton(AF_INET6, host, &a6) == 1) return IN6_IS_ADDR_LOOPBACK(&a6);
+  return 0;
+}

@@ -44,4 +44,18 @@ int chorus__net_is_local(const char *host);
  * or -errno. */
 int chorus__net_host_addrs(char *out, size_t cap);
 
+/* The address to listen on for peers chosen by an interface list in the
+ * style of CHORUS_SOCKET_IFNAME: comma-separated interface names, each a
+ * prefix ("eth" matches eth0, eth1) or, after '=', an exact name; a list
+ * that starts with '^' names interfaces to avoid instead (loopback is then
+ * avoided too).  Among the interfaces that are up and match, the first
+ * IPv4 address wins, else the first non-link-local IPv6 one.  Returns 1
+ * with it in out, 0 when no interface matches (out then lists the
+ * interfaces that are up, "name addr" comma-separated, for the message),
+ * or -errno. */
+int chorus__net_ifname_addr(const char *spec, char *out, size_t cap);
+
+/* 1 when host is a numeric loopback address (127.0.0.0/8, ::1). */
+int chorus__net_is_loopback(const char *host);
+
 #endif
