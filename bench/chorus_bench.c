@@ -79,6 +79,8 @@ typedef struct {
   chorus_op_t op;
   chorus_dtype_t dtype;
   int root, iters, warmup, check, async, all, memalloc;
+  int links;        /* --links: the pairwise matrix instead of a collective */
+  int have_e;       /* -e given (--links then sends that many bytes) */
   const char *algo; /* -a; NULL: the library's automatic choice */
   chorus_coll_t coll;
 } opts_t;
@@ -108,6 +110,10 @@ static void usage(FILE *f) {
           "  -z, --async 0|1          0: blocking calls (default); 1: async handles + wait\n"
           "  -m, --memalloc 0|1       1: buffers from chorus_mem_alloc (shared memory;\n"
           "                           all_reduce then skips every staging copy)\n"
+          "      --links              measure every pair of ranks instead: 8-byte one-way\n"
+          "                           latency and bandwidth both ways (-e bytes, default\n"
+          "                           4M, 5 times), print the matrices, name the slow\n"
+          "                           links and the interface each pair uses\n"
           "  -h, --help               this help\n"
           "\n"
           "Algorithms (-a) per collective:\n");
@@ -210,7 +216,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                 .warmup = 5,
                 .check = 1,
                 .coll = CHORUS_COLL_ALL_REDUCE};
-  enum { OPT_ALL = 1000 };
+  enum { OPT_ALL = 1000, OPT_LINKS };
   static const struct option longopts[] = {{"minbytes", required_argument, NULL, 'b'},
                                            {"maxbytes", required_argument, NULL, 'e'},
                                            {"stepfactor", required_argument, NULL, 'f'},
@@ -226,6 +232,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                                            {"async", required_argument, NULL, 'z'},
                                            {"memalloc", required_argument, NULL, 'm'},
                                            {"all", no_argument, NULL, OPT_ALL},
+                                           {"links", no_argument, NULL, OPT_LINKS},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   int have_f = 0, have_i = 0, have_c = 0, opt;
@@ -236,6 +243,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         break;
       case 'e':
         if (parse_size(optarg, &o->max_bytes)) die_usage("bad -e size '%s'", optarg);
+        o->have_e = 1;
         break;
       case 'f': {
         int f;
@@ -308,6 +316,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
       case OPT_ALL:
         o->all = 1;
         break;
+      case OPT_LINKS:
+        o->links = 1;
+        break;
       case 'h': {
         /* Under chorusrun every rank gets -h; let rank 0 alone print it. */
         const char *rank = getenv("RANK");
@@ -322,6 +333,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
   if (have_f && have_i) die_usage("-f and -i are alternatives; give one");
   if (have_i) o->factor = 0;
   if (have_c && o->all) die_usage("-C and --all are alternatives; give one");
+  if (o->links && (o->all || have_c || o->memalloc))
+    die_usage("--links measures point-to-point links: no -C, --all or -m with it");
+  if (o->links && !o->have_e) o->max_bytes = (size_t)4 << 20;
   if (o->min_bytes > o->max_bytes)
     die_usage("-b %zu is larger than -e %zu", o->min_bytes, o->max_bytes);
   if (o->algo && !o->all && !algo_registered(o->coll, o->algo)) {
@@ -1027,6 +1041,154 @@ static void print_header(bench_t *b) {
 
 /* ------------------------------------------------------------------ main */
 
+/* ---------------------------------------------------------------- links */
+#define CHORUS_BENCH_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+enum { LINK_DESC = 96, LAT_ITERS = 200, LAT_WARMUP = 20, BW_REPS = 5 };
+
+/* One pair: 8-byte ping-pong (lower rank times the round trips), then
+ * `bytes` one way BW_REPS times and a 1-byte ack back, in each direction.
+ * *lat: median one-way latency (us, lower rank only); *bw_out: bytes/us
+ * from this rank to peer (measured on the sender). */
+static void link_pair(bench_t *b, int peer, size_t bytes, double *lat, double *bw_out) {
+  int lower = b->rank < peer;
+  char ping[8] = {0}, ack = 0;
+  double rtt[LAT_ITERS];
+  for (int i = 0; i < LAT_WARMUP + LAT_ITERS; i++) {
+    double t0 = now_us();
+    if (lower) {
+      check_rc(b, chorus_send(b->comm, ping, 8, CHORUS_UINT8, peer, 1, NULL), "send (links)");
+      check_rc(b, chorus_recv(b->comm, ping, 8, CHORUS_UINT8, peer, 1, NULL), "recv (links)");
+      if (i >= LAT_WARMUP) rtt[i - LAT_WARMUP] = now_us() - t0;
+    } else {
+      check_rc(b, chorus_recv(b->comm, ping, 8, CHORUS_UINT8, peer, 1, NULL), "recv (links)");
+      check_rc(b, chorus_send(b->comm, ping, 8, CHORUS_UINT8, peer, 1, NULL), "send (links)");
+    }
+  }
+  *lat = lower ? median(rtt, LAT_ITERS) / 2 : 0;
+  /* Lower rank sends first, then the other way. */
+  for (int dir = 0; dir < 2; dir++) {
+    int sending = (dir == 0) == lower;
+    /* One untimed transfer first: connections and buffers warm up. */
+    for (int rep = -1; rep < BW_REPS; rep++) {
+      double t0 = now_us();
+      if (sending) {
+        check_rc(b, chorus_send(b->comm, b->a, bytes, CHORUS_UINT8, peer, 2, NULL), "send (links)");
+        check_rc(b, chorus_recv(b->comm, &ack, 1, CHORUS_UINT8, peer, 3, NULL), "recv (links)");
+        if (rep >= 0) b->times[rep] = now_us() - t0;
+      } else {
+        check_rc(b, chorus_recv(b->comm, b->b, bytes, CHORUS_UINT8, peer, 2, NULL), "recv (links)");
+        check_rc(b, chorus_send(b->comm, &ack, 1, CHORUS_UINT8, peer, 3, NULL), "send (links)");
+      }
+    }
+    if (sending) *bw_out = (double)bytes / median(b->times, BW_REPS);
+  }
+}
+
+/* --links: every pair of ranks, a round at a time (the circle method: in
+ * each round every rank is in at most one pair, so pairs do not share a
+ * rank's time; pairs of one round may still share a host's link).  Rank 0
+ * prints the latency and bandwidth matrices, the slow links and the link
+ * each pair uses (chorus_comm_link). */
+static int run_links(bench_t *b, size_t bytes) {
+  int n = b->n, m = n + (n & 1); /* a bye when odd */
+  double *lat = calloc((size_t)n, sizeof *lat), *bw = calloc((size_t)n, sizeof *bw);
+  double *all_lat = NULL, *all_bw = NULL;
+  char *desc = calloc((size_t)n, LINK_DESC), *all_desc = NULL;
+  char host[64] = "?", *hosts = NULL;
+  if (b->rank == 0) {
+    all_lat = calloc((size_t)n * n, sizeof *all_lat);
+    all_bw = calloc((size_t)n * n, sizeof *all_bw);
+    all_desc = calloc((size_t)n * n, LINK_DESC);
+    hosts = calloc((size_t)n, sizeof host);
+  }
+  if (!lat || !bw || !desc || (b->rank == 0 && (!all_lat || !all_bw || !all_desc || !hosts))) {
+    fprintf(stderr, "chorus-bench: rank %d: out of memory for --links\n", b->rank);
+    chorus_comm_abort(b->comm);
+    return 1;
+  }
+  gethostname(host, sizeof host - 1);
+  say(b, "# links: %d ranks, 8-byte ping-pong x %d, then %zu bytes x %d each way per pair\n",
+      n, LAT_ITERS, bytes, BW_REPS);
+  for (int r = 0; r < m - 1; r++) {
+    /* Circle method: position 0 stays, the others rotate. */
+    int partner = -1;
+    for (int k = 0; k < m / 2; k++) {
+      int x = k == 0 ? 0 : 1 + (r + k) % (m - 1);
+      int y = k == 0 ? 1 + r % (m - 1) : 1 + (r - k + (m - 1)) % (m - 1);
+      if (x == b->rank && y < n) partner = y;
+      if (y == b->rank && x < n) partner = x;
+    }
+    if (partner >= 0) link_pair(b, partner, bytes, &lat[partner], &bw[partner]);
+    check_rc(b, chorus_barrier(b->comm, NULL), "barrier (links)");
+  }
+  for (int p = 0; p < n; p++) chorus_comm_link(b->comm, p, desc + (size_t)p * LINK_DESC, LINK_DESC);
+  check_rc(b, chorus_gather(b->comm, lat, all_lat, (size_t)n, CHORUS_FLOAT64, 0, NULL), "gather (links)");
+  check_rc(b, chorus_gather(b->comm, bw, all_bw, (size_t)n, CHORUS_FLOAT64, 0, NULL), "gather (links)");
+  check_rc(b, chorus_gather(b->comm, desc, all_desc, (size_t)n * LINK_DESC, CHORUS_UINT8, 0, NULL),
+           "gather (links)");
+  check_rc(b, chorus_gather(b->comm, host, hosts, sizeof host, CHORUS_UINT8, 0, NULL), "gather (links)");
+  if (b->rank == 0) {
+    /* Latency is measured once per pair (on its lower rank): mirror it. */
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < i; j++) all_lat[(size_t)i * n + j] = all_lat[(size_t)j * n + i];
+    double *v = calloc((size_t)n * n + 1, sizeof *v);
+    int nv = 0;
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < n; j++)
+        if (i != j && v) v[nv++] = all_bw[(size_t)i * n + j];
+    double bw_med = v ? median(v, nv) : 0;
+    nv = 0;
+    for (int i = 0; i < n; i++)
+      for (int j = i + 1; j < n; j++)
+        if (v) v[nv++] = all_lat[(size_t)i * n + j];
+    double lat_med = v ? median(v, nv) : 0;
+    free(v);
+    for (int pass = 0; pass < 2; pass++) {
+      say(b, "#\n# %s, row = from, column = to\n# %8s", pass ? "bandwidth (MB/s)" : "one-way latency (us)",
+          "");
+      for (int j = 0; j < n; j++) say(b, " %8d", j);
+      say(b, "\n");
+      for (int i = 0; i < n; i++) {
+        say(b, "  %8d", i);
+        for (int j = 0; j < n; j++) {
+          double x = pass ? all_bw[(size_t)i * n + j] : all_lat[(size_t)i * n + j];
+          if (i == j) say(b, " %8s", "-");
+          else say(b, pass ? " %8.0f" : " %8.1f", x);
+        }
+        say(b, "\n");
+      }
+    }
+    say(b, "#\n# medians: latency %.1f us, bandwidth %.0f MB/s\n", lat_med, bw_med);
+    int slow = 0;
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < n; j++) {
+        if (i == j) continue;
+        double l = all_lat[(size_t)i * n + j], w = all_bw[(size_t)i * n + j];
+        int bad_bw = w < 0.5 * bw_med, bad_lat = i < j && l > 2 * lat_med && l > lat_med + 20;
+        if (!bad_bw && !bad_lat) continue;
+        if (!slow++) say(b, "# slow links (bandwidth under half the median, or latency over twice it):\n");
+        say(b, "#   %d -> %d: %.0f MB/s, %.1f us; %s\n", i, j, w, l,
+            all_desc + ((size_t)i * n + j) * LINK_DESC);
+      }
+    if (!slow) say(b, "# no slow link\n");
+    say(b, "#\n# links (rank host: how it reaches each peer)\n");
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < n; j++)
+        if (i != j)
+          say(b, "#   %d %s -> %d %s: %s\n", i, hosts + (size_t)i * sizeof host, j,
+              hosts + (size_t)j * sizeof host, all_desc + ((size_t)i * n + j) * LINK_DESC);
+  }
+  free(lat);
+  free(bw);
+  free(desc);
+  free(all_lat);
+  free(all_bw);
+  free(all_desc);
+  free(hosts);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   bench_t b = {0};
   parse_args(argc, argv, &b.o);
@@ -1067,7 +1229,7 @@ int main(int argc, char **argv) {
     b.a = aligned_alloc(64, b.cap);
     b.b = aligned_alloc(64, b.cap);
   }
-  b.times = calloc((size_t)(2 + 2 * b.o.iters), sizeof(double));
+  b.times = calloc((size_t)CHORUS_BENCH_MAX(2 + 2 * b.o.iters, BW_REPS), sizeof(double));
   if (!b.a || !b.b || !b.times) {
     fprintf(stderr, "chorus-bench: rank %d: cannot allocate 2 x %zu bytes\n", b.rank, b.cap);
     chorus_comm_abort(b.comm);
@@ -1077,6 +1239,14 @@ int main(int argc, char **argv) {
   memset(b.a, 0, b.cap); /* fault the pages in before anything is timed */
   memset(b.b, 0, b.cap);
 
+  if (b.o.links) {
+    int lrc = run_links(&b, b.o.have_e ? b.o.max_bytes : (size_t)4 << 20);
+    rc = chorus_comm_destroy(b.comm);
+    free(b.a);
+    free(b.b);
+    free(b.times);
+    return lrc || rc != CHORUS_OK;
+  }
   print_header(&b);
   if (b.o.check) {
     /* Largest value a result reaches: 3n for sum (inputs 0..3). */
@@ -1120,15 +1290,16 @@ int main(int argc, char **argv) {
   }
   say(&b, "#\n");
 
-  rc = chorus_comm_destroy(b.comm);
   if (b.o.memalloc) {
-    chorus_barrier(b.comm, NULL); /* nobody reads them any more */
+    /* Before the communicator goes (it owns them): once nobody reads them. */
+    chorus_barrier(b.comm, NULL);
     chorus_mem_free(b.comm, b.a);
     chorus_mem_free(b.comm, b.b);
   } else {
     free(b.a);
     free(b.b);
   }
+  rc = chorus_comm_destroy(b.comm);
   free(b.times);
   if (rc != CHORUS_OK) {
     fprintf(stderr, "chorus-bench: rank %d: chorus_comm_destroy failed: %s\n", b.rank,

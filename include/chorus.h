@@ -273,6 +273,14 @@ CHORUS_API int chorus_comm_local_size(chorus_comm_t comm);
  * share memory), 0 when not, -1 for a peer that is not a rank of comm. */
 CHORUS_API int chorus_comm_same_host(chorus_comm_t comm, int peer);
 
+/* How this rank's messages to rank peer of comm travel (send/recv, and the
+ * collectives that do not use shared memory), for diagnostics:
+ * "tcp LOCAL -> REMOTE (IFACE)" with the connection's addresses and the
+ * local interface, "tcp (connection gone)" once it closed, or "self".
+ * Written into buf (truncated to cap, always NUL-terminated).  Returns
+ * CHORUS_OK, or CHORUS_ERR_INVALID_ARG (bad comm, peer or buffer). */
+CHORUS_API chorus_result_t chorus_comm_link(chorus_comm_t comm, int peer, char *buf, size_t cap);
+
 /* Human-readable reason for the communicator's last error ("" if none).
  * Valid until the next failing call on this communicator. */
 CHORUS_API const char *chorus_comm_last_error(chorus_comm_t comm);

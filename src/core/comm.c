@@ -492,6 +492,11 @@ int chorus_comm_same_host(chorus_comm_t comm, int peer) {
   const chorus__ctx_t *ctx = comm->ctx;
   return ctx->host[comm->world_ranks[peer]] == ctx->host[ctx->rank];
 }
+chorus_result_t chorus_comm_link(chorus_comm_t comm, int peer, char *buf, size_t cap) {
+  if (!comm || !buf || cap == 0 || peer < 0 || peer >= comm->size) return CHORUS_ERR_INVALID_ARG;
+  chorus__tp_link_desc(comm->ctx->tp, comm->world_ranks[peer], buf, cap);
+  return CHORUS_OK;
+}
 int chorus_comm_timeout_ms(chorus_comm_t comm) { return comm ? comm->timeout_ms : -1; }
 
 const char *chorus_comm_last_error(chorus_comm_t comm) { return comm ? comm->last_error : ""; }

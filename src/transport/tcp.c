@@ -468,6 +468,28 @@ int chorus__tp_peer_state(chorus__tp_t *tp, int w) {
   return state;
 }
 
+void chorus__tp_link_desc(chorus__tp_t *tp, int w, char *buf, size_t cap) {
+  if (w == tp->rank) {
+    snprintf(buf, cap, "self");
+    return;
+  }
+  pthread_mutex_lock(&tp->lock);
+  int fd = w >= 0 && w < tp->size && !tp->conns[w].dead ? tp->conns[w].fd : -1;
+  char local[80] = "?", remote[80] = "?", ifname[64] = "?";
+  int lport = 0, rport = 0;
+  if (fd >= 0) {
+    chorus__net_local_addr(fd, local, sizeof local, &lport);
+    chorus__net_peer_addr(fd, remote, sizeof remote, &rport);
+  }
+  pthread_mutex_unlock(&tp->lock);
+  if (fd < 0) {
+    snprintf(buf, cap, "tcp (connection gone)");
+    return;
+  }
+  chorus__net_addr_ifname(local, ifname, sizeof ifname);
+  snprintf(buf, cap, "tcp %s:%d -> %s:%d (%s)", local, lport, remote, rport, ifname);
+}
+
 chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *need) {
   chorus__tp_t *tp = ep->tp;
   pthread_mutex_lock(&tp->lock);

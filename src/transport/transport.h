@@ -173,6 +173,10 @@ int chorus__ep_peer_gone(chorus__ep_t *ep, int peer);
 enum { CHORUS__PEER_ALIVE = 0, CHORUS__PEER_GONE = 1, CHORUS__PEER_SILENT = 2 };
 int chorus__tp_peer_state(chorus__tp_t *tp, int w);
 
+/* "tcp LOCAL -> REMOTE (IFACE)" for world rank w's connection (see
+ * chorus_comm_link), "tcp (connection gone)", or "self". */
+void chorus__tp_link_desc(chorus__tp_t *tp, int w, char *buf, size_t cap);
+
 /* If group rank peer left (goodbye or connection gone), fails ep saying that
  * this rank still needs it (need: "waits for its data"); returns the
  * endpoint's status. */

@@ -362,3 +362,25 @@ int chorus__net_is_loopback(const char *host) {
   if (inet_pton(AF_INET6, host, &a6) == 1) return IN6_IS_ADDR_LOOPBACK(&a6);
   return 0;
 }
+
+int chorus__net_addr_ifname(const char *addr, char *out, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  int found = 0;
+  snprintf(out, cap, "?");
+  if (getifaddrs(&ifs) < 0) return 0;
+  for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
+    if (!i->ifa_addr) continue;
+    int fam = i->ifa_addr->sa_family;
+    if (fam != AF_INET && fam != AF_INET6) continue;
+    char host[INET6_ADDRSTRLEN];
+    int port;
+    if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host,
+                     sizeof host, &port) == 0 &&
+        strcmp(host, addr) == 0) {
+      snprintf(out, cap, "%s", i->ifa_name);
+      found = 1;
+    }
+  }
+  freeifaddrs(ifs);
+  return found;
+}

@@ -55,6 +55,10 @@ int chorus__net_host_addrs(char *out, size_t cap);
  * or -errno. */
 int chorus__net_ifname_addr(const char *spec, char *out, size_t cap);
 
+/* The name of the interface that has numeric address addr, into out ("?"
+ * when none does).  Returns 1 when found, else 0. */
+int chorus__net_addr_ifname(const char *addr, char *out, size_t cap);
+
 /* 1 when host is a numeric loopback address (127.0.0.0/8, ::1). */
 int chorus__net_is_loopback(const char *host);
 
