@@ -8,27 +8,12 @@
 # Needs root; exits 77 (skipped, reason printed) when hosts cannot be made.
 set -u
 RUN=$1 BENCH=$2 FIXTURES=$3
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-links.XXXXXX") || exit 1
-export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=cln$$
-NETNS=$FIXTURES/netns.sh
-UP=0 FAILS=0
-MAIN_PID=$BASHPID
-cleanup() {
-  [ "$BASHPID" = "$MAIN_PID" ] || return 0
-  pkill -KILL -f "$TMP/" 2>/dev/null
-  if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+. "$FIXTURES/hosts_test.sh"
+hosts_test_begin links
+FAILS=0
 
 cp "$RUN" "$TMP/chorusrun" && cp "$BENCH" "$TMP/chorus-bench" || exit 1
-out=$(bash "$NETNS" up 3 2>&1)
-rc=$?
-if ((rc == 77)); then echo "SKIPPED: $(tail -n 1 <<<"$out")"; exit 77; fi
-if ((rc != 0)); then echo "FAIL cannot make emulated hosts: $out"; exit 1; fi
-UP=1
-for i in 0 1 2; do ADDR[i]=$(bash "$NETNS" addr "$i"); done
+hosts_up 3
 if ! err=$(bash "$NETNS" exec 2 tc qdisc add dev eth0 root tbf rate 40mbit burst 32kb latency 100ms 2>&1); then
   echo "SKIPPED: cannot shape host 2's link: $err"; exit 77
 fi

@@ -17,28 +17,14 @@
 # Needs root; exits 77 (skipped, reason printed) when hosts cannot be made.
 set -u
 CHECK=$1 FIXTURES=$2
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-ifname.XXXXXX") || exit 1
-export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=cif$$
-NETNS=$FIXTURES/netns.sh
-UP=0 FAILS=0
-MAIN_PID=$BASHPID
-cleanup() {
-  [ "$BASHPID" = "$MAIN_PID" ] || return 0
-  pkill -KILL -f "$TMP/" 2>/dev/null
-  if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+. "$FIXTURES/hosts_test.sh"
+hosts_test_begin ifname
+FAILS=0
 
 cp "$CHECK" "$TMP/bootstrap_check" || exit 1
 CHECK=$TMP/bootstrap_check
-out=$(bash "$NETNS" up 2 2>&1)
-rc=$?
-if ((rc == 77)); then echo "SKIPPED: $(tail -n 1 <<<"$out")"; exit 77; fi
-if ((rc != 0)); then echo "FAIL cannot make emulated hosts: $out"; exit 1; fi
-UP=1
-A0=$(bash "$NETNS" addr 0)
+hosts_up 2
+A0=${ADDR[0]}
 unset CHORUS_JOB_SECRET_FILE RANK WORLD_SIZE MASTER_ADDR MASTER_PORT LOCAL_WORLD_SIZE LOCAL_RANK \
   CHORUS_SOCKET_IFNAME CHORUS_SOCKET_IFADDR
 export CHORUS_JOB_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
