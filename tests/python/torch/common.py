@@ -15,9 +15,16 @@ torch.set_num_threads(1)
 
 
 def out(*args):
-    """One line, prefixed with the rank so sorted output is comparable."""
-    print("rank %d:" % dist.get_rank(), *args, flush=True)
+    """One line, prefixed with the rank so sorted output is comparable.
+    Under suite.py (TEST_LINES_DIR set) the line also goes to a file of its
+    own rank: torchrun's --tee can splice two workers' lines together."""
+    line = " ".join(["rank %d:" % dist.get_rank()] + [str(a) for a in args])
+    print(line, flush=True)
     sys.stdout.flush()
+    where = os.environ.get("TEST_LINES_DIR")
+    if where:
+        with open(os.path.join(where, "rank%d.txt" % dist.get_rank()), "a") as f:
+            f.write(line + "\n")
 
 
 class Net(torch.nn.Module):

@@ -45,9 +45,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rank_lines(text, where):
+    """The scripts' "rank N: ..." lines: from the per-rank files common.out
+    wrote into where (whole lines, whatever the launcher did to stdout),
+    else from the output."""
+    lines = []
+    for name in sorted(os.listdir(where)):
+        with open(os.path.join(where, name)) as f:
+            lines += f.read().splitlines()
+    shutil.rmtree(where, ignore_errors=True)
+    if not lines:
+        lines = [m.group(0) for m in re.finditer(r"rank \d+:.*", text)]
+    return sorted(lines)
+
+
 def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
     """Runs script on n processes; returns (exit status, its rank lines)."""
     e = dict(os.environ)
+    e["TEST_LINES_DIR"] = tempfile.mkdtemp(prefix="chorus-lines.")
     e["TEST_BACKEND"] = backend
     e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
@@ -72,6 +87,7 @@ def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
         failures.append("%s %s n=%d %s: timed out after %d s" % (launcher, backend, n, script,
                                                                  TIMEOUT))
         print(text[-3000:])
+        shutil.rmtree(e["TEST_LINES_DIR"], ignore_errors=True)
         return -1, []
     finally:
         try:
@@ -81,9 +97,10 @@ def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
     if (p.returncode != 0 and launcher == "torchrun" and not (env or {}).get("_RETRIED")
             and "address already in use" in text.lower()):
         # free_port()'s port was taken by someone else before torchrun bound it.
+        shutil.rmtree(e["TEST_LINES_DIR"], ignore_errors=True)
         return launch(launcher, n, backend, script, *args, env=dict(env or {}, _RETRIED="1"),
                       expect_ok=expect_ok)
-    lines = sorted(m.group(0) for m in re.finditer(r"rank \d+:.*", text))
+    lines = rank_lines(text, e["TEST_LINES_DIR"])
     if expect_ok and p.returncode != 0:
         failures.append("%s %s n=%d %s %s: exit status %d" % (launcher, backend, n, script,
                                                               " ".join(args), p.returncode))
@@ -96,6 +113,7 @@ def launch_nodes(launcher, addrs, per_host, script, *args):
     host i's address; the rendezvous is on host 0), per_host processes each;
     returns (worst exit status, the rank lines of all hosts)."""
     e = dict(os.environ)
+    e["TEST_LINES_DIR"] = tempfile.mkdtemp(prefix="chorus-lines.")
     e["TEST_BACKEND"] = "chorus"
     e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
@@ -138,8 +156,7 @@ def launch_nodes(launcher, addrs, per_host, script, *args):
         failures.append("%s on %d hosts %s: exit status %d" % (launcher, n, script, worst))
         for i, t in enumerate(texts):
             print("---- host %d:\n%s" % (i, t[-3000:]))
-    lines = sorted(m.group(0) for t in texts for m in re.finditer(r"rank \d+:.*", t))
-    return worst, lines
+    return worst, rank_lines("\n".join(texts), e["TEST_LINES_DIR"])
 
 
 def same_output(what, ref, got):
