@@ -8,6 +8,12 @@ over ranks (an all_reduce of a float64 tensor); the median is printed.
 Sizes follow nccl-tests' convention (S = the largest buffer of the call).
 
 usage: compare_gloo.py NRANKS PORT COLL:SIZE:WARMUP:ITERS [...]
+       compare_gloo.py --local P --rank-offset K --world-size W PORT SPEC...
+The first form starts NRANKS processes on this host (store on 127.0.0.1).
+The second starts P processes, ranks K..K+P-1 of a world of W, that meet
+the others at MASTER_ADDR:PORT (MASTER_ADDR from the environment, 127.0.0.1
+when unset); bench/compare_hosts runs it once per host, with
+GLOO_SOCKET_IFNAME naming the interface Gloo must use.
 output (rank 0): "RESULT <coll> <n> <size> <median_us>", or
 "UNSUPPORTED <coll> <n> <size> <reason>" when Gloo lacks the collective.
 
@@ -86,8 +92,9 @@ def run_one(rank, n, coll, size, warm, iters):
         print("RESULT %s %d %d %.3f" % (coll, n, real, statistics.median(t.tolist())), flush=True)
 
 
-def worker(rank, n, port, specs):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+def worker(local, n, port, specs, addr="127.0.0.1", offset=0):
+    rank = offset + local
+    os.environ["MASTER_ADDR"] = addr
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=n)
@@ -98,12 +105,24 @@ def worker(rank, n, port, specs):
 
 
 def main():
-    n, port = int(sys.argv[1]), int(sys.argv[2])
+    args = sys.argv[1:]
+    addr, offset = "127.0.0.1", 0
+    if args and args[0] == "--local":
+        # one host's share of a world that spans hosts
+        if len(args) < 7 or args[2] != "--rank-offset" or args[4] != "--world-size":
+            raise SystemExit("usage: compare_gloo.py --local P --rank-offset K --world-size W PORT SPEC...")
+        nproc, offset, n = int(args[1]), int(args[3]), int(args[5])
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        args = args[6:]
+    else:
+        n = nproc = int(args[0])
+        args = args[1:]
+    port = int(args[0])
     specs = []
-    for a in sys.argv[3:]:
+    for a in args[1:]:
         coll, size, warm, iters = a.split(":")
         specs.append((coll, int(size), int(warm), int(iters)))
-    mp.spawn(worker, args=(n, port, specs), nprocs=n, join=True)
+    mp.spawn(worker, args=(n, port, specs, addr, offset), nprocs=nproc, join=True)
 
 
 if __name__ == "__main__":
