@@ -196,8 +196,7 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
                              rc == 0 && found[0] ? "; this host has: " : "",
                              rc == 0 ? found : "");
   }
-  int port;
-  if (chorus__net_local_addr(store_fd, out, cap, &port) < 0) snprintf(out, cap, "127.0.0.1");
+  if (chorus__net_local_addr(store_fd, out, cap, NULL) < 0) snprintf(out, cap, "127.0.0.1");
   int one_host = cfg->local_world_size > 0 && cfg->local_world_size == size;
   if (!one_host && chorus__net_is_loopback(out)) {
     char addrs[400];

@@ -200,8 +200,8 @@ struct chorus__tp {
 
 /* ------------------------------------------------------------ encoding */
 
-/* The message header is encoded by wire.c; the handshake below uses the same
- * little-endian helpers. */
+/* The message header is encoded by wire.c; the handshake below writes its
+ * fields with util/le.h. */
 
 int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
   return a->coll == b->coll && a->dtype == b->dtype && a->op == b->op &&
@@ -1458,8 +1458,8 @@ static int hs_connect(chorus__tp_t *tp, int fd, int peer, int64_t deadline, char
   }
   uint32_t version = chorus__le32_get(in + 4);
   if (chorus__le32_get(in) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
-    snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)", chorus__le32_get(in),
-             version & HS_VERSION_MASK);
+    snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)",
+             chorus__le32_get(in), version & HS_VERSION_MASK);
     return -EPROTO;
   }
   if (!!(version & HS_FLAG_ENCRYPT) != tp->encrypt) {

@@ -228,6 +228,13 @@ static int sockaddr_str(const struct sockaddr_storage *ss, char *host, size_t ca
   return 0;
 }
 
+/* The numeric address of one getifaddrs entry: 0, or < 0 when it has no
+ * IPv4/IPv6 address. */
+static int if_addr_str(const struct ifaddrs *i, char *host, size_t cap) {
+  if (!i->ifa_addr) return -EINVAL;
+  return sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host, cap, NULL);
+}
+
 int chorus__net_local_addr(int fd, char *host, size_t cap, int *port) {
   struct sockaddr_storage ss;
   socklen_t len = sizeof ss;
@@ -258,6 +265,19 @@ int chorus__net_is_local(const char *host) {
   return local;
 }
 
+/* Whether getifaddrs entry i is up and has an address of the family pass
+ * 0 (IPv4) or pass 1 (IPv6, not link-local) looks at: the two passes that
+ * put IPv4 addresses first. */
+static const struct in6_addr *if_in6(const struct ifaddrs *i) {
+  return &((const struct sockaddr_in6 *)(const void *)i->ifa_addr)->sin6_addr;
+}
+
+static int if_in_pass(const struct ifaddrs *i, int pass) {
+  if (!i->ifa_addr || !(i->ifa_flags & IFF_UP)) return 0;
+  if (i->ifa_addr->sa_family != (pass == 0 ? AF_INET : AF_INET6)) return 0;
+  return pass == 0 || !IN6_IS_ADDR_LINKLOCAL(if_in6(i));
+}
+
 int chorus__net_host_addrs(char *out, size_t cap) {
   struct ifaddrs *ifs = NULL;
   if (cap == 0) return -EINVAL;
@@ -268,18 +288,10 @@ int chorus__net_host_addrs(char *out, size_t cap) {
   /* IPv4 first (what most clusters route), then global IPv6. */
   for (int pass = 0; pass < 2; pass++) {
     for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
-      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
-      int fam = i->ifa_addr->sa_family;
-      if (fam != (pass == 0 ? AF_INET : AF_INET6)) continue;
-      if (fam == AF_INET6) {
-        const struct in6_addr *a6 = &((const struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
-        if (IN6_IS_ADDR_LINKLOCAL(a6) || IN6_IS_ADDR_LOOPBACK(a6)) continue;
-      }
+      if (!if_in_pass(i, pass) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      if (pass == 1 && IN6_IS_ADDR_LOOPBACK(if_in6(i))) continue;
       char host[INET6_ADDRSTRLEN];
-      int port;
-      if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host,
-                       sizeof host, &port) < 0)
-        continue;
+      if (if_addr_str(i, host, sizeof host) < 0) continue;
       size_t hl = strlen(host);
       if (len + hl + 2 > cap) break; /* keep what fits */
       if (len) out[len++] = ',';
@@ -319,18 +331,11 @@ int chorus__net_ifname_addr(const char *spec, char *out, size_t cap) {
   int found = 0;
   for (int pass = 0; pass < 2 && !found; pass++) {
     for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
-      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP)) continue;
-      if (i->ifa_addr->sa_family != (pass == 0 ? AF_INET : AF_INET6)) continue;
+      if (!if_in_pass(i, pass)) continue;
       if (avoid ? (i->ifa_flags & IFF_LOOPBACK) || ifname_listed(list, i->ifa_name)
                 : !ifname_listed(list, i->ifa_name))
         continue;
-      if (pass == 1 &&
-          IN6_IS_ADDR_LINKLOCAL(&((const struct sockaddr_in6 *)(const void *)i->ifa_addr)->sin6_addr))
-        continue;
-      int port;
-      if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, out, cap,
-                       &port) == 0)
-        found = 1;
+      found = if_addr_str(i, out, cap) == 0;
     }
   }
   if (!found) {
@@ -338,14 +343,8 @@ int chorus__net_ifname_addr(const char *spec, char *out, size_t cap) {
     size_t len = 0;
     out[0] = '\0';
     for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
-      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP)) continue;
-      int fam = i->ifa_addr->sa_family;
-      if (fam != AF_INET && fam != AF_INET6) continue;
       char host[INET6_ADDRSTRLEN];
-      int port;
-      if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host,
-                       sizeof host, &port) < 0)
-        continue;
+      if (!(i->ifa_flags & IFF_UP) || if_addr_str(i, host, sizeof host) < 0) continue;
       int k = snprintf(out + len, cap - len, "%s%s %s", len ? ", " : "", i->ifa_name, host);
       if (k < 0 || (size_t)k >= cap - len) break;
       len += (size_t)k;
@@ -369,14 +368,8 @@ int chorus__net_addr_ifname(const char *addr, char *out, size_t cap) {
   snprintf(out, cap, "?");
   if (getifaddrs(&ifs) < 0) return 0;
   for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
-    if (!i->ifa_addr) continue;
-    int fam = i->ifa_addr->sa_family;
-    if (fam != AF_INET && fam != AF_INET6) continue;
     char host[INET6_ADDRSTRLEN];
-    int port;
-    if (sockaddr_str((const struct sockaddr_storage *)(const void *)i->ifa_addr, host,
-                     sizeof host, &port) == 0 &&
-        strcmp(host, addr) == 0) {
+    if (if_addr_str(i, host, sizeof host) == 0 && strcmp(host, addr) == 0) {
       snprintf(out, cap, "%s", i->ifa_name);
       found = 1;
     }
