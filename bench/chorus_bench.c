@@ -80,7 +80,6 @@ typedef struct {
   chorus_dtype_t dtype;
   int root, iters, warmup, check, async, all, memalloc;
   int links;        /* --links: the pairwise matrix instead of a collective */
-  int have_e;       /* -e given (--links then sends that many bytes) */
   const char *algo; /* -a; NULL: the library's automatic choice */
   chorus_coll_t coll;
 } opts_t;
@@ -235,7 +234,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                                            {"links", no_argument, NULL, OPT_LINKS},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
-  int have_f = 0, have_i = 0, have_c = 0, opt;
+  int have_f = 0, have_i = 0, have_c = 0, have_e = 0, opt;
   while ((opt = getopt_long(argc, argv, "b:e:f:i:o:d:r:n:w:c:a:C:z:m:h", longopts, NULL)) != -1) {
     switch (opt) {
       case 'b':
@@ -243,7 +242,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         break;
       case 'e':
         if (parse_size(optarg, &o->max_bytes)) die_usage("bad -e size '%s'", optarg);
-        o->have_e = 1;
+        have_e = 1;
         break;
       case 'f': {
         int f;
@@ -335,7 +334,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
   if (have_c && o->all) die_usage("-C and --all are alternatives; give one");
   if (o->links && (o->all || have_c || o->memalloc))
     die_usage("--links measures point-to-point links: no -C, --all or -m with it");
-  if (o->links && !o->have_e) o->max_bytes = (size_t)4 << 20;
+  if (o->links && !have_e) o->max_bytes = (size_t)4 << 20;
   if (o->min_bytes > o->max_bytes)
     die_usage("-b %zu is larger than -e %zu", o->min_bytes, o->max_bytes);
   if (o->algo && !o->all && !algo_registered(o->coll, o->algo)) {
@@ -1240,7 +1239,7 @@ int main(int argc, char **argv) {
   memset(b.b, 0, b.cap);
 
   if (b.o.links) {
-    int lrc = run_links(&b, b.o.have_e ? b.o.max_bytes : (size_t)4 << 20);
+    int lrc = run_links(&b, b.o.max_bytes); /* 4 MiB unless -e was given */
     rc = chorus_comm_destroy(b.comm);
     free(b.a);
     free(b.b);
