@@ -21,17 +21,9 @@
 # the hosts.
 set -u
 RUN=$1 TRAIN=$2 CMP=$3 DATA=$4 FIXTURES=$5
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-elastic.XXXXXX") || exit 1
-export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=che$$
-NETNS=$FIXTURES/netns.sh
-UP=0 FAILS=0
-cleanup() {
-  pkill -KILL -f "$TMP/" 2>/dev/null
-  if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+. "$FIXTURES/hosts_test.sh"
+hosts_test_begin elastic
+FAILS=0
 
 # Private copies, so pkill -f $TMP/ finds exactly our processes.
 cp "$RUN" "$TMP/chorusrun" && cp "$TRAIN" "$TMP/chorus-train" || exit 1
@@ -40,12 +32,7 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$T
 export CHORUS_JOB_SECRET_FILE=$TMP/key OPENBLAS_NUM_THREADS=1
 unset CHORUS_JOB_SECRET RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
 
-out=$(bash "$NETNS" up 3 2>&1)
-rc=$?
-if ((rc == 77)); then echo "SKIPPED: $(tail -n 1 <<<"$out")"; exit 77; fi
-if ((rc != 0)); then echo "FAIL cannot make emulated hosts: $out"; exit 1; fi
-UP=1
-for i in 0 1 2; do ADDR[i]=$(bash "$NETNS" addr "$i"); done
+hosts_up 3
 
 STEPS=40
 MODEL=(--data "$DATA" --layers 2 --heads 4 --channels 128 --ctx 64 --batch 16 --steps "$STEPS"
