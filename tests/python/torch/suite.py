@@ -59,14 +59,21 @@ def rank_lines(text, where):
     return sorted(lines)
 
 
-def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
-    """Runs script on n processes; returns (exit status, its rank lines)."""
+def script_env(backend, extra=None):
+    """The environment of a script run: its backend, this folder on the
+    path, a fresh folder for its rank lines (rank_lines removes it)."""
     e = dict(os.environ)
     e["TEST_LINES_DIR"] = tempfile.mkdtemp(prefix="chorus-lines.")
     e["TEST_BACKEND"] = backend
     e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
-    e.update(env or {})
+    e.update(extra or {})
+    return e
+
+
+def launch(launcher, n, backend, script, *args, env=None, expect_ok=True):
+    """Runs script on n processes; returns (exit status, its rank lines)."""
+    e = script_env(backend, env)
     path = os.path.join(HERE, script)
     if launcher == "torchrun":
         # Debian's torch 1.13 on Python 3.11: torchrun's default "--redirects
@@ -112,11 +119,7 @@ def launch_nodes(launcher, addrs, per_host, script, *args):
     """Runs script with backend chorus on every emulated host (addrs[i] is
     host i's address; the rendezvous is on host 0), per_host processes each;
     returns (worst exit status, the rank lines of all hosts)."""
-    e = dict(os.environ)
-    e["TEST_LINES_DIR"] = tempfile.mkdtemp(prefix="chorus-lines.")
-    e["TEST_BACKEND"] = "chorus"
-    e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")
-    e.setdefault("OMP_NUM_THREADS", "1")
+    e = script_env("chorus")
     port, n = free_port(), len(addrs)
     path = os.path.join(HERE, script)
     procs = []
