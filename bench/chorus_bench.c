@@ -102,7 +102,9 @@ static void usage(FILE *f) {
           "  -n, --iters N            timed iterations per size (default 20)\n"
           "  -w, --warmup_iters N     untimed iterations before them (default 5)\n"
           "  -c, --check 0|1          check the results (default 1)\n"
-          "  -a, --algo NAME          force the algorithm (chorus_comm_set_algo); default auto\n"
+          "  -a, --algo NAME          force the algorithm (chorus_comm_set_algo); default: the\n"
+          "                           library's choice, which CHORUS_ALGO and CHORUS_<COLL>_ALGO\n"
+          "                           steer; the algo column names what ran\n"
           "  -C, --coll COLL          all_reduce (default), broadcast, reduce, all_gather,\n"
           "                           reduce_scatter, all_to_all, scatter, gather, barrier\n"
           "      --all                run every collective in turn\n"
@@ -895,9 +897,11 @@ static void print_table_header(const bench_t *b, chorus_coll_t coll) {
 }
 
 /* One row: measures both forms at one size and prints them. */
-static void bench_size(bench_t *b, chorus_coll_t coll, size_t size, const char *algo,
-                       summary_t *sum) {
+static void bench_size(bench_t *b, chorus_coll_t coll, size_t size, summary_t *sum) {
   geom_t g = geometry(b, coll, size);
+  /* The algorithm the calls below run (forced or the library's choice). */
+  const char *algo = chorus_comm_algo(b->comm, coll, g.count, b->o.dtype);
+  if (!algo) algo = "?";
   int iters = b->o.iters, has[2] = {coll_has_oop(coll), coll_has_ip(coll)};
   double *tot = b->times, *per[2] = {b->times + 2, b->times + 2 + iters};
   int64_t wrong[2] = {0, 0};
@@ -952,17 +956,18 @@ static void bench_size(bench_t *b, chorus_coll_t coll, size_t size, const char *
 /* Runs every size of one collective; returns its summary. */
 static summary_t bench_coll(bench_t *b, chorus_coll_t coll) {
   summary_t sum = {0, 0, 0};
-  const char *algo = "auto";
-  if (b->o.algo && algo_registered(coll, b->o.algo)) algo = b->o.algo;
-  check_rc(b, chorus_comm_set_algo(b->comm, coll, algo), "chorus_comm_set_algo");
+  /* Without -a (or with --all, for a collective -a's name does not exist
+   * for), the library chooses, as CHORUS_ALGO / CHORUS_<COLL>_ALGO say. */
+  if (b->o.algo && algo_registered(coll, b->o.algo))
+    check_rc(b, chorus_comm_set_algo(b->comm, coll, b->o.algo), "chorus_comm_set_algo");
 
   print_table_header(b, coll);
   if (coll == CHORUS_COLL_BARRIER) {
-    bench_size(b, coll, 0, algo, &sum); /* no sizes: one row */
+    bench_size(b, coll, 0, &sum); /* no sizes: one row */
   } else {
     size_t s = b->o.min_bytes;
     for (;;) {
-      bench_size(b, coll, s, algo, &sum);
+      bench_size(b, coll, s, &sum);
       size_t next = b->o.factor ? (s ? s * b->o.factor : 1) : s + b->o.increment;
       if (next <= s || next > b->o.max_bytes) break; /* past -e, or overflow */
       if (b->o.factor && s && next / b->o.factor != s) break;
@@ -1011,7 +1016,8 @@ static void print_header(bench_t *b) {
   say(b, "# chorus-bench, chorus %d.%d.%d\n", v / 10000, v / 100 % 100, v % 100);
   say(b, "# collective: %s  dtype: %s  op: %s  root: %d  algo: %s\n",
       o->all ? "all" : chorus_coll_name(o->coll), chorus_dtype_name(o->dtype),
-      chorus_op_name(o->op), o->root, o->algo ? o->algo : "auto");
+      chorus_op_name(o->op), o->root,
+      o->algo ? o->algo : "the library's choice (see the algo column)");
   say(b,
       "# minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d validation: %d "
       "blocking: %d memalloc: %d\n",

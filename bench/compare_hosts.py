@@ -32,6 +32,7 @@ import time
 
 LIBS = [  # (key, name in the report, form of its all_reduce)
     ("chorus", "chorus", "both"),
+    ("chorus-ring", "chorus, flat ring", "both"),  # only with several ranks per host
     ("ompi-default", "Open MPI, defaults", "out of place"),
     ("ompi-tuned", "Open MPI, tuned", "out of place"),
     ("gloo", "Gloo", "in place"),
@@ -293,7 +294,10 @@ class Runner:
         a, N, P = self.a, self.a.hosts, self.a.per_host
         T = a.timeout
         res = {}  # size -> {"ip": us, "oop": us} or error string
-        if key == "chorus":
+        if key in ("chorus", "chorus-ring"):
+            # chorus-ring: the flat ring forced, against the automatic
+            # choice (hierarchical when hosts have several ranks).
+            env = dict(os.environ, CHORUS_ALL_REDUCE_ALGO="ring") if key == "chorus-ring" else None
             for S in sizes:
                 w, it = iters_for(S)
                 port = self.next_port()
@@ -303,7 +307,7 @@ class Runner:
                                          a.chorus_bench, "-C", "all_reduce", "-b", str(S), "-e", str(S),
                                          "-w", str(w), "-n", str(it), "-c", "0"])
                         for i in range(N)]
-                status, outs, dt = self.launch(cmds, T)
+                status, outs, dt = self.launch(cmds, T, env=env)
                 got = None
                 for line in "\n".join(outs).splitlines():
                     m = re.match(r"^\[rank0\]:\s*(\d.*)$", line)
@@ -313,7 +317,7 @@ class Runner:
                 res[S] = got if status == 0 and got else (status or "no result")
                 if not isinstance(res[S], dict):
                     self.failed(rep, key, human(S), res[S], outs)
-                self.note("  chorus %s: %s (%.1f s)" % (human(S), fmt_res(res[S]), dt))
+                self.note("  %s %s: %s (%.1f s)" % (key, human(S), fmt_res(res[S]), dt))
             return res
         specs_mpi = ["%d:%d:%d" % ((S,) + iters_for(S)) for S in sizes]
         specs_gloo = ["all_reduce:%d:%d:%d" % ((S,) + iters_for(S)) for S in sizes]
@@ -424,6 +428,8 @@ def main():
     for rep in range(a.repeats):
         order = LIBS[rep % len(LIBS):] + LIBS[:rep % len(LIBS)]
         for key, _name, _form in order:
+            if key == "chorus-ring" and a.per_host == 1:
+                continue
             if key in skip:
                 r.note("repeat %d %s: not run again (%s in an earlier repeat)" % (rep + 1, key, skip[key]))
                 for S in sizes:
@@ -514,6 +520,8 @@ def report(a, r, sizes, raw, good, runs, elapsed):
                                               if a.per_host > 1 else "%d on host %d" % (h, h)
                                               for h in range(a.hosts)), factor))
     rows = [("chorus", "chorus", "ip", "in place"), ("chorus", "chorus", "oop", "out of place"),
+            ("chorus-ring", "chorus, flat ring", "ip", "in place"),
+            ("chorus-ring", "chorus, flat ring", "oop", "out of place"),
             ("ompi-default", "Open MPI, defaults", "oop", "out of place"),
             ("ompi-tuned", "Open MPI, tuned", "oop", "out of place"),
             ("gloo", "Gloo", "ip", "in place")]
@@ -526,6 +534,8 @@ def report(a, r, sizes, raw, good, runs, elapsed):
         cip = med("chorus", S, "ip")[0]
         coop = med("chorus", S, "oop")[0]
         for key, name, form, fname in rows:
+            if key == "chorus-ring" and a.per_host == 1:
+                continue  # the automatic choice is the flat ring already
             t, nums, errs = med(key, S, form)
             if t is None:
                 why = errs[0] if errs else "not run"
@@ -548,8 +558,10 @@ def report(a, r, sizes, raw, good, runs, elapsed):
         "are bound by CPU, not by a wire.\n"
         "- **chorus**: `chorusrun --nnodes %d -n %d --cpu-bind none --rdzv-backend c10d` on every host "
         "(rendezvous on host 0), `chorus-bench -C all_reduce -b S -e S -w W -n N -c 0`, one launch per "
-        "size; its defaults otherwise (algorithm `auto`). chorus-bench times out of place, then in place, "
-        "in the same launch.\n"
+        "size; its defaults otherwise (the library's choice of algorithm: the hierarchical all_reduce "
+        "when every host has several ranks, else the ring). *chorus, flat ring* (only with several ranks "
+        "per host): the same with `CHORUS_ALL_REDUCE_ALGO=ring`. chorus-bench times out of place, then in "
+        "place, in the same launch.\n"
         "- **Open MPI** (%s): `bench/compare_mpi.c` built with `mpicc.openmpi`, `mpirun` in host 0's "
         "namespace with `--host <addr>:%d,...`, a `plm_rsh_agent` script that runs `orted` in the host's "
         "namespace, `--mca btl tcp,self,vader --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 "

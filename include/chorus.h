@@ -364,6 +364,15 @@ CHORUS_API chorus_result_t chorus_comm_set_algo(chorus_comm_t comm,
                                                 chorus_coll_t coll,
                                                 const char *name);
 
+/*
+ * The algorithm `coll` on `count` elements of `dtype` (the count as passed
+ * to the call) would run on this communicator now: the forced one, or the
+ * automatic choice.  NULL for bad arguments or a forced shared-memory
+ * algorithm the group cannot run.  Every rank gets the same answer.
+ */
+CHORUS_API const char *chorus_comm_algo(chorus_comm_t comm, chorus_coll_t coll,
+                                        size_t count, chorus_dtype_t dtype);
+
 /* Name of the idx-th algorithm registered for coll, or NULL past the end. */
 CHORUS_API const char *chorus_algo_name(chorus_coll_t coll, int idx);
 

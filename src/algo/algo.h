@@ -43,6 +43,27 @@ void chorus__pool_release(chorus__pool_t *pool);
 
 struct chorus__shm;
 
+/* Where the group's ranks live, from the host map learned at rendezvous;
+ * the same on every rank, so a selector that reads it stays consistent.
+ * Hosts are numbered by first appearance in group order; a rank's local
+ * index is its position among its host's ranks in group order. */
+typedef struct chorus__topo {
+  int nhosts;
+  int ppn;       /* ranks on every host when all hosts have as many, else 0 */
+  int blocked;   /* every host's ranks are consecutive group ranks */
+  int host, lidx;   /* this rank's host and local index */
+  int nlocal;       /* ranks on this rank's host */
+  int *local;       /* [nlocal]: those ranks, in group order */
+  int *cross;       /* [nhosts]: the rank of local index lidx on each host that has one */
+  int *map;         /* [nhosts * ppn] when ppn: map[h * ppn + l] = rank of local index l on h */
+} chorus__topo_t;
+
+/* Builds t for a group of n ranks whose hosts are host[0..n) (any values,
+ * equal for ranks of one host), this rank being me.  Returns -1 when out of
+ * memory; free with chorus__topo_free. */
+int chorus__topo_build(chorus__topo_t *t, const uint64_t *host, int n, int me);
+void chorus__topo_free(chorus__topo_t *t);
+
 typedef struct chorus__coll {
   chorus_coll_t coll;
   const void *sendbuf;
@@ -65,6 +86,7 @@ typedef struct chorus__coll {
   int algo;
   chorus__pool_t *pool; /* the communicator's scratch pool, or NULL */
   struct chorus__shm *shm; /* the group's shared-memory segment, or NULL */
+  const chorus__topo_t *topo; /* the group's host map */
   chorus__fp_t fp;         /* this call's fingerprint */
   char err[256]; /* local failure reason (e.g. out of memory) */
 } chorus__coll_t;
@@ -91,6 +113,26 @@ int chorus__algo_select(const chorus__coll_t *c);
 void chorus__fp_format(const chorus__fp_t *fp, char *buf, size_t cap);
 
 /* ------------------------------------------------------------- helpers */
+
+/* A ring over some ranks of the group: position i is group rank ranks[i]
+ * (rank i when ranks is NULL); this rank is position me. */
+typedef struct chorus__ring {
+  const int *ranks;
+  int n, me;
+} chorus__ring_t;
+
+/* Segments a ring step may use (ring.c), and the step numbers one pass over
+ * an n-position ring may take: a second pass starts that many later. */
+#define CHORUS__RING_SEGS 8
+#define CHORUS__RING_STEPS(n) ((uint32_t)(n) * CHORUS__RING_SEGS)
+
+/* One ring pass over buf, count elements cut into ring->n blocks: a
+ * reduce-scatter (reducing = 1; input from src, which may be buf; block
+ * ring->me of buf ends reduced over the ring, the other blocks undefined)
+ * or an all-gather (reducing = 0; src unused; position i brings block i).
+ * Steps step0 .. step0 + CHORUS__RING_STEPS(ring->n) - 1. */
+chorus_result_t chorus__ring_pass(chorus__coll_t *c, const chorus__ring_t *ring, char *buf,
+                                  const char *src, size_t count, int reducing, uint32_t step0);
 
 /* Fills req as a collective send or receive of the current call. */
 static inline void chorus__coll_req(chorus__req_t *req, int type, int peer, void *buf, size_t len,
@@ -172,5 +214,7 @@ CHORUS__ALGO_DECL(chorus__bcast_direct);
 CHORUS__ALGO_DECL(chorus__scatter_direct);
 CHORUS__ALGO_DECL(chorus__barrier_direct);
 CHORUS__ALGO_DECL(chorus__allgatherv_ring);
+CHORUS__ALGO_DECL(chorus__allreduce_hier);
+CHORUS__ALGO_DECL(chorus__reduce_scatter_hier);
 
 #endif

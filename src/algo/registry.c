@@ -38,6 +38,9 @@ static const chorus__algo_t g_allreduce[] = {
     A("reduce_broadcast", chorus__allreduce_reduce_bcast, "binomial reduce + binomial broadcast"),
     A("rabenseifner", chorus__allreduce_rabenseifner,
       "recursive-halving reduce-scatter + recursive-doubling all-gather, 2 log2(n) rounds"),
+    A("hierarchical", chorus__allreduce_hier,
+      "ring reduce-scatter in each host, ring all_reduce of each local rank's block between "
+      "hosts, ring all-gather in each host (flat ring unless every host has as many ranks)"),
     D(chorus__allreduce_direct, "each rank reduces a slice from every buffer, then copies the others' slices"),
 };
 static const chorus__algo_t g_scatter[] = {
@@ -58,6 +61,9 @@ static const chorus__algo_t g_allgather[] = {
 static const chorus__algo_t g_reduce_scatter[] = {
     A("ring", chorus__reduce_scatter_ring, "ring, n-1 steps"),
     A("pairwise", chorus__reduce_scatter_pairwise, "every rank sends block j to rank j"),
+    A("hierarchical", chorus__reduce_scatter_hier,
+      "ring reduce-scatter in each host, then between hosts among the ranks of each local index "
+      "(flat ring unless every host has as many ranks)"),
     D(chorus__reduce_scatter_direct, "each rank reduces its block from every buffer"),
 };
 static const chorus__algo_t g_alltoall[] = {
@@ -131,11 +137,15 @@ int chorus__algo_select(const chorus__coll_t *c) {
     for (int i = 0; i < n; i++)
       if (t[i].shm) return i;
   }
+  /* Several hosts with several ranks each: only sums cross the hosts. */
+  int hosts = c->topo && c->topo->nhosts > 1 && c->topo->ppn > 1;
+  size_t thr = (size_t)chorus__env()->RING_THRESHOLD;
   switch (c->coll) {
     case CHORUS_COLL_ALL_REDUCE:
-      return bytes >= (size_t)chorus__env()->RING_THRESHOLD && c->count >= (size_t)c->size
-                 ? 0 /* ring */
-                 : 1 /* recursive doubling */;
+      if (bytes < thr || c->count < (size_t)c->size) return 1; /* recursive doubling */
+      return hosts ? 4 /* hierarchical */ : 0 /* ring */;
+    case CHORUS_COLL_REDUCE_SCATTER:
+      return hosts && bytes * (size_t)c->size >= thr ? 2 /* hierarchical */ : 0 /* ring */;
     case CHORUS_COLL_ALL_GATHER:
       return bytes * (size_t)c->size < 65536 ? 1 /* bruck */ : 0 /* ring */;
     default:

@@ -38,7 +38,7 @@
  * with the progress thread, and segmenting was slower at 4 ranks (64 MiB:
  * 198 ms against 150) -- see bench/README.md.  The count depends only on the
  * block size and the variable, which every rank shares. */
-#define RING_SEGS 8
+#define RING_SEGS CHORUS__RING_SEGS
 
 static int ring_segs(size_t block_bytes) {
   long seg = chorus__env()->RING_SEGMENT;
@@ -53,41 +53,56 @@ static void seg_range(size_t cnt, int nseg, int j, size_t *off, size_t *len) {
   *len = chorus__blk_count(cnt, nseg, j);
 }
 
-/* The ring over buf (count elements in n blocks, chorus__blk_*).  Reduce-
- * scatter (reducing = 1, steps 0..n-2): afterwards block rank of buf is
- * reduced over all ranks.  All-gather (reducing = 0): rank r starts with
- * block r and ends with all of them.  step0 offsets the step numbers; each
- * ring step uses nseg of them. */
-static chorus_result_t ring_pass(chorus__coll_t *c, char *buf, size_t count, int reducing,
-                                 uint32_t step0) {
-  int n = c->size, r = c->rank;
-  if (n == 1) return CHORUS_OK;
+/* The ring over buf (count elements in ring->n blocks, chorus__blk_*);
+ * position i of the ring is group rank ring->ranks[i] (rank i when ranks is
+ * NULL), this rank is position ring->me.  Reduce-scatter (reducing = 1,
+ * steps 0..n-2): afterwards block me of buf is reduced over the ring.  Its
+ * input is src's blocks (src may be buf); every block of src is read once,
+ * as it is first sent or combined, so an out-of-place caller needs no copy
+ * of its input first -- buf's blocks other than me are undefined afterwards.
+ * All-gather (reducing = 0, src unused): position i starts with block i and
+ * ends with all of them.  step0 offsets the step numbers; each ring step
+ * uses nseg of them (at most CHORUS__RING_STEPS(n) in all). */
+chorus_result_t chorus__ring_pass(chorus__coll_t *c, const chorus__ring_t *ring, char *buf,
+                                  const char *src, size_t count, int reducing, uint32_t step0) {
+  int n = ring->n, r = ring->me;
+  if (n == 1) {
+    if (reducing && src != buf && count) memcpy(buf, src, count * c->esize);
+    return CHORUS_OK;
+  }
   size_t es = c->esize;
   int nseg = ring_segs(chorus__blk_count(count, n, 0) * es);
   char *tmp = NULL;
   if (reducing) {
     tmp = chorus__scratch(c, chorus__blk_count(count, n, 0) * es);
     if (!tmp) return CHORUS_ERR_NO_MEMORY;
+  } else {
+    src = buf;
   }
   chorus__req_t sreq[2][RING_SEGS], rreq[RING_SEGS];
   chorus__req_t *ptrs[2 * RING_SEGS];
   chorus_result_t st = CHORUS_OK;
   int right = chorus__ring_right(r, n), left = chorus__ring_left(r, n);
+  if (ring->ranks) {
+    right = ring->ranks[right];
+    left = ring->ranks[left];
+  }
   /* Step 0's sends: the whole first block, all segments at once. */
   int sb0 = reducing ? chorus__ring_rs_send_block(r, 0, n) : chorus__ring_ag_send_block(r, 0, n);
   size_t sc0 = chorus__blk_count(count, n, sb0);
-  char *sbase = buf + chorus__blk_offset(count, n, sb0) * es;
+  const char *sbase = src + chorus__blk_offset(count, n, sb0) * es;
   for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
     size_t off, len;
     seg_range(sc0, nseg, j, &off, &len);
-    chorus__coll_req(&sreq[0][j], CHORUS__REQ_SEND, right, sbase + off * es, len * es,
+    chorus__coll_req(&sreq[0][j], CHORUS__REQ_SEND, right, (char *)sbase + off * es, len * es,
                      step0 + (uint32_t)j);
     st = chorus__ep_post(c->ep, &sreq[0][j]);
   }
   for (int s = 0; s < n - 1 && st == CHORUS_OK; s++) {
     int rb = reducing ? chorus__ring_rs_recv_block(r, s, n) : chorus__ring_ag_recv_block(r, s, n);
     size_t rc = chorus__blk_count(count, n, rb);
-    char *rbase = buf + chorus__blk_offset(count, n, rb) * es;
+    size_t roff = chorus__blk_offset(count, n, rb) * es;
+    char *rbase = buf + roff;
     char *land = reducing ? tmp : rbase;
     uint32_t step = step0 + (uint32_t)(s * nseg);
     for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
@@ -105,7 +120,8 @@ static chorus_result_t ring_pass(chorus__coll_t *c, char *buf, size_t count, int
       chorus__req_t *one[1] = {&rreq[j]};
       st = chorus__ep_wait(c->ep, one, 1, c->timeout_ms);
       if (st != CHORUS_OK) break;
-      if (reducing) chorus__combine(c, rbase + off * es, rbase + off * es, tmp + off * es, len);
+      if (reducing)
+        chorus__combine(c, rbase + off * es, src + roff + off * es, tmp + off * es, len);
       if (!last) {
         chorus__coll_req(&sreq[(s + 1) & 1][j], CHORUS__REQ_SEND, right, rbase + off * es,
                          len * es, step + (uint32_t)nseg + (uint32_t)j);
@@ -121,15 +137,15 @@ static chorus_result_t ring_pass(chorus__coll_t *c, char *buf, size_t count, int
 }
 
 chorus_result_t chorus__allreduce_ring(chorus__coll_t *c) {
-  size_t bytes = c->count * c->esize;
   char *buf = c->recvbuf;
-  if (buf != c->sendbuf && bytes) memcpy(buf, c->sendbuf, bytes);
-  chorus_result_t st = ring_pass(c, buf, c->count, 1, 0);
+  chorus__ring_t all = {NULL, c->size, c->rank};
+  /* Out of place, the reduce-scatter reads the input where it is. */
+  chorus_result_t st = chorus__ring_pass(c, &all, buf, c->sendbuf, c->count, 1, 0);
   if (st != CHORUS_OK) return st;
   if (c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(buf + chorus__blk_offset(c->count, c->size, c->rank) * c->esize,
                                 chorus__blk_count(c->count, c->size, c->rank), c->dtype, c->size);
-  return ring_pass(c, buf, c->count, 0, (uint32_t)(c->size * RING_SEGS));
+  return chorus__ring_pass(c, &all, buf, NULL, c->count, 0, CHORUS__RING_STEPS(c->size));
 }
 
 chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
@@ -289,9 +305,9 @@ chorus_result_t chorus__reduce_scatter_ring(chorus__coll_t *c) {
   size_t blk = c->count * c->esize, total = c->count * (size_t)n;
   char *acc = chorus__scratch(c, blk * (size_t)n);
   if (!acc) return CHORUS_ERR_NO_MEMORY;
-  if (blk) memcpy(acc, c->sendbuf, blk * (size_t)n);
   /* Equal blocks: chorus__blk_* over count*n elements gives count each. */
-  chorus_result_t st = ring_pass(c, acc, total, 1, 0);
+  chorus__ring_t all = {NULL, n, c->rank};
+  chorus_result_t st = chorus__ring_pass(c, &all, acc, c->sendbuf, total, 1, 0);
   if (st == CHORUS_OK) {
     if (blk) memmove(c->recvbuf, acc + blk * (size_t)c->rank, blk);
     if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, n);

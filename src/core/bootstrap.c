@@ -361,7 +361,10 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   ws = NULL;
   /* Which ranks share this host (for shared memory). */
   char ident[400];
-  chorus__host_identity(ident, sizeof ident);
+  if (env->HOST_ID && env->HOST_ID[0])
+    snprintf(ident, sizeof ident, "id %s", env->HOST_ID);
+  else
+    chorus__host_identity(ident, sizeof ident);
   ctx->world_id = world_id;
   ctx->host = calloc((size_t)size, sizeof *ctx->host);
   ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);

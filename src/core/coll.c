@@ -397,6 +397,38 @@ static __attribute__((noinline)) void drop_op(struct chorus_work *w) {
   if (!w->on_stack) free(w);
 }
 
+/* The algorithm c runs on comm: the forced one, else the automatic choice;
+ * -1 when the forced one needs shared memory the group lacks.  A group of
+ * one has nothing to share, so a forced shared-memory algorithm gives way
+ * to the automatic choice there. */
+static int pick_algo(chorus_comm_t comm, const chorus__coll_t *c) {
+  int forced = __atomic_load_n(&comm->forced_algo[c->coll], __ATOMIC_RELAXED);
+  if (forced < 0) return chorus__algo_select(c);
+  int nalgos;
+  const chorus__algo_t *algo = &chorus__algos(c->coll, &nalgos)[forced];
+  if (algo->shm && !c->shm) return comm->size == 1 ? chorus__algo_select(c) : -1;
+  return forced;
+}
+
+const char *chorus_comm_algo(chorus_comm_t comm, chorus_coll_t coll, size_t count,
+                             chorus_dtype_t dtype) {
+  if (!comm || coll < 0 || coll >= CHORUS_COLL_COUNT || chorus_dtype_size(dtype) == 0)
+    return NULL;
+  chorus__coll_t c;
+  memset(&c, 0, sizeof c);
+  c.coll = coll;
+  c.count = count;
+  c.dtype = dtype;
+  c.esize = chorus_dtype_size(dtype);
+  c.rank = comm->rank;
+  c.size = comm->size;
+  c.shm = comm->shm;
+  c.topo = &comm->topo;
+  c.root = c.peer = c.tag = -1;
+  int idx = pick_algo(comm, &c);
+  return idx < 0 ? NULL : chorus_algo_name(coll, idx);
+}
+
 /* Allocates and fills the common part of an operation; NULL on bad args
  * (*st says why). */
 static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const void *sendbuf,
@@ -463,18 +495,14 @@ static struct chorus_work *new_op(chorus_comm_t comm, chorus_coll_t coll, const 
   c->esize = chorus_dtype_size(dtype);
   c->pool = &comm->pool; /* collectives of one communicator never overlap */
   c->shm = comm->shm;
+  c->topo = &comm->topo;
   c->peer = c->tag = -1;
-  int forced = __atomic_load_n(&comm->forced_algo[coll], __ATOMIC_RELAXED);
-  c->algo = forced >= 0 ? forced : chorus__algo_select(c);
-  int nalgos;
-  const chorus__algo_t *algo = &chorus__algos(coll, &nalgos)[c->algo];
-  if (algo->shm && !c->shm && comm->size == 1) {
-    /* A group of one has nothing to share: the automatic choice copies. */
-    c->algo = chorus__algo_select(c);
-  } else if (algo->shm && !c->shm) {
+  c->algo = pick_algo(comm, c);
+  if (c->algo < 0) {
     bad(comm, name, "algorithm '%s' needs every rank of the group on one host with shared "
         "memory, and this group has none (ranks on several hosts, CHORUS_TRANSPORT=tcp, or "
-        "the segment could not be created: see the INFO log)", algo->name);
+        "the segment could not be created: see the INFO log)",
+        chorus_algo_name(coll, comm->forced_algo[coll]));
     if (w != storage) free(w);
     *st = CHORUS_ERR_NOT_SUPPORTED;
     return NULL;

@@ -146,8 +146,21 @@ chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *
     return CHORUS_ERR_NO_MEMORY;
   }
   memcpy(comm->world_ranks, world_ranks, sizeof(int) * (size_t)n);
+  uint64_t *hosts = malloc(sizeof(uint64_t) * (size_t)n);
+  int topo_bad = !hosts;
+  if (hosts) {
+    for (int i = 0; i < n; i++) hosts[i] = ctx->host[world_ranks[i]];
+    topo_bad = chorus__topo_build(&comm->topo, hosts, n, my_rank) != 0;
+    free(hosts);
+  }
+  if (topo_bad) {
+    free(comm->world_ranks);
+    free(comm);
+    return CHORUS_ERR_NO_MEMORY;
+  }
   chorus_result_t st = chorus__ep_create(ctx->tp, id, world_ranks, n, my_rank, &comm->ep);
   if (st != CHORUS_OK) {
+    chorus__topo_free(&comm->topo);
     free(comm->world_ranks);
     free(comm);
     return st;
@@ -527,6 +540,7 @@ chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
   chorus__shm_detach(comm->shm);
   chorus__ep_destroy(comm->ep);
   chorus__pool_release(&comm->pool);
+  chorus__topo_free(&comm->topo);
   ctx_unref(comm->ctx);
   pthread_mutex_destroy(&comm->lock);
   pthread_cond_destroy(&comm->cond);

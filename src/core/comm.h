@@ -91,6 +91,7 @@ struct chorus_comm {
   char last_error[1024];
   chorus__pool_t pool; /* scratch kept between collectives */
   chorus__shm_t *shm;  /* every member on this host: the group's segment */
+  chorus__topo_t topo; /* the members' hosts (hierarchical algorithms, the selector) */
   unsigned algo_logged[CHORUS_COLL_COUNT]; /* algorithms already logged (executor only) */
   int failure_logged; /* the first failure was logged (atomic) */
 };

@@ -457,6 +457,14 @@ static int algo_count(chorus_coll_t coll) {
   return k;
 }
 
+/* Whether every member of c shares this rank's host (CHORUS_HOST_ID may
+ * split one machine into several): only then may "direct" be forced. */
+static int one_host(chorus_comm_t c) {
+  for (int p = 0; p < chorus_comm_size(c); p++)
+    if (chorus_comm_same_host(c, p) != 1) return 0;
+  return 1;
+}
+
 static int run_one(runner_t *run, arena_t *a, rng_t *g, uint64_t seed, long index) {
   chorus_comm_t c = run->c;
   const int n = chorus_comm_size(c), me = chorus_comm_rank(c);
@@ -500,7 +508,7 @@ static int run_one(runner_t *run, arena_t *a, rng_t *g, uint64_t seed, long inde
   if (below(g, 100) < 15 && coll <= CHORUS_COLL_BARRIER) {
     int na = algo_count(coll);
     const char *name = na ? chorus_algo_name(coll, (int)below(g, (uint64_t)na)) : NULL;
-    if (name && !(g_tcp && !strcmp(name, "direct"))) {
+    if (name && !((g_tcp || !one_host(c)) && !strcmp(name, "direct"))) {
       drain(run, g); /* the choice applies to calls issued from now on */
       chorus_result_t st = chorus_comm_set_algo(c, coll, name);
       if (st != CHORUS_OK) {

@@ -18,7 +18,9 @@
  *  - Bruck: every rank ends with every block, sends and receives match;
  *  - pairwise: every ordered pair meets exactly once;
  *  - dissemination: after ceil(log2 n) rounds everyone has heard from all;
- *  - chorus__blk_count/offset partition [0, count).
+ *  - chorus__blk_count/offset partition [0, count);
+ *  - the host map (chorus__topo_build, hier.c) for blocked, interleaved and
+ *    uneven placements: hosts, local indices, the local and cross rings.
  * Contributions are tracked as bitsets (n <= 64 fits a uint64_t); "exactly
  * once" means two sets being combined never overlap.
  */
@@ -491,6 +493,75 @@ TEST(blocks_partition) {
   }
 }
 
+/* ------------------------------------------------------------- host map */
+
+/* Host of rank r under placement kind: 0 blocked (p ranks per host), 1
+ * interleaved (r mod p), 2 uneven (a hash, some hosts empty of some local
+ * indices). */
+static uint64_t place(int kind, int r, int p) {
+  if (kind == 0) return 1000 + (uint64_t)(r / p);
+  if (kind == 1) return 77 * (uint64_t)(r % p);
+  return ((uint64_t)r * 2654435761u >> 7) % (uint64_t)p;
+}
+
+TEST(topo_maps) {
+  uint64_t hosts[MAXN];
+  for (int n = 1; n <= MAXN; n++)
+    for (int kind = 0; kind < 3; kind++)
+      for (int p = 1; p <= n; p++) {
+        for (int r = 0; r < n; r++) hosts[r] = place(kind, r, p);
+        /* Reference: host numbers by first appearance, ranks per host. */
+        int hid[MAXN], cnt[MAXN] = {0}, nh = 0, lid[MAXN];
+        for (int r = 0; r < n; r++) {
+          int h = -1;
+          for (int q = 0; q < r && h < 0; q++)
+            if (hosts[q] == hosts[r]) h = hid[q];
+          if (h < 0) h = nh++;
+          hid[r] = h;
+          lid[r] = cnt[h]++;
+        }
+        int ppn = cnt[0];
+        for (int h = 1; h < nh; h++)
+          if (cnt[h] != ppn) ppn = 0;
+        int blocked = 1; /* every host's ranks consecutive */
+        for (int a = 0; a < n; a++)
+          for (int b = a + 2; b < n; b++)
+            for (int q = a + 1; q < b; q++)
+              if (hid[a] == hid[b] && hid[q] != hid[a]) blocked = 0;
+        for (int me = 0; me < n; me++) {
+          chorus__topo_t t;
+          ASSERT_EQ(chorus__topo_build(&t, hosts, n, me), 0);
+          ASSERT_EQ(t.nhosts, nh);
+          ASSERT_EQ(t.ppn, ppn);
+          ASSERT_EQ(t.host, hid[me]);
+          ASSERT_EQ(t.lidx, lid[me]);
+          ASSERT_EQ(t.nlocal, cnt[hid[me]]);
+          ASSERT_EQ(t.blocked, blocked);
+          if (kind == 0) ASSERT_TRUE(t.blocked);
+          for (int l = 0; l < t.nlocal; l++) {
+            ASSERT_EQ(hid[t.local[l]], t.host);
+            ASSERT_EQ(lid[t.local[l]], l);
+          }
+          for (int h = 0; h < nh; h++) {
+            int r = t.cross[h];
+            if (r < 0) {
+              ASSERT_TRUE(cnt[h] <= t.lidx); /* host h has no rank of my index */
+              continue;
+            }
+            ASSERT_EQ(hid[r], h);
+            ASSERT_EQ(lid[r], t.lidx);
+          }
+          ASSERT_EQ(t.cross[t.host], me);
+          if (ppn)
+            for (int r = 0; r < n; r++) ASSERT_EQ(t.map[hid[r] * ppn + lid[r]], r);
+          else
+            ASSERT_TRUE(t.map == NULL);
+          chorus__topo_free(&t);
+          checks++;
+        }
+      }
+}
+
 int main(void) {
   RUN(helpers);
   RUN(tree_rank_mapping);
@@ -505,6 +576,7 @@ int main(void) {
   RUN(pairwise_schedule);
   RUN(dissemination_schedule);
   RUN(blocks_partition);
+  RUN(topo_maps);
   printf("%lld schedule facts checked for n = 1..%d\n", checks, MAXN);
   return HARNESS_DONE();
 }
