@@ -336,8 +336,21 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
                    strerror(-lfd));
     goto fail;
   }
-  char mine[128];
-  snprintf(mine, sizeof mine, "%s %d", ifaddr, data_port);
+  /* One round publishes what the transport needs of each rank: the
+   * address it listens on, a random nonce (names its shared-memory inbox
+   * and doorbell, so nobody outside the job can know them), and its host
+   * identity (which ranks share memory, the host map of the hierarchical
+   * algorithms): "ADDR PORT|NONCE|IDENT". */
+  char ident[400];
+  if (env->HOST_ID && env->HOST_ID[0])
+    snprintf(ident, sizeof ident, "id %s", env->HOST_ID);
+  else
+    chorus__host_identity(ident, sizeof ident);
+  uint64_t my_nonce = 0;
+  chorus__random_bytes(&my_nonce, sizeof my_nonce);
+  char mine[600], addrs_mine[128];
+  snprintf(addrs_mine, sizeof addrs_mine, "%s %d", ifaddr, data_port);
+  snprintf(mine, sizeof mine, "%s %d|%016" PRIx64 "|%s", ifaddr, data_port, my_nonce, ident);
   char err[512] = "out of memory";
   st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
   if (st != CHORUS_OK) {
@@ -345,11 +358,46 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
     goto fail;
   }
+  ctx->world_id = world_id;
+  ctx->host = calloc((size_t)size, sizeof *ctx->host);
+  uint64_t *nonce = calloc((size_t)size, sizeof *nonce);
+  ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);
+  if (!ctx->host || !nonce || !ctx->memreg) {
+    free(nonce);
+    close(lfd);
+    st = chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+    goto fail;
+  }
+  /* Every value came through the store: checked before it is used.  Each
+   * is cut in place into its address (what the transport parses) and the
+   * rest. */
+  static const uint8_t hkey[16] = "chorus-hostident";
+  for (int r = 0; r < size && st == CHORUS_OK; r++) {
+    char *bar = strchr(addrs[r], '|');
+    char *bar2 = bar ? strchr(bar + 1, '|') : NULL;
+    char *end = NULL;
+    if (bar && bar2 && bar2 - bar == 17) nonce[r] = strtoull(bar + 1, &end, 16);
+    if (!bar2 || end != bar2) {
+      st = chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d: rank %d published a "
+                             "malformed address record (another chorus version?)", rank, size, r);
+      break;
+    }
+    *bar = '\0';
+    const char *their = bar2 + 1;
+    ctx->host[r] = chorus__siphash(hkey, their, strlen(their));
+    if (!strcmp(their, ident)) ctx->local_count++;
+  }
+  if (st != CHORUS_OK) {
+    free(nonce);
+    close(lfd);
+    goto fail;
+  }
   chorus__tp_config_t tcfg = {.rank = rank, .size = size, .key = &ws->key, .world_id = world_id,
                               .listen_fd = lfd, .addrs = (const char *const *)addrs,
                               .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
-                              .fp_format = chorus__fp_format};
+                              .fp_format = chorus__fp_format, .host = ctx->host, .nonce = nonce};
   st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
+  free(nonce);
   if (st != CHORUS_OK) {
     chorus__init_fail(st, "chorus rank %d/%d: connecting to the other ranks failed: %s", rank, size, err);
     goto fail;
@@ -359,32 +407,6 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   world_secret_done(ws); /* every rank holds the key now */
   free(ws);
   ws = NULL;
-  /* Which ranks share this host (for shared memory). */
-  char ident[400];
-  if (env->HOST_ID && env->HOST_ID[0])
-    snprintf(ident, sizeof ident, "id %s", env->HOST_ID);
-  else
-    chorus__host_identity(ident, sizeof ident);
-  ctx->world_id = world_id;
-  ctx->host = calloc((size_t)size, sizeof *ctx->host);
-  ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);
-  if (!ctx->host || !ctx->memreg) {
-    st = chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-    goto fail;
-  }
-  st = chorus__rdzv_allgather(ctx->store, prefix, "host", rank, size, ident, &addrs, err,
-                              sizeof err);
-  if (st != CHORUS_OK) {
-    chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
-    goto fail;
-  }
-  static const uint8_t hkey[16] = "chorus-hostident";
-  for (int r = 0; r < size; r++) {
-    ctx->host[r] = chorus__siphash(hkey, addrs[r], strlen(addrs[r]));
-    if (!strcmp(addrs[r], ident)) ctx->local_count++;
-  }
-  chorus__rdzv_free(addrs, size);
-  addrs = NULL;
   int *world = malloc(sizeof(int) * (size_t)size);
   if (!world) {
     st = chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
@@ -411,7 +433,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   }
   chorus__log_set_identity(rank, size);
   CHORUS_INFO(CHORUS__SUB_INIT, "communicator ready: rank %d/%d, store %s, listening on %s",
-              rank, size, chorus__store_address(ctx->store), mine);
+              rank, size, chorus__store_address(ctx->store), addrs_mine);
   g_init_error[0] = '\0';
   *out = comm;
   return CHORUS_OK;

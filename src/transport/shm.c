@@ -31,14 +31,6 @@
 #define SHM_VERSION 1u
 #define SHM_PAGE 4096u
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 static size_t areas_offset(void) { return SHM_PAGE; }
@@ -241,7 +233,7 @@ chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, ui
   /* The peer may be asleep waiting for what this rank posted last. */
   chorus__shm_flush(s);
   for (int i = 0; i < s->spin; i++) {
-    cpu_relax();
+    chorus__cpu_relax();
     if (REACHED()) return CHORUS_OK;
   }
   for (int i = 0; i < s->yields; i++) {

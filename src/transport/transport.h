@@ -1,8 +1,9 @@
 /*
  * transport.h - moving tagged messages between the ranks of one job.
  *
- * A transport context (chorus__tp_t) holds one connection to every other
- * rank of the world, one progress thread, and the matching tables.  Every
+ * A transport context (chorus__tp_t) holds the way to every other rank of
+ * the world (a channel per peer, chan.h: TCP today), one progress thread,
+ * and the matching tables (endpoint.c).  Every
  * communicator (world or subgroup) registers an endpoint (chorus__ep_t): its
  * id, its members (world ranks) and its failure state.  Messages carry the
  * endpoint id, so all communicators share the connections.
@@ -90,6 +91,11 @@ typedef struct chorus__tp_config {
   int64_t deadline;         /* for establishing every connection */
   int retry_ms;
   chorus__fp_format_fn fp_format;
+  /* Per world rank: its host (ranks with equal values share memory; NULL:
+   * every peer over TCP) and the random nonce it drew for the names of its
+   * shared-memory inbox and doorbell. */
+  const uint64_t *host;
+  const uint64_t *nonce;
 } chorus__tp_config_t;
 
 /* Connects the full mesh (connects to lower ranks, accepts from higher ones,

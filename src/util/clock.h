@@ -10,6 +10,15 @@
 
 #define CHORUS__NO_DEADLINE INT64_MAX
 
+/* One pause of a spin-wait loop (a hint to the CPU, no system call). */
+static inline void chorus__cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 static inline int64_t chorus__now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

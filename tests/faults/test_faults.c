@@ -701,6 +701,8 @@ static int start_store(void) { return child_store_start("fault-test-secret", &g_
  * to connect, sends garbage (or nothing) and goes away: the rank rejects it
  * and the job forms normally. */
 static void late_rank(int rank, int n) {
+  /* The data port is TCP's: ranks of one host would use shared memory. */
+  setenv("CHORUS_TRANSPORT", "tcp", 1);
   if (rank == 1) usleep(600 * 1000); /* rank 0 is accepting meanwhile */
   busy_rank(rank, n);
 }

@@ -758,9 +758,13 @@ TEST(encrypted_tamper) {
   /* Rank 1 reads rank 0's address after its delay: give it the proxy's. */
   chorus_store_t *c = NULL;
   ASSERT_EQ(chorus_store_connect("127.0.0.1", g_port, SECRET, 5000, &c), CHORUS_OK);
-  char key[64], val[64];
+  /* Rank 0's record is "ADDR PORT|NONCE|HOST": only the address changes. */
+  char key[64], val[700];
   snprintf(key, sizeof key, "case%d/addr/0", g_case);
-  snprintf(val, sizeof val, "127.0.0.1 %d", pport);
+  char *orig = store_get(key);
+  ASSERT_TRUE(orig && strchr(orig, '|'));
+  snprintf(val, sizeof val, "127.0.0.1 %d%s", pport, strchr(orig, '|'));
+  free(orig);
   ASSERT_EQ(chorus_store_set(c, key, val, strlen(val)), CHORUS_OK);
   chorus_store_close(c);
   pthread_t th;

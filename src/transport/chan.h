@@ -1,0 +1,266 @@
+/*
+ * chan.h - between the endpoint layer (endpoint.c) and the channels that
+ * move its bytes (tcp.c, ...).  Internal to src/transport/.
+ *
+ * The endpoint layer owns everything that does not depend on how bytes
+ * travel: endpoints, matching of messages to receives, the buffer for
+ * messages that arrive early and its per-peer budget, the failure model
+ * (sticky failures, ABORT to the other members, timeouts naming the silent
+ * ranks), heartbeats and the silence detector, goodbyes, and the progress
+ * thread.  A channel owns the way to a peer: its connections (or rings),
+ * the handshake, framing on its medium, and its send queues.  Whatever the
+ * channel, every message is the same 56-byte header (wire.h) and payload,
+ * with the same fingerprints and sequence numbers.
+ *
+ * Sending.  The endpoint layer fills a chorus__tx_t (encoded header, the
+ * caller's payload, the request it completes) and hands it to the peer's
+ * channel (ops->send), which writes it in order with the peer's other
+ * messages and calls chorus__tp_tx_done() once every byte is out (or
+ * copied): the caller may then reuse its buffer.
+ *
+ * Receiving.  A channel parses each incoming byte stream with a
+ * chorus__rx_t: once its 56 header bytes are in rx->hbuf it calls
+ * chorus__tp_rx_header(), which decides where the payload goes (a posted
+ * receive, a new early-message buffer, or nowhere) and sets rx->dst and
+ * rx->left -- or pauses the stream (ops->rx_pause(rx, 1)) when the message
+ * can go nowhere yet because the sender's budget is spent; the channel
+ * then stops reading that stream until the endpoint layer resumes it
+ * (ops->rx_pause(rx, 0)) and the kernel's (or the ring's) flow control
+ * slows the sender.  The channel moves payload bytes to rx->dst (discarding
+ * them when it is NULL) and reports them with chorus__tp_rx_bytes().
+ *
+ * Failures.  A channel that loses a peer (EOF, error, a protocol violation)
+ * calls chorus__tp_peer_failed(); the endpoint layer fails the endpoints
+ * that need the peer and asks the channel to close it (ops->close), which
+ * hands every queued message back through chorus__tp_tx_lost().
+ *
+ * Every call in either direction runs with the context's lock held, from
+ * the progress thread or from a thread posting or waiting.
+ */
+#ifndef CHORUS_TRANSPORT_CHAN_H
+#define CHORUS_TRANSPORT_CHAN_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "transport/transport.h"
+#include "transport/wire.h"
+#include "util/crypto.h"
+#include "util/log.h"
+
+/* Every live peer hears from us at least this often (a PING when nothing
+ * else is sent), so a timeout can tell a silent rank (stopped, hung, its
+ * link down) from one that merely waits for someone else. */
+#define CHORUS__HEARTBEAT_MS 250
+
+typedef struct chorus__chan chorus__chan_t;
+
+/* A message waiting to be written (or being written) to a peer. */
+typedef struct chorus__tx {
+  struct chorus__tx *next;
+  uint8_t hdr[CHORUS__WIRE_HDR_SIZE];
+  const char *payload;
+  size_t len;          /* payload bytes */
+  size_t off;          /* bytes of hdr+payload written */
+  chorus__req_t *req;  /* completed when written; NULL for control */
+  chorus__ep_t *ep;    /* owner, for detaching on failure; NULL for control */
+  char *owned;         /* payload copy owned by the item */
+} chorus__tx_t;
+
+/* A peer's (or a stream's) messages waiting to be written, in order. */
+typedef struct chorus__txq {
+  chorus__tx_t *head, *tail;
+} chorus__txq_t;
+
+/* A message that arrived before its receive was posted. */
+typedef struct chorus__unexp {
+  struct chorus__unexp *next;
+  chorus__wire_hdr_t h;
+  int src; /* world rank */
+  char *buf;
+  size_t got;
+  size_t cost; /* charged to the sender's budget (payload + this record) */
+  int complete;
+  chorus__req_t *req; /* receive waiting for the rest, if any */
+} chorus__unexp_t;
+
+/* The parser of one byte stream from a peer. */
+typedef struct chorus__rx {
+  int src;               /* world rank of the sender */
+  chorus__chan_t *chan;  /* the channel reading it (for rx_pause) */
+  void *link;            /* the channel's state for this stream */
+  uint8_t hbuf[CHORUS__WIRE_HDR_SIZE];
+  size_t hgot;           /* header bytes in hbuf */
+  int in_payload;
+  chorus__wire_hdr_t h;  /* the decoded header of the current message */
+  char *dst;             /* where payload bytes go; NULL: discard */
+  size_t left;           /* payload bytes still to come */
+  chorus__req_t *req;    /* the posted receive they land in, if any */
+  chorus__unexp_t *unexp; /* the early-message buffer they land in, if any */
+  char *abort;           /* ABORT text being received */
+  size_t abort_len;
+  int paused;            /* not read: its payload can go nowhere yet */
+  int64_t paused_since;
+  struct chorus__rx *next; /* the peer's other streams */
+} chorus__rx_t;
+
+/* What the endpoint layer knows of one world rank, whatever carries its
+ * bytes. */
+typedef struct chorus__peer {
+  int rank;
+  char addr[80];      /* "host:port" of its listener, for messages */
+  int dead;
+  chorus_result_t dead_code; /* why it died, for endpoints made afterwards */
+  char dead_why[160];
+  int bye_received;
+  int64_t last_heard; /* monotonic ns of the last byte received */
+  size_t unexp_bytes; /* its messages buffered before their receive */
+  int npaused;        /* its streams paused for back-pressure */
+  chorus__rx_t *rxs;  /* its streams (chorus__tp_rx_attach) */
+  chorus__chan_t *chan; /* the channel that carries it (NULL: self) */
+  void *link;           /* that channel's state for it */
+} chorus__peer_t;
+
+typedef struct chorus__chan_ops {
+  const char *name;
+  /* Queues it behind p's other messages and writes what can go now. */
+  void (*send)(chorus__chan_t *ch, chorus__peer_t *p, chorus__tx_t *it);
+  /* Stops (on) or resumes reading rx's stream. */
+  void (*rx_pause)(chorus__chan_t *ch, chorus__rx_t *rx, int on);
+  /* Takes ep's sends out of p's queues so their buffers may be freed:
+   * unstarted ones are dropped, begun ones keep going from a private copy
+   * (the stream must stay well-formed); nothing completes a request of ep
+   * any more.  -1 when a stream could not be kept whole (out of memory). */
+  int (*cancel)(chorus__chan_t *ch, chorus__peer_t *p, chorus__ep_t *ep);
+  /* Whether sends of ep (any owner with NULL, and for NULL also bytes of
+   * a sealed record) are still queued to p. */
+  int (*pending)(chorus__chan_t *ch, chorus__peer_t *p, const chorus__ep_t *ep);
+  /* p failed (chorus__tp_peer_failed): stop watching its streams, make it
+   * see the end at once, and hand every queued message back with
+   * chorus__tp_tx_lost. */
+  void (*close)(chorus__chan_t *ch, chorus__peer_t *p);
+  /* Which way the bytes to p go: "tcp LOCAL -> REMOTE (IFACE)". */
+  void (*link_desc)(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size_t cap);
+  /* Each round of the progress loop, after the events: work no event
+   * announces (plaintext opened but not parsed yet).  May be NULL. */
+  void (*poll)(chorus__chan_t *ch);
+  /* For channels no descriptor announces (shared memory); NULL otherwise.
+   * progress: moves what can move now, returns non-zero if anything did
+   * (a waiting thread polls with it before it blocks).  idle: the progress
+   * thread is about to sleep (1: the channel must arrange to be woken, and
+   * look once more) or woke (0).  polling: a thread starts (1) or stops
+   * (0) calling progress, so peers need not wake this rank meanwhile. */
+  int (*progress)(chorus__chan_t *ch);
+  void (*idle)(chorus__chan_t *ch, int sleeping);
+  void (*polling)(chorus__chan_t *ch, int on);
+  /* Frees everything, after the progress thread stopped. */
+  void (*destroy)(chorus__chan_t *ch);
+} chorus__chan_ops_t;
+
+struct chorus__chan {
+  const chorus__chan_ops_t *ops;
+  chorus__tp_t *tp;
+};
+
+/* A file descriptor the progress thread watches: fn(arg, epoll events) runs
+ * with the lock held. */
+typedef struct chorus__watch {
+  void (*fn)(void *arg, uint32_t events);
+  void *arg;
+} chorus__watch_t;
+
+struct chorus__tp {
+  int rank, size;
+  chorus__key_t key;
+  uint64_t world_id;
+  chorus__peer_t *peers; /* indexed by world rank; peers[rank] is this rank */
+  chorus__chan_t *net;   /* the channel between hosts (TCP) */
+  chorus__chan_t *local; /* the channel between ranks of this host (shared memory), or NULL */
+  int64_t spin_ns;       /* how long a waiting thread polls local before it blocks */
+  int crowded;           /* fewer CPUs than local ranks: poll with sched_yield */
+  int epfd, evfd;
+  chorus__watch_t ev_watch;
+  pthread_t thread;
+  int thread_started;
+  int stopping; /* atomic */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  chorus__ep_t *eps;
+  chorus__unexp_t *unexp_head, *unexp_tail;
+  chorus__fp_format_fn fp_format;
+  int64_t last_ping;
+  int bye_sent;
+  size_t budget; /* CHORUS_RECV_BUFFER_MAX */
+  int encrypt;   /* CHORUS_ENCRYPT */
+  int64_t peer_timeout_ns; /* CHORUS_PEER_TIMEOUT_MS; 0: silence is never death */
+};
+
+/* ---- for channels (lock held) */
+
+/* rx->hbuf holds a whole header: decode and route it.  Afterwards the
+ * stream is paused (rx->paused), or in the payload (rx->in_payload, with
+ * rx->dst / rx->left), or -- a zero-length payload or a PING -- done with
+ * the message (rx->hgot == 0); the peer may also have failed (protocol
+ * violation). */
+void chorus__tp_rx_header(chorus__tp_t *tp, chorus__rx_t *rx);
+/* n payload bytes of rx's message arrived at rx->dst (or were discarded). */
+void chorus__tp_rx_bytes(chorus__tp_t *tp, chorus__rx_t *rx, size_t n);
+/* it's bytes are all out: its request completes; it is freed. */
+void chorus__tp_tx_done(chorus__tp_t *tp, chorus__tx_t *it);
+/* it will never be written (its peer p failed): its endpoint fails; freed. */
+void chorus__tp_tx_lost(chorus__tp_t *tp, chorus__peer_t *p, chorus__tx_t *it);
+/* Frees a message no request owns any more. */
+void chorus__tx_free(chorus__tx_t *it);
+/* The queue helpers every channel's send side shares: push at the tail;
+ * pop the head (all its bytes are out: its request completes);
+ * cancel ep's messages (the ops->cancel contract: the head and begun ones
+ * keep going from a private copy, -1 when one could not be copied); whether
+ * ep (NULL: anyone) has messages queued; hand every message back because
+ * the peer failed (chorus__tp_tx_lost); free everything (teardown). */
+void chorus__txq_push(chorus__txq_t *q, chorus__tx_t *it);
+void chorus__txq_pop_done(chorus__tp_t *tp, chorus__txq_t *q);
+int chorus__txq_cancel(chorus__txq_t *q, const chorus__ep_t *ep);
+int chorus__txq_has(const chorus__txq_t *q, const chorus__ep_t *ep);
+void chorus__txq_lose(chorus__tp_t *tp, chorus__peer_t *p, chorus__txq_t *q);
+void chorus__txq_free(chorus__txq_t *q);
+/* The way to p is gone (code REMOTE) or broken (PROTOCOL): every endpoint
+ * with p fails unless p said goodbye and nothing is pending with it; the
+ * channel's close runs. */
+void chorus__tp_peer_failed(chorus__tp_t *tp, chorus__peer_t *p, const char *why,
+                            chorus_result_t code);
+/* p broke the protocol (what: the broken rule): logged, then peer_failed. */
+void chorus__tp_protocol_error(chorus__tp_t *tp, chorus__peer_t *p, const char *what);
+/* rx is a stream from p, read by ch (link: the channel's state for it);
+ * the endpoint layer looks at a peer's streams when it fails, resumes or
+ * goes away.  Before anything is parsed. */
+void chorus__tp_rx_attach(chorus__tp_t *tp, chorus__peer_t *p, chorus__rx_t *rx,
+                          chorus__chan_t *ch, void *link);
+/* Wakes the threads waiting for requests (after a completion). */
+void chorus__tp_wake(chorus__tp_t *tp);
+/* Wakes the progress thread (work no descriptor announces). */
+void chorus__tp_kick(chorus__tp_t *tp);
+
+/* fd joins the progress thread's set with events (EPOLLIN, EPOLLOUT); mod
+ * changes them; unwatch removes it.  0 or -1 with errno. */
+int chorus__tp_watch(chorus__tp_t *tp, int fd, uint32_t events, chorus__watch_t *w);
+int chorus__tp_watch_mod(chorus__tp_t *tp, int fd, uint32_t events, chorus__watch_t *w);
+void chorus__tp_unwatch(chorus__tp_t *tp, int fd);
+
+/* A context with its peers and lock but no channel, progress thread or
+ * descriptors to watch yet (chorus__tp_create and the fuzzers). */
+chorus__tp_t *chorus__tp_alloc(int rank, int size, const chorus__key_t *key, uint64_t world);
+void chorus__tp_free(chorus__tp_t *tp);
+
+/* ---- the channels */
+
+/* Shared memory (shm_chan.c): carries every peer whose cfg->host equals
+ * this rank's; *out stays NULL when there is none.  Opened first. */
+chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
+                                      chorus__chan_t **out, char *errmsg, size_t errcap);
+/* TCP (tcp.c): connects the full mesh of cfg between the peers no other
+ * channel carries, one connection per pair. */
+chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
+                                 chorus__chan_t **out, char *errmsg, size_t errcap);
+
+#endif

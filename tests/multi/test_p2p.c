@@ -1,0 +1,153 @@
+/*
+ * test_p2p.c - point-to-point between the ranks of one host: which channel
+ * carries it, that every peer is reached that way, and that a sender far
+ * ahead of a slow receiver cannot make the receiver hold more than its
+ * budget.  Run by chorusrun with N >= 2 ranks on one host.
+ *
+ *   test_p2p --expect-link PREFIX   every peer's link (chorus_comm_link)
+ *                                   must start with PREFIX ("shm", "tcp")
+ *
+ * CHORUS_RECV_BUFFER_MAX should be set small (the CTest entries use 4 MiB):
+ * rank 1 sends rank 0 BURST messages of MSG bytes (BURST * MSG = 32 times
+ * the budget) while rank 0 sleeps; rank 0's peak resident memory may grow
+ * by the budget, the ring and slack, not by what was sent.  Then rank 0
+ * receives them all, in order, and checks every byte.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chorus.h"
+#include "harness.h"
+
+static chorus_comm_t g_comm;
+static int g_rank, g_size;
+static const char *g_expect;
+
+enum { MSG = 1 << 20, BURST = 128 };
+
+static long peak_rss_kib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  long v = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmHWM: %ld kB", &v) == 1) break;
+  fclose(f);
+  return v;
+}
+
+static void fill(unsigned char *p, size_t n, int k) {
+  for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31 + (size_t)k * 7 + 1);
+}
+
+TEST(links_use_the_expected_channel) {
+  if (!g_expect) return;
+  for (int p = 0; p < g_size; p++) {
+    if (p == g_rank) continue;
+    char link[256];
+    ASSERT_EQ(chorus_comm_link(g_comm, p, link, sizeof link), CHORUS_OK);
+    if (strncmp(link, g_expect, strlen(g_expect))) {
+      HARNESS_FAIL("rank %d reaches rank %d by '%s', expected '%s...'", g_rank, p, link, g_expect);
+      return;
+    }
+  }
+}
+
+/* Every pair both ways, small and large, in a ring and back. */
+TEST(every_pair_exchanges) {
+  size_t sizes[] = {0, 8, 4096, 3 << 20};
+  for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+    size_t n = sizes[s];
+    unsigned char *out = malloc(n + 1), *in = malloc(n + 1);
+    for (int d = 1; d < g_size; d++) {
+      int to = (g_rank + d) % g_size, from = (g_rank - d + g_size) % g_size;
+      fill(out, n, g_rank * 100 + d);
+      chorus_work_t w;
+      ASSERT_EQ(chorus_recv(g_comm, in, n, CHORUS_UINT8, from, d, &w), CHORUS_OK);
+      ASSERT_EQ(chorus_send(g_comm, out, n, CHORUS_UINT8, to, d, NULL), CHORUS_OK);
+      ASSERT_EQ(chorus_work_wait(w, -1), CHORUS_OK);
+      chorus_work_free(w);
+      fill(out, n, from * 100 + d);
+      ASSERT_TRUE(memcmp(in, out, n) == 0);
+    }
+    free(out);
+    free(in);
+  }
+}
+
+TEST(sender_far_ahead_stays_bounded) {
+  if (g_size < 2 || g_rank > 1) {
+    ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+    return;
+  }
+  unsigned char *buf = malloc(MSG);
+  ASSERT_TRUE(buf != NULL);
+  memset(buf, 0, MSG); /* resident before the baseline */
+  long before = peak_rss_kib();
+  if (g_rank == 1) {
+    /* Everything at once, asynchronously: far more than rank 0 may hold. */
+    unsigned char *src = malloc((size_t)MSG * BURST);
+    chorus_work_t *w = calloc(BURST, sizeof *w);
+    ASSERT_TRUE(src && w);
+    for (int k = 0; k < BURST; k++) {
+      fill(src + (size_t)k * MSG, MSG, k);
+      ASSERT_EQ(chorus_send(g_comm, src + (size_t)k * MSG, MSG, CHORUS_UINT8, 0, 7, &w[k]),
+                CHORUS_OK);
+    }
+    for (int k = 0; k < BURST; k++) {
+      ASSERT_EQ(chorus_work_wait(w[k], -1), CHORUS_OK);
+      chorus_work_free(w[k]);
+    }
+    free(w);
+    free(src);
+  } else {
+    struct timespec ts = {1, 500000000}; /* let rank 1 run far ahead */
+    nanosleep(&ts, NULL);
+    long mid = peak_rss_kib();
+    const char *b = getenv("CHORUS_RECV_BUFFER_MAX");
+    long budget_kib = (b ? atol(b) : 64 << 20) / 1024;
+    long grew = mid - before;
+    printf("rank 0: peak RSS grew by %ld KiB while rank 1 sent %d MiB ahead (budget %ld KiB)\n",
+           grew, BURST * (MSG >> 20), budget_kib);
+    /* The budget, one message in flight past it, the rings and slack. */
+    ASSERT_TRUE(grew < budget_kib + 2 * (MSG / 1024) + 16 * 1024);
+    unsigned char *want = malloc(MSG);
+    for (int k = 0; k < BURST; k++) {
+      ASSERT_EQ(chorus_recv(g_comm, buf, MSG, CHORUS_UINT8, 1, 7, NULL), CHORUS_OK);
+      fill(want, MSG, k);
+      if (memcmp(buf, want, MSG)) {
+        HARNESS_FAIL("message %d arrived wrong", k);
+        break;
+      }
+    }
+    free(want);
+  }
+  free(buf);
+  ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+}
+
+int main(int argc, char **argv) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--expect-link") && i + 1 < argc) g_expect = argv[++i];
+    else {
+      fprintf(stderr, "usage: test_p2p [--expect-link PREFIX]\n");
+      return 2;
+    }
+  }
+  chorus_result_t st = chorus_comm_init_env(&g_comm);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "init failed: %s\n", chorus_last_init_error());
+    return 1;
+  }
+  g_rank = chorus_comm_rank(g_comm);
+  g_size = chorus_comm_size(g_comm);
+  RUN(links_use_the_expected_channel);
+  RUN(every_pair_exchanges);
+  RUN(sender_far_ahead_stays_bounded);
+  chorus_comm_destroy(g_comm);
+  return HARNESS_DONE();
+}
