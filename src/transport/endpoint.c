@@ -1012,6 +1012,10 @@ chorus_result_t chorus__ep_wait_until(chorus__ep_t *ep, chorus__req_t **reqs, in
   return ep_wait(ep, reqs, n, deadline, timeout_ms, 1);
 }
 
+/* How long a waiting thread pause-spins on the shared-memory channel
+ * before it starts yielding the CPU (tp->spin_ns in all). */
+#define SPIN_PAUSE_NS 5000
+
 static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int64_t deadline,
                                int timeout_ms, int fatal) {
   chorus__tp_t *tp = ep->tp;
@@ -1025,7 +1029,14 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
     for (int i = 0; i < n && all; i++)
       if (reqs[i] && !reqs[i]->done) all = 0;
     if (all) break;
-    if (local) {
+    /* Polling helps when the shared-memory channel carries every request
+     * still pending; the others move on the progress thread, which the
+     * polling would keep from the CPU. */
+    int on_local = local != NULL;
+    for (int i = 0; on_local && i < n; i++)
+      if (reqs[i] && !reqs[i]->done && tp->peers[ep->members[reqs[i]->peer]].chan != local)
+        on_local = 0;
+    if (on_local) {
       /* Shared memory: move bytes on this thread before blocking, until
        * nothing moved for spin_ns (or the deadline came), announced so the
        * peers need not ring this rank meanwhile. */
@@ -1040,7 +1051,10 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
         if (!polling) local->ops->polling(local, 1);
         polling = 1;
         pthread_mutex_unlock(&tp->lock);
-        if (tp->crowded) sched_yield();
+        /* Pause-spin the first few microseconds (a peer about to answer),
+         * then sched_yield: whatever else wants this CPU -- the peer
+         * itself, on a crowded host -- runs first. */
+        if (tp->crowded || spin_until - now < tp->spin_ns - SPIN_PAUSE_NS) sched_yield();
         else for (int k = 0; k < 32; k++) chorus__cpu_relax();
         pthread_mutex_lock(&tp->lock);
         continue;
