@@ -56,7 +56,7 @@ for rep in $(seq 1 "$REPS"); do
   t0=$(now_ms)
   for i in $(seq 0 15); do agent "$i" --nnodes 16 -n 4 $(c10d r$rep) "$WORKER" reduce-loop 0; done
   if wait_for "$TMP/h*.out" 'reducing round 0 at' 64 60; then
-    last=$(cat "$TMP"/h*.out | sed -n 's/.*reducing round 0 at //p' | sort -n | tail -n 1)
+    last=$(cat "$TMP"/h*.out | sed -n 's/.*reducing round 0 at \([0-9]*\).*/\1/p' | sort -n | tail -n 1)
     R+=($((last - t0)))
   fi
   wait_for "$TMP/h*.out" 'done round 0' 64 60

@@ -33,7 +33,9 @@
  *                           on print "rankN done round R world W" and exit 0
  *   reduce-loop K           form the world (chorus_comm_init_env) and
  *                           all_reduce 4 KiB every 10 ms; below round K
- *                           forever (printing "rankN reducing round R at T"
+ *                           forever (printing "rankN reducing round R at T
+ *                           sockets S", S: the process's open sockets once
+ *                           the world formed
  *                           and the error of a failed all_reduce, then exit
  *                           1), from round K on 20 steps, then print "rankN
  *                           done round R world W" and exit 0
@@ -52,6 +54,7 @@
 #define _GNU_SOURCE
 #endif
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
@@ -163,6 +166,24 @@ static int store_mode(void) {
   return seen == n ? 0 : 1;
 }
 
+/* Open file descriptors of this process that are sockets. */
+static int count_sockets(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    char link[64], path[300];
+    snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+    ssize_t k = readlink(path, link, sizeof link - 1);
+    if (k > 0) {
+      link[k] = '\0';
+      n += !strncmp(link, "socket:", 7);
+    }
+  }
+  closedir(d);
+  return n;
+}
+
 static int reduce_loop_mode(int until_round) {
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   int round = rc ? atoi(rc) : -1;
@@ -175,8 +196,8 @@ static int reduce_loop_mode(int until_round) {
   for (int i = 0; i < 1024; i++) buf[i] = 1;
   struct timespec now;
   clock_gettime(CLOCK_REALTIME, &now);
-  put(1, "rank%d reducing round %d at %lld\n", g_rank, round,
-      (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);
+  put(1, "rank%d reducing round %d at %lld sockets %d\n", g_rank, round,
+      (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000, count_sockets());
   for (int step = 0; round < until_round || step < 20; step++) {
     if (chorus_all_reduce(comm, buf, buf, 1024, CHORUS_FLOAT32, CHORUS_AVG, NULL) != CHORUS_OK) {
       put(2, "rank%d: all_reduce failed: %s\n", g_rank, chorus_comm_last_error(comm));
