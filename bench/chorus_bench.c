@@ -80,6 +80,7 @@ typedef struct {
   chorus_dtype_t dtype;
   int root, iters, warmup, check, async, all, memalloc;
   int links;        /* --links: the pairwise matrix instead of a collective */
+  const char *tune; /* --tune FILE: time every algorithm, write a tuning table */
   const char *algo; /* -a; NULL: the library's automatic choice */
   chorus_coll_t coll;
 } opts_t;
@@ -115,6 +116,11 @@ static void usage(FILE *f) {
           "                           latency and bandwidth both ways (-e bytes, default\n"
           "                           4M, 5 times), print the matrices, name the slow\n"
           "                           links and the interface each pair uses\n"
+          "      --tune FILE          time every algorithm of each collective (-C, or\n"
+          "                           all_reduce, reduce_scatter, all_gather, broadcast,\n"
+          "                           reduce) at every size and write the fastest as a\n"
+          "                           tuning table for this kind of group and size to\n"
+          "                           FILE (rank 0), for CHORUS_TUNING_FILE\n"
           "  -h, --help               this help\n"
           "\n"
           "Algorithms (-a) per collective:\n");
@@ -217,7 +223,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                 .warmup = 5,
                 .check = 1,
                 .coll = CHORUS_COLL_ALL_REDUCE};
-  enum { OPT_ALL = 1000, OPT_LINKS };
+  enum { OPT_ALL = 1000, OPT_LINKS, OPT_TUNE };
   static const struct option longopts[] = {{"minbytes", required_argument, NULL, 'b'},
                                            {"maxbytes", required_argument, NULL, 'e'},
                                            {"stepfactor", required_argument, NULL, 'f'},
@@ -234,6 +240,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                                            {"memalloc", required_argument, NULL, 'm'},
                                            {"all", no_argument, NULL, OPT_ALL},
                                            {"links", no_argument, NULL, OPT_LINKS},
+                                           {"tune", required_argument, NULL, OPT_TUNE},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   int have_f = 0, have_i = 0, have_c = 0, have_e = 0, opt;
@@ -320,6 +327,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
       case OPT_LINKS:
         o->links = 1;
         break;
+      case OPT_TUNE:
+        o->tune = optarg;
+        break;
       case 'h': {
         /* Under chorusrun every rank gets -h; let rank 0 alone print it. */
         const char *rank = getenv("RANK");
@@ -337,6 +347,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
   if (o->links && (o->all || have_c || o->memalloc))
     die_usage("--links measures point-to-point links: no -C, --all or -m with it");
   if (o->links && !have_e) o->max_bytes = (size_t)4 << 20;
+  if (o->tune && (o->links || o->all || o->algo))
+    die_usage("--tune times every algorithm itself: no --links, --all or -a with it");
+  if (o->tune && !have_c) o->coll = (chorus_coll_t)-1; /* the tunable set */
   if (o->min_bytes > o->max_bytes)
     die_usage("-b %zu is larger than -e %zu", o->min_bytes, o->max_bytes);
   if (o->algo && !o->all && !algo_registered(o->coll, o->algo)) {
@@ -1194,6 +1207,121 @@ static int run_links(bench_t *b, size_t bytes) {
   return 0;
 }
 
+/* ----------------------------------------------------------------- tune */
+
+/* The collectives --tune times when -C is not given: those whose automatic
+ * choice depends on size. */
+static const chorus_coll_t k_tuned[] = {CHORUS_COLL_ALL_REDUCE, CHORUS_COLL_REDUCE_SCATTER,
+                                        CHORUS_COLL_ALL_GATHER, CHORUS_COLL_BROADCAST,
+                                        CHORUS_COLL_REDUCE};
+
+/* The tuning table's name for this group's kind (src/algo/tune.c): one
+ * host with shared memory, several hosts with as many ranks each (more
+ * than one), or anything else. */
+static const char *group_kind(bench_t *b) {
+  const char *a = chorus_comm_algo(b->comm, CHORUS_COLL_ALL_REDUCE, (size_t)1 << 20, CHORUS_FLOAT32);
+  int32_t local[2] = {0, 0};
+  for (int p = 0; p < b->n; p++) local[0] += chorus_comm_same_host(b->comm, p) == 1;
+  local[1] = -local[0];
+  check_rc(b, chorus_all_reduce(b->comm, local, local, 2, CHORUS_INT32, CHORUS_MAX, NULL),
+           "all_reduce (host sizes)");
+  int most = local[0], least = -local[1];
+  if (a && !strcmp(a, "direct")) return "one-host";
+  if (most == least && most > 1 && most < b->n) return "hosts";
+  return "flat";
+}
+
+/* Median time (max over ranks per call) of one algorithm at one size, or
+ * -1 when the group cannot run it. */
+static double tune_time(bench_t *b, chorus_coll_t coll, const char *algo, size_t size,
+                        const char *kind) {
+  /* The shared-memory algorithms need a group on one host. */
+  if (!strcmp(algo, "direct") && strcmp(kind, "one-host")) return -1;
+  /* Elsewhere than on several hosts it is the flat ring under another name. */
+  if (!strcmp(algo, "hierarchical") && strcmp(kind, "hosts")) return -1;
+  if (chorus_comm_set_algo(b->comm, coll, algo) != CHORUS_OK) return -1;
+  geom_t g = geometry(b, coll, size);
+  int iters = b->o.iters, form = coll_has_oop(coll) ? 0 : 1;
+  double *per = b->times + 2, total = 0;
+  check_rc(b, chorus_barrier(b->comm, NULL), "barrier (between algorithms)");
+  memset(b->times, 0, sizeof(double) * (size_t)(2 + iters));
+  int64_t wrong = measure(b, &g, form, per, &total);
+  check_rc(b, chorus_all_reduce(b->comm, per, per, (size_t)iters, CHORUS_FLOAT64, CHORUS_MAX, NULL),
+           "all_reduce (times)");
+  check_rc(b, chorus_all_reduce(b->comm, &wrong, &wrong, 1, CHORUS_INT64, CHORUS_SUM, NULL),
+           "all_reduce (wrong counts)");
+  if (wrong) fail_call(b, "tune", CHORUS_ERR_INTERNAL, "wrong results while tuning");
+  return median(per, iters);
+}
+
+/* --tune: every algorithm of each collective at every size; the fastest
+ * per size, merged into byte ranges, becomes the table's rules for this
+ * kind of group and this many ranks.  Every rank measures (the calls are
+ * collective); rank 0 writes the file. */
+static int run_tune(bench_t *b) {
+  const char *kind = group_kind(b);
+  FILE *f = NULL;
+  if (b->rank == 0) {
+    f = fopen(b->o.tune, "w");
+    if (!f) fprintf(stderr, "chorus-bench: cannot write %s: %s\n", b->o.tune, strerror(errno));
+  }
+  int ok = f != NULL || b->rank != 0;
+  check_rc(b, chorus_all_reduce(b->comm, &ok, &ok, 1, CHORUS_INT32, CHORUS_MIN, NULL),
+           "all_reduce (file opened)");
+  if (!ok) return 1;
+  if (f)
+    fprintf(f, "# chorus tuning table: chorus-bench --tune on %d ranks (%s), %s, -n %d\n"
+               "# COLL  WHERE  RANKS  BYTES  ALGO   (see docs/algorithms.md)\n",
+            b->n, kind, chorus_dtype_name(b->o.dtype), b->o.iters);
+  int ncoll = b->o.coll == (chorus_coll_t)-1 ? (int)(sizeof k_tuned / sizeof *k_tuned) : 1;
+  for (int ci = 0; ci < ncoll; ci++) {
+    chorus_coll_t coll = b->o.coll == (chorus_coll_t)-1 ? k_tuned[ci] : b->o.coll;
+    say(b, "# tune %s (%s, %d ranks)\n", chorus_coll_name(coll), kind, b->n);
+    const char *prev = NULL;
+    uint64_t from = 0;
+    for (size_t s = b->o.min_bytes;;) {
+      geom_t g = geometry(b, coll, s);
+      /* The table's bytes: count x size, the whole vector for these two. */
+      uint64_t tb = (uint64_t)g.count * b->es;
+      if (coll == CHORUS_COLL_ALL_GATHER || coll == CHORUS_COLL_REDUCE_SCATTER) tb *= (uint64_t)b->n;
+      const char *best = NULL;
+      double best_t = 0;
+      char line[512];
+      int off = snprintf(line, sizeof line, "# %12zu B:", s);
+      for (int i = 0; chorus_algo_name(coll, i); i++) {
+        const char *name = chorus_algo_name(coll, i);
+        double t = tune_time(b, coll, name, s, kind);
+        if (t < 0) continue;
+        if (off > 0 && (size_t)off < sizeof line)
+          off += snprintf(line + off, sizeof line - (size_t)off, " %s %.1f us", name, t);
+        if (!best || t < best_t) best = name, best_t = t;
+      }
+      say(b, "%s -> %s\n", line, best ? best : "(none)");
+      if (best && prev && strcmp(best, prev)) {
+        if (f)
+          fprintf(f, "%-15s %-8s %-5d %" PRIu64 "-%" PRIu64 " %s\n", chorus_coll_name(coll), kind,
+                  b->n, from, tb - 1, prev);
+        from = tb;
+      }
+      if (best) prev = best;
+      size_t next = b->o.factor ? (s ? s * b->o.factor : 1) : s + b->o.increment;
+      if (next <= s || next > b->o.max_bytes) break;
+      if (b->o.factor && s && next / b->o.factor != s) break;
+      s = next;
+    }
+    if (f && prev)
+      fprintf(f, "%-15s %-8s %-5d %" PRIu64 "- %s\n", chorus_coll_name(coll), kind, b->n, from, prev);
+    check_rc(b, chorus_comm_set_algo(b->comm, coll, "auto"), "chorus_comm_set_algo (auto)");
+  }
+  if (f) {
+    int bad = fclose(f) != 0;
+    if (bad) fprintf(stderr, "chorus-bench: writing %s failed\n", b->o.tune);
+    else say(b, "# wrote %s: use it with CHORUS_TUNING_FILE=%s on every rank\n", b->o.tune, b->o.tune);
+    return bad;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   bench_t b = {0};
   parse_args(argc, argv, &b.o);
@@ -1251,6 +1379,14 @@ int main(int argc, char **argv) {
     free(b.b);
     free(b.times);
     return lrc || rc != CHORUS_OK;
+  }
+  if (b.o.tune) {
+    int trc = run_tune(&b);
+    rc = chorus_comm_destroy(b.comm);
+    free(b.a);
+    free(b.b);
+    free(b.times);
+    return trc || rc != CHORUS_OK;
   }
   print_header(&b);
   if (b.o.check) {

@@ -109,6 +109,16 @@ int chorus__algo_find(chorus_coll_t coll, const char *name);
 /* The automatic choice for c (depends only on arguments every rank shares). */
 int chorus__algo_select(const chorus__coll_t *c);
 
+/* The tuning table (tune.c): loads CHORUS_TUNING_FILE (once per process)
+ * and the built-in rules; an error names the file's bad line.  select
+ * returns the first matching rule's algorithm for c (0 when none matches)
+ * and where it came from; the file's name (NULL when none) and c's kind of
+ * group ("one-host", "hosts", "flat") for messages. */
+chorus_result_t chorus__tune_load(char *err, size_t cap);
+int chorus__tune_select(const chorus__coll_t *c, int *rule_line, int *from_file);
+const char *chorus__tune_file(void);
+const char *chorus__tune_where_name(const chorus__coll_t *c);
+
 /* Formats a fingerprint with the algorithm's name (for the transport). */
 void chorus__fp_format(const chorus__fp_t *fp, char *buf, size_t cap);
 

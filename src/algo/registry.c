@@ -128,29 +128,23 @@ int chorus__algo_find(chorus_coll_t coll, const char *name) {
   return -1;
 }
 
+/* The automatic choice: the tuning table (tune.c).  An all_reduce with
+ * fewer elements than ranks leaves ring blocks empty, so it runs recursive
+ * doubling whatever the table says about its size. */
 int chorus__algo_select(const chorus__coll_t *c) {
-  size_t bytes = c->count * c->esize;
-  if (c->shm) {
-    /* One host: the shared-memory algorithm wins at every size. */
-    int n;
-    const chorus__algo_t *t = chorus__algos(c->coll, &n);
-    for (int i = 0; i < n; i++)
-      if (t[i].shm) return i;
+  int line, from_file;
+  int idx = chorus__tune_select(c, &line, &from_file);
+  if (c->coll == CHORUS_COLL_ALL_REDUCE && c->count < (size_t)c->size) {
+    const char *name = g_allreduce[idx].name;
+    if (!strcmp(name, "ring") || !strcmp(name, "hierarchical") || !strcmp(name, "rabenseifner"))
+      idx = chorus__algo_find(CHORUS_COLL_ALL_REDUCE, "recursive_doubling");
   }
-  /* Several hosts with several ranks each: only sums cross the hosts. */
-  int hosts = c->topo && c->topo->nhosts > 1 && c->topo->ppn > 1;
-  size_t thr = (size_t)chorus__env()->RING_THRESHOLD;
-  switch (c->coll) {
-    case CHORUS_COLL_ALL_REDUCE:
-      if (bytes < thr || c->count < (size_t)c->size) return 1; /* recursive doubling */
-      return hosts ? 4 /* hierarchical */ : 0 /* ring */;
-    case CHORUS_COLL_REDUCE_SCATTER:
-      return hosts && bytes * (size_t)c->size >= thr ? 2 /* hierarchical */ : 0 /* ring */;
-    case CHORUS_COLL_ALL_GATHER:
-      return bytes * (size_t)c->size < 65536 ? 1 /* bruck */ : 0 /* ring */;
-    default:
-      return 0;
-  }
+  CHORUS_DEBUG(CHORUS__SUB_ALGO, "algo: %s of %zu bytes on %d ranks (%s): %s, by %s line %d",
+               chorus_coll_name(c->coll), c->count * c->esize, c->size,
+               chorus__tune_where_name(c), chorus_algo_name(c->coll, idx),
+               from_file ? chorus__tune_file() : line ? "the built-in table" : "default (no rule)",
+               line);
+  return idx;
 }
 
 void chorus__fp_format(const chorus__fp_t *fp, char *buf, size_t cap) {

@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "algo/algo.h"
 #include "core/comm.h"
 #include "core/kvs.h"
 #include "store/rendezvous.h"
@@ -233,6 +234,12 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of range",
                      cfg->store_port);
   int rank = cfg->rank, size = cfg->world_size;
+  {
+    char terr[600];
+    if (chorus__tune_load(terr, sizeof terr) != CHORUS_OK)
+      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: %s (fix the file, or unset "
+                               "CHORUS_TUNING_FILE for the built-in choice)", cfg->rank, terr);
+  }
   int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : chorus__env_timeout_ms();
   char prefix[256];
   if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
