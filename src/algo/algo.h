@@ -226,5 +226,6 @@ CHORUS__ALGO_DECL(chorus__barrier_direct);
 CHORUS__ALGO_DECL(chorus__allgatherv_ring);
 CHORUS__ALGO_DECL(chorus__allreduce_hier);
 CHORUS__ALGO_DECL(chorus__reduce_scatter_hier);
+CHORUS__ALGO_DECL(chorus__allgather_hier);
 
 #endif

@@ -304,3 +304,37 @@ chorus_result_t chorus__reduce_scatter_hier(chorus__coll_t *c) {
   chorus__scratch_free(c, in);
   return st;
 }
+
+/* All-gather: rank r's block (count elements) reaches every rank.  Every
+ * host needs each other host's blocks once, so the ranks of local index l
+ * first gather the blocks of local index l across the hosts (a ring
+ * between hosts, every local rank at once: a host's link carries each
+ * remote block once), then each host gathers its L groups of H blocks over
+ * its own ring, in scratch ordered by local index then host; the blocks
+ * are then copied to their ranks' places (one copy of the output). */
+chorus_result_t chorus__allgather_hier(chorus__coll_t *c) {
+  if (!hier_applies(c)) return chorus__allgather_ring(c);
+  const chorus__topo_t *t = c->topo;
+  int H = t->nhosts, L = t->ppn;
+  size_t blk = c->count * c->esize;
+  char *s = chorus__scratch(c, blk * (size_t)c->size);
+  if (!s) return CHORUS_ERR_NO_MEMORY;
+  char *group = s + (size_t)t->lidx * (size_t)H * blk;
+  if (blk) memcpy(group + (size_t)t->host * blk, c->sendbuf, blk);
+  chorus__ring_t local = {t->local, t->nlocal, t->lidx};
+  chorus__ring_t cross = {t->cross, t->nhosts, t->host};
+  size_t gcount = c->count * (size_t)H;
+  chorus_result_t st = chorus__ring_pass(c, &cross, group, NULL, gcount, 0, 0);
+  if (st == CHORUS_OK)
+    st = chorus__ring_pass(c, &local, s, NULL, gcount * (size_t)L, 0, CHORUS__RING_STEPS(c->size));
+  if (st == CHORUS_OK && blk) {
+    for (int l = 0; l < L; l++)
+      for (int h = 0; h < H; h++) {
+        int r = t->map[h * L + l];
+        char *dst = c->recvbufs ? c->recvbufs[r] : (char *)c->recvbuf + (size_t)r * blk;
+        memcpy(dst, s + ((size_t)l * (size_t)H + (size_t)h) * blk, blk);
+      }
+  }
+  chorus__scratch_free(c, s);
+  return st;
+}

@@ -56,6 +56,9 @@ static const chorus__algo_t g_gather[] = {
 static const chorus__algo_t g_allgather[] = {
     A("ring", chorus__allgather_ring, "ring, n-1 steps"),
     A("bruck", chorus__allgather_bruck, "Bruck, ceil(log2(n)) rounds"),
+    A("hierarchical", chorus__allgather_hier,
+      "ring between hosts among the ranks of each local index, then ring in each host "
+      "(flat ring unless every host has as many ranks)"),
     D(chorus__allgather_direct, "every rank copies in once and copies every block out"),
 };
 static const chorus__algo_t g_reduce_scatter[] = {

@@ -74,6 +74,7 @@ static const char k_builtin[] =
     "reduce_scatter  hosts     any  RING_THRESHOLD-       hierarchical\n"
     "reduce_scatter  any       any  any                   ring\n"
     "all_gather      any       any  0-65535               bruck\n"
+    "all_gather      hosts     any  1M-                   hierarchical\n"
     "all_gather      any       any  any                   ring\n";
 
 static rule_t *g_rules;
