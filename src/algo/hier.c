@@ -277,13 +277,31 @@ chorus_result_t chorus__allreduce_hier(chorus__coll_t *c) {
  * `host` of it -- this rank's own -- reduced over all hosts.  The regrouping
  * is one copy of the input; a host's link carries (H-1)/H of the input
  * instead of the flat ring's (n-1)/n. */
+/* What the block-regrouping algorithms below share: the host map, hosts
+ * and ranks per host, one rank's block in bytes, and a scratch of the
+ * whole vector (NULL when out of memory). */
+typedef struct {
+  const chorus__topo_t *t;
+  int H, L;
+  size_t blk;
+} regroup_t;
+
+static char *regroup_begin(chorus__coll_t *c, regroup_t *g) {
+  g->t = c->topo;
+  g->H = g->t->nhosts;
+  g->L = g->t->ppn;
+  g->blk = c->count * c->esize;
+  return chorus__scratch(c, g->blk * (size_t)c->size);
+}
+
 chorus_result_t chorus__reduce_scatter_hier(chorus__coll_t *c) {
   if (!hier_applies(c)) return chorus__reduce_scatter_ring(c);
-  const chorus__topo_t *t = c->topo;
-  int H = t->nhosts, L = t->ppn;
-  size_t blk = c->count * c->esize;
-  char *in = chorus__scratch(c, blk * (size_t)c->size);
+  regroup_t g;
+  char *in = regroup_begin(c, &g);
   if (!in) return CHORUS_ERR_NO_MEMORY;
+  const chorus__topo_t *t = g.t;
+  int H = g.H, L = g.L;
+  size_t blk = g.blk;
   if (blk)
     for (int l = 0; l < L; l++)
       for (int h = 0; h < H; h++)
@@ -314,11 +332,12 @@ chorus_result_t chorus__reduce_scatter_hier(chorus__coll_t *c) {
  * are then copied to their ranks' places (one copy of the output). */
 chorus_result_t chorus__allgather_hier(chorus__coll_t *c) {
   if (!hier_applies(c)) return chorus__allgather_ring(c);
-  const chorus__topo_t *t = c->topo;
-  int H = t->nhosts, L = t->ppn;
-  size_t blk = c->count * c->esize;
-  char *s = chorus__scratch(c, blk * (size_t)c->size);
+  regroup_t g;
+  char *s = regroup_begin(c, &g);
   if (!s) return CHORUS_ERR_NO_MEMORY;
+  const chorus__topo_t *t = g.t;
+  int H = g.H, L = g.L;
+  size_t blk = g.blk;
   char *group = s + (size_t)t->lidx * (size_t)H * blk;
   if (blk) memcpy(group + (size_t)t->host * blk, c->sendbuf, blk);
   chorus__ring_t local = {t->local, t->nlocal, t->lidx};
