@@ -15,7 +15,6 @@
 
 #include "algo/algo.h"
 #include "reduce/reduce.h"
-#include "util/env.h"
 #include "util/log.h"
 
 #define A(name, fn, desc) {name, fn, desc, 0}

@@ -357,7 +357,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   chorus__random_bytes(&my_nonce, sizeof my_nonce);
   char mine[600], addrs_mine[128];
   snprintf(addrs_mine, sizeof addrs_mine, "%s %d", ifaddr, data_port);
-  snprintf(mine, sizeof mine, "%s %d|%016" PRIx64 "|%s", ifaddr, data_port, my_nonce, ident);
+  snprintf(mine, sizeof mine, "%s|%016" PRIx64 "|%s", addrs_mine, my_nonce, ident);
   char err[512] = "out of memory";
   st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
   if (st != CHORUS_OK) {

@@ -177,8 +177,8 @@ struct chorus__tp {
   chorus__peer_t *peers; /* indexed by world rank; peers[rank] is this rank */
   chorus__chan_t *net;   /* the channel between hosts (TCP) */
   chorus__chan_t *local; /* the channel between ranks of this host (shared memory), or NULL */
-  int64_t spin_ns;       /* how long a waiting thread polls local before it blocks */
-  int crowded;           /* fewer CPUs than local ranks: poll with sched_yield */
+  int crowded;           /* fewer CPUs than local ranks: waiting threads poll local
+                          * with sched_yield from the start (set by local) */
   int epfd, evfd;
   chorus__watch_t ev_watch;
   pthread_t thread;

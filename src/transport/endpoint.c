@@ -1012,8 +1012,10 @@ chorus_result_t chorus__ep_wait_until(chorus__ep_t *ep, chorus__req_t **reqs, in
   return ep_wait(ep, reqs, n, deadline, timeout_ms, 1);
 }
 
-/* How long a waiting thread pause-spins on the shared-memory channel
- * before it starts yielding the CPU (tp->spin_ns in all). */
+/* A thread waiting on the shared-memory channel polls it until nothing
+ * moved for SPIN_NS, pause-spinning the first SPIN_PAUSE_NS of that and
+ * yielding the CPU for the rest (all of it when tp->crowded). */
+#define SPIN_NS 50000
 #define SPIN_PAUSE_NS 5000
 
 static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int64_t deadline,
@@ -1038,7 +1040,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
         on_local = 0;
     if (on_local) {
       /* Shared memory: move bytes on this thread before blocking, until
-       * nothing moved for spin_ns (or the deadline came), announced so the
+       * nothing moved for SPIN_NS (or the deadline came), announced so the
        * peers need not ring this rank meanwhile. */
       int moved = local->ops->progress(local);
       int64_t now = chorus__now_ns();
@@ -1046,7 +1048,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
         spin_until = 0;
         continue;
       }
-      if (!spin_until) spin_until = CHORUS__MIN(now + tp->spin_ns, deadline);
+      if (!spin_until) spin_until = CHORUS__MIN(now + SPIN_NS, deadline);
       if (now < spin_until) {
         if (!polling) local->ops->polling(local, 1);
         polling = 1;
@@ -1054,7 +1056,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
         /* Pause-spin the first few microseconds (a peer about to answer),
          * then sched_yield: whatever else wants this CPU -- the peer
          * itself, on a crowded host -- runs first. */
-        if (tp->crowded || spin_until - now < tp->spin_ns - SPIN_PAUSE_NS) sched_yield();
+        if (tp->crowded || spin_until - now < SPIN_NS - SPIN_PAUSE_NS) sched_yield();
         else for (int k = 0; k < 32; k++) chorus__cpu_relax();
         pthread_mutex_lock(&tp->lock);
         continue;
@@ -1262,16 +1264,6 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   }
   st = chorus__tcp_open(tp, cfg, &tp->net, errmsg, errcap);
   if (st != CHORUS_OK) goto fail;
-  if (tp->local) {
-    /* Waiting threads poll the rings before they block: 50 us with a CPU
-     * for every local rank, else with sched_yield (the peer may need this
-     * CPU to answer). */
-    int nlocal = 0;
-    for (int r = 0; r < cfg->size; r++) nlocal += cfg->host[r] == cfg->host[cfg->rank];
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    tp->crowded = ncpu > 0 && ncpu < nlocal;
-    tp->spin_ns = 50000;
-  }
   /* Silence is counted from now: connecting may have taken a while. */
   int64_t start = chorus__now_ns();
   for (int r = 0; r < cfg->size; r++) tp->peers[r].last_heard = start;

@@ -71,14 +71,13 @@ static chorus__shm_t *wrap(void *base, size_t bytes, int n, int me, size_t chunk
   return s;
 }
 
-/* Opens an existing segment for mapping; it must be a file of this user
- * that nobody else may open (what create_mapped makes), or someone else
- * put it there.  Returns the fd or -1 with errmsg filled. */
-static int open_own(const char *name, struct stat *sb, char *errmsg, size_t cap) {
+int chorus__shm_open_own(const char *name, struct stat *sb, char *errmsg, size_t cap) {
   int fd = shm_open(name, O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
   if (fd < 0) {
+    int e = errno;
     snprintf(errmsg, cap, "shm_open(%s) failed: %s (is /dev/shm shared between the ranks?)", name,
-             strerror(errno));
+             strerror(e));
+    errno = e;
     return -1;
   }
   if (fstat(fd, sb) < 0 || !S_ISREG(sb->st_mode) || sb->st_uid != geteuid() ||
@@ -87,6 +86,7 @@ static int open_own(const char *name, struct stat *sb, char *errmsg, size_t cap)
              "uid %u, mode 600): refusing it", name, (unsigned)sb->st_uid,
              (unsigned)(sb->st_mode & 0777), (unsigned)geteuid());
     close(fd);
+    errno = EPERM;
     return -1;
   }
   return fd;
@@ -154,7 +154,7 @@ chorus_result_t chorus__shm_attach(const char *name, int n, int me, chorus__shm_
                                    char *errmsg, size_t cap) {
   *out = NULL;
   struct stat sb;
-  int fd = open_own(name, &sb, errmsg, cap);
+  int fd = chorus__shm_open_own(name, &sb, errmsg, cap);
   if (fd < 0) return CHORUS_ERR_SYSTEM;
   if (sb.st_size < (off_t)sizeof(chorus__shm_hdr_t)) {
     snprintf(errmsg, cap, "%s is too small to be a chorus segment", name);
@@ -469,7 +469,7 @@ unsigned char *chorus__memreg_peer(chorus__memreg_t *reg, int w, uint64_t id, si
   char name[128], why[256];
   region_name(reg, w, id, name, sizeof name);
   struct stat sb;
-  int fd = open_own(name, &sb, why, sizeof why);
+  int fd = chorus__shm_open_own(name, &sb, why, sizeof why);
   if (fd < 0) {
     CHORUS_WARN(CHORUS__SUB_INIT, "chorus_mem_alloc memory of world rank %d: %s", w, why);
     return NULL;

@@ -43,6 +43,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 
 #include "chorus.h"
 #include "transport/transport.h"
@@ -132,6 +133,13 @@ chorus_result_t chorus__shm_create(const char *name, int n, size_t chunk, chorus
 chorus_result_t chorus__shm_attach(const char *name, int n, int me, chorus__shm_t **out,
                                    char *errmsg, size_t cap);
 void chorus__shm_unlink(const char *name);
+
+/* Opens an existing shared-memory object for mapping; it must be a file of
+ * this user that nobody else may open (what this user's chorus processes
+ * make), or someone else put it there.  Returns the fd (*sb filled), or -1
+ * with errmsg filled and errno ENOENT (no such name), EPERM (not this job's
+ * file) or shm_open's. */
+int chorus__shm_open_own(const char *name, struct stat *sb, char *errmsg, size_t cap);
 
 /* Binds the segment to the endpoint whose failures end its waits, and the
  * wait policy: spin iterations, then sched_yield calls, then sleep. */

@@ -437,15 +437,8 @@ static chorus_result_t attach_peer(shm_chan_t *ch, link_t *l, const char *name, 
   struct stat sb;
   void *base = MAP_FAILED;
   for (;;) {
-    fd = shm_open(name, O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
+    fd = chorus__shm_open_own(name, &sb, errmsg, cap);
     if (fd >= 0) {
-      if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode) || sb.st_uid != geteuid() ||
-          (sb.st_mode & 077)) {
-        snprintf(errmsg, cap, "%s is not a segment of this job (owner uid %u, mode %03o): "
-                 "refusing it", name, (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 0777));
-        close(fd);
-        return CHORUS_ERR_PROTOCOL;
-      }
       if ((size_t)sb.st_size >= sizeof(inbox_hdr_t)) {
         base = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (base != MAP_FAILED &&
@@ -457,8 +450,7 @@ static chorus_result_t attach_peer(shm_chan_t *ch, link_t *l, const char *name, 
       close(fd);
       fd = -1;
     } else if (errno != ENOENT) {
-      snprintf(errmsg, cap, "shm_open(%s): %s", name, strerror(errno));
-      return CHORUS_ERR_SYSTEM;
+      return errno == EPERM ? CHORUS_ERR_PROTOCOL : CHORUS_ERR_SYSTEM;
     }
     if (chorus__ms_left(deadline) == 0) {
       snprintf(errmsg, cap, "local rank %d (world rank %d) did not create its shared-memory "
@@ -609,6 +601,10 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     }
   }
   if (st != CHORUS_OK) goto fail;
+  /* With fewer CPUs than local ranks a polling thread may hold the CPU
+   * its peer needs to answer: endpoint.c then yields from the start. */
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  tp->crowded = ncpu > 0 && ncpu < nlocal;
   *out = &ch->base;
   return CHORUS_OK;
 fail:
