@@ -122,6 +122,8 @@ typedef struct chorus__peer {
   void *link;           /* that channel's state for it */
 } chorus__peer_t;
 
+enum { CHORUS__LINK_NONE, CHORUS__LINK_DIALING, CHORUS__LINK_READY };
+
 typedef struct chorus__chan_ops {
   const char *name;
   /* Queues it behind p's other messages and writes what can go now. */
@@ -142,6 +144,11 @@ typedef struct chorus__chan_ops {
   void (*close)(chorus__chan_t *ch, chorus__peer_t *p);
   /* Which way the bytes to p go: "tcp LOCAL -> REMOTE (IFACE)". */
   void (*link_desc)(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size_t cap);
+  /* For channels that connect a pair on its first message (TCP): whether
+   * p is connected (CHORUS__LINK_READY: heartbeats flow both ways, silence
+   * means something), being connected since *since (DIALING), or neither
+   * (NONE: nothing was ever sent either way).  NULL: always READY. */
+  int (*link_state)(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since);
   /* Each round of the progress loop, after the events: work no event
    * announces (plaintext opened but not parsed yet).  May be NULL. */
   void (*poll)(chorus__chan_t *ch);
@@ -258,8 +265,9 @@ void chorus__tp_free(chorus__tp_t *tp);
  * this rank's; *out stays NULL when there is none.  Opened first. */
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                       chorus__chan_t **out, char *errmsg, size_t errcap);
-/* TCP (tcp.c): connects the full mesh of cfg between the peers no other
- * channel carries, one connection per pair. */
+/* TCP (tcp.c): carries the peers no other channel carries, one connection
+ * per pair, made when the first message between them is sent (the
+ * listener cfg->listen_fd accepts for as long as the channel lives). */
 chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                  chorus__chan_t **out, char *errmsg, size_t errcap);
 

@@ -307,6 +307,20 @@ void chorus__ep_set_fail_hook(chorus__ep_t *ep, void (*fn)(void *), void *arg) {
   pthread_mutex_unlock(&ep->tp->lock);
 }
 
+/* Whether c's channel connects it (CHORUS__LINK_*), *since when it is
+ * being connected. */
+static int link_state(peer_t *c, int64_t *since) {
+  *since = 0;
+  if (!c->chan) return CHORUS__LINK_NONE;
+  if (!c->chan->ops->link_state) return CHORUS__LINK_READY;
+  return c->chan->ops->link_state(c->chan, c, since);
+}
+
+static int linked(peer_t *c) {
+  int64_t since;
+  return link_state(c, &since) == CHORUS__LINK_READY;
+}
+
 /* Fails ep because peer c left (said goodbye, or its connection is gone)
  * while ep still needs it; need says how ("waits for its data"). */
 static void fail_peer_left(chorus__ep_t *ep, peer_t *c, const char *need) {
@@ -329,6 +343,17 @@ static void ep_fail_timeout_locked(chorus__ep_t *ep, int timeout_ms, const char 
   for (int g = 0; g < ep->n && so < sizeof silent; g++) {
     peer_t *pc = &tp->peers[ep->members[g]];
     if (g == ep->me || pc->dead) continue;
+    int64_t dialed;
+    int ls = link_state(pc, &dialed);
+    if (ls == CHORUS__LINK_DIALING && now - dialed > (int64_t)4 * HEARTBEAT_MS * 1000000) {
+      char rd[64];
+      chorus__ep_rank_desc(ep, g, rd, sizeof rd);
+      so += (size_t)snprintf(silent + so, sizeof silent - so,
+                             "%s%s (this rank has been connecting to it for %lld ms)",
+                             so ? ", " : "", rd, (long long)((now - dialed) / 1000000));
+      continue;
+    }
+    if (ls != CHORUS__LINK_READY) continue; /* never connected: its silence means nothing */
     int64_t quiet_ms = (now - pc->last_heard) / 1000000;
     if (pc->npaused) {
       int64_t since = now;
@@ -378,10 +403,19 @@ int chorus__tp_peer_state(chorus__tp_t *tp, int w) {
   if (w < 0 || w >= tp->size || w == tp->rank) return CHORUS__PEER_ALIVE;
   pthread_mutex_lock(&tp->lock);
   peer_t *c = &tp->peers[w];
+  const int64_t quiet_ns = (int64_t)4 * HEARTBEAT_MS * 1000000, now = chorus__now_ns();
+  int64_t since;
+  int ls = link_state(c, &since);
   int state = c->dead || c->bye_received ? CHORUS__PEER_GONE
-              : chorus__now_ns() - c->last_heard > (int64_t)4 * HEARTBEAT_MS * 1000000
-                  ? CHORUS__PEER_SILENT
-                  : CHORUS__PEER_ALIVE;
+              : ls == CHORUS__LINK_READY ? (now - c->last_heard > quiet_ns ? CHORUS__PEER_SILENT
+                                                                          : CHORUS__PEER_ALIVE)
+              : ls == CHORUS__LINK_DIALING && now - since > quiet_ns ? CHORUS__PEER_SILENT
+                                                                     : CHORUS__PEER_ALIVE;
+  /* Never connected: nothing tells whether it lives.  Connecting (a
+   * heartbeat) does: a dead rank refuses, a live one answers, and one that
+   * does neither turns silent above. */
+  if (ls == CHORUS__LINK_NONE && state == CHORUS__PEER_ALIVE && c->chan)
+    send_control(tp, c, T_PING, 0, NULL, -1);
   pthread_mutex_unlock(&tp->lock);
   return state;
 }
@@ -1127,7 +1161,8 @@ static void check_silence(chorus__tp_t *tp, int64_t now) {
   for (int r = 0; r < tp->size; r++) {
     peer_t *c = &tp->peers[r];
     /* A peer that said goodbye stops its heartbeats. */
-    if (r == tp->rank || c->dead || c->npaused || !c->chan || c->bye_received) continue;
+    if (r == tp->rank || c->dead || c->npaused || !c->chan || c->bye_received || !linked(c))
+      continue;
     int64_t quiet = now - c->last_heard;
     if (quiet <= tp->peer_timeout_ns) continue;
     char why[200];
@@ -1170,7 +1205,7 @@ static void *progress_main(void *arg) {
       tp->last_ping = now;
       for (int r = 0; r < tp->size; r++) {
         peer_t *c = &tp->peers[r];
-        if (r != tp->rank && c->chan && !c->dead && !tp->bye_sent &&
+        if (r != tp->rank && c->chan && !c->dead && !tp->bye_sent && linked(c) &&
             !c->chan->ops->pending(c->chan, c, NULL))
           send_control(tp, c, T_PING, 0, NULL, -1);
       }
@@ -1286,8 +1321,11 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   pthread_mutex_lock(&tp->lock);
   tp->bye_sent = 1;
   resume_all(tp); /* leaving: held-back messages are read and dropped */
+  /* Goodbyes go where there is a connection; a peer this rank never
+   * talked with has nothing to wait for. */
   for (int r = 0; r < tp->size; r++)
-    if (r != tp->rank) send_control(tp, &tp->peers[r], T_BYE, 0, NULL, -1);
+    if (r != tp->rank && tp->peers[r].chan && linked(&tp->peers[r]))
+      send_control(tp, &tp->peers[r], T_BYE, 0, NULL, -1);
   /* A peer that sent nothing, not even a heartbeat, for four heartbeats is
    * stopped or hung: its goodbye is not worth waiting for (a survivor of a
    * failure would otherwise linger the whole bye timeout). */
@@ -1298,6 +1336,10 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
     for (int r = 0; r < tp->size; r++) {
       peer_t *c = &tp->peers[r];
       if (r == tp->rank || c->dead || !c->chan) continue;
+      if (!linked(c)) {
+        if (c->chan->ops->pending(c->chan, c, NULL)) waiting = 1; /* an ABORT being dialled */
+        continue;
+      }
       if (now - c->last_heard > silent_ns) continue;
       if (!c->bye_received || c->chan->ops->pending(c->chan, c, NULL)) waiting = 1;
     }

@@ -1,6 +1,19 @@
 /*
- * tcp.c - the TCP channel (chan.h): a full mesh of authenticated
- * connections, one per pair of ranks, optionally encrypted.
+ * tcp.c - the TCP channel (chan.h): one authenticated connection per pair
+ * of ranks that exchange messages, made when the first message between
+ * them is sent, optionally encrypted.
+ *
+ * Connections when needed.  Nothing is connected when the world forms;
+ * every rank keeps its listener open and accepts (handshakes run in the
+ * progress thread, many at once, each with a short deadline).  A send to a
+ * peer without a connection queues the message and dials; the connection
+ * carries both directions once made.  When both ranks of a pair dial each
+ * other at once, the lower rank's connection wins: the lower rank refuses
+ * the higher one's with HS_DENY_CROSS, the higher one accepts the lower
+ * one's and drops its own attempt, and whichever comes first, both end up
+ * on the lower rank's connection (decisions are made under the context's
+ * lock, one pair state per peer).  A world of P ranks whose algorithms
+ * talk to k peers opens k sockets per rank, not P-1.
  *
  * Wire format of every message: a 56-byte header followed by `len` payload
  * bytes.  The header's layout, its encoding and the checks that need nothing
@@ -57,7 +70,13 @@ typedef chorus__tx_t txitem_t;
 #define HS_CONNECT_LEN (12 + CHORUS__NONCE_LEN + CHORUS__MAC_LEN)
 #define HS_OK_LEN (8 + CHORUS__MAC_LEN)
 #define HS_DENY_LEN 8
-enum { HS_DENY_AUTH = 1, HS_DENY_RANK = 2, HS_DENY_VERSION = 3, HS_DENY_ENCRYPT = 4 };
+enum {
+  HS_DENY_AUTH = 1,
+  HS_DENY_RANK = 2,
+  HS_DENY_VERSION = 3,
+  HS_DENY_ENCRYPT = 4,
+  HS_DENY_CROSS = 5 /* both dialled: the lower rank's connection is the one */
+};
 
 /* CHORUS_ENCRYPT=1: after the handshake every byte of a connection travels
  * in AES-256-GCM records, u32 plaintext length (authenticated too) | that
@@ -73,8 +92,20 @@ enum { HS_DENY_AUTH = 1, HS_DENY_RANK = 2, HS_DENY_VERSION = 3, HS_DENY_ENCRYPT 
 
 typedef struct tcp_chan tcp_chan_t;
 
+/* The state of a pair, on this side. */
+enum {
+  C_IDLE,       /* no connection, none being made */
+  C_CONNECTING, /* dialled: connect() in progress (fd >= 0), or waiting to retry (fd < 0) */
+  C_HELLO,      /* connected, waiting for the acceptor's hello */
+  C_REPLY,      /* our proof sent, waiting for ok or deny */
+  C_AWAIT,      /* refused as the crossing connection: the peer's comes */
+  C_READY,      /* carries messages both ways */
+  C_CLOSED      /* the peer failed */
+};
+
 typedef struct conn {
   int fd;
+  int state;
   tcp_chan_t *ch;
   chorus__peer_t *peer;
   chorus__rx_t rx;
@@ -88,14 +119,46 @@ typedef struct conn {
   uint8_t *tx_rec, *rx_rec;
   size_t tx_len, tx_off, rx_got, rx_poff, rx_pleft;
   uint8_t keys[64]; /* from the handshake: connector->acceptor, acceptor->connector */
-  /* Send queue. */
+  /* Dialling (C_CONNECTING .. C_AWAIT): when it began, when it gives up,
+   * when to try again (fd < 0), the handshake bytes read so far and both
+   * nonces; next on the channel's list of pairs being dialled. */
+  int64_t since, deadline, retry_at;
+  struct conn *next_dial;
+  uint8_t hs[64]; /* a hello or an ok (HS_HELLO_LEN, HS_OK_LEN) */
+  size_t hs_got;
+  uint8_t na[CHORUS__NONCE_LEN], nc[CHORUS__NONCE_LEN];
+  /* Send queue: messages wait here while the connection is made. */
   chorus__txq_t txq;
 } conn_t;
+
+/* A connection to our listener whose handshake has not completed: a peer
+ * dialling, or a stranger.  Each costs one of max_pending slots until its
+ * deadline (CHORUS_HANDSHAKE_TIMEOUT_MS). */
+typedef struct pending {
+  int fd;
+  int slot;
+  tcp_chan_t *ch;
+  chorus__watch_t watch;
+  int64_t deadline;
+  size_t got;
+  uint8_t na[CHORUS__NONCE_LEN];
+  uint8_t in[HS_CONNECT_LEN];
+  char addr[80];
+} pending_t;
 
 struct tcp_chan {
   chorus__chan_t base;
   conn_t *conns; /* indexed by world rank; conns[rank] unused */
-  chorus__ratelimit_t reject_log; /* strangers turned away (accept_all) */
+  int listen_fd;
+  chorus__watch_t listen_watch;
+  pending_t **pend; /* max_pending slots, npend used */
+  int npend, max_pending;
+  int hs_ms;
+  int64_t connect_ns; /* how long dialling a peer may take */
+  int retry_ms;
+  conn_t *dialing;    /* pairs in C_CONNECTING .. C_AWAIT */
+  unsigned long rejected;
+  chorus__ratelimit_t reject_log; /* strangers turned away */
   char discard[DISCARD_BUF];
 };
 
@@ -225,11 +288,6 @@ static void flush_tx(conn_t *c) {
   }
 }
 
-static void queue_tx(conn_t *c, txitem_t *it) {
-  chorus__txq_push(&c->txq, it);
-  if (c->txq.head == it) flush_tx(c);
-}
-
 /* ---------------------------------------------------------- receiving */
 
 /* Reads and opens the next record of an encrypted connection.  1 when its
@@ -332,9 +390,15 @@ static void conn_failed(conn_t *c, const char *why, chorus_result_t code) {
   chorus__tp_peer_failed(conn_tp(c), c->peer, why, code);
 }
 
+static void dial_event(conn_t *c, uint32_t events);
+
 static void on_conn_event(void *arg, uint32_t events) {
   conn_t *c = arg;
   if (c->peer->dead) return;
+  if (c->state != C_READY) {
+    dial_event(c, events);
+    return;
+  }
   if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) read_conn(c);
   if (!c->peer->dead && (events & EPOLLOUT)) flush_tx(c);
 }
@@ -343,15 +407,29 @@ static conn_t *conn_of(chorus__chan_t *ch, const chorus__peer_t *p) {
   return &((tcp_chan_t *)ch)->conns[p->rank];
 }
 
+static void dial_start(conn_t *c);
+
 static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
-  queue_tx(conn_of(ch, p), it);
+  conn_t *c = conn_of(ch, p);
+  if (c->state == C_CLOSED) {
+    chorus__tp_tx_lost(ch->tp, p, it);
+    return;
+  }
+  chorus__txq_push(&c->txq, it);
+  if (c->state == C_READY) {
+    if (c->txq.head == it) flush_tx(c);
+  } else if (c->state == C_IDLE) {
+    c->since = chorus__now_ns();
+    c->deadline = c->since + c->ch->connect_ns;
+    dial_start(c);
+  }
 }
 
 static void tcp_rx_pause(chorus__chan_t *ch, chorus__rx_t *rx, int on) {
   conn_t *c = rx->link;
-  if (c->fd < 0 || c->peer->dead) return;
+  if (c->state != C_READY || c->peer->dead) return;
   update_events(c, on, c->epoll_out);
-  /* Plaintext already opened: no socket event will announce it. */
+  /* Plaintext already opened: no socket event will say so. */
   if (!on && c->rx_pleft) chorus__tp_kick(ch->tp);
 }
 
@@ -364,14 +442,25 @@ static int tcp_pending(chorus__chan_t *ch, chorus__peer_t *p, const chorus__ep_t
   return chorus__txq_has(&c->txq, ep) || (!ep && c->tx_off < c->tx_len);
 }
 
+static void dial_unlist(conn_t *c) {
+  for (conn_t **pp = &c->ch->dialing; *pp; pp = &(*pp)->next_dial)
+    if (*pp == c) {
+      *pp = c->next_dial;
+      break;
+    }
+  c->next_dial = NULL;
+}
+
 static void tcp_close(chorus__chan_t *ch, chorus__peer_t *p) {
   conn_t *c = conn_of(ch, p);
+  if (c->state >= C_CONNECTING && c->state <= C_AWAIT) dial_unlist(c);
   if (c->fd >= 0) {
     chorus__tp_unwatch(ch->tp, c->fd);
     /* The peer must see EOF now, not at its timeout; the fd number itself
      * stays reserved until the channel goes so it cannot be reused. */
     shutdown(c->fd, SHUT_RDWR);
   }
+  c->state = C_CLOSED;
   chorus__txq_lose(ch->tp, p, &c->txq);
   c->tx_off = c->tx_len;
 }
@@ -380,8 +469,9 @@ static void tcp_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
   conn_t *c = conn_of(ch, p);
   char local[80] = "?", remote[80] = "?", ifname[64] = "?";
   int lport = 0, rport = 0;
-  if (c->fd < 0) {
-    snprintf(buf, cap, "tcp (not connected)");
+  if (c->state != C_READY) {
+    snprintf(buf, cap, "tcp (%s %s)",
+             c->state == C_IDLE ? "not connected; listens at" : "connecting to", p->addr);
     return;
   }
   chorus__net_local_addr(c->fd, local, sizeof local, &lport);
@@ -390,19 +480,51 @@ static void tcp_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
   snprintf(buf, cap, "tcp %s:%d -> %s:%d (%s)", local, lport, remote, rport, ifname);
 }
 
-/* Opened records whose rest was not parsed (the stream was paused and
- * resumed): no socket event will say so. */
+static int tcp_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since) {
+  conn_t *c = conn_of(ch, p);
+  *since = c->since;
+  return c->state == C_READY ? CHORUS__LINK_READY
+         : c->state == C_IDLE || c->state == C_CLOSED ? CHORUS__LINK_NONE
+                                                      : CHORUS__LINK_DIALING;
+}
+
+static void pending_drop(pending_t *p);
+static void dial_tick(tcp_chan_t *t, int64_t now);
+
+/* Each progress round: handshakes and dials past their deadlines; opened
+ * records whose rest was not parsed (the stream was paused and resumed,
+ * no socket event will say so). */
 static void tcp_poll(chorus__chan_t *ch) {
   tcp_chan_t *t = (tcp_chan_t *)ch;
+  int64_t now = chorus__now_ns();
+  for (int i = t->npend - 1; i >= 0; i--) {
+    if (i >= t->npend || t->pend[i]->deadline > now) continue;
+    chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
+                        "chorus rank %d: dropped a connection from %s: no handshake within %d ms",
+                        ch->tp->rank, t->pend[i]->addr, t->hs_ms);
+    t->rejected++;
+    pending_drop(t->pend[i]);
+  }
+  if (t->dialing) dial_tick(t, now);
   if (!ch->tp->encrypt) return;
   for (int r = 0; r < ch->tp->size; r++) {
     conn_t *c = &t->conns[r];
-    if (r != ch->tp->rank && c->rx_pleft && !c->rx.paused && !c->peer->dead) read_conn(c);
+    if (c->state == C_READY && c->rx_pleft && !c->rx.paused && !c->peer->dead) read_conn(c);
   }
 }
 
 static void tcp_destroy(chorus__chan_t *ch) {
   tcp_chan_t *t = (tcp_chan_t *)ch;
+  while (t->npend) pending_drop(t->pend[t->npend - 1]);
+  free(t->pend);
+  if (t->listen_fd >= 0) close(t->listen_fd);
+  /* The total, once: the rate limiter may have hidden most of them. */
+  if (t->rejected > CHORUS__LOG_BURST)
+    CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: %lu connections rejected in all at this "
+                "rank's data port", ch->tp->rank, t->rejected);
+  else if (t->rejected)
+    CHORUS_INFO(CHORUS__SUB_TCP, "chorus rank %d: %lu connection(s) rejected at this rank's data "
+                "port", ch->tp->rank, t->rejected);
   if (t->conns) {
     for (int r = 0; r < ch->tp->size; r++) {
       conn_t *c = &t->conns[r];
@@ -427,6 +549,7 @@ static const chorus__chan_ops_t tcp_ops = {
     .pending = tcp_pending,
     .close = tcp_close,
     .link_desc = tcp_link_desc,
+    .link_state = tcp_link_state,
     .poll = tcp_poll,
     .destroy = tcp_destroy,
 };
@@ -438,6 +561,7 @@ static tcp_chan_t *tcp_new(chorus__tp_t *tp) {
   if (!t) return NULL;
   t->base.ops = &tcp_ops;
   t->base.tp = tp;
+  t->listen_fd = -1;
   t->conns = calloc((size_t)tp->size, sizeof(conn_t));
   if (!t->conns) {
     free(t);
@@ -488,90 +612,279 @@ static int hs_keys(const chorus__tp_t *tp, uint32_t connector, uint32_t acceptor
   return rc;
 }
 
-/* Connector side, on a fresh blocking connection to rank peer.  Returns 0;
- * -EACCES when the acceptor refused us (wrong key or world, or it has that
- * rank already), -EPERM when the acceptor did not prove the key, -EPROTO
- * for a peer that does not speak the protocol, or a negative errno of the
- * socket (the acceptor may have dropped us: worth another try). */
-static int hs_connect(tcp_chan_t *t, int fd, int peer, int64_t deadline, char *why,
-                      size_t cap) {
-  chorus__tp_t *tp = t->base.tp;
-  uint8_t in[HS_HELLO_LEN], out[HS_CONNECT_LEN], ok[HS_OK_LEN];
-  int rc = chorus__net_read_full(fd, in, sizeof in, deadline);
-  if (rc < 0) {
-    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
-    return rc;
+/* c's handshake succeeded on fd (this rank dialled: connector): c carries
+ * the pair from now on, its queued messages go.  0, or -1 after failing
+ * the peer. */
+static int conn_ready(conn_t *c, int fd, int connector) {
+  chorus__tp_t *tp = conn_tp(c);
+  if (c->state >= C_CONNECTING && c->state <= C_AWAIT) dial_unlist(c);
+  if (c->fd >= 0 && c->fd != fd) { /* our own attempt, which lost the crossing */
+    chorus__tp_unwatch(tp, c->fd);
+    close(c->fd);
   }
-  uint32_t version = chorus__le32_get(in + 4);
-  if (chorus__le32_get(in) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
-    snprintf(why, cap, "not a chorus peer of this version (magic %08x, version %u)",
-             chorus__le32_get(in), version & HS_VERSION_MASK);
-    return -EPROTO;
+  c->fd = fd;
+  c->state = C_READY;
+  if (tp->encrypt) {
+    c->tx_aead = chorus__aead_new(c->keys + (connector ? 0 : 32), connector ? 1 : 2, 1);
+    c->rx_aead = chorus__aead_new(c->keys + (connector ? 32 : 0), connector ? 2 : 1, 0);
+    c->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
+    c->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
+    chorus__wipe(c->keys, sizeof c->keys);
+    if (!c->tx_aead || !c->rx_aead || !c->tx_rec || !c->rx_rec) {
+      conn_failed(c, "out of memory for the connection's encryption state", CHORUS_ERR_NO_MEMORY);
+      return -1;
+    }
   }
-  if (!!(version & HS_FLAG_ENCRYPT) != tp->encrypt) {
-    snprintf(why, cap, "the ranks disagree on CHORUS_ENCRYPT (this rank %d, rank %d %d): set it "
-             "the same on every rank", tp->encrypt, peer, !tp->encrypt);
-    return -EPROTO;
+  chorus__net_set_nonblock(fd, 1);
+  chorus__net_set_nodelay(fd);
+  int sz = 4 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+  /* An accepted fd is new to epoll; a dialled one is watched already. */
+  if (chorus__tp_watch(tp, fd, EPOLLIN, &c->watch) < 0 &&
+      (errno != EEXIST || chorus__tp_watch_mod(tp, fd, EPOLLIN, &c->watch) < 0)) {
+    char why[96];
+    snprintf(why, sizeof why, "epoll_ctl failed (%s)", strerror(errno));
+    conn_failed(c, why, CHORUS_ERR_SYSTEM);
+    return -1;
   }
-  const uint8_t *na = in + 8;
-  uint8_t *nc = out + 12;
-  chorus__le32_put(out, HS_CONNECT);
-  chorus__le32_put(out + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
-  chorus__le32_put(out + 8, (uint32_t)tp->rank);
-  if ((rc = chorus__random_bytes(nc, CHORUS__NONCE_LEN)) < 0) {
-    snprintf(why, cap, "no randomness: %s", strerror(-rc));
-    return rc;
-  }
-  hs_mac(tp, 0, (uint32_t)tp->rank, (uint32_t)peer, na, nc, out + 12 + CHORUS__NONCE_LEN);
-  rc = chorus__net_write_full(fd, out, sizeof out, deadline);
-  if (rc == 0) rc = chorus__net_read_full(fd, ok, HS_DENY_LEN, deadline);
-  if (rc < 0) {
-    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
-    return rc;
-  }
-  if (chorus__le32_get(ok) == HS_DENY) {
-    uint32_t reason = chorus__le32_get(ok + 4);
-    snprintf(why, cap, "%s", reason == HS_DENY_AUTH ? "it refused our proof: the ranks have "
-             "different job secrets, or the address belongs to another world or generation"
-             : reason == HS_DENY_RANK    ? "it already has a connection from this rank"
-             : reason == HS_DENY_ENCRYPT ? "the ranks disagree on CHORUS_ENCRYPT: set it the "
-                                           "same on every rank"
-                                         : "it speaks another handshake version");
-    return -EACCES;
-  }
-  if (chorus__le32_get(ok) != HS_OK || chorus__le32_get(ok + 4) != (uint32_t)peer) {
-    snprintf(why, cap, "unexpected answer (not rank %d of this world?)", peer);
-    return -EPROTO;
-  }
-  if ((rc = chorus__net_read_full(fd, ok + HS_DENY_LEN, HS_OK_LEN - HS_DENY_LEN, deadline)) < 0) {
-    snprintf(why, cap, "handshake I/O failed: %s", strerror(-rc));
-    return rc;
-  }
-  uint8_t want[CHORUS__MAC_LEN];
-  hs_mac(tp, 1, (uint32_t)tp->rank, (uint32_t)peer, na, nc, want);
-  if (!chorus__ct_equal(want, ok + 8, sizeof want)) {
-    snprintf(why, cap, "it did not prove the job key (a stranger on that port?)");
-    return -EPERM;
-  }
-  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, na, nc,
-                             t->conns[peer].keys) < 0) {
-    snprintf(why, cap, "cannot derive the connection's keys (libcrypto)");
-    return -EIO;
-  }
+  c->epoll_out = 0;
+  /* Silence counts from now: nothing could be heard before. */
+  c->peer->last_heard = chorus__now_ns();
+  CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: connected with world rank %d (%s, %s)", tp->rank,
+               c->peer->rank, c->peer->addr, connector ? "dialled" : "accepted");
+  if (c->txq.head) flush_tx(c);
   return 0;
 }
 
-/* The acceptor side runs for every pending connection at once (accept_all
- * below): one stranger that stays silent costs one slot until its short
- * deadline, never the world's time. */
-typedef struct pending {
-  int fd;
-  int64_t deadline;
-  size_t got;
-  uint8_t na[CHORUS__NONCE_LEN];
-  uint8_t in[HS_CONNECT_LEN];
-  char addr[80];
-} pending_t;
+/* ------------------------------------------------- dialling (connector) */
+
+/* Splits "host:port" (the host may be an IPv6 address). */
+static int split_addr(const char *s, char *host, size_t cap, int *port) {
+  const char *colon = strrchr(s, ':');
+  if (!colon || (size_t)(colon - s) >= cap) return -1;
+  memcpy(host, s, (size_t)(colon - s));
+  host[colon - s] = '\0';
+  long p;
+  if (chorus__parse_long(colon + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
+  *port = (int)p;
+  return 0;
+}
+
+static void dial_fail(conn_t *c, const char *what, int err) {
+  char why[160];
+  snprintf(why, sizeof why, "cannot connect to its listener at %s: %s", c->peer->addr, what);
+  if (err) {
+    size_t n = strlen(why);
+    snprintf(why + n, sizeof why - n, " (%s)", strerror(err));
+  }
+  CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: world rank %d: %s", conn_tp(c)->rank,
+              c->peer->rank, why);
+  conn_failed(c, why, err == ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_REMOTE);
+}
+
+/* This attempt is over but the pair may still connect: try again after
+ * CHORUS_CONNECT_RETRY_MS, within the deadline (dial_tick). */
+static void dial_retry(conn_t *c) {
+  if (c->fd >= 0) {
+    chorus__tp_unwatch(conn_tp(c), c->fd);
+    close(c->fd);
+    c->fd = -1;
+  }
+  c->state = C_CONNECTING;
+  c->retry_at = chorus__now_ns() + (int64_t)c->ch->retry_ms * 1000000;
+}
+
+/* Starts an attempt (C_IDLE, or C_CONNECTING waiting to retry). */
+static void dial_start(conn_t *c) {
+  tcp_chan_t *t = c->ch;
+  if (c->state == C_IDLE) {
+    c->next_dial = t->dialing;
+    t->dialing = c;
+  }
+  c->state = C_CONNECTING;
+  c->hs_got = 0;
+  char host[64];
+  int port;
+  if (split_addr(c->peer->addr, host, sizeof host, &port) < 0) {
+    dial_fail(c, "the address it published cannot be parsed", 0);
+    return;
+  }
+  int fd = chorus__net_connect_start(host, port);
+  if (fd < 0) {
+    if (fd == -ENETUNREACH || fd == -EHOSTUNREACH || fd == -EAGAIN || fd == -ENOBUFS) {
+      dial_retry(c);
+      return;
+    }
+    dial_fail(c, "connect failed", -fd);
+    return;
+  }
+  c->fd = fd;
+  if (chorus__tp_watch(conn_tp(c), fd, EPOLLOUT, &c->watch) < 0) {
+    close(fd);
+    c->fd = -1;
+    dial_fail(c, "epoll_ctl failed", errno);
+  }
+}
+
+/* Pairs waiting to retry, or past their deadline.  Failing a pair fails
+ * endpoints, whose ABORTs may start or fail other dials: the scan starts
+ * over after each. */
+static void dial_tick(tcp_chan_t *t, int64_t now) {
+  for (conn_t *c = t->dialing; c;) {
+    if (now >= c->deadline) {
+      char what[96];
+      snprintf(what, sizeof what, "no connection within %lld ms (%s)",
+               (long long)(t->connect_ns / 1000000),
+               c->state == C_AWAIT ? "it was to dial this rank" : "the attempts kept failing");
+      dial_fail(c, what, ETIMEDOUT);
+      c = t->dialing;
+    } else if (c->state == C_CONNECTING && c->fd < 0 && now >= c->retry_at) {
+      dial_start(c);
+      c = t->dialing;
+    } else {
+      c = c->next_dial;
+    }
+  }
+}
+
+/* Reads handshake bytes up to want; 1 when there, 0 when more must come,
+ * -1 when the connection ended (errno; 0 at EOF). */
+static int dial_read(conn_t *c, size_t want) {
+  while (c->hs_got < want) {
+    ssize_t n = recv(c->fd, c->hs + c->hs_got, want - c->hs_got, MSG_DONTWAIT);
+    if (n > 0) {
+      c->hs_got += (size_t)n;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    if (n == 0) errno = 0;
+    return -1;
+  }
+  return 1;
+}
+
+/* The acceptor's hello is in: answer with our proof. */
+static void dial_hello(conn_t *c) {
+  chorus__tp_t *tp = conn_tp(c);
+  uint32_t version = chorus__le32_get(c->hs + 4);
+  if (chorus__le32_get(c->hs) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
+    char what[96];
+    snprintf(what, sizeof what, "not a chorus peer of this version (magic %08x, version %u)",
+             chorus__le32_get(c->hs), version & HS_VERSION_MASK);
+    dial_fail(c, what, 0);
+    return;
+  }
+  if (!!(version & HS_FLAG_ENCRYPT) != tp->encrypt) {
+    char what[128];
+    snprintf(what, sizeof what, "the ranks disagree on CHORUS_ENCRYPT (this rank %d, that one "
+             "%d): set it the same on every rank", tp->encrypt, !tp->encrypt);
+    dial_fail(c, what, 0);
+    return;
+  }
+  uint8_t out[HS_CONNECT_LEN];
+  memcpy(c->na, c->hs + 8, CHORUS__NONCE_LEN);
+  chorus__le32_put(out, HS_CONNECT);
+  chorus__le32_put(out + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
+  chorus__le32_put(out + 8, (uint32_t)tp->rank);
+  if (chorus__random_bytes(c->nc, CHORUS__NONCE_LEN) < 0) {
+    dial_fail(c, "no randomness", errno);
+    return;
+  }
+  memcpy(out + 12, c->nc, CHORUS__NONCE_LEN);
+  hs_mac(tp, 0, (uint32_t)tp->rank, (uint32_t)c->peer->rank, c->na, c->nc,
+         out + 12 + CHORUS__NONCE_LEN);
+  /* A fresh socket's buffer takes these few bytes at once. */
+  if (send(c->fd, out, sizeof out, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof out) {
+    dial_retry(c);
+    return;
+  }
+  c->state = C_REPLY;
+  c->hs_got = 0;
+}
+
+/* The acceptor's answer is in (at least its first 8 bytes). */
+static void dial_reply(conn_t *c) {
+  chorus__tp_t *tp = conn_tp(c);
+  int peer = c->peer->rank;
+  if (chorus__le32_get(c->hs) == HS_DENY) {
+    uint32_t reason = chorus__le32_get(c->hs + 4);
+    if (reason == HS_DENY_CROSS) {
+      /* It dials us too and its connection is the one: wait for it. */
+      chorus__tp_unwatch(tp, c->fd);
+      close(c->fd);
+      c->fd = -1;
+      c->state = C_AWAIT;
+      return;
+    }
+    dial_fail(c, reason == HS_DENY_AUTH ? "it refused our proof: the ranks have different job "
+              "secrets, or the address belongs to another world or generation"
+              : reason == HS_DENY_RANK    ? "it already has a connection from this rank"
+              : reason == HS_DENY_ENCRYPT ? "the ranks disagree on CHORUS_ENCRYPT: set it the "
+                                            "same on every rank"
+                                          : "it speaks another handshake version", 0);
+    return;
+  }
+  if (chorus__le32_get(c->hs) != HS_OK || chorus__le32_get(c->hs + 4) != (uint32_t)peer) {
+    dial_fail(c, "unexpected answer to the handshake (not that rank of this world?)", 0);
+    return;
+  }
+  uint8_t want[CHORUS__MAC_LEN];
+  hs_mac(tp, 1, (uint32_t)tp->rank, (uint32_t)peer, c->na, c->nc, want);
+  if (!chorus__ct_equal(want, c->hs + 8, sizeof want)) {
+    dial_fail(c, "it did not prove the job key (a stranger on that port?)", 0);
+    return;
+  }
+  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, c->na, c->nc, c->keys) < 0) {
+    dial_fail(c, "cannot derive the connection's keys (libcrypto)", 0);
+    return;
+  }
+  conn_ready(c, c->fd, 1);
+}
+
+static void dial_event(conn_t *c, uint32_t events) {
+  if (c->fd < 0) return;
+  if (c->state == C_CONNECTING) {
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
+    if (err == 0 && !(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
+    if (err == ECONNREFUSED) {
+      /* The listener was there when its address was published: the rank
+       * is gone, or listens on an address this host cannot reach. */
+      dial_fail(c, "connection refused: the rank has exited, or its address is not reachable "
+                "from this host (check CHORUS_SOCKET_IFNAME)", 0);
+      return;
+    }
+    if (err) {
+      dial_retry(c);
+      return;
+    }
+    c->state = C_HELLO;
+    c->hs_got = 0;
+    chorus__tp_watch_mod(conn_tp(c), c->fd, EPOLLIN, &c->watch);
+    return;
+  }
+  if (c->state != C_HELLO && c->state != C_REPLY) return;
+  size_t want = c->state == C_HELLO ? HS_HELLO_LEN : HS_DENY_LEN;
+  int rc = dial_read(c, want);
+  if (rc == 1 && c->state == C_REPLY && chorus__le32_get(c->hs) == HS_OK)
+    rc = dial_read(c, HS_OK_LEN);
+  if (rc < 0) {
+    /* The acceptor dropped us (its handshake slots were full, or it was
+     * too slow to answer): try again within the deadline. */
+    dial_retry(c);
+    return;
+  }
+  if (rc == 0) return;
+  if (c->state == C_HELLO)
+    dial_hello(c);
+  else
+    dial_reply(c);
+}
+
+/* ------------------------------------------------ accepting (acceptor) */
 
 /* Checks a complete connect message; returns the peer's rank, or a negative
  * HS_DENY_* reason with why filled. */
@@ -591,12 +904,8 @@ static int hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t cap) {
     snprintf(why, cap, "authentication failed (no job key, or another world)");
     return -HS_DENY_AUTH;
   }
-  if (peer >= (uint32_t)tp->size || (int)peer <= tp->rank) {
+  if (peer >= (uint32_t)tp->size || (int)peer == tp->rank) {
     snprintf(why, cap, "authenticated peer claims impossible rank %u", peer);
-    return -HS_DENY_RANK;
-  }
-  if (t->conns[peer].fd >= 0) {
-    snprintf(why, cap, "rank %u is already connected", peer);
     return -HS_DENY_RANK;
   }
   if (tp->peers[peer].chan != &t->base) {
@@ -607,188 +916,178 @@ static int hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t cap) {
     snprintf(why, cap, "rank %u and this rank disagree on CHORUS_ENCRYPT", peer);
     return -HS_DENY_ENCRYPT;
   }
-  if (tp->encrypt && hs_keys(tp, peer, (uint32_t)tp->rank, p->na, in + 12, t->conns[peer].keys) < 0) {
-    snprintf(why, cap, "cannot derive the connection's keys (libcrypto)");
-    return -HS_DENY_AUTH;
-  }
   return (int)peer;
 }
 
-static void pending_drop(pending_t *ps, int *n, int i) {
-  close(ps[i].fd);
-  ps[i] = ps[--*n];
+/* What to do with an authenticated peer's connection, given the pair's
+ * state here: 0 accept it, or a HS_DENY_* reason. */
+static int hs_decide(tcp_chan_t *t, int peer) {
+  switch (t->conns[peer].state) {
+  case C_IDLE:
+  case C_AWAIT:
+    return 0;
+  case C_CONNECTING:
+  case C_HELLO:
+  case C_REPLY:
+    /* Both dialled: the lower rank's connection wins. */
+    return t->base.tp->rank < peer ? HS_DENY_CROSS : 0;
+  default:
+    /* Connected (or failed) already: the peer's crossing attempt, which it
+     * gave up when it accepted ours, arriving late. */
+    return HS_DENY_RANK;
+  }
 }
 
-/* Accepts every higher rank on listen_fd until all are connected or
- * deadline passes.  Returns CHORUS_OK or an error with errmsg filled. */
-static chorus_result_t accept_all(tcp_chan_t *t, int listen_fd, int64_t deadline,
-                                  char *errmsg, size_t errcap) {
+static void pending_drop(pending_t *p) {
+  tcp_chan_t *t = p->ch;
+  chorus__tp_unwatch(t->base.tp, p->fd);
+  close(p->fd);
+  int i = p->slot;
+  t->pend[i] = t->pend[--t->npend];
+  t->pend[i]->slot = i;
+  free(p);
+}
+
+static void pending_reject(pending_t *p, const char *why) {
+  tcp_chan_t *t = p->ch;
+  chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
+                      "chorus rank %d: rejected a connection from %s: %s", t->base.tp->rank,
+                      p->addr, why);
+  t->rejected++;
+  pending_drop(p);
+}
+
+/* The connect message is complete: verify, decide, answer. */
+static void pending_complete(pending_t *p) {
+  tcp_chan_t *t = p->ch;
   chorus__tp_t *tp = t->base.tp;
-  const chorus__env_t *env = chorus__env();
-  int need = 0;
-  for (int r = tp->rank + 1; r < tp->size; r++) need += tp->peers[r].chan == &t->base;
-  int max_pending = env->HANDSHAKE_MAX_PENDING > 0 && env->HANDSHAKE_MAX_PENDING <= 65536
-                        ? (int)env->HANDSHAKE_MAX_PENDING : 256;
-  int hs_ms = env->HANDSHAKE_TIMEOUT_MS > 0 ? (int)env->HANDSHAKE_TIMEOUT_MS : 1000;
-  if (need <= 0) return CHORUS_OK;
-  pending_t *ps = calloc((size_t)max_pending, sizeof *ps);
-  struct pollfd *pfd = calloc((size_t)max_pending + 1, sizeof *pfd);
-  if (!ps || !pfd) {
-    free(ps);
-    free(pfd);
-    snprintf(errmsg, errcap, "out of memory");
-    return CHORUS_ERR_NO_MEMORY;
+  char why[160];
+  int peer = hs_verify(t, p, why, sizeof why);
+  int deny = peer < 0 ? -peer : hs_decide(t, peer);
+  uint8_t keys[64];
+  if (!deny && tp->encrypt && hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12,
+                                      keys) < 0) {
+    snprintf(why, sizeof why, "cannot derive the connection's keys (libcrypto)");
+    deny = HS_DENY_AUTH;
   }
-  chorus__net_set_nonblock(listen_fd, 1);
-  int n = 0;
-  unsigned long rejected = 0;
-  chorus_result_t st = CHORUS_OK;
-  while (need > 0) {
-    int64_t now = chorus__now_ns();
-    /* Strangers past their deadline go; the world's deadline is separate. */
-    for (int i = 0; i < n;) {
-      if (ps[i].deadline > now) {
-        i++;
-        continue;
-      }
+  uint8_t reply[HS_OK_LEN];
+  size_t rlen;
+  if (deny) {
+    chorus__le32_put(reply, HS_DENY);
+    chorus__le32_put(reply + 4, (uint32_t)deny);
+    rlen = HS_DENY_LEN;
+  } else {
+    chorus__le32_put(reply, HS_OK);
+    chorus__le32_put(reply + 4, (uint32_t)tp->rank);
+    hs_mac(tp, 1, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12, reply + 8);
+    rlen = HS_OK_LEN;
+  }
+  /* A fresh socket's buffer takes these few bytes at once. */
+  ssize_t w = send(p->fd, reply, rlen, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (peer >= 0 && (deny == HS_DENY_CROSS || deny == HS_DENY_RANK)) {
+    /* The peer's own attempt, which our connection replaces: no stranger. */
+    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: world rank %d's crossing connection refused",
+                 tp->rank, peer);
+    pending_drop(p);
+    return;
+  }
+  if (deny || w != (ssize_t)rlen) {
+    chorus__wipe(keys, sizeof keys);
+    pending_reject(p, deny ? why : "could not answer it");
+    return;
+  }
+  conn_t *c = &t->conns[peer];
+  int fd = p->fd;
+  /* The fd moves from the pending record to the pair. */
+  chorus__tp_unwatch(tp, fd);
+  p->fd = -1;
+  int i = p->slot;
+  t->pend[i] = t->pend[--t->npend];
+  t->pend[i]->slot = i;
+  free(p);
+  if (tp->encrypt) memcpy(c->keys, keys, sizeof keys);
+  chorus__wipe(keys, sizeof keys);
+  conn_ready(c, fd, 0);
+}
+
+static void on_pending_event(void *arg, uint32_t events) {
+  pending_t *p = arg;
+  (void)events;
+  tcp_chan_t *t = p->ch;
+  ssize_t got = recv(p->fd, p->in + p->got, sizeof p->in - p->got, MSG_DONTWAIT);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  if (got <= 0) {
+    if (p->got == 0 && (got == 0 || errno == ECONNRESET)) {
+      /* Closed without a word: a port probe, or a peer's crossing attempt
+       * given up (reset: our hello was still unread).  Nothing to report. */
+      CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: %s closed before its handshake",
+                   t->base.tp->rank, p->addr);
+      pending_drop(p);
+      return;
+    }
+    chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
+                        "chorus rank %d: dropped a connection from %s: %s before the handshake "
+                        "completed", t->base.tp->rank, p->addr,
+                        got == 0 ? "closed" : strerror(errno));
+    t->rejected++;
+    pending_drop(p);
+    return;
+  }
+  p->got += (size_t)got;
+  if (p->got == sizeof p->in) pending_complete(p);
+}
+
+static void on_listen_event(void *arg, uint32_t events) {
+  tcp_chan_t *t = arg;
+  chorus__tp_t *tp = t->base.tp;
+  (void)events;
+  for (int k = 0; k < 64; k++) {
+    int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP, "chorus rank %d: accept: %s",
+                            tp->rank, strerror(errno));
+      return;
+    }
+    if (t->npend == t->max_pending) { /* the oldest makes room */
+      int oldest = 0;
+      for (int i = 1; i < t->npend; i++)
+        if (t->pend[i]->deadline < t->pend[oldest]->deadline) oldest = i;
       chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
-                          "chorus rank %d: dropped a connection from %s: no handshake within "
-                          "%d ms", tp->rank, ps[i].addr, hs_ms);
-      rejected++;
-      pending_drop(ps, &n, i);
+                          "chorus rank %d: %d connections are handshaking "
+                          "(CHORUS_HANDSHAKE_MAX_PENDING); dropped the oldest, from %s",
+                          tp->rank, t->max_pending, t->pend[oldest]->addr);
+      t->rejected++;
+      pending_drop(t->pend[oldest]);
     }
-    int64_t wake = deadline;
-    for (int i = 0; i < n; i++)
-      if (ps[i].deadline < wake) wake = ps[i].deadline;
-    int left = chorus__ms_left(wake);
-    if (chorus__ms_left(deadline) == 0) {
-      char missing[256];
-      size_t off = 0;
-      missing[0] = '\0';
-      for (int r = tp->rank + 1; r < tp->size && off < sizeof missing; r++)
-        if (t->conns[r].fd < 0 && tp->peers[r].chan == &t->base)
-          off += (size_t)snprintf(missing + off, sizeof missing - off, "%s%d", off ? ", " : "", r);
-      snprintf(errmsg, errcap, "timed out waiting for rank(s) %s to connect%s", missing,
-               rejected ? " (connections from strangers were rejected meanwhile)" : "");
-      st = CHORUS_ERR_TIMEOUT;
-      break;
+    pending_t *p = calloc(1, sizeof *p);
+    uint8_t hello[HS_HELLO_LEN];
+    if (!p || chorus__random_bytes(p->na, sizeof p->na) < 0) {
+      free(p);
+      close(fd);
+      continue;
     }
-    pfd[0].fd = listen_fd;
-    pfd[0].events = POLLIN;
-    for (int i = 0; i < n; i++) {
-      pfd[i + 1].fd = ps[i].fd;
-      pfd[i + 1].events = POLLIN;
-      pfd[i + 1].revents = 0;
+    p->fd = fd;
+    p->ch = t;
+    p->watch = (chorus__watch_t){on_pending_event, p};
+    p->deadline = chorus__now_ns() + (int64_t)t->hs_ms * 1000000;
+    char host[64] = "?";
+    int port = 0;
+    chorus__net_peer_addr(fd, host, sizeof host, &port);
+    snprintf(p->addr, sizeof p->addr, "%s:%d", host, port);
+    chorus__le32_put(hello, HS_ACCEPT);
+    chorus__le32_put(hello + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
+    memcpy(hello + 8, p->na, sizeof p->na);
+    if (send(fd, hello, sizeof hello, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof hello ||
+        chorus__tp_watch(tp, fd, EPOLLIN, &p->watch) < 0) {
+      free(p);
+      close(fd);
+      continue;
     }
-    int rc = poll(pfd, (nfds_t)n + 1, left < 0 ? 0 : left);
-    if (rc < 0 && errno != EINTR) {
-      snprintf(errmsg, errcap, "poll: %s", strerror(errno));
-      st = CHORUS_ERR_SYSTEM;
-      break;
-    }
-    if (rc <= 0) continue;
-    /* Pending connections first (indices shift as entries go). */
-    for (int i = n - 1; i >= 0; i--) {
-      if (!pfd[i + 1].revents) continue;
-      pending_t *p = &ps[i];
-      ssize_t got = recv(p->fd, p->in + p->got, sizeof p->in - p->got, MSG_DONTWAIT);
-      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-      if (got <= 0) {
-        chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
-                            "chorus rank %d: dropped a connection from %s: %s before the "
-                            "handshake completed", tp->rank, p->addr,
-                            got == 0 ? "closed" : strerror(errno));
-        rejected++;
-        pending_drop(ps, &n, i);
-        continue;
-      }
-      p->got += (size_t)got;
-      if (p->got < sizeof p->in) continue;
-      char why[160];
-      int peer = hs_verify(t, p, why, sizeof why);
-      uint8_t reply[HS_OK_LEN];
-      size_t rlen;
-      if (peer < 0) {
-        chorus__le32_put(reply, HS_DENY);
-        chorus__le32_put(reply + 4, (uint32_t)-peer);
-        rlen = HS_DENY_LEN;
-      } else {
-        chorus__le32_put(reply, HS_OK);
-        chorus__le32_put(reply + 4, (uint32_t)tp->rank);
-        hs_mac(tp, 1, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12, reply + 8);
-        rlen = HS_OK_LEN;
-      }
-      /* A fresh socket's buffer takes these few bytes at once. */
-      ssize_t w = send(p->fd, reply, rlen, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (peer < 0 || w != (ssize_t)rlen) {
-        chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
-                            "chorus rank %d: rejected a connection from %s: %s", tp->rank,
-                            p->addr, peer < 0 ? why : "could not answer it");
-        rejected++;
-        pending_drop(ps, &n, i);
-        continue;
-      }
-      chorus__net_set_nonblock(p->fd, 0);
-      chorus__net_set_nodelay(p->fd);
-      t->conns[peer].fd = p->fd;
-      ps[i] = ps[--n];
-      need--;
-    }
-    if (!(pfd[0].revents & POLLIN)) continue;
-    for (int k = 0; k < 64 && need > 0; k++) {
-      int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-          chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP, "chorus rank %d: accept: %s",
-                              tp->rank, strerror(errno));
-        break;
-      }
-      if (n == max_pending) { /* the oldest stranger makes room */
-        int oldest = 0;
-        for (int i = 1; i < n; i++)
-          if (ps[i].deadline < ps[oldest].deadline) oldest = i;
-        chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
-                            "chorus rank %d: %d connections are handshaking "
-                            "(CHORUS_HANDSHAKE_MAX_PENDING); dropped the oldest, from %s",
-                            tp->rank, max_pending, ps[oldest].addr);
-        rejected++;
-        pending_drop(ps, &n, oldest);
-      }
-      pending_t *p = &ps[n];
-      memset(p, 0, sizeof *p);
-      p->fd = fd;
-      p->deadline = chorus__now_ns() + (int64_t)hs_ms * 1000000;
-      char host[64] = "?";
-      int port = 0;
-      chorus__net_peer_addr(fd, host, sizeof host, &port);
-      snprintf(p->addr, sizeof p->addr, "%s:%d", host, port);
-      uint8_t hello[HS_HELLO_LEN];
-      chorus__le32_put(hello, HS_ACCEPT);
-      chorus__le32_put(hello + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
-      if (chorus__random_bytes(p->na, sizeof p->na) < 0) {
-        close(fd);
-        continue;
-      }
-      memcpy(hello + 8, p->na, sizeof p->na);
-      if (send(fd, hello, sizeof hello, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof hello) {
-        close(fd);
-        continue;
-      }
-      n++;
-    }
+    p->slot = t->npend;
+    t->pend[t->npend++] = p;
   }
-  for (int i = 0; i < n; i++) close(ps[i].fd);
-  free(ps);
-  free(pfd);
-  /* The total, once: the rate limiter may have hidden most of them. */
-  if (rejected > CHORUS__LOG_BURST)
-    CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: %lu connections rejected in all while the "
-                "world formed", tp->rank, rejected);
-  else if (rejected)
-    CHORUS_INFO(CHORUS__SUB_TCP, "chorus rank %d: %lu connection(s) rejected while the world "
-                "formed", tp->rank, rejected);
-  return st;
 }
 
 static int parse_addr(const char *s, char *host, size_t cap, int *port) {
@@ -823,84 +1122,43 @@ chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
     close(cfg->listen_fd);
     return CHORUS_ERR_NO_MEMORY;
   }
-  chorus_result_t st = CHORUS_OK;
+  const chorus__env_t *env = chorus__env();
+  t->listen_fd = cfg->listen_fd;
+  t->max_pending = env->HANDSHAKE_MAX_PENDING > 0 && env->HANDSHAKE_MAX_PENDING <= 65536
+                       ? (int)env->HANDSHAKE_MAX_PENDING : 256;
+  t->hs_ms = env->HANDSHAKE_TIMEOUT_MS > 0 ? (int)env->HANDSHAKE_TIMEOUT_MS : 1000;
+  t->retry_ms = cfg->retry_ms > 0 ? cfg->retry_ms : 50;
+  /* Dialling a peer may take as long as forming the world could. */
+  int window = chorus__ms_left(cfg->deadline);
+  t->connect_ns = (int64_t)CHORUS__MAX(window, 10000) * 1000000;
+  t->pend = calloc((size_t)t->max_pending, sizeof *t->pend);
+  t->listen_watch = (chorus__watch_t){on_listen_event, t};
+  int ntcp = 0;
   for (int r = 0; r < cfg->size; r++) {
     char host[64];
     int port;
+    int mine = tp->peers[r].chan == &t->base;
+    ntcp += mine;
     if (parse_addr(cfg->addrs[r], host, sizeof host, &port) == 0)
       snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "%s:%d", host, port);
-  }
-  char why[256];
-  /* Connect to every lower rank. */
-  for (int r = 0; r < cfg->rank && st == CHORUS_OK; r++) {
-    if (tp->peers[r].chan != &t->base) continue;
-    char host[64];
-    int port;
-    if (parse_addr(cfg->addrs[r], host, sizeof host, &port) < 0) {
+    else if (mine) {
       snprintf(errmsg, errcap, "rank %d published an unparsable address '%s'", r, cfg->addrs[r]);
-      st = CHORUS_ERR_PROTOCOL;
-      break;
-    }
-    /* The acceptor may drop us (its handshake slots were full of strangers,
-     * or it was too slow to answer in time): connect again until the
-     * deadline.  A refusal is final. */
-    for (;;) {
-      int fd = chorus__net_connect(host, port, cfg->deadline, cfg->retry_ms);
-      if (fd < 0) {
-        snprintf(errmsg, errcap, "cannot connect to rank %d at %s:%d: %s", r, host, port,
-                 strerror(-fd));
-        st = fd == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_SYSTEM;
-        break;
-      }
-      int rc = hs_connect(t, fd, r, cfg->deadline, why, sizeof why);
-      if (rc == 0) {
-        t->conns[r].fd = fd;
-        break;
-      }
-      close(fd);
-      if ((rc == -ECONNRESET || rc == -EPIPE || rc == -ECONNABORTED) &&
-          chorus__ms_left(cfg->deadline) > 0) {
-        struct timespec ts = {0, (long)(cfg->retry_ms > 0 ? cfg->retry_ms : 50) * 1000000};
-        nanosleep(&ts, NULL);
-        continue;
-      }
-      snprintf(errmsg, errcap, "handshake with rank %d at %s:%d failed: %s", r, host, port, why);
-      st = rc == -ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_PROTOCOL;
-      break;
+      tcp_abandon(t);
+      return CHORUS_ERR_PROTOCOL;
     }
   }
-  /* Accept every higher rank; strangers are rejected (rate-limited log). */
-  if (st == CHORUS_OK) st = accept_all(t, cfg->listen_fd, cfg->deadline, errmsg, errcap);
-  close(cfg->listen_fd);
-  for (int r = 0; r < cfg->size && st == CHORUS_OK; r++) {
-    conn_t *c = &t->conns[r];
-    if (r == cfg->rank || tp->peers[r].chan != &t->base) continue;
-    if (tp->encrypt) {
-      /* Lower ranks are the ones we connected to: we sent on keys[0..32). */
-      int connector = cfg->rank > r;
-      c->tx_aead = chorus__aead_new(c->keys + (connector ? 0 : 32), connector ? 1 : 2, 1);
-      c->rx_aead = chorus__aead_new(c->keys + (connector ? 32 : 0), connector ? 2 : 1, 0);
-      c->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
-      c->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
-      chorus__wipe(c->keys, sizeof c->keys);
-      if (!c->tx_aead || !c->rx_aead || !c->tx_rec || !c->rx_rec) {
-        snprintf(errmsg, errcap, "out of memory for the encryption state");
-        st = CHORUS_ERR_NO_MEMORY;
-        break;
-      }
-    }
-    chorus__net_set_nonblock(c->fd, 1);
-    int sz = 4 << 20;
-    setsockopt(c->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
-    setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
-    if (chorus__tp_watch(tp, c->fd, EPOLLIN, &c->watch) < 0) {
-      snprintf(errmsg, errcap, "epoll_ctl: %s", strerror(errno));
-      st = CHORUS_ERR_SYSTEM;
-    }
-  }
-  if (st != CHORUS_OK) {
+  if (!t->pend) {
     tcp_abandon(t);
-    return st;
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  if (!ntcp) { /* every peer shares this host: nobody will connect */
+    close(t->listen_fd);
+    t->listen_fd = -1;
+  } else if (chorus__net_set_nonblock(t->listen_fd, 1) < 0 ||
+             chorus__tp_watch(tp, t->listen_fd, EPOLLIN, &t->listen_watch) < 0) {
+    snprintf(errmsg, errcap, "cannot watch the data listener: %s", strerror(errno));
+    tcp_abandon(t);
+    return CHORUS_ERR_SYSTEM;
   }
   *out = &t->base;
   return CHORUS_OK;
@@ -942,6 +1200,7 @@ int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n,
     int sp[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sp) < 0) return -1;
     c->fd = sp[0];
+    c->state = C_READY;
     *wfd = sp[1];
     chorus__tp_watch(tp, c->fd, EPOLLIN, &c->watch);
   }

@@ -88,7 +88,8 @@ typedef struct chorus__tp_config {
   uint64_t world_id;        /* random id every rank of this world agreed on */
   int listen_fd;            /* already listening socket (ownership passes) */
   const char *const *addrs; /* "host port" of every rank's listener */
-  int64_t deadline;         /* for establishing every connection */
+  int64_t deadline;         /* for opening the channels; what is left of it
+                             * (at least 10 s) bounds each later dial */
   int retry_ms;
   chorus__fp_format_fn fp_format;
   /* Per world rank: its host (ranks with equal values share memory; NULL:
@@ -98,10 +99,10 @@ typedef struct chorus__tp_config {
   const uint64_t *nonce;
 } chorus__tp_config_t;
 
-/* Connects the full mesh (connects to lower ranks, accepts from higher ones,
- * authenticating both ways with the job key) and starts the progress thread.
- * Blocking until every connection is made or the deadline passes; on failure
- * errmsg receives a reason naming the peer and its address. */
+/* Opens the channels (shared-memory inboxes with the ranks of this host;
+ * TCP for the rest, each pair connected and authenticated with the job key
+ * when its first message goes) and starts the progress thread.  On failure
+ * errmsg receives a reason. */
 chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t **tp,
                                   char *errmsg, size_t errcap);
 

@@ -157,6 +157,27 @@ int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_
   }
 }
 
+int chorus__net_connect_start(const char *host, int port) {
+  if (!host || port <= 0 || port > 65535) return -EINVAL;
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  char svc[16];
+  snprintf(svc, sizeof svc, "%d", port);
+  if (getaddrinfo(host, svc, &hints, &res) != 0 || !res) return -EINVAL;
+  int fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                  res->ai_protocol);
+  int rc = fd < 0 ? -errno : 0;
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) < 0 && errno != EINPROGRESS) {
+    rc = -errno;
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return rc < 0 ? rc : fd;
+}
+
 int chorus__net_accept(int listen_fd, int64_t deadline) {
   for (;;) {
     int rc = wait_fd(listen_fd, POLLIN, deadline);

@@ -19,6 +19,12 @@ int chorus__net_listen(const char *host, int port, int backlog, int *bound_port)
  * until deadline.  Returns a blocking fd with TCP_NODELAY set. */
 int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_ms);
 
+/* Starts connecting to the numeric address host:port without waiting:
+ * returns a non-blocking fd whose connection may still be in progress
+ * (wait for it to become writable, then read SO_ERROR), or a negative
+ * errno when it failed at once.  No name lookup: it never blocks. */
+int chorus__net_connect_start(const char *host, int port);
+
 /* Accepts one connection, waiting until deadline.  Returns the fd. */
 int chorus__net_accept(int listen_fd, int64_t deadline);
 

@@ -6,6 +6,12 @@
  *
  *   test_p2p --expect-link PREFIX   every peer's link (chorus_comm_link)
  *                                   must start with PREFIX ("shm", "tcp")
+ *   test_p2p --lazy                 (CHORUS_TRANSPORT=tcp) connections are
+ *                                   made on first use: after a ring
+ *                                   all_reduce a rank is connected with its
+ *                                   two neighbours only, after every pair
+ *                                   exchanged (both ends dialling at once)
+ *                                   with every peer, one socket per pair
  *
  * CHORUS_RECV_BUFFER_MAX should be set small (the CTest entries use 4 MiB):
  * rank 1 sends rank 0 BURST messages of MSG bytes (BURST * MSG = 32 times
@@ -13,11 +19,13 @@
  * by the budget, the ring and slack, not by what was sent.  Then rank 0
  * receives them all, in order, and checks every byte.
  */
+#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "chorus.h"
 #include "harness.h"
@@ -25,6 +33,7 @@
 static chorus_comm_t g_comm;
 static int g_rank, g_size;
 static const char *g_expect;
+static int g_lazy;
 
 enum { MSG = 1 << 20, BURST = 128 };
 
@@ -41,6 +50,89 @@ static long peak_rss_kib(void) {
 
 static void fill(unsigned char *p, size_t n, int k) {
   for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31 + (size_t)k * 7 + 1);
+}
+
+/* This process's established TCP connections other than the one to the
+ * store (MASTER_PORT): its data connections, finished or handshaking. */
+static int data_sockets(void) {
+  static unsigned long inodes[4096];
+  int ni = 0;
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  struct dirent *e;
+  char path[300], link[64];
+  while ((e = readdir(d)) && ni < 4096) {
+    snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+    ssize_t k = readlink(path, link, sizeof link - 1);
+    if (k <= 0) continue;
+    link[k] = '\0';
+    if (sscanf(link, "socket:[%lu]", &inodes[ni]) == 1) ni++;
+  }
+  closedir(d);
+  const char *mp = getenv("MASTER_PORT");
+  unsigned store_port = mp ? (unsigned)atoi(mp) : 0;
+  int n = 0;
+  const char *tables[2] = {"/proc/self/net/tcp", "/proc/self/net/tcp6"};
+  for (int t = 0; t < 2; t++) {
+    FILE *f = fopen(tables[t], "r");
+    if (!f) continue;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+      char local[64], remote[64];
+      unsigned st;
+      unsigned long inode;
+      if (sscanf(line, " %*d: %63s %63s %x %*s %*s %*s %*s %*s %lu", local, remote, &st,
+                 &inode) != 4 || st != 1 /* ESTABLISHED */)
+        continue;
+      const char *rp = strrchr(remote, ':');
+      if (rp && strtoul(rp + 1, NULL, 16) == store_port) continue;
+      for (int i = 0; i < ni; i++)
+        if (inodes[i] == inode) {
+          n++;
+          break;
+        }
+    }
+    fclose(f);
+  }
+  return n;
+}
+
+/* The peers this rank has a TCP connection with (bit per rank), and how
+ * many. */
+static int connected_peers(unsigned long long *mask) {
+  int n = 0;
+  *mask = 0;
+  for (int p = 0; p < g_size; p++) {
+    char link[256];
+    if (p == g_rank || chorus_comm_link(g_comm, p, link, sizeof link) != CHORUS_OK) continue;
+    if (!strncmp(link, "tcp ", 4) && link[4] != '(') {
+      *mask |= 1ull << p;
+      n++;
+    }
+  }
+  return n;
+}
+
+TEST(ring_connects_neighbours_only) {
+  if (!g_lazy) return;
+  ASSERT_TRUE(g_size >= 3 && g_size <= 64);
+  ASSERT_EQ(chorus_comm_set_algo(g_comm, CHORUS_COLL_ALL_REDUCE, "ring"), CHORUS_OK);
+  float v[64];
+  for (int i = 0; i < 64; i++) v[i] = 1.0f;
+  ASSERT_EQ(chorus_all_reduce(g_comm, v, v, 64, CHORUS_FLOAT32, CHORUS_SUM, NULL), CHORUS_OK);
+  ASSERT_TRUE(v[0] == (float)g_size && v[63] == (float)g_size);
+  unsigned long long mask;
+  int n = connected_peers(&mask);
+  int right = (g_rank + 1) % g_size, left = (g_rank + g_size - 1) % g_size;
+  int sockets = data_sockets();
+  printf("rank %d: after a ring all_reduce of %d ranks: connected with %d peer(s), %d data "
+         "socket(s)\n", g_rank, g_size, n, sockets);
+  /* Nobody goes on (and connects to more peers) before every rank counted:
+   * a second ring all_reduce ends nowhere before every rank entered it. */
+  ASSERT_EQ(chorus_all_reduce(g_comm, v, v, 64, CHORUS_FLOAT32, CHORUS_SUM, NULL), CHORUS_OK);
+  ASSERT_EQ(chorus_comm_set_algo(g_comm, CHORUS_COLL_ALL_REDUCE, "auto"), CHORUS_OK);
+  ASSERT_EQ(mask, (1ull << left) | (1ull << right));
+  ASSERT_EQ(sockets, 2);
 }
 
 TEST(links_use_the_expected_channel) {
@@ -76,6 +168,22 @@ TEST(every_pair_exchanges) {
     free(out);
     free(in);
   }
+  if (!g_lazy) return;
+  /* Every pair dialled from both ends at once: still one connection each. */
+  unsigned long long mask;
+  int n = connected_peers(&mask);
+  /* A peer's given-up crossing attempt closes as soon as its reset or end
+   * is read; give that a moment on a loaded machine. */
+  int sockets = data_sockets();
+  for (int i = 0; i < 100 && sockets != g_size - 1; i++) {
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL);
+    sockets = data_sockets();
+  }
+  printf("rank %d: after every pair exchanged: connected with %d peer(s), %d data socket(s)\n",
+         g_rank, n, sockets);
+  ASSERT_EQ(n, g_size - 1);
+  ASSERT_EQ(sockets, g_size - 1);
 }
 
 TEST(sender_far_ahead_stays_bounded) {
@@ -133,8 +241,9 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--expect-link") && i + 1 < argc) g_expect = argv[++i];
+    else if (!strcmp(argv[i], "--lazy")) g_lazy = 1;
     else {
-      fprintf(stderr, "usage: test_p2p [--expect-link PREFIX]\n");
+      fprintf(stderr, "usage: test_p2p [--expect-link PREFIX] [--lazy]\n");
       return 2;
     }
   }
@@ -145,6 +254,7 @@ int main(int argc, char **argv) {
   }
   g_rank = chorus_comm_rank(g_comm);
   g_size = chorus_comm_size(g_comm);
+  RUN(ring_connects_neighbours_only);
   RUN(links_use_the_expected_channel);
   RUN(every_pair_exchanges);
   RUN(sender_far_ahead_stays_bounded);
