@@ -35,7 +35,8 @@
  *                           all_reduce 4 KiB every 10 ms; below round K
  *                           forever (printing "rankN reducing round R at T
  *                           sockets S", S: the process's open sockets once
- *                           the world formed
+ *                           the world formed, and after the first all_reduce
+ *                           "rankN first all_reduce done at T sockets S")
  *                           and the error of a failed all_reduce, then exit
  *                           1), from round K on 20 steps, then print "rankN
  *                           done round R world W" and exit 0
@@ -202,6 +203,11 @@ static int reduce_loop_mode(int until_round) {
     if (chorus_all_reduce(comm, buf, buf, 1024, CHORUS_FLOAT32, CHORUS_AVG, NULL) != CHORUS_OK) {
       put(2, "rank%d: all_reduce failed: %s\n", g_rank, chorus_comm_last_error(comm));
       return 1;
+    }
+    if (step == 0) {
+      clock_gettime(CLOCK_REALTIME, &now);
+      put(1, "rank%d first all_reduce done at %lld sockets %d\n", g_rank,
+          (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000, count_sockets());
     }
     struct timespec ts = {0, 10 * 1000000};
     nanosleep(&ts, NULL);
