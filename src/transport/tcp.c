@@ -659,14 +659,15 @@ static int conn_ready(conn_t *c, int fd, int connector) {
 
 /* ------------------------------------------------- dialling (connector) */
 
-/* Splits "host:port" (the host may be an IPv6 address). */
-static int split_addr(const char *s, char *host, size_t cap, int *port) {
-  const char *colon = strrchr(s, ':');
-  if (!colon || (size_t)(colon - s) >= cap) return -1;
-  memcpy(host, s, (size_t)(colon - s));
-  host[colon - s] = '\0';
+/* Splits "host<sep>port" at the last sep: "host port" as published,
+ * "host:port" as kept in peer->addr (the host may be an IPv6 address). */
+static int split_addr(const char *s, char sep, char *host, size_t cap, int *port) {
+  const char *at = strrchr(s, sep);
+  if (!at || (size_t)(at - s) >= cap) return -1;
+  memcpy(host, s, (size_t)(at - s));
+  host[at - s] = '\0';
   long p;
-  if (chorus__parse_long(colon + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
+  if (chorus__parse_long(at + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
   *port = (int)p;
   return 0;
 }
@@ -706,7 +707,7 @@ static void dial_start(conn_t *c) {
   c->hs_got = 0;
   char host[64];
   int port;
-  if (split_addr(c->peer->addr, host, sizeof host, &port) < 0) {
+  if (split_addr(c->peer->addr, ':', host, sizeof host, &port) < 0) {
     dial_fail(c, "the address it published cannot be parsed", 0);
     return;
   }
@@ -1090,17 +1091,6 @@ static void on_listen_event(void *arg, uint32_t events) {
   }
 }
 
-static int parse_addr(const char *s, char *host, size_t cap, int *port) {
-  const char *sp = strrchr(s, ' ');
-  if (!sp || (size_t)(sp - s) >= cap) return -1;
-  memcpy(host, s, (size_t)(sp - s));
-  host[sp - s] = '\0';
-  long p;
-  if (chorus__parse_long(sp + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
-  *port = (int)p;
-  return 0;
-}
-
 /* ---------------------------------------------------------- lifecycle */
 
 /* Undoes tcp_new when the channel never carried anything. */
@@ -1139,7 +1129,7 @@ chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
     int port;
     int mine = tp->peers[r].chan == &t->base;
     ntcp += mine;
-    if (parse_addr(cfg->addrs[r], host, sizeof host, &port) == 0)
+    if (split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) == 0)
       snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "%s:%d", host, port);
     else if (mine) {
       snprintf(errmsg, errcap, "rank %d published an unparsable address '%s'", r, cfg->addrs[r]);
