@@ -227,5 +227,7 @@ CHORUS__ALGO_DECL(chorus__allgatherv_ring);
 CHORUS__ALGO_DECL(chorus__allreduce_hier);
 CHORUS__ALGO_DECL(chorus__reduce_scatter_hier);
 CHORUS__ALGO_DECL(chorus__allgather_hier);
+CHORUS__ALGO_DECL(chorus__bcast_hier);
+CHORUS__ALGO_DECL(chorus__reduce_hier);
 
 #endif

@@ -357,3 +357,129 @@ chorus_result_t chorus__allgather_hier(chorus__coll_t *c) {
   chorus__scratch_free(c, s);
   return st;
 }
+
+/* ------------------------------------------ broadcast and reduce
+ *
+ * A rooted collective crosses the hosts' links like this, with L ranks on
+ * each of H hosts and the root on host rh:
+ *
+ *   broadcast: the root hands block l of L to its local rank l (shared
+ *   memory); the ranks of local index l, one per host, broadcast block l
+ *   between hosts as a scatter (rh's rank sends sub-block h of H to host
+ *   h's) followed by a ring all-gather; every host then all-gathers its L
+ *   blocks.  A host's link carries 1-2 times (H-1)/H of the vector, split
+ *   over its L ranks, where the binomial tree sends the whole vector
+ *   log2(H) times in a row down its deepest path.
+ *
+ *   reduce: the mirror image -- reduce-scatter in each host, reduce-scatter
+ *   of each local index's block between hosts, the sub-blocks gathered to
+ *   rh's rank of that index, and the L blocks gathered to the root.
+ *
+ * Below L x H elements some blocks would be empty: the binomial tree runs
+ * instead.  Steps: phases spaced by CHORUS__RING_STEPS(size). */
+
+/* The root's host and local index. */
+static void root_place(const chorus__topo_t *t, int root, int *rh, int *rl) {
+  *rh = *rl = 0;
+  for (int h = 0; h < t->nhosts; h++)
+    for (int l = 0; l < t->ppn; l++)
+      if (t->map[h * t->ppn + l] == root) {
+        *rh = h;
+        *rl = l;
+      }
+}
+
+/* One rank gives sub-block b of n (of count elements at buf) to ranks[b]
+ * for every b != me (give = 1), or takes sub-block b from ranks[b] (give =
+ * 0); everyone else sends or receives its own sub-block with the root of
+ * the exchange, position `at`. */
+static chorus_result_t blocks_exchange(chorus__coll_t *c, const int *ranks, int n, int me, int at,
+                                       char *buf, size_t count, int give, uint32_t step) {
+  size_t es = c->esize;
+  if (me != at) {
+    size_t off = chorus__blk_offset(count, n, me) * es, len = chorus__blk_count(count, n, me) * es;
+    return give ? chorus__recv(c, ranks[at], buf + off, len, step)
+                : chorus__send(c, ranks[at], buf + off, len, step);
+  }
+  chorus__req_t *reqs = calloc((size_t)n, sizeof *reqs);
+  chorus__req_t **ptrs = calloc((size_t)n, sizeof *ptrs);
+  if (!reqs || !ptrs) {
+    free(reqs);
+    free(ptrs);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  int k = 0;
+  chorus_result_t st = CHORUS_OK;
+  for (int b = 0; b < n && st == CHORUS_OK; b++) {
+    if (b == me) continue;
+    size_t off = chorus__blk_offset(count, n, b) * es, len = chorus__blk_count(count, n, b) * es;
+    chorus__coll_req(&reqs[k], give ? CHORUS__REQ_SEND : CHORUS__REQ_RECV, ranks[b], buf + off,
+                     len, step);
+    st = chorus__ep_post(c->ep, &reqs[k]);
+    if (st == CHORUS_OK) {
+      ptrs[k] = &reqs[k];
+      k++;
+    }
+  }
+  if (k) {
+    chorus_result_t wst = chorus__ep_wait(c->ep, ptrs, k, c->timeout_ms);
+    if (st == CHORUS_OK) st = wst;
+  }
+  free(reqs);
+  free(ptrs);
+  return st;
+}
+
+static int rooted_hier_applies(const chorus__coll_t *c) {
+  return hier_applies(c) && c->count >= (size_t)c->size;
+}
+
+chorus_result_t chorus__bcast_hier(chorus__coll_t *c) {
+  if (!rooted_hier_applies(c)) return chorus__bcast_binomial(c);
+  const chorus__topo_t *t = c->topo;
+  int L = t->nlocal, H = t->nhosts, rh, rl;
+  root_place(t, c->root, &rh, &rl);
+  size_t es = c->esize;
+  char *buf = c->recvbuf;
+  const uint32_t S = CHORUS__RING_STEPS(c->size);
+  chorus_result_t st = CHORUS_OK;
+  /* 1. The root's host: block l to local rank l. */
+  if (t->host == rh) st = blocks_exchange(c, t->local, L, t->lidx, rl, buf, c->count, 1, 0);
+  /* 2. Block lidx between hosts: scatter from host rh, ring all-gather. */
+  size_t mcnt = chorus__blk_count(c->count, L, t->lidx);
+  char *mine = buf + chorus__blk_offset(c->count, L, t->lidx) * es;
+  chorus__ring_t cross = {t->cross, H, t->host}, local = {t->local, L, t->lidx};
+  if (st == CHORUS_OK) st = blocks_exchange(c, t->cross, H, t->host, rh, mine, mcnt, 1, 1);
+  if (st == CHORUS_OK) st = chorus__ring_pass(c, &cross, mine, NULL, mcnt, 0, S);
+  /* 3. Every host gathers its L blocks. */
+  if (st == CHORUS_OK) st = chorus__ring_pass(c, &local, buf, NULL, c->count, 0, 2 * S);
+  return st;
+}
+
+chorus_result_t chorus__reduce_hier(chorus__coll_t *c) {
+  if (!rooted_hier_applies(c)) return chorus__reduce_binomial(c);
+  const chorus__topo_t *t = c->topo;
+  int L = t->nlocal, H = t->nhosts, rh, rl;
+  root_place(t, c->root, &rh, &rl);
+  size_t es = c->esize, bytes = c->count * es;
+  int into_recv = c->rank == c->root && c->recvbuf;
+  char *buf = into_recv ? c->recvbuf : chorus__scratch(c, bytes);
+  if (!buf) return CHORUS_ERR_NO_MEMORY;
+  const uint32_t S = CHORUS__RING_STEPS(c->size);
+  chorus__ring_t cross = {t->cross, H, t->host}, local = {t->local, L, t->lidx};
+  /* 1. Block lidx reduced over the host; 2. its sub-block `host` reduced
+   * over every host. */
+  chorus_result_t st = chorus__ring_pass(c, &local, buf, c->sendbuf, c->count, 1, 0);
+  size_t mcnt = chorus__blk_count(c->count, L, t->lidx);
+  char *mine = buf + chorus__blk_offset(c->count, L, t->lidx) * es;
+  if (st == CHORUS_OK) st = chorus__ring_pass(c, &cross, mine, mine, mcnt, 1, S);
+  /* 3. The sub-blocks to host rh's rank of this local index; 4. the blocks
+   * to the root. */
+  if (st == CHORUS_OK) st = blocks_exchange(c, t->cross, H, t->host, rh, mine, mcnt, 0, 2 * S);
+  if (st == CHORUS_OK && t->host == rh)
+    st = blocks_exchange(c, t->local, L, t->lidx, rl, buf, c->count, 0, 2 * S + 1);
+  if (st == CHORUS_OK && into_recv && c->op == CHORUS_AVG)
+    chorus__reduce_finalize_avg(buf, c->count, c->dtype, c->size);
+  if (!into_recv) chorus__scratch_free(c, buf);
+  return st;
+}

@@ -75,7 +75,9 @@ static const char k_builtin[] =
     "reduce_scatter  any       any  any                   ring\n"
     "all_gather      any       any  0-65535               bruck\n"
     "all_gather      hosts     any  1M-                   hierarchical\n"
-    "all_gather      any       any  any                   ring\n";
+    "all_gather      any       any  any                   ring\n"
+    "broadcast       hosts     any  1M-                   hierarchical\n"
+    "reduce          hosts     any  1M-                   hierarchical\n";
 
 static rule_t *g_rules;
 static int g_nrules;
