@@ -148,7 +148,12 @@ typedef struct pending {
 
 struct tcp_chan {
   chorus__chan_t base;
-  conn_t *conns; /* indexed by world rank; conns[rank] unused */
+  /* Pair state, made on a pair's first message either way: conns[rank]
+   * (NULL until then; 8 bytes per world rank, not a conn_t), and every
+   * one made, in live[0 .. nlive). */
+  conn_t **conns;
+  conn_t **live;
+  int nlive, cap_live;
   int listen_fd;
   chorus__watch_t listen_watch;
   pending_t **pend; /* max_pending slots, npend used */
@@ -403,14 +408,45 @@ static void on_conn_event(void *arg, uint32_t events) {
   if (!c->peer->dead && (events & EPOLLOUT)) flush_tx(c);
 }
 
+/* p's pair state; NULL while nothing was sent either way. */
 static conn_t *conn_of(chorus__chan_t *ch, const chorus__peer_t *p) {
-  return &((tcp_chan_t *)ch)->conns[p->rank];
+  return ((tcp_chan_t *)ch)->conns[p->rank];
+}
+
+/* p's pair state, made now if need be; NULL when out of memory. */
+static conn_t *conn_make(tcp_chan_t *t, chorus__peer_t *p) {
+  conn_t *c = t->conns[p->rank];
+  if (c) return c;
+  if (t->nlive == t->cap_live) {
+    int cap = t->cap_live ? 2 * t->cap_live : 16;
+    conn_t **live = realloc(t->live, sizeof *live * (size_t)cap);
+    if (!live) return NULL;
+    t->live = live;
+    t->cap_live = cap;
+  }
+  c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  c->fd = -1;
+  c->ch = t;
+  c->peer = p;
+  c->watch = (chorus__watch_t){on_conn_event, c};
+  chorus__tp_rx_attach(t->base.tp, p, &c->rx, &t->base, c);
+  p->link = c;
+  t->conns[p->rank] = c;
+  t->live[t->nlive++] = c;
+  return c;
 }
 
 static void dial_start(conn_t *c);
 
 static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
-  conn_t *c = conn_of(ch, p);
+  conn_t *c = conn_make((tcp_chan_t *)ch, p);
+  if (!c) {
+    chorus__tp_tx_lost(ch->tp, p, it);
+    chorus__tp_peer_failed(ch->tp, p, "out of memory for its connection's state",
+                           CHORUS_ERR_NO_MEMORY);
+    return;
+  }
   if (c->state == C_CLOSED) {
     chorus__tp_tx_lost(ch->tp, p, it);
     return;
@@ -434,12 +470,13 @@ static void tcp_rx_pause(chorus__chan_t *ch, chorus__rx_t *rx, int on) {
 }
 
 static int tcp_cancel(chorus__chan_t *ch, chorus__peer_t *p, chorus__ep_t *ep) {
-  return chorus__txq_cancel(&conn_of(ch, p)->txq, ep);
+  conn_t *c = conn_of(ch, p);
+  return c ? chorus__txq_cancel(&c->txq, ep) : 0;
 }
 
 static int tcp_pending(chorus__chan_t *ch, chorus__peer_t *p, const chorus__ep_t *ep) {
   conn_t *c = conn_of(ch, p);
-  return chorus__txq_has(&c->txq, ep) || (!ep && c->tx_off < c->tx_len);
+  return c && (chorus__txq_has(&c->txq, ep) || (!ep && c->tx_off < c->tx_len));
 }
 
 static void dial_unlist(conn_t *c) {
@@ -453,6 +490,7 @@ static void dial_unlist(conn_t *c) {
 
 static void tcp_close(chorus__chan_t *ch, chorus__peer_t *p) {
   conn_t *c = conn_of(ch, p);
+  if (!c) return; /* never talked: nothing queued, nothing to close */
   if (c->state >= C_CONNECTING && c->state <= C_AWAIT) dial_unlist(c);
   if (c->fd >= 0) {
     chorus__tp_unwatch(ch->tp, c->fd);
@@ -469,9 +507,9 @@ static void tcp_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
   conn_t *c = conn_of(ch, p);
   char local[80] = "?", remote[80] = "?", ifname[64] = "?";
   int lport = 0, rport = 0;
-  if (c->state != C_READY) {
+  if (!c || c->state != C_READY) {
     snprintf(buf, cap, "tcp (%s %s)",
-             c->state == C_IDLE ? "not connected; listens at" : "connecting to", p->addr);
+             !c || c->state == C_IDLE ? "not connected; listens at" : "connecting to", p->addr);
     return;
   }
   chorus__net_local_addr(c->fd, local, sizeof local, &lport);
@@ -482,7 +520,8 @@ static void tcp_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
 
 static int tcp_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since) {
   conn_t *c = conn_of(ch, p);
-  *since = c->since;
+  *since = c ? c->since : 0;
+  if (!c) return CHORUS__LINK_NONE;
   return c->state == C_READY ? CHORUS__LINK_READY
          : c->state == C_IDLE || c->state == C_CLOSED ? CHORUS__LINK_NONE
                                                       : CHORUS__LINK_DIALING;
@@ -507,8 +546,8 @@ static void tcp_poll(chorus__chan_t *ch) {
   }
   if (t->dialing) dial_tick(t, now);
   if (!ch->tp->encrypt) return;
-  for (int r = 0; r < ch->tp->size; r++) {
-    conn_t *c = &t->conns[r];
+  for (int i = 0; i < t->nlive; i++) {
+    conn_t *c = t->live[i];
     if (c->state == C_READY && c->rx_pleft && !c->rx.paused && !c->peer->dead) read_conn(c);
   }
 }
@@ -525,18 +564,18 @@ static void tcp_destroy(chorus__chan_t *ch) {
   else if (t->rejected)
     CHORUS_INFO(CHORUS__SUB_TCP, "chorus rank %d: %lu connection(s) rejected at this rank's data "
                 "port", ch->tp->rank, t->rejected);
-  if (t->conns) {
-    for (int r = 0; r < ch->tp->size; r++) {
-      conn_t *c = &t->conns[r];
-      if (c->fd >= 0) close(c->fd);
-      chorus__txq_free(&c->txq);
-      chorus__aead_free(c->tx_aead);
-      chorus__aead_free(c->rx_aead);
-      free(c->tx_rec);
-      free(c->rx_rec);
-      chorus__wipe(c->keys, sizeof c->keys);
-    }
+  for (int i = 0; i < t->nlive; i++) {
+    conn_t *c = t->live[i];
+    if (c->fd >= 0) close(c->fd);
+    chorus__txq_free(&c->txq);
+    chorus__aead_free(c->tx_aead);
+    chorus__aead_free(c->rx_aead);
+    free(c->tx_rec);
+    free(c->rx_rec);
+    chorus__wipe(c->keys, sizeof c->keys);
+    free(c);
   }
+  free(t->live);
   free(t->conns);
   free(t);
 }
@@ -554,30 +593,21 @@ static const chorus__chan_ops_t tcp_ops = {
     .destroy = tcp_destroy,
 };
 
-/* A channel with a conn for every peer, none connected yet; each peer's
- * stream attached and the peer carried by it. */
+/* A channel that carries every peer no other channel does; no pair state
+ * yet (conn_make makes it on the pair's first message). */
 static tcp_chan_t *tcp_new(chorus__tp_t *tp) {
   tcp_chan_t *t = calloc(1, sizeof *t);
   if (!t) return NULL;
   t->base.ops = &tcp_ops;
   t->base.tp = tp;
   t->listen_fd = -1;
-  t->conns = calloc((size_t)tp->size, sizeof(conn_t));
+  t->conns = calloc((size_t)tp->size, sizeof *t->conns);
   if (!t->conns) {
     free(t);
     return NULL;
   }
-  for (int r = 0; r < tp->size; r++) {
-    conn_t *c = &t->conns[r];
-    c->fd = -1;
-    c->ch = t;
-    c->peer = &tp->peers[r];
-    c->watch = (chorus__watch_t){on_conn_event, c};
-    if (r == tp->rank || c->peer->chan) continue; /* self, or another channel's */
-    chorus__tp_rx_attach(tp, c->peer, &c->rx, &t->base, c);
-    c->peer->chan = &t->base;
-    c->peer->link = c;
-  }
+  for (int r = 0; r < tp->size; r++)
+    if (r != tp->rank && !tp->peers[r].chan) tp->peers[r].chan = &t->base;
   return t;
 }
 
@@ -923,7 +953,8 @@ static int hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t cap) {
 /* What to do with an authenticated peer's connection, given the pair's
  * state here: 0 accept it, or a HS_DENY_* reason. */
 static int hs_decide(tcp_chan_t *t, int peer) {
-  switch (t->conns[peer].state) {
+  if (!t->conns[peer]) return 0;
+  switch (t->conns[peer]->state) {
   case C_IDLE:
   case C_AWAIT:
     return 0;
@@ -971,6 +1002,12 @@ static void pending_complete(pending_t *p) {
     snprintf(why, sizeof why, "cannot derive the connection's keys (libcrypto)");
     deny = HS_DENY_AUTH;
   }
+  conn_t *c = NULL;
+  if (!deny && !(c = conn_make(t, &tp->peers[peer]))) {
+    chorus__wipe(keys, sizeof keys);
+    pending_reject(p, "out of memory for the pair's state");
+    return;
+  }
   uint8_t reply[HS_OK_LEN];
   size_t rlen;
   if (deny) {
@@ -997,7 +1034,6 @@ static void pending_complete(pending_t *p) {
     pending_reject(p, deny ? why : "could not answer it");
     return;
   }
-  conn_t *c = &t->conns[peer];
   int fd = p->fd;
   /* The fd moves from the pending record to the pair. */
   chorus__tp_unwatch(tp, fd);
@@ -1185,7 +1221,8 @@ chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, 
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn) { tp->fp_format = fn; }
 
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd) {
-  conn_t *c = &((tcp_chan_t *)tp->net)->conns[peer];
+  conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
+  if (!c) return -1;
   if (c->fd < 0) {
     int sp[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sp) < 0) return -1;
@@ -1203,10 +1240,10 @@ int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n,
 }
 
 chorus__aead_t *chorus__tp_fuzz_encrypt(chorus__tp_t *tp, int peer) {
-  conn_t *c = &((tcp_chan_t *)tp->net)->conns[peer];
+  conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
   static const uint8_t zero[CHORUS__NONCE_LEN];
   uint8_t keys[64];
-  if (c->rx_aead || peer <= tp->rank ||
+  if (!c || c->rx_aead || peer <= tp->rank ||
       hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, zero, zero, keys) < 0)
     return NULL;
   /* This rank accepted peer: it receives on keys[0..32), label 1. */
