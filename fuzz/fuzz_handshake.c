@@ -19,7 +19,7 @@
  *             made with the fuzzer's key: must be refused)
  * Oracle: a message is accepted (a rank returned) exactly when its magic,
  * version, MAC (checked here independently with libcrypto's HMAC), rank
- * (above this rank, below the size, not connected yet) and encryption flag
+ * (not this rank, below the size, not connected yet) and encryption flag
  * are right; every refusal is one of the four reasons.
  */
 #include <stddef.h>
@@ -95,7 +95,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   connect_mac(tp_key, peer, (uint32_t)rank, msg + 12, want);
   int mac_ok = memcmp(want, msg + 12 + CHORUS__NONCE_LEN, sizeof want) == 0;
   int ok = chorus__le32_get(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && mac_ok &&
-           peer < (uint32_t)nproc && (int)peer > rank && (int)peer != connected &&
+           peer < (uint32_t)nproc && (int)peer != rank && (int)peer != connected &&
            !(version & HS_FLAG_ENCRYPT);
   if (ok) {
     FUZZ_REQUIRE(got == (int)peer);

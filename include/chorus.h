@@ -275,8 +275,12 @@ CHORUS_API int chorus_comm_same_host(chorus_comm_t comm, int peer);
 
 /* How this rank's messages to rank peer of comm travel (send/recv, and the
  * collectives that do not use shared memory), for diagnostics:
+ * "shm ..." through the shared-memory channel (a peer on this host),
  * "tcp LOCAL -> REMOTE (IFACE)" with the connection's addresses and the
- * local interface, "tcp (connection gone)" once it closed, or "self".
+ * local interface, "tcp (not connected; listens at ADDR)" before the
+ * pair's first message (connections are made on first use), "tcp
+ * (connecting to ADDR)" meanwhile, "tcp (connection gone)" once it
+ * closed, or "self".
  * Written into buf (truncated to cap, always NUL-terminated).  Returns
  * CHORUS_OK, or CHORUS_ERR_INVALID_ARG (bad comm, peer or buffer). */
 CHORUS_API chorus_result_t chorus_comm_link(chorus_comm_t comm, int peer, char *buf, size_t cap);

@@ -1269,7 +1269,11 @@ int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n) {
   memset(&p, 0, sizeof p);
   memcpy(p.in, msg, n < sizeof p.in ? n : sizeof p.in);
   char why[160];
-  return hs_verify((tcp_chan_t *)tp->net, &p, why, sizeof why);
+  tcp_chan_t *t = (tcp_chan_t *)tp->net;
+  int peer = hs_verify(t, &p, why, sizeof why);
+  if (peer < 0) return peer;
+  int deny = hs_decide(t, peer);
+  return deny ? -deny : peer;
 }
 
 void chorus__tp_fuzz_free(chorus__tp_t *tp) {

@@ -201,7 +201,8 @@ void chorus__ep_set_fail_hook(chorus__ep_t *ep, void (*fn)(void *), void *arg);
  * first call for that peer; the caller closes it) and parsed as bytes from
  * world rank peer.  Returns -1 once that connection is dead (a protocol
  * violation).  chorus__tp_fuzz_handshake runs the acceptor's check of a
- * connect message (returns the peer's rank or a negative reason). */
+ * connect message and its decision given the pairs' states (returns the
+ * peer's rank or a negative HS_DENY reason). */
 chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, uint64_t world);
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn);
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd);
