@@ -35,6 +35,7 @@
 #include "algo/algo.h"
 #include "algo/pattern.h"
 #include "reduce/reduce.h"
+#include "util/util.h"
 
 int chorus__topo_build(chorus__topo_t *t, const uint64_t *host, int n, int me) {
   memset(t, 0, sizeof *t);
@@ -364,16 +365,15 @@ chorus_result_t chorus__allgather_hier(chorus__coll_t *c) {
  * each of H hosts and the root on host rh:
  *
  *   broadcast: the root hands block l of L to its local rank l (shared
- *   memory); the ranks of local index l, one per host, broadcast block l
- *   between hosts as a scatter (rh's rank sends sub-block h of H to host
- *   h's) followed by a ring all-gather; every host then all-gathers its L
- *   blocks.  A host's link carries 1-2 times (H-1)/H of the vector, split
- *   over its L ranks, where the binomial tree sends the whole vector
+ *   memory); the ranks of local index l, one per host, pass block l from
+ *   host to host in a pipelined chain starting at rh; every host then
+ *   all-gathers its L blocks.  A host's link carries the vector once,
+ *   split over its L ranks, where the binomial tree sends the whole vector
  *   log2(H) times in a row down its deepest path.
  *
- *   reduce: the mirror image -- reduce-scatter in each host, reduce-scatter
- *   of each local index's block between hosts, the sub-blocks gathered to
- *   rh's rank of that index, and the L blocks gathered to the root.
+ *   reduce: the mirror image -- reduce-scatter in each host, each local
+ *   index's block reduced down a pipelined chain of hosts ending at rh,
+ *   and the L blocks gathered to the root.
  *
  * Below L x H elements some blocks would be empty, and between two hosts
  * the tree crosses once anyway: the binomial tree runs instead.  Steps:
@@ -437,6 +437,90 @@ static int rooted_hier_applies(const chorus__coll_t *c) {
   return hier_applies(c) && c->topo->nhosts >= 3 && c->count >= (size_t)c->size;
 }
 
+/* Broadcast of bytes at buf over the ring's positions from position at, as
+ * a pipelined chain: cut into segments, each passed from position to
+ * position, a position forwarding segment k while it receives k + 1.  Every
+ * link carries the data once; the last position has it after
+ * bytes/bw + (n - 2) segments' time.  Segments of at least CHAIN_SEG
+ * bytes, at most CHORUS__RING_STEPS(size) of them (steps step0 ..). */
+#define CHAIN_SEG ((size_t)256 << 10)
+
+static chorus_result_t chain_bcast(chorus__coll_t *c, const chorus__ring_t *ring, int at,
+                                   char *buf, size_t bytes, uint32_t step0) {
+  int n = ring->n, pos = (ring->me - at + n) % n;
+  int prev = ring->ranks[(ring->me + n - 1) % n], next = ring->ranks[(ring->me + 1) % n];
+  size_t maxseg = CHORUS__RING_STEPS(c->size);
+  size_t seg = CHORUS__MAX(CHAIN_SEG, (bytes + maxseg - 1) / maxseg);
+  size_t nseg = bytes ? (bytes + seg - 1) / seg : 1;
+  int forward = pos < n - 1;
+  chorus__req_t *sreq = forward ? calloc(nseg, sizeof *sreq) : NULL;
+  chorus__req_t **ptrs = forward ? calloc(nseg, sizeof *ptrs) : NULL;
+  if (forward && (!sreq || !ptrs)) {
+    free(sreq);
+    free(ptrs);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  chorus_result_t st = CHORUS_OK;
+  size_t posted = 0;
+  for (size_t k = 0; k < nseg && st == CHORUS_OK; k++) {
+    size_t off = k * seg, len = CHORUS__MIN(seg, bytes - off);
+    if (pos > 0) st = chorus__recv(c, prev, buf + off, len, step0 + (uint32_t)k);
+    if (st != CHORUS_OK || !forward) continue;
+    chorus__coll_req(&sreq[k], CHORUS__REQ_SEND, next, buf + off, len, step0 + (uint32_t)k);
+    st = chorus__ep_post(c->ep, &sreq[k]);
+    if (st == CHORUS_OK) ptrs[posted++] = &sreq[k];
+  }
+  if (posted) {
+    chorus_result_t wst = chorus__ep_wait(c->ep, ptrs, (int)posted, c->timeout_ms);
+    if (st == CHORUS_OK) st = wst;
+  }
+  free(sreq);
+  free(ptrs);
+  return st;
+}
+
+/* The chain run the other way: count elements at buf reduced over the
+ * ring's positions into position at's buf.  The last position sends
+ * segment k toward `at`; each position on the way receives it, combines it
+ * with its own and passes it on, while the next segment comes in.  The
+ * buffers of positions other than `at` end undefined. */
+static chorus_result_t chain_reduce(chorus__coll_t *c, const chorus__ring_t *ring, int at,
+                                    char *buf, size_t count, uint32_t step0) {
+  int n = ring->n, pos = (ring->me - at + n) % n;
+  int up = ring->ranks[(ring->me + n - 1) % n], down = ring->ranks[(ring->me + 1) % n];
+  size_t es = c->esize, maxseg = CHORUS__RING_STEPS(c->size);
+  size_t seg = CHORUS__MAX(CHAIN_SEG / es, (count + maxseg - 1) / maxseg);
+  size_t nseg = count ? (count + seg - 1) / seg : 1;
+  int receive = pos < n - 1, send = pos > 0;
+  char *tmp = receive ? chorus__scratch(c, seg * es) : NULL;
+  chorus__req_t *sreq = send ? calloc(nseg, sizeof *sreq) : NULL;
+  chorus__req_t **ptrs = send ? calloc(nseg, sizeof *ptrs) : NULL;
+  chorus_result_t st = CHORUS_OK;
+  if ((receive && !tmp) || (send && (!sreq || !ptrs))) st = CHORUS_ERR_NO_MEMORY;
+  size_t posted = 0;
+  for (size_t k = 0; k < nseg && st == CHORUS_OK; k++) {
+    size_t off = k * seg, len = CHORUS__MIN(seg, count - off);
+    char *at_k = buf + off * es;
+    if (receive) {
+      st = chorus__recv(c, down, tmp, len * es, step0 + (uint32_t)k);
+      if (st != CHORUS_OK) break;
+      chorus__combine(c, at_k, at_k, tmp, len);
+    }
+    if (!send) continue;
+    chorus__coll_req(&sreq[k], CHORUS__REQ_SEND, up, at_k, len * es, step0 + (uint32_t)k);
+    st = chorus__ep_post(c->ep, &sreq[k]);
+    if (st == CHORUS_OK) ptrs[posted++] = &sreq[k];
+  }
+  if (posted) {
+    chorus_result_t wst = chorus__ep_wait(c->ep, ptrs, (int)posted, c->timeout_ms);
+    if (st == CHORUS_OK) st = wst;
+  }
+  chorus__scratch_free(c, tmp);
+  free(sreq);
+  free(ptrs);
+  return st;
+}
+
 chorus_result_t chorus__bcast_hier(chorus__coll_t *c) {
   if (!rooted_hier_applies(c)) return chorus__bcast_binomial(c);
   const chorus__topo_t *t = c->topo;
@@ -452,8 +536,7 @@ chorus_result_t chorus__bcast_hier(chorus__coll_t *c) {
   size_t mcnt = chorus__blk_count(c->count, L, t->lidx);
   char *mine = buf + chorus__blk_offset(c->count, L, t->lidx) * es;
   chorus__ring_t cross = {t->cross, H, t->host}, local = {t->local, L, t->lidx};
-  if (st == CHORUS_OK) st = blocks_exchange(c, t->cross, H, t->host, rh, mine, mcnt, 1, 1);
-  if (st == CHORUS_OK) st = chorus__ring_pass(c, &cross, mine, NULL, mcnt, 0, S);
+  if (st == CHORUS_OK) st = chain_bcast(c, &cross, rh, mine, mcnt * es, S);
   /* 3. Every host gathers its L blocks. */
   if (st == CHORUS_OK) st = chorus__ring_pass(c, &local, buf, NULL, c->count, 0, 2 * S);
   return st;
@@ -470,15 +553,12 @@ chorus_result_t chorus__reduce_hier(chorus__coll_t *c) {
   if (!buf) return CHORUS_ERR_NO_MEMORY;
   const uint32_t S = CHORUS__RING_STEPS(c->size);
   chorus__ring_t cross = {t->cross, H, t->host}, local = {t->local, L, t->lidx};
-  /* 1. Block lidx reduced over the host; 2. its sub-block `host` reduced
-   * over every host. */
+  /* 1. Block lidx reduced over the host; 2. over every host, down a chain
+   * to host rh's rank of this local index; 3. the blocks to the root. */
   chorus_result_t st = chorus__ring_pass(c, &local, buf, c->sendbuf, c->count, 1, 0);
   size_t mcnt = chorus__blk_count(c->count, L, t->lidx);
   char *mine = buf + chorus__blk_offset(c->count, L, t->lidx) * es;
-  if (st == CHORUS_OK) st = chorus__ring_pass(c, &cross, mine, mine, mcnt, 1, S);
-  /* 3. The sub-blocks to host rh's rank of this local index; 4. the blocks
-   * to the root. */
-  if (st == CHORUS_OK) st = blocks_exchange(c, t->cross, H, t->host, rh, mine, mcnt, 0, 2 * S);
+  if (st == CHORUS_OK) st = chain_reduce(c, &cross, rh, mine, mcnt, S);
   if (st == CHORUS_OK && t->host == rh)
     st = blocks_exchange(c, t->local, L, t->lidx, rl, buf, c->count, 0, 2 * S + 1);
   if (st == CHORUS_OK && into_recv && c->op == CHORUS_AVG)
