@@ -521,46 +521,60 @@ static chorus_result_t chain_reduce(chorus__coll_t *c, const chorus__ring_t *rin
   return st;
 }
 
+/* What the rooted algorithms share: the host map, the root's host and
+ * local index, the step spacing and the two rings (between hosts among
+ * this local index, inside this host). */
+typedef struct {
+  const chorus__topo_t *t;
+  int rh, rl;
+  uint32_t S;
+  chorus__ring_t cross, local;
+} rooted_t;
+
+static void rooted_begin(const chorus__coll_t *c, rooted_t *r) {
+  const chorus__topo_t *t = c->topo;
+  r->t = t;
+  root_place(t, c->root, &r->rh, &r->rl);
+  r->S = CHORUS__RING_STEPS(c->size);
+  r->cross = (chorus__ring_t){t->cross, t->nhosts, t->host};
+  r->local = (chorus__ring_t){t->local, t->nlocal, t->lidx};
+}
+
 chorus_result_t chorus__bcast_hier(chorus__coll_t *c) {
   if (!rooted_hier_applies(c)) return chorus__bcast_binomial(c);
-  const chorus__topo_t *t = c->topo;
-  int L = t->nlocal, H = t->nhosts, rh, rl;
-  root_place(t, c->root, &rh, &rl);
-  size_t es = c->esize;
+  rooted_t r;
+  rooted_begin(c, &r);
+  const chorus__topo_t *t = r.t;
   char *buf = c->recvbuf;
-  const uint32_t S = CHORUS__RING_STEPS(c->size);
   chorus_result_t st = CHORUS_OK;
   /* 1. The root's host: block l to local rank l. */
-  if (t->host == rh) st = blocks_exchange(c, t->local, L, t->lidx, rl, buf, c->count, 1, 0);
-  /* 2. Block lidx between hosts: scatter from host rh, ring all-gather. */
-  size_t mcnt = chorus__blk_count(c->count, L, t->lidx);
-  char *mine = buf + chorus__blk_offset(c->count, L, t->lidx) * es;
-  chorus__ring_t cross = {t->cross, H, t->host}, local = {t->local, L, t->lidx};
-  if (st == CHORUS_OK) st = chain_bcast(c, &cross, rh, mine, mcnt * es, S);
+  if (t->host == r.rh)
+    st = blocks_exchange(c, t->local, t->nlocal, t->lidx, r.rl, buf, c->count, 1, 0);
+  /* 2. Block lidx between hosts: a chain from host rh. */
+  size_t mcnt = chorus__blk_count(c->count, t->nlocal, t->lidx);
+  char *mine = buf + chorus__blk_offset(c->count, t->nlocal, t->lidx) * c->esize;
+  if (st == CHORUS_OK) st = chain_bcast(c, &r.cross, r.rh, mine, mcnt * c->esize, r.S);
   /* 3. Every host gathers its L blocks. */
-  if (st == CHORUS_OK) st = chorus__ring_pass(c, &local, buf, NULL, c->count, 0, 2 * S);
+  if (st == CHORUS_OK) st = chorus__ring_pass(c, &r.local, buf, NULL, c->count, 0, 2 * r.S);
   return st;
 }
 
 chorus_result_t chorus__reduce_hier(chorus__coll_t *c) {
   if (!rooted_hier_applies(c)) return chorus__reduce_binomial(c);
-  const chorus__topo_t *t = c->topo;
-  int L = t->nlocal, H = t->nhosts, rh, rl;
-  root_place(t, c->root, &rh, &rl);
-  size_t es = c->esize, bytes = c->count * es;
+  rooted_t r;
+  rooted_begin(c, &r);
+  const chorus__topo_t *t = r.t;
   int into_recv = c->rank == c->root && c->recvbuf;
-  char *buf = into_recv ? c->recvbuf : chorus__scratch(c, bytes);
+  char *buf = into_recv ? c->recvbuf : chorus__scratch(c, c->count * c->esize);
   if (!buf) return CHORUS_ERR_NO_MEMORY;
-  const uint32_t S = CHORUS__RING_STEPS(c->size);
-  chorus__ring_t cross = {t->cross, H, t->host}, local = {t->local, L, t->lidx};
   /* 1. Block lidx reduced over the host; 2. over every host, down a chain
    * to host rh's rank of this local index; 3. the blocks to the root. */
-  chorus_result_t st = chorus__ring_pass(c, &local, buf, c->sendbuf, c->count, 1, 0);
-  size_t mcnt = chorus__blk_count(c->count, L, t->lidx);
-  char *mine = buf + chorus__blk_offset(c->count, L, t->lidx) * es;
-  if (st == CHORUS_OK) st = chain_reduce(c, &cross, rh, mine, mcnt, S);
-  if (st == CHORUS_OK && t->host == rh)
-    st = blocks_exchange(c, t->local, L, t->lidx, rl, buf, c->count, 0, 2 * S + 1);
+  chorus_result_t st = chorus__ring_pass(c, &r.local, buf, c->sendbuf, c->count, 1, 0);
+  size_t mcnt = chorus__blk_count(c->count, t->nlocal, t->lidx);
+  char *mine = buf + chorus__blk_offset(c->count, t->nlocal, t->lidx) * c->esize;
+  if (st == CHORUS_OK) st = chain_reduce(c, &r.cross, r.rh, mine, mcnt, r.S);
+  if (st == CHORUS_OK && t->host == r.rh)
+    st = blocks_exchange(c, t->local, t->nlocal, t->lidx, r.rl, buf, c->count, 0, 2 * r.S + 1);
   if (st == CHORUS_OK && into_recv && c->op == CHORUS_AVG)
     chorus__reduce_finalize_avg(buf, c->count, c->dtype, c->size);
   if (!into_recv) chorus__scratch_free(c, buf);
