@@ -278,44 +278,50 @@ chorus_result_t chorus__allreduce_hier(chorus__coll_t *c) {
  * `host` of it -- this rank's own -- reduced over all hosts.  The regrouping
  * is one copy of the input; a host's link carries (H-1)/H of the input
  * instead of the flat ring's (n-1)/n. */
-/* What the block-regrouping algorithms below share: the host map, hosts
- * and ranks per host, one rank's block in bytes, and a scratch of the
- * whole vector (NULL when out of memory). */
+/* What the unchunked hierarchical algorithms below share: the host map,
+ * hosts and ranks per host, the spacing of their phases' steps, the two
+ * rings (between hosts among this local index, inside this host), and for
+ * a rooted collective the root's host and local index. */
 typedef struct {
   const chorus__topo_t *t;
   int H, L;
-  size_t blk;
-} regroup_t;
+  uint32_t S;
+  chorus__ring_t cross, local;
+  int rh, rl;
+} plan_t;
 
-static char *regroup_begin(chorus__coll_t *c, regroup_t *g) {
-  g->t = c->topo;
-  g->H = g->t->nhosts;
-  g->L = g->t->ppn;
-  g->blk = c->count * c->esize;
-  return chorus__scratch(c, g->blk * (size_t)c->size);
+static void root_place(const chorus__topo_t *t, int root, int *rh, int *rl);
+
+static void plan_begin(const chorus__coll_t *c, int rooted, plan_t *p) {
+  const chorus__topo_t *t = c->topo;
+  p->t = t;
+  p->rh = p->rl = 0;
+  if (rooted) root_place(t, c->root, &p->rh, &p->rl);
+  p->H = t->nhosts;
+  p->L = t->ppn;
+  p->S = CHORUS__RING_STEPS(c->size);
+  p->cross = (chorus__ring_t){t->cross, t->nhosts, t->host};
+  p->local = (chorus__ring_t){t->local, t->nlocal, t->lidx};
 }
 
 chorus_result_t chorus__reduce_scatter_hier(chorus__coll_t *c) {
   if (!hier_applies(c)) return chorus__reduce_scatter_ring(c);
-  regroup_t g;
-  char *in = regroup_begin(c, &g);
-  if (!in) return CHORUS_ERR_NO_MEMORY;
+  plan_t g;
+  plan_begin(c, 0, &g);
   const chorus__topo_t *t = g.t;
   int H = g.H, L = g.L;
-  size_t blk = g.blk;
+  size_t blk = c->count * c->esize;
+  char *in = chorus__scratch(c, blk * (size_t)c->size);
+  if (!in) return CHORUS_ERR_NO_MEMORY;
   if (blk)
     for (int l = 0; l < L; l++)
       for (int h = 0; h < H; h++)
         memcpy(in + ((size_t)l * (size_t)H + (size_t)h) * blk,
                (const char *)c->sendbuf + (size_t)t->map[h * L + l] * blk, blk);
-  chorus__ring_t local = {t->local, t->nlocal, t->lidx};
-  chorus__ring_t cross = {t->cross, t->nhosts, t->host};
   size_t group = c->count * (size_t)H;
-  chorus_result_t st =
-      chorus__ring_pass(c, &local, in, in, group * (size_t)L, 1, 0);
+  chorus_result_t st = chorus__ring_pass(c, &g.local, in, in, group * (size_t)L, 1, 0);
   char *mine = in + (size_t)t->lidx * (size_t)H * blk;
-  if (st == CHORUS_OK)
-    st = chorus__ring_pass(c, &cross, mine, mine, group, 1, CHORUS__RING_STEPS(c->size));
+  if (st == CHORUS_OK) st = chorus__ring_pass(c, &g.cross, mine, mine, group, 1, g.S);
   if (st == CHORUS_OK) {
     if (blk) memcpy(c->recvbuf, mine + (size_t)t->host * blk, blk);
     if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, c->size);
@@ -333,20 +339,18 @@ chorus_result_t chorus__reduce_scatter_hier(chorus__coll_t *c) {
  * are then copied to their ranks' places (one copy of the output). */
 chorus_result_t chorus__allgather_hier(chorus__coll_t *c) {
   if (!hier_applies(c)) return chorus__allgather_ring(c);
-  regroup_t g;
-  char *s = regroup_begin(c, &g);
-  if (!s) return CHORUS_ERR_NO_MEMORY;
+  plan_t g;
+  plan_begin(c, 0, &g);
   const chorus__topo_t *t = g.t;
   int H = g.H, L = g.L;
-  size_t blk = g.blk;
+  size_t blk = c->count * c->esize;
+  char *s = chorus__scratch(c, blk * (size_t)c->size);
+  if (!s) return CHORUS_ERR_NO_MEMORY;
   char *group = s + (size_t)t->lidx * (size_t)H * blk;
   if (blk) memcpy(group + (size_t)t->host * blk, c->sendbuf, blk);
-  chorus__ring_t local = {t->local, t->nlocal, t->lidx};
-  chorus__ring_t cross = {t->cross, t->nhosts, t->host};
   size_t gcount = c->count * (size_t)H;
-  chorus_result_t st = chorus__ring_pass(c, &cross, group, NULL, gcount, 0, 0);
-  if (st == CHORUS_OK)
-    st = chorus__ring_pass(c, &local, s, NULL, gcount * (size_t)L, 0, CHORUS__RING_STEPS(c->size));
+  chorus_result_t st = chorus__ring_pass(c, &g.cross, group, NULL, gcount, 0, 0);
+  if (st == CHORUS_OK) st = chorus__ring_pass(c, &g.local, s, NULL, gcount * (size_t)L, 0, g.S);
   if (st == CHORUS_OK && blk) {
     for (int l = 0; l < L; l++)
       for (int h = 0; h < H; h++) {
@@ -521,29 +525,10 @@ static chorus_result_t chain_reduce(chorus__coll_t *c, const chorus__ring_t *rin
   return st;
 }
 
-/* What the rooted algorithms share: the host map, the root's host and
- * local index, the step spacing and the two rings (between hosts among
- * this local index, inside this host). */
-typedef struct {
-  const chorus__topo_t *t;
-  int rh, rl;
-  uint32_t S;
-  chorus__ring_t cross, local;
-} rooted_t;
-
-static void rooted_begin(const chorus__coll_t *c, rooted_t *r) {
-  const chorus__topo_t *t = c->topo;
-  r->t = t;
-  root_place(t, c->root, &r->rh, &r->rl);
-  r->S = CHORUS__RING_STEPS(c->size);
-  r->cross = (chorus__ring_t){t->cross, t->nhosts, t->host};
-  r->local = (chorus__ring_t){t->local, t->nlocal, t->lidx};
-}
-
 chorus_result_t chorus__bcast_hier(chorus__coll_t *c) {
   if (!rooted_hier_applies(c)) return chorus__bcast_binomial(c);
-  rooted_t r;
-  rooted_begin(c, &r);
+  plan_t r;
+  plan_begin(c, 1, &r);
   const chorus__topo_t *t = r.t;
   char *buf = c->recvbuf;
   chorus_result_t st = CHORUS_OK;
@@ -561,8 +546,8 @@ chorus_result_t chorus__bcast_hier(chorus__coll_t *c) {
 
 chorus_result_t chorus__reduce_hier(chorus__coll_t *c) {
   if (!rooted_hier_applies(c)) return chorus__reduce_binomial(c);
-  rooted_t r;
-  rooted_begin(c, &r);
+  plan_t r;
+  plan_begin(c, 1, &r);
   const chorus__topo_t *t = r.t;
   int into_recv = c->rank == c->root && c->recvbuf;
   char *buf = into_recv ? c->recvbuf : chorus__scratch(c, c->count * c->esize);

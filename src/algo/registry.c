@@ -24,17 +24,18 @@ static const chorus__algo_t g_bcast[] = {
     A("binomial", chorus__bcast_binomial, "binomial tree, log2(n) rounds"),
     A("linear", chorus__bcast_linear, "root sends to every rank"),
     A("hierarchical", chorus__bcast_hier,
-      "root scatters to its host's ranks, each broadcasts its block between hosts (scatter + "
-      "ring all-gather), ring all-gather in each host (binomial unless every host has as many "
-      "ranks)"),
+      "root scatters to its host's ranks, each passes its block from host to host in a "
+      "pipelined chain, ring all-gather in each host (binomial below 3 hosts or unless every "
+      "host has as many ranks)"),
     D(chorus__bcast_direct, "root copies in once, every rank copies out"),
 };
 static const chorus__algo_t g_reduce[] = {
     A("binomial", chorus__reduce_binomial, "binomial tree, log2(n) rounds"),
     A("linear", chorus__reduce_linear, "root receives from every rank"),
     A("hierarchical", chorus__reduce_hier,
-      "ring reduce-scatter in each host and between hosts, blocks gathered to the root's host "
-      "and the root (binomial unless every host has as many ranks)"),
+      "ring reduce-scatter in each host, each block reduced down a pipelined chain of hosts to "
+      "the root's, blocks gathered to the root (binomial below 3 hosts or unless every host "
+      "has as many ranks)"),
     D(chorus__reduce_direct, "each rank reduces a slice from every buffer"),
 };
 static const chorus__algo_t g_allreduce[] = {

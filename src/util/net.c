@@ -34,12 +34,14 @@ int chorus__net_set_nodelay(int fd) {
   return setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0 ? -errno : 0;
 }
 
-static int resolve(const char *host, int port, int passive, struct addrinfo **res) {
+/* flags: getaddrinfo's (AI_PASSIVE to listen, AI_NUMERICHOST to never
+ * look a name up). */
+static int resolve(const char *host, int port, int flags, struct addrinfo **res) {
   struct addrinfo hints;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  hints.ai_flags = flags;
   char svc[16];
   snprintf(svc, sizeof svc, "%d", port);
   int rc = getaddrinfo(host && *host ? host : NULL, svc, &hints, res);
@@ -50,7 +52,7 @@ static int resolve(const char *host, int port, int passive, struct addrinfo **re
 int chorus__net_listen(const char *host, int port, int backlog, int *bound_port) {
   if (port < 0 || port > 65535) return -EINVAL;
   struct addrinfo *res = NULL;
-  int rc = resolve(host, port, 1, &res);
+  int rc = resolve(host, port, AI_PASSIVE, &res);
   if (rc < 0) return rc;
   int fd = -1;
   rc = -EADDRNOTAVAIL;
@@ -158,15 +160,9 @@ int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_
 }
 
 int chorus__net_connect_start(const char *host, int port) {
-  if (!host || port <= 0 || port > 65535) return -EINVAL;
-  struct addrinfo hints, *res = NULL;
-  memset(&hints, 0, sizeof hints);
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
-  char svc[16];
-  snprintf(svc, sizeof svc, "%d", port);
-  if (getaddrinfo(host, svc, &hints, &res) != 0 || !res) return -EINVAL;
+  if (!host || !*host || port <= 0 || port > 65535) return -EINVAL;
+  struct addrinfo *res = NULL;
+  if (resolve(host, port, AI_NUMERICHOST, &res) < 0 || !res) return -EINVAL;
   int fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                   res->ai_protocol);
   int rc = fd < 0 ? -errno : 0;
