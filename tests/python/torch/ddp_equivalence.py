@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import BACKEND, out
+from common import BACKEND, finish, out
 
 GLOBAL_BATCH = 8
 STEPS = 12
@@ -117,7 +117,7 @@ def main():
         results[config] = run(config, rank, size)
     if rank == 0:
         torch.save(results, sys.argv[1])
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

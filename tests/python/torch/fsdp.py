@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import BACKEND, Net, out
+from common import BACKEND, Net, finish, out
 
 # Debian 12: torch 1.13's FSDP does not import on Python 3.11 without it
 # (whatever the backend).
@@ -66,7 +66,7 @@ def main():
         torch.save({"train": {k.replace("_fsdp_wrapped_module.", "")
                               .replace("_fpw_module.", ""): v for k, v in state.items()}},
                    sys.argv[1])
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

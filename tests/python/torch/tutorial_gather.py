@@ -4,7 +4,7 @@ neither Gloo nor chorus reduces complex)."""
 import torch
 import torch.distributed as dist
 
-from common import BACKEND, out
+from common import BACKEND, finish, out
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
         out("reduce_scatter", o.tolist())
     else:
         out("reduce_scatter", [float(sum(r + rank for r in range(size)))] * 2)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

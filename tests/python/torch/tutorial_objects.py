@@ -2,7 +2,7 @@
 examples."""
 import torch.distributed as dist
 
-from common import BACKEND, out
+from common import BACKEND, finish, out
 
 
 def main():
@@ -21,7 +21,7 @@ def main():
     gl = [None] * size if rank == 1 else None
     dist.gather_object({"rank": rank}, gl, dst=1)
     out("gather_object", gl if rank == 1 else "(not dst)")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

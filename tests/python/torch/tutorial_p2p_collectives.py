@@ -4,7 +4,7 @@ processes.  Unchanged but for the backend."""
 import torch
 import torch.distributed as dist
 
-from common import BACKEND, out
+from common import BACKEND, finish, out
 
 
 def p2p_blocking(rank):
@@ -73,7 +73,7 @@ def main():
     p2p_nonblocking(rank)
     all_reduce(rank)
     collectives(rank, size)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import BACKEND, Net, out
+from common import BACKEND, Net, finish, out
 
 MODE = os.environ.get("MODE", "zero")
 
@@ -80,7 +80,7 @@ def main():
     if rank == 0:
         torch.save({"train": {k: v.detach().clone() for k, v in model.state_dict().items()}},
                    sys.argv[1])
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
