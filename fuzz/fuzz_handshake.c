@@ -4,9 +4,11 @@
  * server-side handshake is fuzzed by fuzz_store (modes 0 and 1).
  *
  * Connect message (76 bytes, docs/design.md "Authentication"):
- *   "CHRC" u32 version, u32 rank c, nonce Nc (32),
- *   HMAC-SHA256(key, "chorus data connect" W c a Na Nc)
- * where the fuzzing transport's own nonce Na is 32 zero bytes.
+ *   "CHRC" u32 version word v, u32 rank c, nonce Nc (32),
+ *   HMAC-SHA256(key, "chorus data connect" W c a v Na Nc)
+ * where the fuzzing transport's own nonce Na is 32 zero bytes; v holds the
+ * version (bits 0-15), the encryption flag (16), the stream (20-23) and
+ * how many streams the connector wants (24-28).
  *
  * Input: byte 0 flags, the rest the connect message as it arrives (shorter:
  * zero-padded by the hook; longer: the rest is ignored).
@@ -19,8 +21,10 @@
  *             made with the fuzzer's key: must be refused)
  * Oracle: a message is accepted (a rank returned) exactly when its magic,
  * version, MAC (checked here independently with libcrypto's HMAC), rank
- * (not this rank, below the size, not connected yet) and encryption flag
- * are right; every refusal is one of the four reasons.
+ * (not this rank, below the size, not connected yet), encryption flag and
+ * streams (stream 0 -- a pair's other streams need its stream 0 accepted
+ * from that rank first -- of 1 to 16) are right; every refusal is one of
+ * the four reasons.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -34,7 +38,7 @@
 
 #define CONNECT_LEN (12 + CHORUS__NONCE_LEN + CHORUS__MAC_LEN)
 #define HS_CONNECT 0x43524843u /* "CHRC" */
-#define HS_VERSION 2u
+#define HS_VERSION 3u
 #define HS_FLAG_ENCRYPT 0x10000u
 
 static chorus__key_t g_key, g_other_key;
@@ -52,13 +56,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 /* What tcp.c's hs_mac computes, written from the protocol's description. */
 static void connect_mac(const chorus__key_t *key, uint32_t connector, uint32_t acceptor,
-                        const uint8_t *nc, uint8_t mac[CHORUS__MAC_LEN]) {
+                        uint32_t v, const uint8_t *nc, uint8_t mac[CHORUS__MAC_LEN]) {
   static const char label[] = "chorus data connect"; /* with its NUL */
   static const uint8_t na[CHORUS__NONCE_LEN];
-  uint8_t ids[16];
+  uint8_t ids[20];
   chorus__le64_put(ids, FUZZ_WORLD_ID);
   chorus__le32_put(ids + 8, connector);
   chorus__le32_put(ids + 12, acceptor);
+  chorus__le32_put(ids + 16, v);
   const void *parts[4] = {label, ids, na, nc};
   size_t lens[4] = {sizeof label, sizeof ids, sizeof na, CHORUS__NONCE_LEN};
   chorus__hmac(key, parts, lens, 4, mac);
@@ -77,7 +82,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   memcpy(msg, data + 1, n);
   uint32_t version = chorus__le32_get(msg + 4), peer = chorus__le32_get(msg + 8);
   if (flags & 16) {
-    connect_mac(&g_key, peer, (uint32_t)rank, msg + 12, msg + 12 + CHORUS__NONCE_LEN);
+    connect_mac(&g_key, peer, (uint32_t)rank, version, msg + 12, msg + 12 + CHORUS__NONCE_LEN);
     if (n < CONNECT_LEN) n = CONNECT_LEN;
   }
 
@@ -92,11 +97,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   int got = chorus__tp_fuzz_handshake(tp, msg, n);
 
   uint8_t want[CHORUS__MAC_LEN];
-  connect_mac(tp_key, peer, (uint32_t)rank, msg + 12, want);
+  connect_mac(tp_key, peer, (uint32_t)rank, version, msg + 12, want);
   int mac_ok = memcmp(want, msg + 12 + CHORUS__NONCE_LEN, sizeof want) == 0;
   int ok = chorus__le32_get(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && mac_ok &&
            peer < (uint32_t)nproc && (int)peer != rank && (int)peer != connected &&
-           !(version & HS_FLAG_ENCRYPT);
+           !(version & HS_FLAG_ENCRYPT) && ((version >> 20) & 0xfu) == 0 &&
+           ((version >> 24) & 0x1fu) >= 1 && ((version >> 24) & 0x1fu) <= 16;
   if (ok) {
     FUZZ_REQUIRE(got == (int)peer);
   } else {

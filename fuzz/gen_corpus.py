@@ -126,16 +126,20 @@ def wire_seeds():
 
 
 def handshake_seeds():
-    def connect(rank, version=2, magic=b"CHRC"):
+    def connect(rank, version=3 | 1 << 24, magic=b"CHRC"):
+        # version word: version 3, stream (bits 20-23) of nstreams (bits 24-28)
         return magic + struct.pack("<II", version, rank) + bytes(range(32)) + bytes(32)
     # flags: bits 0-1 rank, 2-3 size-2, 4 fix MAC, 5 rank+1 connected, 6 other key
     yield "valid_rank1_of_3", bytes([0x14]) + connect(1)
     yield "valid_rank3_of_5_from_1", bytes([0x1d]) + connect(3)
     yield "already_connected", bytes([0x34]) + connect(1)
-    yield "encrypt_flag", bytes([0x14]) + connect(1, 2 | 0x10000)
+    yield "encrypt_flag", bytes([0x14]) + connect(1, 3 | 1 << 24 | 0x10000)
+    yield "four_streams", bytes([0x14]) + connect(1, 3 | 4 << 24)
+    yield "stream_2_unasked", bytes([0x34]) + connect(1, 3 | 2 << 20 | 4 << 24)
+    yield "no_streams", bytes([0x14]) + connect(1, 3)
     yield "wrong_key", bytes([0x54]) + connect(2)
     yield "bad_mac", bytes([0x04]) + connect(1)
-    yield "old_version", bytes([0x14]) + connect(1, 1)
+    yield "old_version", bytes([0x14]) + connect(1, 2)
 
 
 def main():

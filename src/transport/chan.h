@@ -29,6 +29,14 @@
  * slows the sender.  The channel moves payload bytes to rx->dst (discarding
  * them when it is NULL) and reports them with chorus__tp_rx_bytes().
  *
+ * Striped messages (wire.h).  A channel that stripes sets rx->striped on
+ * the stream that may carry HEADs; the endpoint layer routes a HEAD as the
+ * DATA message it is (rx->h says DATA, its whole length; rx->hbuf still
+ * says HEAD), and the channel then moves that
+ * message's state into a stream of its own (chorus__tp_rx_move) which its
+ * pieces fill at their offsets from any connection, reporting each with
+ * chorus__tp_rx_bytes; the first stream goes on with the next header.
+ *
  * Failures.  A channel that loses a peer (EOF, error, a protocol violation)
  * calls chorus__tp_peer_failed(); the endpoint layer fails the endpoints
  * that need the peer and asks the channel to close it (ops->close), which
@@ -66,6 +74,13 @@ typedef struct chorus__tx {
   chorus__req_t *req;  /* completed when written; NULL for control */
   chorus__ep_t *ep;    /* owner, for detaching on failure; NULL for control */
   char *owned;         /* payload copy owned by the item */
+  /* A message a channel cut into pieces (tcp.c's striping) is several
+   * items: the whole (its request, its first piece) with pieces = how many
+   * of its items are not yet written or lost, itself included, and one item
+   * per other piece with whole pointing to it.  The request completes when
+   * the last is written; the whole is freed with its last item. */
+  struct chorus__tx *whole;
+  int pieces;
 } chorus__tx_t;
 
 /* A peer's (or a stream's) messages waiting to be written, in order. */
@@ -102,6 +117,7 @@ typedef struct chorus__rx {
   size_t abort_len;
   int paused;            /* not read: its payload can go nowhere yet */
   int64_t paused_since;
+  int striped;           /* the channel may deliver HEADs here (wire.h: striping) */
   struct chorus__rx *next; /* the peer's other streams */
 } chorus__rx_t;
 
@@ -243,6 +259,12 @@ void chorus__tp_protocol_error(chorus__tp_t *tp, chorus__peer_t *p, const char *
  * goes away.  Before anything is parsed. */
 void chorus__tp_rx_attach(chorus__tp_t *tp, chorus__peer_t *p, chorus__rx_t *rx,
                           chorus__chan_t *ch, void *link);
+/* The message whose payload from starts (routed, nothing of it read) is
+ * received through to from now on -- to attached to the same peer, by the
+ * channel that reassembles it -- and from waits for its next header.
+ * detach: rx (a stream the channel attached) is no longer the peer's. */
+void chorus__tp_rx_move(chorus__rx_t *from, chorus__rx_t *to);
+void chorus__tp_rx_detach(chorus__peer_t *p, chorus__rx_t *rx);
 /* Wakes the threads waiting for requests (after a completion). */
 void chorus__tp_wake(chorus__tp_t *tp);
 /* Wakes the progress thread (work no descriptor announces). */
@@ -266,8 +288,9 @@ void chorus__tp_free(chorus__tp_t *tp);
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                       chorus__chan_t **out, char *errmsg, size_t errcap);
 /* TCP (tcp.c): carries the peers no other channel carries, one connection
- * per pair, made when the first message between them is sent (the
- * listener cfg->listen_fd accepts for as long as the channel lives). */
+ * per pair (or CHORUS_SOCKET_NSTREAMS), made when the first message between
+ * them is sent (the listener cfg->listen_fd accepts for as long as the
+ * channel lives). */
 chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                  chorus__chan_t **out, char *errmsg, size_t errcap);
 

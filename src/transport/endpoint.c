@@ -38,7 +38,8 @@ enum {
   T_DATA = CHORUS__WIRE_DATA,
   T_ABORT = CHORUS__WIRE_ABORT,
   T_BYE = CHORUS__WIRE_BYE,
-  T_PING = CHORUS__WIRE_PING
+  T_PING = CHORUS__WIRE_PING,
+  T_HEAD = CHORUS__WIRE_HEAD
 };
 typedef chorus__wire_hdr_t hdr_t;
 typedef chorus__tx_t txitem_t;
@@ -499,20 +500,32 @@ void chorus__tp_peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus
   wake_all(tp);
 }
 
+/* The message it belongs to once it is written or lost, when that was its
+ * last item still out (chorus__tx_t: pieces); NULL while others are. */
+static chorus__tx_t *tx_last_piece(chorus__tx_t *it) {
+  chorus__tx_t *w = it->whole ? it->whole : it;
+  if (it != w) chorus__tx_free(it);
+  return w->pieces && --w->pieces ? NULL : w;
+}
+
 void chorus__tp_tx_lost(chorus__tp_t *tp, peer_t *p, chorus__tx_t *it) {
   (void)tp;
-  if (it->req && it->ep && it->ep->status == CHORUS_OK)
-    ep_fail_locked(it->ep, CHORUS_ERR_REMOTE, 0, "chorus: send to world rank %d failed: %s",
+  chorus__tx_t *w = it->whole ? it->whole : it;
+  if (w->req && w->ep && w->ep->status == CHORUS_OK)
+    ep_fail_locked(w->ep, CHORUS_ERR_REMOTE, 0, "chorus: send to world rank %d failed: %s",
                    p->rank, p->dead_why);
-  chorus__tx_free(it);
+  w->req = NULL; /* lost once: it never completes */
+  if ((w = tx_last_piece(it))) chorus__tx_free(w);
 }
 
 void chorus__tp_tx_done(chorus__tp_t *tp, chorus__tx_t *it) {
-  if (it->req) {
-    it->req->done = 1;
+  chorus__tx_t *w = tx_last_piece(it);
+  if (!w) return;
+  if (w->req) {
+    w->req->done = 1;
     wake_all(tp);
   }
-  chorus__tx_free(it);
+  chorus__tx_free(w);
 }
 
 void chorus__tp_rx_attach(chorus__tp_t *tp, peer_t *p, rx_t *rx, chorus__chan_t *ch, void *link) {
@@ -523,6 +536,29 @@ void chorus__tp_rx_attach(chorus__tp_t *tp, peer_t *p, rx_t *rx, chorus__chan_t 
   rx->link = link;
   rx->next = p->rxs;
   p->rxs = rx;
+}
+
+void chorus__tp_rx_move(rx_t *from, rx_t *to) {
+  to->h = from->h;
+  to->dst = from->dst;
+  to->left = from->left;
+  to->req = from->req;
+  to->unexp = from->unexp;
+  to->in_payload = 1;
+  from->dst = NULL;
+  from->req = NULL;
+  from->unexp = NULL;
+  from->left = 0;
+  from->in_payload = 0;
+  from->hgot = 0;
+}
+
+void chorus__tp_rx_detach(peer_t *p, rx_t *rx) {
+  for (rx_t **pp = &p->rxs; *pp; pp = &(*pp)->next)
+    if (*pp == rx) {
+      *pp = rx->next;
+      return;
+    }
 }
 
 /* ---------------------------------------------------------- receiving */
@@ -768,11 +804,18 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
       rx->abort_len = h->len;
       rx->dst = rx->abort; /* NULL (out of memory): the text is discarded */
       break;
+    case T_HEAD:
+      if (!rx->striped)
+        return chorus__tp_protocol_error(tp, c, "striped message on a connection that carries "
+                                                "none");
+      h->type = T_DATA; /* the DATA message it is, for matching and buffering */
+      __attribute__((fallthrough));
     case T_DATA:
       if (!route_data(tp, rx)) return; /* paused: the payload stays where it is */
       break;
-    default: /* rejected by chorus__wire_check */
-      return chorus__tp_protocol_error(tp, c, "unknown message type");
+    default: /* a PART (only a striping channel parses those), or rejected by wire_check */
+      return chorus__tp_protocol_error(tp, c, "piece of a striped message outside its "
+                                              "connection");
   }
   rx->in_payload = 1;
   rx->left = h->len;

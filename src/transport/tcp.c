@@ -1,7 +1,8 @@
 /*
- * tcp.c - the TCP channel (chan.h): one authenticated connection per pair
- * of ranks that exchange messages, made when the first message between
- * them is sent, optionally encrypted.
+ * tcp.c - the TCP channel (chan.h): authenticated connections between the
+ * pairs of ranks that exchange messages, made when the first message
+ * between them is sent, optionally encrypted; one per pair, or several
+ * (CHORUS_SOCKET_NSTREAMS) that share the pair's large messages.
  *
  * Connections when needed.  Nothing is connected when the world forms;
  * every rank keeps its listener open and accepts (handshakes run in the
@@ -14,6 +15,19 @@
  * on the lower rank's connection (decisions are made under the context's
  * lock, one pair state per peer).  A world of P ranks whose algorithms
  * talk to k peers opens k sockets per rank, not P-1.
+ *
+ * Several connections per pair.  The pair's first connection (stream 0)
+ * agrees on how many it has: the smaller of both ranks' NSTREAMS.  The rank
+ * that dialled it then dials the others (streams 1 .. K-1, each with its own
+ * handshake and keys), and once all are up on a side, that side stripes its
+ * large messages (wire.h): header and piece 0 on stream 0, piece i on
+ * stream i, written side by side; everything else keeps to stream 0, in
+ * order.  The receiver routes a striped message when its header arrives and
+ * places the pieces at their offsets as the streams deliver them (a piece
+ * whose header comes first waits, its stream unread).  One TCP flow is
+ * limited by its congestion window and by one core's copying; K flows take
+ * K shares of a link other traffic also uses, and K cores' worth of kernel
+ * work.
  *
  * Wire format of every message: a 56-byte header followed by `len` payload
  * bytes.  The header's layout, its encoding and the checks that need nothing
@@ -46,29 +60,36 @@
 #include "util/util.h"
 
 #define HDR_SIZE CHORUS__WIRE_HDR_SIZE
+#define MAX_STREAMS CHORUS__WIRE_MAX_STREAMS
 typedef chorus__tx_t txitem_t;
 
 #define HS_ACCEPT 0x41524843u   /* "CHRA" */
 #define HS_CONNECT 0x43524843u  /* "CHRC" */
 #define HS_OK 0x4b524843u       /* "CHRK" */
 #define HS_DENY 0x44524843u     /* "CHRD" */
-#define HS_VERSION 2u
-/* Set in the version field of hello and connect when the sender encrypts
- * (CHORUS_ENCRYPT=1): both ends must agree. */
+#define HS_VERSION 3u
+/* The version word of connect and ok: the version in its low 16 bits, and
+ * HS_FLAG_ENCRYPT when the sender encrypts (CHORUS_ENCRYPT=1: both ends must
+ * agree); in connect also which stream of the pair the connection is and
+ * how many streams the connector wants (1 .. MAX_STREAMS); in ok how many
+ * the pair has. */
 #define HS_FLAG_ENCRYPT 0x10000u
 #define HS_VERSION_MASK 0xffffu
+#define HS_STREAM(v) (((v) >> 20) & 0xfu)
+#define HS_NSTREAMS(v) (((v) >> 24) & 0x1fu)
+#define HS_STREAMS(s, k) (((uint32_t)(s) << 20) | ((uint32_t)(k) << 24))
 /* Handshake messages (docs/design.md, "Authentication"):
  *   hello    acceptor -> connector  "CHRA" u32 version, nonce Na
- *   connect  connector -> acceptor  "CHRC" u32 version, u32 rank c, nonce Nc,
- *                                   HMAC(key, "chorus data connect" W c a Na Nc)
- *   ok       acceptor -> connector  "CHRK" u32 rank a,
- *                                   HMAC(key, "chorus data accept" W c a Na Nc)
+ *   connect  connector -> acceptor  "CHRC" u32 version word v, u32 rank c, nonce Nc,
+ *                                   HMAC(key, "chorus data connect" W c a v Na Nc)
+ *   ok       acceptor -> connector  "CHRK" u32 rank a, u32 version word v',
+ *                                   HMAC(key, "chorus data accept" W c a v' Na Nc)
  *   deny     acceptor -> connector  "CHRD" u32 reason (HS_DENY_*)
  * W is the world id, never sent: a peer of another world fails the MAC like
  * one without the key, and a stranger learns nothing about the world. */
 #define HS_HELLO_LEN (8 + CHORUS__NONCE_LEN)
 #define HS_CONNECT_LEN (12 + CHORUS__NONCE_LEN + CHORUS__MAC_LEN)
-#define HS_OK_LEN (8 + CHORUS__MAC_LEN)
+#define HS_OK_LEN (12 + CHORUS__MAC_LEN)
 #define HS_DENY_LEN 8
 enum {
   HS_DENY_AUTH = 1,
@@ -81,18 +102,23 @@ enum {
 /* CHORUS_ENCRYPT=1: after the handshake every byte of a connection travels
  * in AES-256-GCM records, u32 plaintext length (authenticated too) | that
  * many ciphertext bytes | 16-byte tag, each direction with its own key from
- * the handshake (HKDF of the job key over both nonces, the world and both
- * ranks) and a counter nonce, so a record that is altered, dropped,
- * replayed or reordered fails the connection.  Records pack the message
- * stream (headers and payloads) in pieces of at most REC_MAX bytes. */
+ * the handshake (HKDF of the job key over both nonces, the world, both
+ * ranks and the stream) and a counter nonce, so a record that is altered,
+ * dropped, replayed or reordered fails the connection.  Records pack the
+ * message stream (headers and payloads) in pieces of at most REC_MAX
+ * bytes. */
 #define REC_MAX ((size_t)128 << 10)
 #define REC_OVERHEAD (4 + CHORUS__AEAD_TAG_LEN)
 #define DISCARD_BUF 65536
-
+/* Striped messages a pair may have in reassembly at once, per direction:
+ * far more than any algorithm keeps in flight to one peer. */
+#define MAX_ASSEMBLIES 4096
 
 typedef struct tcp_chan tcp_chan_t;
+typedef struct conn conn_t;
 
-/* The state of a pair, on this side. */
+/* The state of a pair (conn_t.state, which its stream 0 drives) or of a
+ * stream being dialled (stream_t.state), on this side. */
 enum {
   C_IDLE,       /* no connection, none being made */
   C_CONNECTING, /* dialled: connect() in progress (fd >= 0), or waiting to retry (fd < 0) */
@@ -103,14 +129,26 @@ enum {
   C_CLOSED      /* the peer failed */
 };
 
-typedef struct conn {
+/* A striped message being received: the endpoint layer's stream for it
+ * (where its bytes go, how many are still to come), its number among the
+ * pair's striped messages, its cut. */
+typedef struct assembly {
+  chorus__rx_t rx;
+  uint64_t msg;
+  uint64_t psize;
+  int nparts;
+  struct assembly *next;
+} assembly_t;
+
+/* One connection of a pair. */
+typedef struct stream {
+  conn_t *c;
+  int idx; /* 0: the pair's first, which carries everything but pieces */
   int fd;
   int state;
-  tcp_chan_t *ch;
-  chorus__peer_t *peer;
-  chorus__rx_t rx;
   chorus__watch_t watch;
   int epoll_out;
+  int waiting; /* a piece header whose message's HEAD has not come: not read */
   /* Encryption (NULL when off): the directions' ciphers, the record being
    * written (tx_rec[tx_off..tx_len)) and the record being read
    * (rx_got bytes so far; once opened, plaintext at rx_rec + 4 + rx_poff,
@@ -119,17 +157,43 @@ typedef struct conn {
   uint8_t *tx_rec, *rx_rec;
   size_t tx_len, tx_off, rx_got, rx_poff, rx_pleft;
   uint8_t keys[64]; /* from the handshake: connector->acceptor, acceptor->connector */
-  /* Dialling (C_CONNECTING .. C_AWAIT): when it began, when it gives up,
-   * when to try again (fd < 0), the handshake bytes read so far and both
-   * nonces; next on the channel's list of pairs being dialled. */
-  int64_t since, deadline, retry_at;
-  struct conn *next_dial;
+  /* Dialling (C_CONNECTING .. C_AWAIT): when it gives up, when to try
+   * again (fd < 0), the handshake bytes read so far and both nonces; next
+   * on the channel's list of streams being dialled. */
+  int64_t deadline, retry_at;
+  struct stream *next_dial;
   uint8_t hs[64]; /* a hello or an ok (HS_HELLO_LEN, HS_OK_LEN) */
   size_t hs_got;
   uint8_t na[CHORUS__NONCE_LEN], nc[CHORUS__NONCE_LEN];
-  /* Send queue: messages wait here while the connection is made. */
+  /* Send queue: messages (pieces, on streams > 0) wait here while the
+   * connection is made and while the socket is full. */
   chorus__txq_t txq;
-} conn_t;
+  /* Receiving: the piece being read into part (every stream: stream 0
+   * reads piece 0 right after its HEAD), and on streams > 0 the header of
+   * the next piece. */
+  assembly_t *part;
+  uint64_t part_off, part_left;
+  uint8_t hbuf[HDR_SIZE];
+  size_t hgot;
+} stream_t;
+
+struct conn {
+  int state;
+  int connector; /* this rank dialled stream 0 (and dials the others) */
+  tcp_chan_t *ch;
+  chorus__peer_t *peer;
+  chorus__rx_t rx;  /* stream 0's message parser */
+  int64_t since;    /* when dialling began */
+  int nstreams;     /* agreed with the peer (1 until stream 0 is up) */
+  int nready;       /* streams up on this side: striping once all are */
+  stream_t s0;
+  stream_t *s[MAX_STREAMS]; /* s[0] = &s0; the others once dialled or accepted */
+  /* Striped messages: numbered as sent and as their HEADs arrive; those
+   * being reassembled, oldest first. */
+  uint64_t tx_msgs, rx_msgs;
+  assembly_t *asm_head, *asm_tail;
+  int nasm;
+};
 
 /* A connection to our listener whose handshake has not completed: a peer
  * dialling, or a stranger.  Each costs one of max_pending slots until its
@@ -154,6 +218,7 @@ struct tcp_chan {
   conn_t **conns;
   conn_t **live;
   int nlive, cap_live;
+  int nstreams; /* CHORUS_SOCKET_NSTREAMS: what this rank asks for */
   int listen_fd;
   chorus__watch_t listen_watch;
   pending_t **pend; /* max_pending slots, npend used */
@@ -161,48 +226,53 @@ struct tcp_chan {
   int hs_ms;
   int64_t connect_ns; /* how long dialling a peer may take */
   int retry_ms;
-  conn_t *dialing;    /* pairs in C_CONNECTING .. C_AWAIT */
+  stream_t *dialing;  /* streams in C_CONNECTING .. C_AWAIT */
   unsigned long rejected;
   chorus__ratelimit_t reject_log; /* strangers turned away */
   char discard[DISCARD_BUF];
 };
 
-static void on_conn_event(void *arg, uint32_t events);
+static void on_stream_event(void *arg, uint32_t events);
 static void conn_failed(conn_t *c, const char *why, chorus_result_t code);
 static chorus__tp_t *conn_tp(const conn_t *c) { return c->ch->base.tp; }
+static chorus__tp_t *stream_tp(const stream_t *s) { return s->c->ch->base.tp; }
 
 /* ------------------------------------------------------------ sending */
 
-/* The events c waits for: input unless paused, output while its queue is
+/* Whether s's input is switched off: stream 0 paused by the endpoint
+ * layer, another stream's piece waiting for its HEAD. */
+static int stream_blocked(const stream_t *s) { return s->idx ? s->waiting : s->c->rx.paused; }
+
+/* The events s waits for: input unless blocked, output while its queue is
  * blocked. */
-static int update_events(conn_t *c, int paused, int out) {
-  uint32_t ev = (paused ? 0u : (uint32_t)EPOLLIN) | (out ? (uint32_t)EPOLLOUT : 0u);
-  return chorus__tp_watch_mod(conn_tp(c), c->fd, ev, &c->watch);
+static int update_events(stream_t *s, int blocked, int out) {
+  uint32_t ev = (blocked ? 0u : (uint32_t)EPOLLIN) | (out ? (uint32_t)EPOLLOUT : 0u);
+  return chorus__tp_watch_mod(stream_tp(s), s->fd, ev, &s->watch);
 }
 
-static void set_epoll_out(conn_t *c, int on) {
-  if (c->epoll_out == on || c->peer->dead) return;
-  if (update_events(c, c->rx.paused, on) == 0) c->epoll_out = on;
+static void set_epoll_out(stream_t *s, int on) {
+  if (s->epoll_out == on || s->c->peer->dead) return;
+  if (update_events(s, stream_blocked(s), on) == 0) s->epoll_out = on;
 }
 
-/* Takes an item off the head of c's queue once all its bytes are out (or
- * sealed in a record): its request is complete, the caller may reuse the
- * buffer. */
-static void tx_item_done(conn_t *c) { chorus__txq_pop_done(conn_tp(c), &c->txq); }
+/* Takes an item off the head of s's queue once all its bytes are out (or
+ * sealed in a record): its request is complete (or, for a piece, one step
+ * nearer), the caller may reuse the buffer. */
+static void tx_item_done(stream_t *s) { chorus__txq_pop_done(stream_tp(s), &s->txq); }
 
-/* Seals the next record from the head of the queue into c->tx_rec: as many
+/* Seals the next record from the head of the queue into s->tx_rec: as many
  * bytes of as many queued messages as fit in REC_MAX.  0, or -1 after
  * failing the connection. */
-static int seal_record(conn_t *c) {
+static int seal_record(stream_t *s) {
   size_t plen = 0;
-  for (txitem_t *it = c->txq.head; it && plen < REC_MAX; it = it->next)
+  for (txitem_t *it = s->txq.head; it && plen < REC_MAX; it = it->next)
     plen += CHORUS__MIN(REC_MAX - plen, HDR_SIZE + it->len - it->off);
-  uint8_t *rec = c->tx_rec, *out = rec + 4;
+  uint8_t *rec = s->tx_rec, *out = rec + 4;
   chorus__le32_put(rec, (uint32_t)plen);
-  int rc = chorus__aead_begin(c->tx_aead, rec, 4);
+  int rc = chorus__aead_begin(s->tx_aead, rec, 4);
   size_t left = plen;
   while (rc == 0 && left > 0) {
-    txitem_t *it = c->txq.head;
+    txitem_t *it = s->txq.head;
     const uint8_t *in;
     size_t k;
     if (it->off < HDR_SIZE) {
@@ -213,37 +283,37 @@ static int seal_record(conn_t *c) {
       k = HDR_SIZE + it->len - it->off;
     }
     if (k > left) k = left;
-    rc = chorus__aead_update(c->tx_aead, in, out, k);
+    rc = chorus__aead_update(s->tx_aead, in, out, k);
     out += k;
     left -= k;
     it->off += k;
-    if (it->off == HDR_SIZE + it->len) tx_item_done(c);
+    if (it->off == HDR_SIZE + it->len) tx_item_done(s);
   }
-  if (rc == 0) rc = chorus__aead_seal_end(c->tx_aead, rec + 4 + plen);
+  if (rc == 0) rc = chorus__aead_seal_end(s->tx_aead, rec + 4 + plen);
   if (rc < 0) {
-    conn_failed(c, "encryption failed (libcrypto)", CHORUS_ERR_SYSTEM);
+    conn_failed(s->c, "encryption failed (libcrypto)", CHORUS_ERR_SYSTEM);
     return -1;
   }
-  c->tx_len = plen + REC_OVERHEAD;
-  c->tx_off = 0;
+  s->tx_len = plen + REC_OVERHEAD;
+  s->tx_off = 0;
   return 0;
 }
 
-/* The next bytes of c's queue to write into iov: the rest of the sealed
+/* The next bytes of s's queue to write into iov: the rest of the sealed
  * record (sealing the next one when the last is out) when the connection is
  * encrypted, else the head message's header and payload.  Returns the iovec
  * count, 0 when nothing is left, -1 after failing the connection. */
-static int next_tx(conn_t *c, struct iovec iov[2]) {
-  if (c->tx_aead) {
-    if (c->tx_off == c->tx_len) {
-      if (!c->txq.head) return 0;
-      if (seal_record(c) < 0) return -1;
+static int next_tx(stream_t *s, struct iovec iov[2]) {
+  if (s->tx_aead) {
+    if (s->tx_off == s->tx_len) {
+      if (!s->txq.head) return 0;
+      if (seal_record(s) < 0) return -1;
     }
-    iov[0].iov_base = c->tx_rec + c->tx_off;
-    iov[0].iov_len = c->tx_len - c->tx_off;
+    iov[0].iov_base = s->tx_rec + s->tx_off;
+    iov[0].iov_len = s->tx_len - s->tx_off;
     return 1;
   }
-  txitem_t *it = c->txq.head;
+  txitem_t *it = s->txq.head;
   if (!it) return 0;
   if (it->off >= HDR_SIZE) {
     size_t poff = it->off - HDR_SIZE;
@@ -259,23 +329,24 @@ static int next_tx(conn_t *c, struct iovec iov[2]) {
   return 2;
 }
 
-/* Writes as much of the queue as the socket takes. */
-static void flush_tx(conn_t *c) {
+/* Writes as much of s's queue as the socket takes. */
+static void flush_tx(stream_t *s) {
+  conn_t *c = s->c;
   while (!c->peer->dead) {
     struct iovec iov[2];
-    int niov = next_tx(c, iov);
+    int niov = next_tx(s, iov);
     if (niov < 0) return;
     if (niov == 0) {
-      set_epoll_out(c, 0);
+      set_epoll_out(s, 0);
       chorus__tp_wake(conn_tp(c)); /* tp_destroy waits for drained queues */
       return;
     }
     struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-    ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        set_epoll_out(c, 1);
+        set_epoll_out(s, 1);
         return;
       }
       char why[128];
@@ -283,14 +354,60 @@ static void flush_tx(conn_t *c) {
       conn_failed(c, why, CHORUS_ERR_REMOTE);
       return;
     }
-    if (c->tx_aead) {
-      c->tx_off += (size_t)n;
+    if (s->tx_aead) {
+      s->tx_off += (size_t)n;
       continue;
     }
-    txitem_t *it = c->txq.head;
+    txitem_t *it = s->txq.head;
     it->off += (size_t)n;
-    if (it->off == HDR_SIZE + it->len) tx_item_done(c);
+    if (it->off == HDR_SIZE + it->len) tx_item_done(s);
   }
+}
+
+/* Queues it on s (and writes what can go now, when s is up). */
+static void stream_push(stream_t *s, txitem_t *it) {
+  chorus__txq_push(&s->txq, it);
+  if (s->state == C_READY && s->txq.head == it) flush_tx(s);
+}
+
+/* Cuts it (a DATA message, every stream up) into pieces, one per stream:
+ * it becomes the HEAD with piece 0 on stream 0, the others PARTs.  0, or
+ * -1 when it stays whole (too short, or no memory for the pieces). */
+static int stripe(conn_t *c, txitem_t *it) {
+  uint64_t psize;
+  if (chorus__le16_get(it->hdr + 4) != CHORUS__WIRE_DATA) return -1;
+  int n = chorus__wire_parts(it->len, c->nstreams, &psize);
+  if (n < 2) return -1;
+  txitem_t *part[MAX_STREAMS] = {0};
+  for (int i = 1; i < n; i++)
+    if (!(part[i] = calloc(1, sizeof **part))) {
+      for (int j = 1; j < i; j++) free(part[j]);
+      return -1;
+    }
+  uint64_t msg = ++c->tx_msgs;
+  for (int i = 1; i < n; i++) {
+    txitem_t *pt = part[i];
+    uint64_t off = (uint64_t)i * psize;
+    chorus__wire_hdr_t h = {.magic = CHORUS__WIRE_MAGIC, .type = CHORUS__WIRE_PART,
+                            .ep_id = msg, .seq = off,
+                            .len = CHORUS__MIN(psize, (uint64_t)it->len - off)};
+    chorus__wire_encode(&h, pt->hdr);
+    pt->payload = it->payload + off;
+    pt->len = (size_t)h.len;
+    pt->ep = it->ep;
+    pt->whole = it;
+  }
+  chorus__le16_put(it->hdr + 4, CHORUS__WIRE_HEAD); /* its len stays the whole length */
+  it->len = (size_t)psize;
+  it->pieces = n;
+  stream_push(c->s[0], it);
+  for (int i = 1; i < n; i++) {
+    if (c->state == C_CLOSED) /* a write failed meanwhile: the pair is gone */
+      chorus__tp_tx_lost(conn_tp(c), c->peer, part[i]);
+    else
+      stream_push(c->s[i], part[i]);
+  }
+  return 0;
 }
 
 /* ---------------------------------------------------------- receiving */
@@ -298,26 +415,27 @@ static void flush_tx(conn_t *c) {
 /* Reads and opens the next record of an encrypted connection.  1 when its
  * plaintext is ready, 0 at end of stream, -1 with errno set (EAGAIN: the
  * rest has not arrived; EBADMSG: the connection failed, it was altered). */
-static int open_record(conn_t *c) {
-  uint8_t *rec = c->rx_rec;
+static int open_record(stream_t *s) {
+  conn_t *c = s->c;
+  uint8_t *rec = s->rx_rec;
   for (;;) {
-    size_t need = c->rx_got < 4 ? 4 : REC_OVERHEAD + chorus__le32_get(rec);
-    if (c->rx_got == 4 && chorus__le32_get(rec) > REC_MAX) {
+    size_t need = s->rx_got < 4 ? 4 : REC_OVERHEAD + chorus__le32_get(rec);
+    if (s->rx_got == 4 && chorus__le32_get(rec) > REC_MAX) {
       chorus__tp_protocol_error(conn_tp(c), c->peer,
                                 "encrypted record longer than the protocol allows");
       errno = EBADMSG;
       return -1;
     }
-    if (c->rx_got == need && need > 4) break;
-    ssize_t n = recv(c->fd, rec + c->rx_got, need - c->rx_got, MSG_DONTWAIT);
+    if (s->rx_got == need && need > 4) break;
+    ssize_t n = recv(s->fd, rec + s->rx_got, need - s->rx_got, MSG_DONTWAIT);
     if (n <= 0) return n == 0 ? 0 : -1;
-    c->rx_got += (size_t)n;
+    s->rx_got += (size_t)n;
   }
   size_t plen = chorus__le32_get(rec);
-  int rc = chorus__aead_begin(c->rx_aead, rec, 4);
-  if (rc == 0) rc = chorus__aead_update(c->rx_aead, rec + 4, rec + 4, plen);
-  if (rc == 0) rc = chorus__aead_open_end(c->rx_aead, rec + 4 + plen);
-  c->rx_got = 0;
+  int rc = chorus__aead_begin(s->rx_aead, rec, 4);
+  if (rc == 0) rc = chorus__aead_update(s->rx_aead, rec + 4, rec + 4, plen);
+  if (rc == 0) rc = chorus__aead_open_end(s->rx_aead, rec + 4 + plen);
+  s->rx_got = 0;
   if (rc < 0) {
     CHORUS_WARN(CHORUS__SUB_TCP, "chorus: a record from world rank %d (%s) failed "
                 "authentication; closing the connection", c->peer->rank, c->peer->addr);
@@ -326,34 +444,163 @@ static int open_record(conn_t *c) {
     errno = EBADMSG;
     return -1;
   }
-  c->rx_poff = 0;
-  c->rx_pleft = plen;
+  s->rx_poff = 0;
+  s->rx_pleft = plen;
   return 1;
 }
 
 /* recv() for the parser: from the socket, or from opened records when the
  * connection is encrypted. */
-static ssize_t conn_recv(conn_t *c, void *dst, size_t want) {
-  if (!c->rx_aead) return recv(c->fd, dst, want, MSG_DONTWAIT);
-  while (c->rx_pleft == 0) {
-    int rc = open_record(c);
+static ssize_t stream_recv(stream_t *s, void *dst, size_t want) {
+  if (!s->rx_aead) return recv(s->fd, dst, want, MSG_DONTWAIT);
+  while (s->rx_pleft == 0) {
+    int rc = open_record(s);
     if (rc <= 0) return rc;
   }
-  size_t k = CHORUS__MIN(want, c->rx_pleft);
-  memcpy(dst, c->rx_rec + 4 + c->rx_poff, k);
-  c->rx_poff += k;
-  c->rx_pleft -= k;
+  size_t k = CHORUS__MIN(want, s->rx_pleft);
+  memcpy(dst, s->rx_rec + 4 + s->rx_poff, k);
+  s->rx_poff += k;
+  s->rx_pleft -= k;
   return (ssize_t)k;
 }
 
-static void read_conn(conn_t *c) {
+static void assembly_free(conn_t *c, assembly_t *a) {
+  assembly_t **pp = &c->asm_head, *prev = NULL;
+  while (*pp && *pp != a) {
+    prev = *pp;
+    pp = &(*pp)->next;
+  }
+  if (*pp) {
+    *pp = a->next;
+    if (c->asm_tail == a) c->asm_tail = prev;
+    c->nasm--;
+  }
+  chorus__tp_rx_detach(c->peer, &a->rx);
+  free(a);
+}
+
+/* Stream 0 routed a HEAD (c->rx in its payload, nothing read): the message
+ * moves to an assembly of its own, stream 0 reads piece 0 into it, and
+ * streams whose piece of it arrived first may read on.  0, or -1 after
+ * failing the peer. */
+static int head_begin(stream_t *s) {
+  conn_t *c = s->c;
+  chorus__tp_t *tp = conn_tp(c);
+  uint64_t psize;
+  int n = chorus__wire_parts(c->rx.h.len, c->nstreams, &psize);
+  if (n < 2) { /* wire_check and rx.striped rule this out; a peer's bytes all the same */
+    chorus__tp_protocol_error(tp, c->peer, "striped message too short to stripe");
+    return -1;
+  }
+  if (c->nasm >= MAX_ASSEMBLIES) {
+    chorus__tp_protocol_error(tp, c->peer, "too many striped messages in reassembly");
+    return -1;
+  }
+  assembly_t *a = calloc(1, sizeof *a);
+  if (!a) {
+    conn_failed(c, "out of memory reassembling a striped message", CHORUS_ERR_NO_MEMORY);
+    return -1;
+  }
+  chorus__tp_rx_attach(tp, c->peer, &a->rx, &c->ch->base, c);
+  chorus__tp_rx_move(&c->rx, &a->rx);
+  a->msg = ++c->rx_msgs;
+  a->psize = psize;
+  a->nparts = n;
+  if (c->asm_tail) c->asm_tail->next = a;
+  else c->asm_head = a;
+  c->asm_tail = a;
+  c->nasm++;
+  s->part = a;
+  s->part_off = 0;
+  s->part_left = psize;
+  for (int i = 1; i < c->nstreams; i++) {
+    stream_t *o = c->s[i];
+    if (!o || !o->waiting) continue;
+    o->waiting = 0;
+    update_events(o, 0, o->epoll_out);
+    chorus__tp_kick(tp); /* its header is parsed already: no event says so */
+  }
+  return 0;
+}
+
+/* A piece's header is in s->hbuf (s > 0): find its message, or wait for its
+ * HEAD.  0, or -1 after failing the peer. */
+static int part_header(stream_t *s) {
+  conn_t *c = s->c;
+  chorus__tp_t *tp = conn_tp(c);
+  chorus__wire_hdr_t h;
+  chorus__wire_decode(s->hbuf, &h);
+  const char *bad = chorus__wire_check(&h);
+  if (!bad && h.type != CHORUS__WIRE_PART) bad = "a message other than a piece on a piece stream";
+  if (bad) {
+    chorus__tp_protocol_error(tp, c->peer, bad);
+    return -1;
+  }
+  if (h.ep_id > c->rx_msgs) { /* its HEAD has not come yet on stream 0 */
+    if (!s->waiting) {
+      s->waiting = 1;
+      update_events(s, 1, s->epoll_out);
+    }
+    return 0;
+  }
+  assembly_t *a = c->asm_head;
+  while (a && a->msg != h.ep_id) a = a->next;
+  uint64_t off = (uint64_t)s->idx * (a ? a->psize : 0);
+  if (!a || s->idx >= a->nparts || h.seq != off ||
+      h.len != CHORUS__MIN(a->psize, a->rx.h.len - off)) {
+    chorus__tp_protocol_error(tp, c->peer, a ? "a piece that does not fit its message"
+                                             : "a piece of a message already complete");
+    return -1;
+  }
+  s->hgot = 0;
+  s->part = a;
+  s->part_off = off;
+  s->part_left = h.len;
+  return 0;
+}
+
+/* n bytes of s's piece were read. */
+static void part_bytes(stream_t *s, size_t n) {
+  assembly_t *a = s->part;
+  s->part_off += n;
+  s->part_left -= n;
+  if (!s->part_left) s->part = NULL;
+  chorus__tp_rx_bytes(stream_tp(s), &a->rx, n);
+  if (!a->rx.left) assembly_free(s->c, a);
+}
+
+/* Reads what s's socket has: messages (stream 0), pieces (every stream). */
+static void read_stream(stream_t *s) {
+  conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
   chorus__peer_t *p = c->peer;
   chorus__rx_t *rx = &c->rx;
   while (!p->dead) {
     ssize_t n;
-    if (!rx->in_payload) {
-      n = conn_recv(c, rx->hbuf + rx->hgot, HDR_SIZE - rx->hgot);
+    if (s->part) {
+      assembly_t *a = s->part;
+      char *dst = a->rx.dst ? a->rx.dst + s->part_off : c->ch->discard;
+      size_t want = a->rx.dst ? s->part_left : CHORUS__MIN(s->part_left, (uint64_t)DISCARD_BUF);
+      n = stream_recv(s, dst, want);
+      if (n > 0) {
+        p->last_heard = chorus__now_ns();
+        part_bytes(s, (size_t)n);
+        continue;
+      }
+    } else if (s->idx > 0) {
+      if (s->waiting) return;
+      if (s->hgot == HDR_SIZE) {
+        if (part_header(s) < 0) return;
+        continue;
+      }
+      n = stream_recv(s, s->hbuf + s->hgot, HDR_SIZE - s->hgot);
+      if (n > 0) {
+        p->last_heard = chorus__now_ns();
+        s->hgot += (size_t)n;
+        continue;
+      }
+    } else if (!rx->in_payload) {
+      n = stream_recv(s, rx->hbuf + rx->hgot, HDR_SIZE - rx->hgot);
       if (n > 0) {
         p->last_heard = chorus__now_ns();
         rx->hgot += (size_t)n;
@@ -363,10 +610,14 @@ static void read_conn(conn_t *c) {
         }
         continue;
       }
+    } else if (chorus__le16_get(rx->hbuf + 4) == CHORUS__WIRE_HEAD) {
+      /* Routed (now, or when the endpoint layer resumed the stream). */
+      if (head_begin(s) < 0) return;
+      continue;
     } else {
       char *dst = rx->dst ? rx->dst + (rx->h.len - rx->left) : c->ch->discard;
       size_t want = rx->dst ? rx->left : CHORUS__MIN(rx->left, (size_t)DISCARD_BUF);
-      n = conn_recv(c, dst, want);
+      n = stream_recv(s, dst, want);
       if (n > 0) {
         p->last_heard = chorus__now_ns();
         chorus__tp_rx_bytes(tp, rx, (size_t)n);
@@ -375,9 +626,9 @@ static void read_conn(conn_t *c) {
     }
     if (p->dead) return; /* a record failed authentication */
     if (n == 0) {
-      conn_failed(c, rx->in_payload || rx->hgot ? "closed its connection in the middle of a "
-                                                  "message"
-                                                : "closed its connection", CHORUS_ERR_REMOTE);
+      int mid = s->part || (s->idx ? s->hgot > 0 : rx->in_payload || rx->hgot);
+      conn_failed(c, mid ? "closed its connection in the middle of a message"
+                         : "closed its connection", CHORUS_ERR_REMOTE);
       return;
     }
     if (errno == EINTR) continue;
@@ -395,22 +646,31 @@ static void conn_failed(conn_t *c, const char *why, chorus_result_t code) {
   chorus__tp_peer_failed(conn_tp(c), c->peer, why, code);
 }
 
-static void dial_event(conn_t *c, uint32_t events);
+static void dial_event(stream_t *s, uint32_t events);
 
-static void on_conn_event(void *arg, uint32_t events) {
-  conn_t *c = arg;
-  if (c->peer->dead) return;
-  if (c->state != C_READY) {
-    dial_event(c, events);
+static void on_stream_event(void *arg, uint32_t events) {
+  stream_t *s = arg;
+  if (s->c->peer->dead) return;
+  if (s->state != C_READY) {
+    dial_event(s, events);
     return;
   }
-  if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) read_conn(c);
-  if (!c->peer->dead && (events & EPOLLOUT)) flush_tx(c);
+  if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) read_stream(s);
+  if (!s->c->peer->dead && (events & EPOLLOUT)) flush_tx(s);
 }
 
 /* p's pair state; NULL while nothing was sent either way. */
 static conn_t *conn_of(chorus__chan_t *ch, const chorus__peer_t *p) {
   return ((tcp_chan_t *)ch)->conns[p->rank];
+}
+
+static void stream_init(stream_t *s, conn_t *c, int idx) {
+  s->c = c;
+  s->idx = idx;
+  s->fd = -1;
+  s->state = C_IDLE;
+  s->watch = (chorus__watch_t){on_stream_event, s};
+  c->s[idx] = s;
 }
 
 /* p's pair state, made now if need be; NULL when out of memory. */
@@ -426,10 +686,10 @@ static conn_t *conn_make(tcp_chan_t *t, chorus__peer_t *p) {
   }
   c = calloc(1, sizeof *c);
   if (!c) return NULL;
-  c->fd = -1;
   c->ch = t;
   c->peer = p;
-  c->watch = (chorus__watch_t){on_conn_event, c};
+  c->nstreams = 1;
+  stream_init(&c->s0, c, 0);
   chorus__tp_rx_attach(t->base.tp, p, &c->rx, &t->base, c);
   p->link = c;
   t->conns[p->rank] = c;
@@ -437,7 +697,7 @@ static conn_t *conn_make(tcp_chan_t *t, chorus__peer_t *p) {
   return c;
 }
 
-static void dial_start(conn_t *c);
+static void dial_start(stream_t *s);
 
 static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
   conn_t *c = conn_make((tcp_chan_t *)ch, p);
@@ -451,71 +711,111 @@ static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
     chorus__tp_tx_lost(ch->tp, p, it);
     return;
   }
-  chorus__txq_push(&c->txq, it);
-  if (c->state == C_READY) {
-    if (c->txq.head == it) flush_tx(c);
-  } else if (c->state == C_IDLE) {
+  if (c->state == C_READY && c->nready == c->nstreams && c->nstreams > 1 && stripe(c, it) == 0)
+    return;
+  stream_push(&c->s0, it);
+  if (c->state == C_IDLE) {
     c->since = chorus__now_ns();
-    c->deadline = c->since + c->ch->connect_ns;
-    dial_start(c);
+    c->s0.deadline = c->since + c->ch->connect_ns;
+    dial_start(&c->s0);
   }
 }
 
 static void tcp_rx_pause(chorus__chan_t *ch, chorus__rx_t *rx, int on) {
   conn_t *c = rx->link;
   if (c->state != C_READY || c->peer->dead) return;
-  update_events(c, on, c->epoll_out);
+  update_events(&c->s0, on, c->s0.epoll_out);
   /* Plaintext already opened: no socket event will say so. */
-  if (!on && c->rx_pleft) chorus__tp_kick(ch->tp);
+  if (!on && c->s0.rx_pleft) chorus__tp_kick(ch->tp);
+}
+
+/* Striped messages are never dropped half-sent: the receiver waits for
+ * every piece of one whose HEAD it saw.  ep's are kept whole, each item
+ * from a private copy of its bytes, and no longer ep's. */
+static int cancel_striped(chorus__txq_t *q, const chorus__ep_t *ep) {
+  int lost = 0;
+  for (txitem_t *it = q->head; it; it = it->next) {
+    if (it->ep != ep || !(it->whole || it->pieces)) continue;
+    if (!it->owned && it->len) {
+      if ((it->owned = malloc(it->len))) {
+        memcpy(it->owned, it->payload, it->len);
+        it->payload = it->owned;
+      } else {
+        lost = 1;
+      }
+    }
+    it->req = NULL;
+    it->ep = NULL;
+  }
+  return lost ? -1 : 0;
 }
 
 static int tcp_cancel(chorus__chan_t *ch, chorus__peer_t *p, chorus__ep_t *ep) {
   conn_t *c = conn_of(ch, p);
-  return c ? chorus__txq_cancel(&c->txq, ep) : 0;
+  int rc = 0;
+  for (int i = 0; c && i < c->nstreams; i++)
+    if (c->s[i] && cancel_striped(&c->s[i]->txq, ep) < 0) rc = -1;
+  for (int i = 0; c && i < c->nstreams; i++)
+    if (c->s[i] && chorus__txq_cancel(&c->s[i]->txq, ep) < 0) rc = -1;
+  return rc;
 }
 
 static int tcp_pending(chorus__chan_t *ch, chorus__peer_t *p, const chorus__ep_t *ep) {
   conn_t *c = conn_of(ch, p);
-  return c && (chorus__txq_has(&c->txq, ep) || (!ep && c->tx_off < c->tx_len));
+  for (int i = 0; c && i < c->nstreams; i++) {
+    stream_t *s = c->s[i];
+    if (s && (chorus__txq_has(&s->txq, ep) || (!ep && s->tx_off < s->tx_len))) return 1;
+  }
+  return 0;
 }
 
-static void dial_unlist(conn_t *c) {
-  for (conn_t **pp = &c->ch->dialing; *pp; pp = &(*pp)->next_dial)
-    if (*pp == c) {
-      *pp = c->next_dial;
+static void dial_unlist(stream_t *s) {
+  for (stream_t **pp = &s->c->ch->dialing; *pp; pp = &(*pp)->next_dial)
+    if (*pp == s) {
+      *pp = s->next_dial;
       break;
     }
-  c->next_dial = NULL;
+  s->next_dial = NULL;
 }
 
 static void tcp_close(chorus__chan_t *ch, chorus__peer_t *p) {
   conn_t *c = conn_of(ch, p);
   if (!c) return; /* never talked: nothing queued, nothing to close */
-  if (c->state >= C_CONNECTING && c->state <= C_AWAIT) dial_unlist(c);
-  if (c->fd >= 0) {
-    chorus__tp_unwatch(ch->tp, c->fd);
-    /* The peer must see EOF now, not at its timeout; the fd number itself
-     * stays reserved until the channel goes so it cannot be reused. */
-    shutdown(c->fd, SHUT_RDWR);
+  for (int i = 0; i < MAX_STREAMS; i++) {
+    stream_t *s = c->s[i];
+    if (!s) continue;
+    if (s->state >= C_CONNECTING && s->state <= C_AWAIT) dial_unlist(s);
+    if (s->fd >= 0) {
+      chorus__tp_unwatch(ch->tp, s->fd);
+      /* The peer must see EOF now, not at its timeout; the fd number
+       * itself stays reserved until the channel goes so it cannot be
+       * reused. */
+      shutdown(s->fd, SHUT_RDWR);
+    }
+    s->state = C_CLOSED;
+    s->part = NULL;
+    chorus__txq_lose(ch->tp, p, &s->txq);
+    s->tx_off = s->tx_len;
   }
   c->state = C_CLOSED;
-  chorus__txq_lose(ch->tp, p, &c->txq);
-  c->tx_off = c->tx_len;
+  while (c->asm_head) assembly_free(c, c->asm_head);
 }
 
 static void tcp_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size_t cap) {
   conn_t *c = conn_of(ch, p);
-  char local[80] = "?", remote[80] = "?", ifname[64] = "?";
+  char local[80] = "?", remote[80] = "?", ifname[64] = "?", more[48] = "";
   int lport = 0, rport = 0;
   if (!c || c->state != C_READY) {
     snprintf(buf, cap, "tcp (%s %s)",
              !c || c->state == C_IDLE ? "not connected; listens at" : "connecting to", p->addr);
     return;
   }
-  chorus__net_local_addr(c->fd, local, sizeof local, &lport);
-  chorus__net_peer_addr(c->fd, remote, sizeof remote, &rport);
+  chorus__net_local_addr(c->s0.fd, local, sizeof local, &lport);
+  chorus__net_peer_addr(c->s0.fd, remote, sizeof remote, &rport);
   chorus__net_addr_ifname(local, ifname, sizeof ifname);
-  snprintf(buf, cap, "tcp %s:%d -> %s:%d (%s)", local, lport, remote, rport, ifname);
+  if (c->nstreams > 1)
+    snprintf(more, sizeof more, ", %d of %d streams up", c->nready, c->nstreams);
+  snprintf(buf, cap, "tcp %s:%d -> %s:%d (%s%s)", local, lport, remote, rport, ifname, more);
 }
 
 static int tcp_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since) {
@@ -530,14 +830,20 @@ static int tcp_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since)
 static void pending_drop(pending_t *p);
 static void dial_tick(tcp_chan_t *t, int64_t now);
 
-/* Each progress round: handshakes and dials past their deadlines; opened
- * records whose rest was not parsed (the stream was paused and resumed,
- * no socket event will say so). */
+/* Whether s has input no socket event will announce: opened plaintext not
+ * parsed yet, or a piece header parsed while its HEAD was awaited. */
+static int stream_has_input(const stream_t *s) {
+  if (s->state != C_READY || stream_blocked(s)) return 0;
+  return s->rx_pleft || (s->idx && s->hgot == HDR_SIZE && !s->part);
+}
+
+/* Each progress round: handshakes and dials past their deadlines; input
+ * that is there but that no event will announce (stream_has_input). */
 static void tcp_poll(chorus__chan_t *ch) {
   tcp_chan_t *t = (tcp_chan_t *)ch;
   int64_t now = chorus__now_ns();
   for (int i = t->npend - 1; i >= 0; i--) {
-    if (i >= t->npend || t->pend[i]->deadline > now) continue;
+    if (t->pend[i]->deadline > now) continue;
     chorus__log_limited(&t->reject_log, CHORUS__SUB_TCP,
                         "chorus rank %d: dropped a connection from %s: no handshake within %d ms",
                         ch->tp->rank, t->pend[i]->addr, t->hs_ms);
@@ -545,11 +851,22 @@ static void tcp_poll(chorus__chan_t *ch) {
     pending_drop(t->pend[i]);
   }
   if (t->dialing) dial_tick(t, now);
-  if (!ch->tp->encrypt) return;
   for (int i = 0; i < t->nlive; i++) {
     conn_t *c = t->live[i];
-    if (c->state == C_READY && c->rx_pleft && !c->rx.paused && !c->peer->dead) read_conn(c);
+    for (int k = 0; k < c->nstreams && !c->peer->dead; k++)
+      if (c->s[k] && stream_has_input(c->s[k])) read_stream(c->s[k]);
   }
+}
+
+static void stream_free(stream_t *s) {
+  if (s->fd >= 0) close(s->fd);
+  chorus__txq_free(&s->txq);
+  chorus__aead_free(s->tx_aead);
+  chorus__aead_free(s->rx_aead);
+  free(s->tx_rec);
+  free(s->rx_rec);
+  chorus__wipe(s->keys, sizeof s->keys);
+  if (s->idx) free(s);
 }
 
 static void tcp_destroy(chorus__chan_t *ch) {
@@ -566,13 +883,9 @@ static void tcp_destroy(chorus__chan_t *ch) {
                 "port", ch->tp->rank, t->rejected);
   for (int i = 0; i < t->nlive; i++) {
     conn_t *c = t->live[i];
-    if (c->fd >= 0) close(c->fd);
-    chorus__txq_free(&c->txq);
-    chorus__aead_free(c->tx_aead);
-    chorus__aead_free(c->rx_aead);
-    free(c->tx_rec);
-    free(c->rx_rec);
-    chorus__wipe(c->keys, sizeof c->keys);
+    for (int k = MAX_STREAMS - 1; k >= 0; k--)
+      if (c->s[k]) stream_free(c->s[k]);
+    while (c->asm_head) assembly_free(c, c->asm_head);
     free(c);
   }
   free(t->live);
@@ -601,6 +914,7 @@ static tcp_chan_t *tcp_new(chorus__tp_t *tp) {
   t->base.ops = &tcp_ops;
   t->base.tp = tp;
   t->listen_fd = -1;
+  t->nstreams = 1;
   t->conns = calloc((size_t)tp->size, sizeof *t->conns);
   if (!t->conns) {
     free(t);
@@ -613,54 +927,69 @@ static tcp_chan_t *tcp_new(chorus__tp_t *tp) {
 
 /* ---------------------------------------------------------- handshake */
 
+/* v: the version word of the message the MAC is for (connect or ok). */
 static void hs_mac(const chorus__tp_t *tp, int accept_side, uint32_t connector, uint32_t acceptor,
-                   const uint8_t *na, const uint8_t *nc, uint8_t mac[CHORUS__MAC_LEN]) {
+                   uint32_t v, const uint8_t *na, const uint8_t *nc,
+                   uint8_t mac[CHORUS__MAC_LEN]) {
   static const char lc[] = "chorus data connect", la[] = "chorus data accept";
-  uint8_t ids[16];
+  uint8_t ids[20];
   chorus__le64_put(ids, tp->world_id);
   chorus__le32_put(ids + 8, connector);
   chorus__le32_put(ids + 12, acceptor);
+  chorus__le32_put(ids + 16, v);
   const void *parts[4] = {accept_side ? (const void *)la : (const void *)lc, ids, na, nc};
   size_t lens[4] = {accept_side ? sizeof la : sizeof lc, sizeof ids, CHORUS__NONCE_LEN,
                     CHORUS__NONCE_LEN};
   chorus__hmac(&tp->key, parts, lens, 4, mac);
 }
 
-/* The connection's two record keys (CHORUS_ENCRYPT): HKDF of the job key
- * over both nonces, the world and both ranks; connector->acceptor first. */
-static int hs_keys(const chorus__tp_t *tp, uint32_t connector, uint32_t acceptor,
+/* A connection's two record keys (CHORUS_ENCRYPT): HKDF of the job key
+ * over both nonces, the world, both ranks and the stream; connector->acceptor
+ * first. */
+static int hs_keys(const chorus__tp_t *tp, uint32_t connector, uint32_t acceptor, uint32_t stream,
                    const uint8_t *na, const uint8_t *nc, uint8_t out[64]) {
-  uint8_t salt[2 * CHORUS__NONCE_LEN], info[16 + 16];
+  uint8_t salt[2 * CHORUS__NONCE_LEN], info[16 + 20];
   memcpy(salt, na, CHORUS__NONCE_LEN);
   memcpy(salt + CHORUS__NONCE_LEN, nc, CHORUS__NONCE_LEN);
   memcpy(info, "chorus data keys", 16);
   chorus__le64_put(info + 16, tp->world_id);
   chorus__le32_put(info + 24, connector);
   chorus__le32_put(info + 28, acceptor);
+  chorus__le32_put(info + 32, stream);
   int rc = chorus__hkdf(&tp->key, salt, sizeof salt, info, sizeof info, out, 64);
   chorus__wipe(salt, sizeof salt);
   return rc;
 }
 
-/* c's handshake succeeded on fd (this rank dialled: connector): c carries
- * the pair from now on, its queued messages go.  0, or -1 after failing
- * the peer. */
-static int conn_ready(conn_t *c, int fd, int connector) {
+static void dial_start(stream_t *s);
+
+/* s's handshake succeeded on fd (this rank dialled: connector): s carries
+ * its share of the pair from now on, its queued messages go; once stream 0
+ * is up, its connector dials the others.  0, or -1 after failing the
+ * peer. */
+static int stream_ready(stream_t *s, int fd, int connector) {
+  conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
-  if (c->state >= C_CONNECTING && c->state <= C_AWAIT) dial_unlist(c);
-  if (c->fd >= 0 && c->fd != fd) { /* our own attempt, which lost the crossing */
-    chorus__tp_unwatch(tp, c->fd);
-    close(c->fd);
+  if (s->state >= C_CONNECTING && s->state <= C_AWAIT) dial_unlist(s);
+  if (s->fd >= 0 && s->fd != fd) { /* our own attempt, which lost the crossing */
+    chorus__tp_unwatch(tp, s->fd);
+    close(s->fd);
   }
-  c->fd = fd;
-  c->state = C_READY;
+  s->fd = fd;
+  s->state = C_READY;
+  if (s->idx == 0) {
+    c->state = C_READY;
+    c->connector = connector;
+    c->rx.striped = c->nstreams > 1;
+  }
+  c->nready++;
   if (tp->encrypt) {
-    c->tx_aead = chorus__aead_new(c->keys + (connector ? 0 : 32), connector ? 1 : 2, 1);
-    c->rx_aead = chorus__aead_new(c->keys + (connector ? 32 : 0), connector ? 2 : 1, 0);
-    c->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
-    c->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
-    chorus__wipe(c->keys, sizeof c->keys);
-    if (!c->tx_aead || !c->rx_aead || !c->tx_rec || !c->rx_rec) {
+    s->tx_aead = chorus__aead_new(s->keys + (connector ? 0 : 32), connector ? 1 : 2, 1);
+    s->rx_aead = chorus__aead_new(s->keys + (connector ? 32 : 0), connector ? 2 : 1, 0);
+    s->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
+    s->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
+    chorus__wipe(s->keys, sizeof s->keys);
+    if (!s->tx_aead || !s->rx_aead || !s->tx_rec || !s->rx_rec) {
       conn_failed(c, "out of memory for the connection's encryption state", CHORUS_ERR_NO_MEMORY);
       return -1;
     }
@@ -671,20 +1000,35 @@ static int conn_ready(conn_t *c, int fd, int connector) {
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
   /* An accepted fd is new to epoll; a dialled one is watched already. */
-  if (chorus__tp_watch(tp, fd, EPOLLIN, &c->watch) < 0 &&
-      (errno != EEXIST || chorus__tp_watch_mod(tp, fd, EPOLLIN, &c->watch) < 0)) {
+  if (chorus__tp_watch(tp, fd, EPOLLIN, &s->watch) < 0 &&
+      (errno != EEXIST || chorus__tp_watch_mod(tp, fd, EPOLLIN, &s->watch) < 0)) {
     char why[96];
     snprintf(why, sizeof why, "epoll_ctl failed (%s)", strerror(errno));
     conn_failed(c, why, CHORUS_ERR_SYSTEM);
     return -1;
   }
-  c->epoll_out = 0;
-  /* Silence counts from now: nothing could be heard before. */
-  c->peer->last_heard = chorus__now_ns();
-  CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: connected with world rank %d (%s, %s)", tp->rank,
-               c->peer->rank, c->peer->addr, connector ? "dialled" : "accepted");
-  if (c->txq.head) flush_tx(c);
-  return 0;
+  s->epoll_out = 0;
+  if (s->idx == 0) {
+    /* Silence counts from now: nothing could be heard before. */
+    c->peer->last_heard = chorus__now_ns();
+    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: connected with world rank %d (%s, %s, %d "
+                 "stream%s)", tp->rank, c->peer->rank, c->peer->addr,
+                 connector ? "dialled" : "accepted", c->nstreams, c->nstreams > 1 ? "s" : "");
+  }
+  if (s->txq.head) flush_tx(s);
+  if (s->idx == 0 && connector) {
+    for (int i = 1; i < c->nstreams && !c->peer->dead; i++) {
+      stream_t *x = calloc(1, sizeof *x);
+      if (!x) {
+        conn_failed(c, "out of memory for its connections' state", CHORUS_ERR_NO_MEMORY);
+        return -1;
+      }
+      stream_init(x, c, i);
+      x->deadline = chorus__now_ns() + c->ch->connect_ns;
+      dial_start(x);
+    }
+  }
+  return c->peer->dead ? -1 : 0;
 }
 
 /* ------------------------------------------------- dialling (connector) */
@@ -702,9 +1046,12 @@ static int split_addr(const char *s, char sep, char *host, size_t cap, int *port
   return 0;
 }
 
-static void dial_fail(conn_t *c, const char *what, int err) {
-  char why[160];
-  snprintf(why, sizeof why, "cannot connect to its listener at %s: %s", c->peer->addr, what);
+static void dial_fail(stream_t *s, const char *what, int err) {
+  conn_t *c = s->c;
+  char why[200], which[48] = "";
+  if (s->idx) snprintf(which, sizeof which, " (stream %d of %d)", s->idx, c->nstreams);
+  snprintf(why, sizeof why, "cannot connect to its listener at %s%s: %s", c->peer->addr, which,
+           what);
   if (err) {
     size_t n = strlen(why);
     snprintf(why + n, sizeof why - n, " (%s)", strerror(err));
@@ -714,78 +1061,84 @@ static void dial_fail(conn_t *c, const char *what, int err) {
   conn_failed(c, why, err == ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_REMOTE);
 }
 
-/* This attempt is over but the pair may still connect: try again after
+/* s's state, and the pair's when s is its stream 0. */
+static void dial_state(stream_t *s, int state) {
+  s->state = state;
+  if (s->idx == 0) s->c->state = state;
+}
+
+/* This attempt is over but the stream may still connect: try again after
  * CHORUS_CONNECT_RETRY_MS, within the deadline (dial_tick). */
-static void dial_retry(conn_t *c) {
-  if (c->fd >= 0) {
-    chorus__tp_unwatch(conn_tp(c), c->fd);
-    close(c->fd);
-    c->fd = -1;
+static void dial_retry(stream_t *s) {
+  if (s->fd >= 0) {
+    chorus__tp_unwatch(stream_tp(s), s->fd);
+    close(s->fd);
+    s->fd = -1;
   }
-  c->state = C_CONNECTING;
-  c->retry_at = chorus__now_ns() + (int64_t)c->ch->retry_ms * 1000000;
+  dial_state(s, C_CONNECTING);
+  s->retry_at = chorus__now_ns() + (int64_t)s->c->ch->retry_ms * 1000000;
 }
 
 /* Starts an attempt (C_IDLE, or C_CONNECTING waiting to retry). */
-static void dial_start(conn_t *c) {
-  tcp_chan_t *t = c->ch;
-  if (c->state == C_IDLE) {
-    c->next_dial = t->dialing;
-    t->dialing = c;
+static void dial_start(stream_t *s) {
+  tcp_chan_t *t = s->c->ch;
+  if (s->state == C_IDLE) {
+    s->next_dial = t->dialing;
+    t->dialing = s;
   }
-  c->state = C_CONNECTING;
-  c->hs_got = 0;
+  dial_state(s, C_CONNECTING);
+  s->hs_got = 0;
   char host[64];
   int port;
-  if (split_addr(c->peer->addr, ':', host, sizeof host, &port) < 0) {
-    dial_fail(c, "the address it published cannot be parsed", 0);
+  if (split_addr(s->c->peer->addr, ':', host, sizeof host, &port) < 0) {
+    dial_fail(s, "the address it published cannot be parsed", 0);
     return;
   }
   int fd = chorus__net_connect_start(host, port);
   if (fd < 0) {
     if (fd == -ENETUNREACH || fd == -EHOSTUNREACH || fd == -EAGAIN || fd == -ENOBUFS) {
-      dial_retry(c);
+      dial_retry(s);
       return;
     }
-    dial_fail(c, "connect failed", -fd);
+    dial_fail(s, "connect failed", -fd);
     return;
   }
-  c->fd = fd;
-  if (chorus__tp_watch(conn_tp(c), fd, EPOLLOUT, &c->watch) < 0) {
+  s->fd = fd;
+  if (chorus__tp_watch(stream_tp(s), fd, EPOLLOUT, &s->watch) < 0) {
     close(fd);
-    c->fd = -1;
-    dial_fail(c, "epoll_ctl failed", errno);
+    s->fd = -1;
+    dial_fail(s, "epoll_ctl failed", errno);
   }
 }
 
-/* Pairs waiting to retry, or past their deadline.  Failing a pair fails
+/* Streams waiting to retry, or past their deadline.  Failing a pair fails
  * endpoints, whose ABORTs may start or fail other dials: the scan starts
  * over after each. */
 static void dial_tick(tcp_chan_t *t, int64_t now) {
-  for (conn_t *c = t->dialing; c;) {
-    if (now >= c->deadline) {
+  for (stream_t *s = t->dialing; s;) {
+    if (now >= s->deadline) {
       char what[96];
       snprintf(what, sizeof what, "no connection within %lld ms (%s)",
                (long long)(t->connect_ns / 1000000),
-               c->state == C_AWAIT ? "it was to dial this rank" : "the attempts kept failing");
-      dial_fail(c, what, ETIMEDOUT);
-      c = t->dialing;
-    } else if (c->state == C_CONNECTING && c->fd < 0 && now >= c->retry_at) {
-      dial_start(c);
-      c = t->dialing;
+               s->state == C_AWAIT ? "it was to dial this rank" : "the attempts kept failing");
+      dial_fail(s, what, ETIMEDOUT);
+      s = t->dialing;
+    } else if (s->state == C_CONNECTING && s->fd < 0 && now >= s->retry_at) {
+      dial_start(s);
+      s = t->dialing;
     } else {
-      c = c->next_dial;
+      s = s->next_dial;
     }
   }
 }
 
 /* Reads handshake bytes up to want; 1 when there, 0 when more must come,
  * -1 when the connection ended (errno; 0 at EOF). */
-static int dial_read(conn_t *c, size_t want) {
-  while (c->hs_got < want) {
-    ssize_t n = recv(c->fd, c->hs + c->hs_got, want - c->hs_got, MSG_DONTWAIT);
+static int dial_read(stream_t *s, size_t want) {
+  while (s->hs_got < want) {
+    ssize_t n = recv(s->fd, s->hs + s->hs_got, want - s->hs_got, MSG_DONTWAIT);
     if (n > 0) {
-      c->hs_got += (size_t)n;
+      s->hs_got += (size_t)n;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -796,60 +1149,69 @@ static int dial_read(conn_t *c, size_t want) {
   return 1;
 }
 
+/* The version word of this rank's connect for s. */
+static uint32_t connect_word(const stream_t *s) {
+  const conn_t *c = s->c;
+  return HS_VERSION | (conn_tp(c)->encrypt ? HS_FLAG_ENCRYPT : 0) |
+         HS_STREAMS(s->idx, s->idx ? c->nstreams : c->ch->nstreams);
+}
+
 /* The acceptor's hello is in: answer with our proof. */
-static void dial_hello(conn_t *c) {
-  chorus__tp_t *tp = conn_tp(c);
-  uint32_t version = chorus__le32_get(c->hs + 4);
-  if (chorus__le32_get(c->hs) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
+static void dial_hello(stream_t *s) {
+  chorus__tp_t *tp = stream_tp(s);
+  uint32_t version = chorus__le32_get(s->hs + 4);
+  if (chorus__le32_get(s->hs) != HS_ACCEPT || (version & HS_VERSION_MASK) != HS_VERSION) {
     char what[96];
     snprintf(what, sizeof what, "not a chorus peer of this version (magic %08x, version %u)",
-             chorus__le32_get(c->hs), version & HS_VERSION_MASK);
-    dial_fail(c, what, 0);
+             chorus__le32_get(s->hs), version & HS_VERSION_MASK);
+    dial_fail(s, what, 0);
     return;
   }
   if (!!(version & HS_FLAG_ENCRYPT) != tp->encrypt) {
     char what[128];
     snprintf(what, sizeof what, "the ranks disagree on CHORUS_ENCRYPT (this rank %d, that one "
              "%d): set it the same on every rank", tp->encrypt, !tp->encrypt);
-    dial_fail(c, what, 0);
+    dial_fail(s, what, 0);
     return;
   }
   uint8_t out[HS_CONNECT_LEN];
-  memcpy(c->na, c->hs + 8, CHORUS__NONCE_LEN);
+  uint32_t v = connect_word(s);
+  memcpy(s->na, s->hs + 8, CHORUS__NONCE_LEN);
   chorus__le32_put(out, HS_CONNECT);
-  chorus__le32_put(out + 4, HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0));
+  chorus__le32_put(out + 4, v);
   chorus__le32_put(out + 8, (uint32_t)tp->rank);
-  if (chorus__random_bytes(c->nc, CHORUS__NONCE_LEN) < 0) {
-    dial_fail(c, "no randomness", errno);
+  if (chorus__random_bytes(s->nc, CHORUS__NONCE_LEN) < 0) {
+    dial_fail(s, "no randomness", errno);
     return;
   }
-  memcpy(out + 12, c->nc, CHORUS__NONCE_LEN);
-  hs_mac(tp, 0, (uint32_t)tp->rank, (uint32_t)c->peer->rank, c->na, c->nc,
+  memcpy(out + 12, s->nc, CHORUS__NONCE_LEN);
+  hs_mac(tp, 0, (uint32_t)tp->rank, (uint32_t)s->c->peer->rank, v, s->na, s->nc,
          out + 12 + CHORUS__NONCE_LEN);
   /* A fresh socket's buffer takes these few bytes at once. */
-  if (send(c->fd, out, sizeof out, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof out) {
-    dial_retry(c);
+  if (send(s->fd, out, sizeof out, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof out) {
+    dial_retry(s);
     return;
   }
-  c->state = C_REPLY;
-  c->hs_got = 0;
+  dial_state(s, C_REPLY);
+  s->hs_got = 0;
 }
 
 /* The acceptor's answer is in (at least its first 8 bytes). */
-static void dial_reply(conn_t *c) {
+static void dial_reply(stream_t *s) {
+  conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
   int peer = c->peer->rank;
-  if (chorus__le32_get(c->hs) == HS_DENY) {
-    uint32_t reason = chorus__le32_get(c->hs + 4);
-    if (reason == HS_DENY_CROSS) {
+  if (chorus__le32_get(s->hs) == HS_DENY) {
+    uint32_t reason = chorus__le32_get(s->hs + 4);
+    if (reason == HS_DENY_CROSS && s->idx == 0) {
       /* It dials us too and its connection is the one: wait for it. */
-      chorus__tp_unwatch(tp, c->fd);
-      close(c->fd);
-      c->fd = -1;
-      c->state = C_AWAIT;
+      chorus__tp_unwatch(tp, s->fd);
+      close(s->fd);
+      s->fd = -1;
+      dial_state(s, C_AWAIT);
       return;
     }
-    dial_fail(c, reason == HS_DENY_AUTH ? "it refused our proof: the ranks have different job "
+    dial_fail(s, reason == HS_DENY_AUTH ? "it refused our proof: the ranks have different job "
               "secrets, or the address belongs to another world or generation"
               : reason == HS_DENY_RANK    ? "it already has a connection from this rank"
               : reason == HS_DENY_ENCRYPT ? "the ranks disagree on CHORUS_ENCRYPT: set it the "
@@ -857,62 +1219,73 @@ static void dial_reply(conn_t *c) {
                                           : "it speaks another handshake version", 0);
     return;
   }
-  if (chorus__le32_get(c->hs) != HS_OK || chorus__le32_get(c->hs + 4) != (uint32_t)peer) {
-    dial_fail(c, "unexpected answer to the handshake (not that rank of this world?)", 0);
+  uint32_t v = chorus__le32_get(s->hs + 8);
+  uint32_t k = HS_NSTREAMS(v);
+  if (chorus__le32_get(s->hs) != HS_OK || chorus__le32_get(s->hs + 4) != (uint32_t)peer) {
+    dial_fail(s, "unexpected answer to the handshake (not that rank of this world?)", 0);
     return;
   }
   uint8_t want[CHORUS__MAC_LEN];
-  hs_mac(tp, 1, (uint32_t)tp->rank, (uint32_t)peer, c->na, c->nc, want);
-  if (!chorus__ct_equal(want, c->hs + 8, sizeof want)) {
-    dial_fail(c, "it did not prove the job key (a stranger on that port?)", 0);
+  hs_mac(tp, 1, (uint32_t)tp->rank, (uint32_t)peer, v, s->na, s->nc, want);
+  if (!chorus__ct_equal(want, s->hs + 12, sizeof want)) {
+    dial_fail(s, "it did not prove the job key (a stranger on that port?)", 0);
     return;
   }
-  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, c->na, c->nc, c->keys) < 0) {
-    dial_fail(c, "cannot derive the connection's keys (libcrypto)", 0);
+  /* The pair's stream count: at most what we asked for; the others must
+   * repeat it. */
+  if (k < 1 || k > (uint32_t)HS_NSTREAMS(connect_word(s)) ||
+      (s->idx && k != (uint32_t)c->nstreams)) {
+    dial_fail(s, "it answered with an impossible number of streams", 0);
     return;
   }
-  conn_ready(c, c->fd, 1);
+  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, (uint32_t)s->idx, s->na,
+                             s->nc, s->keys) < 0) {
+    dial_fail(s, "cannot derive the connection's keys (libcrypto)", 0);
+    return;
+  }
+  if (s->idx == 0) c->nstreams = (int)k;
+  stream_ready(s, s->fd, 1);
 }
 
-static void dial_event(conn_t *c, uint32_t events) {
-  if (c->fd < 0) return;
-  if (c->state == C_CONNECTING) {
+static void dial_event(stream_t *s, uint32_t events) {
+  if (s->fd < 0) return;
+  if (s->state == C_CONNECTING) {
     int err = 0;
     socklen_t len = sizeof err;
-    if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
+    if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
     if (err == 0 && !(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
     if (err == ECONNREFUSED) {
       /* The listener was there when its address was published: the rank
        * is gone, or listens on an address this host cannot reach. */
-      dial_fail(c, "connection refused: the rank has exited, or its address is not reachable "
+      dial_fail(s, "connection refused: the rank has exited, or its address is not reachable "
                 "from this host (check CHORUS_SOCKET_IFNAME)", 0);
       return;
     }
     if (err) {
-      dial_retry(c);
+      dial_retry(s);
       return;
     }
-    c->state = C_HELLO;
-    c->hs_got = 0;
-    chorus__tp_watch_mod(conn_tp(c), c->fd, EPOLLIN, &c->watch);
+    dial_state(s, C_HELLO);
+    s->hs_got = 0;
+    chorus__tp_watch_mod(stream_tp(s), s->fd, EPOLLIN, &s->watch);
     return;
   }
-  if (c->state != C_HELLO && c->state != C_REPLY) return;
-  size_t want = c->state == C_HELLO ? HS_HELLO_LEN : HS_DENY_LEN;
-  int rc = dial_read(c, want);
-  if (rc == 1 && c->state == C_REPLY && chorus__le32_get(c->hs) == HS_OK)
-    rc = dial_read(c, HS_OK_LEN);
+  if (s->state != C_HELLO && s->state != C_REPLY) return;
+  size_t want = s->state == C_HELLO ? HS_HELLO_LEN : HS_DENY_LEN;
+  int rc = dial_read(s, want);
+  if (rc == 1 && s->state == C_REPLY && chorus__le32_get(s->hs) == HS_OK)
+    rc = dial_read(s, HS_OK_LEN);
   if (rc < 0) {
     /* The acceptor dropped us (its handshake slots were full, or it was
      * too slow to answer): try again within the deadline. */
-    dial_retry(c);
+    dial_retry(s);
     return;
   }
   if (rc == 0) return;
-  if (c->state == C_HELLO)
-    dial_hello(c);
+  if (s->state == C_HELLO)
+    dial_hello(s);
   else
-    dial_reply(c);
+    dial_reply(s);
 }
 
 /* ------------------------------------------------ accepting (acceptor) */
@@ -930,7 +1303,7 @@ static int hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t cap) {
   uint32_t peer = chorus__le32_get(in + 8);
   uint8_t want[CHORUS__MAC_LEN];
   /* The MAC is checked before the claimed rank is believed. */
-  hs_mac(tp, 0, peer, (uint32_t)tp->rank, p->na, in + 12, want);
+  hs_mac(tp, 0, peer, (uint32_t)tp->rank, version, p->na, in + 12, want);
   if (!chorus__ct_equal(want, in + 12 + CHORUS__NONCE_LEN, sizeof want)) {
     snprintf(why, cap, "authentication failed (no job key, or another world)");
     return -HS_DENY_AUTH;
@@ -947,14 +1320,23 @@ static int hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t cap) {
     snprintf(why, cap, "rank %u and this rank disagree on CHORUS_ENCRYPT", peer);
     return -HS_DENY_ENCRYPT;
   }
+  uint32_t k = HS_NSTREAMS(version), sidx = HS_STREAM(version);
+  if (k < 1 || k > MAX_STREAMS || sidx >= k) {
+    snprintf(why, cap, "rank %u asks for stream %u of %u", peer, sidx, k);
+    return -HS_DENY_VERSION;
+  }
   return (int)peer;
 }
 
-/* What to do with an authenticated peer's connection, given the pair's
- * state here: 0 accept it, or a HS_DENY_* reason. */
-static int hs_decide(tcp_chan_t *t, int peer) {
-  if (!t->conns[peer]) return 0;
-  switch (t->conns[peer]->state) {
+/* What to do with an authenticated peer's connection for stream sidx of
+ * k, given the pair's state here: 0 accept it, or a HS_DENY_* reason. */
+static int hs_decide(tcp_chan_t *t, int peer, uint32_t sidx, uint32_t k) {
+  conn_t *c = t->conns[peer];
+  if (sidx > 0) /* one of the others, once we accepted its stream 0 */
+    return c && c->state == C_READY && !c->connector && k == (uint32_t)c->nstreams &&
+                   !c->s[sidx] ? 0 : HS_DENY_RANK;
+  if (!c) return 0;
+  switch (c->state) {
   case C_IDLE:
   case C_AWAIT:
     return 0;
@@ -970,10 +1352,13 @@ static int hs_decide(tcp_chan_t *t, int peer) {
   }
 }
 
+/* p leaves the pending slots (its fd closed unless taken, p->fd < 0). */
 static void pending_drop(pending_t *p) {
   tcp_chan_t *t = p->ch;
-  chorus__tp_unwatch(t->base.tp, p->fd);
-  close(p->fd);
+  if (p->fd >= 0) {
+    chorus__tp_unwatch(t->base.tp, p->fd);
+    close(p->fd);
+  }
   int i = p->slot;
   t->pend[i] = t->pend[--t->npend];
   t->pend[i]->slot = i;
@@ -995,19 +1380,30 @@ static void pending_complete(pending_t *p) {
   chorus__tp_t *tp = t->base.tp;
   char why[160];
   int peer = hs_verify(t, p, why, sizeof why);
-  int deny = peer < 0 ? -peer : hs_decide(t, peer);
+  uint32_t v = chorus__le32_get(p->in + 4);
+  uint32_t sidx = HS_STREAM(v), k = HS_NSTREAMS(v);
+  int deny = peer < 0 ? -peer : hs_decide(t, peer, sidx, k);
   uint8_t keys[64];
-  if (!deny && tp->encrypt && hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12,
-                                      keys) < 0) {
+  if (!deny && tp->encrypt &&
+      hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, sidx, p->na, p->in + 12, keys) < 0) {
     snprintf(why, sizeof why, "cannot derive the connection's keys (libcrypto)");
     deny = HS_DENY_AUTH;
   }
   conn_t *c = NULL;
+  stream_t *s = NULL;
   if (!deny && !(c = conn_make(t, &tp->peers[peer]))) {
     chorus__wipe(keys, sizeof keys);
     pending_reject(p, "out of memory for the pair's state");
     return;
   }
+  if (!deny && sidx > 0 && !(s = calloc(1, sizeof *s))) {
+    chorus__wipe(keys, sizeof keys);
+    pending_reject(p, "out of memory for the stream's state");
+    return;
+  }
+  /* The pair's count: the smaller wish (stream 0), then that one. */
+  uint32_t agreed = sidx > 0 ? k : CHORUS__MIN(k, (uint32_t)t->nstreams);
+  uint32_t ok_word = HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0) | HS_STREAMS(sidx, agreed);
   uint8_t reply[HS_OK_LEN];
   size_t rlen;
   if (deny) {
@@ -1017,12 +1413,13 @@ static void pending_complete(pending_t *p) {
   } else {
     chorus__le32_put(reply, HS_OK);
     chorus__le32_put(reply + 4, (uint32_t)tp->rank);
-    hs_mac(tp, 1, (uint32_t)peer, (uint32_t)tp->rank, p->na, p->in + 12, reply + 8);
+    chorus__le32_put(reply + 8, ok_word);
+    hs_mac(tp, 1, (uint32_t)peer, (uint32_t)tp->rank, ok_word, p->na, p->in + 12, reply + 12);
     rlen = HS_OK_LEN;
   }
   /* A fresh socket's buffer takes these few bytes at once. */
   ssize_t w = send(p->fd, reply, rlen, MSG_NOSIGNAL | MSG_DONTWAIT);
-  if (peer >= 0 && (deny == HS_DENY_CROSS || deny == HS_DENY_RANK)) {
+  if (peer >= 0 && sidx == 0 && (deny == HS_DENY_CROSS || deny == HS_DENY_RANK)) {
     /* The peer's own attempt, which our connection replaces: no stranger. */
     CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: world rank %d's crossing connection refused",
                  tp->rank, peer);
@@ -1031,20 +1428,23 @@ static void pending_complete(pending_t *p) {
   }
   if (deny || w != (ssize_t)rlen) {
     chorus__wipe(keys, sizeof keys);
+    free(s);
     pending_reject(p, deny ? why : "could not answer it");
     return;
   }
+  /* The fd moves from the pending record to the stream. */
   int fd = p->fd;
-  /* The fd moves from the pending record to the pair. */
   chorus__tp_unwatch(tp, fd);
   p->fd = -1;
-  int i = p->slot;
-  t->pend[i] = t->pend[--t->npend];
-  t->pend[i]->slot = i;
-  free(p);
-  if (tp->encrypt) memcpy(c->keys, keys, sizeof keys);
+  pending_drop(p);
+  if (sidx > 0)
+    stream_init(s, c, (int)sidx);
+  else
+    c->nstreams = (int)agreed;
+  s = c->s[sidx];
+  if (tp->encrypt) memcpy(s->keys, keys, sizeof keys);
   chorus__wipe(keys, sizeof keys);
-  conn_ready(c, fd, 0);
+  stream_ready(s, fd, 0);
 }
 
 static void on_pending_event(void *arg, uint32_t events) {
@@ -1154,6 +1554,7 @@ chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
                        ? (int)env->HANDSHAKE_MAX_PENDING : 256;
   t->hs_ms = env->HANDSHAKE_TIMEOUT_MS > 0 ? (int)env->HANDSHAKE_TIMEOUT_MS : 1000;
   t->retry_ms = cfg->retry_ms > 0 ? cfg->retry_ms : 50;
+  t->nstreams = (int)CHORUS__MAX(1, CHORUS__MIN(env->SOCKET_NSTREAMS, (int64_t)MAX_STREAMS));
   /* Dialling a peer may take as long as forming the world could. */
   int window = chorus__ms_left(cfg->deadline);
   t->connect_ns = (int64_t)CHORUS__MAX(window, 10000) * 1000000;
@@ -1223,17 +1624,19 @@ void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn) { tp->f
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd) {
   conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
   if (!c) return -1;
-  if (c->fd < 0) {
+  stream_t *s = &c->s0;
+  if (s->fd < 0) {
     int sp[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sp) < 0) return -1;
-    c->fd = sp[0];
-    c->state = C_READY;
+    s->fd = sp[0];
+    s->state = c->state = C_READY;
+    c->nready = 1;
     *wfd = sp[1];
-    chorus__tp_watch(tp, c->fd, EPOLLIN, &c->watch);
+    chorus__tp_watch(tp, s->fd, EPOLLIN, &s->watch);
   }
   if (n && send(*wfd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) return -1;
   pthread_mutex_lock(&tp->lock);
-  if (!c->peer->dead && !c->rx.paused) read_conn(c);
+  if (!c->peer->dead && !c->rx.paused) read_stream(s);
   int dead = c->peer->dead;
   pthread_mutex_unlock(&tp->lock);
   return dead ? -1 : 0;
@@ -1243,18 +1646,19 @@ chorus__aead_t *chorus__tp_fuzz_encrypt(chorus__tp_t *tp, int peer) {
   conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
   static const uint8_t zero[CHORUS__NONCE_LEN];
   uint8_t keys[64];
-  if (!c || c->rx_aead || peer <= tp->rank ||
-      hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, zero, zero, keys) < 0)
+  if (!c || c->s0.rx_aead || peer <= tp->rank ||
+      hs_keys(tp, (uint32_t)peer, (uint32_t)tp->rank, 0, zero, zero, keys) < 0)
     return NULL;
+  stream_t *s = &c->s0;
   /* This rank accepted peer: it receives on keys[0..32), label 1. */
-  c->rx_aead = chorus__aead_new(keys, 1, 0);
-  c->tx_aead = chorus__aead_new(keys + 32, 2, 1);
-  c->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
-  c->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
+  s->rx_aead = chorus__aead_new(keys, 1, 0);
+  s->tx_aead = chorus__aead_new(keys + 32, 2, 1);
+  s->rx_rec = malloc(REC_MAX + REC_OVERHEAD);
+  s->tx_rec = malloc(REC_MAX + REC_OVERHEAD);
   chorus__aead_t *sealer = chorus__aead_new(keys, 1, 1);
   chorus__wipe(keys, sizeof keys);
   tp->encrypt = 1;
-  return c->rx_aead && c->tx_aead && c->rx_rec && c->tx_rec ? sealer : NULL;
+  return s->rx_aead && s->tx_aead && s->rx_rec && s->tx_rec ? sealer : NULL;
 }
 
 size_t chorus__tp_fuzz_seal(chorus__aead_t *sealer, const void *in, size_t n, uint8_t *out) {
@@ -1272,7 +1676,8 @@ int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n) {
   tcp_chan_t *t = (tcp_chan_t *)tp->net;
   int peer = hs_verify(t, &p, why, sizeof why);
   if (peer < 0) return peer;
-  int deny = hs_decide(t, peer);
+  uint32_t v = chorus__le32_get(p.in + 4);
+  int deny = hs_decide(t, peer, HS_STREAM(v), HS_NSTREAMS(v));
   return deny ? -deny : peer;
 }
 

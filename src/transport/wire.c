@@ -50,6 +50,9 @@ const char *chorus__wire_check(const chorus__wire_hdr_t *h) {
       return h->len ? "goodbye with payload" : NULL;
     case CHORUS__WIRE_ABORT:
       return h->len > CHORUS__WIRE_MAX_ABORT_TEXT ? "abort text too long" : NULL;
+    case CHORUS__WIRE_HEAD:
+      if (h->len < 2 * CHORUS__WIRE_PART_MIN) return "striped message too short to stripe";
+      __attribute__((fallthrough)); /* otherwise a DATA header */
     case CHORUS__WIRE_DATA:
       if (h->kind != CHORUS__KIND_COLL && h->kind != CHORUS__KIND_P2P)
         return "unknown message kind";
@@ -60,7 +63,24 @@ const char *chorus__wire_check(const chorus__wire_hdr_t *h) {
       if (h->fp.coll >= CHORUS_COLL_COUNT || h->fp.dtype >= CHORUS_DTYPE_COUNT)
         return "fingerprint out of range";
       return NULL;
+    case CHORUS__WIRE_PART:
+      if (h->kind || h->step || h->tag || h->fp.coll || h->fp.dtype || h->fp.op || h->fp.algo ||
+          h->fp.root || h->fp.count || !h->len || !h->ep_id)
+        return "malformed piece header";
+      return NULL;
     default:
       return "unknown message type";
   }
+}
+
+int chorus__wire_parts(uint64_t len, int k, uint64_t *psize) {
+  uint64_t n = len / CHORUS__WIRE_PART_MIN;
+  if (k > CHORUS__WIRE_MAX_STREAMS) k = CHORUS__WIRE_MAX_STREAMS;
+  if (n > (uint64_t)k) n = (uint64_t)k;
+  *psize = len;
+  if (n < 2) return 1;
+  uint64_t p = (len + n - 1) / n;
+  p = (p + 4095) & ~(uint64_t)4095;
+  *psize = p;
+  return (int)((len + p - 1) / p); /* at least 2: p < len when len >= 2 * PART_MIN */
 }

@@ -24,6 +24,18 @@
  * the failure text of an endpoint (at most CHORUS__WIRE_MAX_ABORT_TEXT
  * bytes, not NUL-terminated); BYE (goodbye: the sender destroyed its last
  * endpoint, nothing more will come) and PING (heartbeat) carry nothing.
+ *
+ * Striping (TCP with CHORUS_SOCKET_NSTREAMS > 1 agreed by both ranks of a
+ * pair).  A DATA message long enough to cut (chorus__wire_parts) may be
+ * sent as HEAD instead: the same header, len the whole message's length,
+ * on the pair's first connection, followed by piece 0 only.  Piece i > 0
+ * travels on the pair's connection i as a PART: a header whose endpoint
+ * field holds the message's number (1 for the pair's first striped message
+ * in this direction, counted on the first connection) and whose sequence
+ * field holds the piece's offset in the message, len its length; every
+ * other field is zero.  The receiver routes the message when its HEAD
+ * arrives and places each piece at its offset, whatever order the
+ * connections deliver them in.
  */
 #ifndef CHORUS_TRANSPORT_WIRE_H
 #define CHORUS_TRANSPORT_WIRE_H
@@ -42,8 +54,15 @@ enum {
   CHORUS__WIRE_DATA = 1,
   CHORUS__WIRE_ABORT = 2,
   CHORUS__WIRE_BYE = 3,
-  CHORUS__WIRE_PING = 4
+  CHORUS__WIRE_PING = 4,
+  CHORUS__WIRE_HEAD = 5, /* DATA whose payload is striped (above) */
+  CHORUS__WIRE_PART = 6  /* a piece of it, on another connection */
 };
+
+/* Pieces are at least this long, and at most this many connections carry
+ * a pair's messages. */
+#define CHORUS__WIRE_PART_MIN ((uint64_t)128 << 10)
+#define CHORUS__WIRE_MAX_STREAMS 16
 
 /* A decoded header, one member per field above. */
 typedef struct chorus__wire_hdr {
@@ -67,10 +86,17 @@ void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h);
  * acceptable, otherwise a static string saying what is wrong ("bad magic",
  * "payload length out of range", "heartbeat with payload", "goodbye with
  * payload", "abort text too long", "unknown message kind", "fingerprint out
- * of range", "unknown message type").  A header that fails them is a
+ * of range", "striped message too short to stripe", "malformed piece
+ * header", "unknown message type").  A header that fails them is a
  * protocol violation: the transport closes the connection.  The checks that
  * need state (is the sender a member of the endpoint, is the call the one
  * this rank executes) are tcp.c's. */
 const char *chorus__wire_check(const chorus__wire_hdr_t *h);
+
+/* How a message of len bytes is striped over k connections: the number of
+ * pieces (1: it is not striped), each *psize bytes (a multiple of 4096)
+ * but the last; piece i starts at i * *psize and travels on connection i.
+ * Sender and receiver compute the same cut. */
+int chorus__wire_parts(uint64_t len, int k, uint64_t *psize);
 
 #endif

@@ -8,7 +8,8 @@
  *   bootstrap ok rank R size S local L/LS host H
  *
  * and exits 0; on failure prints "bootstrap FAILED: <reason>" (with the
- * library's message) and exits 1.  Used by test_bootstrap.sh.
+ * library's message) and exits 1.  Used by test_bootstrap.sh and
+ * test_ifname.sh.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,10 @@ int main(void) {
     return 1;
   }
   int rank = chorus_comm_rank(comm), size = chorus_comm_size(comm);
+  /* CHORUS_TEST_DELAY_MS: this rank's first message comes that much later
+   * (the others' first messages then decide which way pairs connect). */
+  const char *delay = getenv("CHORUS_TEST_DELAY_MS");
+  if (delay) usleep((useconds_t)atoi(delay) * 1000);
   int lr = chorus_comm_local_rank(comm), ls = chorus_comm_local_size(comm);
   /* Every rank's (rank, local rank, host) on every rank. */
   struct {

@@ -57,11 +57,15 @@ formed() { # formed NAME: both ranks printed "bootstrap ok" and exited 0
   ((RC0 == 0 && RC1 == 0)) && grep -q "bootstrap ok" "$TMP/$1.r0" && grep -q "bootstrap ok" "$TMP/$1.r1"
 }
 
-world loopback "" ""
+# Rank 0 speaks 2 s late (CHORUS_TEST_DELAY_MS) here and in the control:
+# pairs connect on their first message, whichever way it goes, and had rank
+# 0 spoken first its connection would carry both directions -- rank 1 would
+# never dial the address under test.
+world loopback "CHORUS_TEST_DELAY_MS=2000" ""
 if formed loopback; then ok "store over loopback on rank 0: the world forms across hosts"
 else fail "store over loopback on rank 0: the world did not form" loopback; fi
 
-world forced "CHORUS_SOCKET_IFADDR=127.0.0.1" ""
+world forced "CHORUS_SOCKET_IFADDR=127.0.0.1 CHORUS_TEST_DELAY_MS=2000" ""
 if ((RC1 != 0)) && grep -q "127.0.0.1" "$TMP/forced.r1"; then
   ok "control: a loopback address forced on rank 0 fails rank 1 ($(grep -o 'cannot connect[^;]*' "$TMP/forced.r1" | head -n 1))"
 else

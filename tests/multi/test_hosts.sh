@@ -5,19 +5,21 @@
 # rendezvous.
 #   matrix    the whole collective matrix (test_colls --big: every algorithm
 #             of every collective forced in turn, flat and hierarchical)
+#   streams   the same with 4 TCP connections per pair (CHORUS_SOCKET_NSTREAMS):
+#             messages of 256 KiB and more striped over them
 #   lossy     links with 1 ms delay and 1 % loss: all_reduce (every
 #             algorithm) and all_to_all stay right
 #   linkdown  host 1 unplugged in the middle of a stream of 16 MiB
 #             all_reduces: every rank fails within the timeout, and each
 #             host's ranks name a rank of the other host
 #   test_hosts.sh CHORUSRUN TEST_COLLS CHORUS_BENCH FIXTURES_DIR [CASE...]
-# (all three by default; CTest runs one case per test).  Needs root; exits 77
+# (all four by default; CTest runs one case per test).  Needs root; exits 77
 # (skipped, reason printed) when the hosts, or the shaping a case needs
 # (lossy: the kernel's sch_netem), cannot be made here.
 set -u
 RUN=$1 COLLS=$2 BENCH=$3 FIXTURES=$4
 shift 4
-CASES=${*:-matrix lossy linkdown}
+CASES=${*:-matrix streams lossy linkdown}
 . "$FIXTURES/hosts_test.sh"
 hosts_test_begin hosts
 FAILS=0
@@ -45,20 +47,26 @@ launch() {
 collect() { local i; for i in 0 1; do wait "${PID[i]}"; RC[i]=$?; done; }
 tail_of() { echo "---- $1 (last lines)"; tail -n 15 "$1" | sed 's/^/  /'; }
 
-case_matrix() {
+# matrix_with NAME NSTREAMS: the matrix with that many TCP connections per
+# pair of hosts' ranks (more than one: large messages striped over them).
+matrix_with() {
+  local name=$1
   hosts_up 2
-  export CHORUS_TIMEOUT=60
-  launch matrix 600 "$TMP/test_colls" --big
+  export CHORUS_TIMEOUT=60 CHORUS_SOCKET_NSTREAMS=$2
+  launch "$name" 600 "$TMP/test_colls" --big
   collect
-  if ((RC[0] == 0 && RC[1] == 0)) && grep -q "passed, 0 failed" "$TMP/matrix.h0.out" "$TMP/matrix.h1.out"; then
-    ok "matrix: every collective and algorithm on 2 hosts x 2 ($(grep -ho '[0-9]* passed, 0 failed' "$TMP/matrix.h0.out" "$TMP/matrix.h1.out" | head -n 1))"
+  if ((RC[0] == 0 && RC[1] == 0)) && grep -q "passed, 0 failed" "$TMP/$name.h0.out" "$TMP/$name.h1.out"; then
+    ok "$name: every collective and algorithm on 2 hosts x 2, $2 TCP stream(s) per pair ($(grep -ho '[0-9]* passed, 0 failed' "$TMP/$name.h0.out" "$TMP/$name.h1.out" | head -n 1))"
   else
-    fail "matrix: exit ${RC[*]}"
-    tail_of "$TMP/matrix.h0.out"
-    tail_of "$TMP/matrix.h1.out"
+    fail "$name: exit ${RC[*]}"
+    tail_of "$TMP/$name.h0.out"
+    tail_of "$TMP/$name.h1.out"
   fi
-  grep -h "FAIL\|wrong" "$TMP"/matrix.h*.out | head -n 5
+  grep -h "FAIL\|wrong" "$TMP/$name".h*.out | head -n 5
+  unset CHORUS_SOCKET_NSTREAMS
 }
+case_matrix() { matrix_with matrix 1; }
+case_streams() { matrix_with streams 4; }
 
 case_lossy() {
   hosts_up 2 --delay 1 --loss 1
@@ -120,7 +128,7 @@ case_linkdown() {
 
 for c in $CASES; do
   case $c in
-    matrix | lossy | linkdown) "case_$c" ;;
+    matrix | streams | lossy | linkdown) "case_$c" ;;
     *) echo "unknown case $c"; exit 2 ;;
   esac
 done

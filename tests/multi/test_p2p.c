@@ -12,6 +12,7 @@
  *                                   two neighbours only, after every pair
  *                                   exchanged (both ends dialling at once)
  *                                   with every peer, one socket per pair
+ *                                   (CHORUS_SOCKET_NSTREAMS per pair)
  *
  * CHORUS_RECV_BUFFER_MAX should be set small (the CTest entries use 4 MiB):
  * rank 1 sends rank 0 BURST messages of MSG bytes (BURST * MSG = 32 times
@@ -113,6 +114,26 @@ static int connected_peers(unsigned long long *mask) {
   return n;
 }
 
+/* TCP connections per pair (CHORUS_SOCKET_NSTREAMS, as tcp.c clamps it). */
+static int streams_per_pair(void) {
+  const char *v = getenv("CHORUS_SOCKET_NSTREAMS");
+  int k = v ? atoi(v) : 1;
+  return k < 1 ? 1 : k > 16 ? 16 : k;
+}
+
+/* The data sockets once there are want: a pair's other streams are dialled
+ * after its first connects, and a peer's given-up crossing attempt closes
+ * when its reset or end is read; give both a moment on a loaded machine. */
+static int data_sockets_settled(int want) {
+  int sockets = data_sockets();
+  for (int i = 0; i < 100 && sockets != want; i++) {
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL);
+    sockets = data_sockets();
+  }
+  return sockets;
+}
+
 TEST(ring_connects_neighbours_only) {
   if (!g_lazy) return;
   ASSERT_TRUE(g_size >= 3 && g_size <= 64);
@@ -124,15 +145,15 @@ TEST(ring_connects_neighbours_only) {
   unsigned long long mask;
   int n = connected_peers(&mask);
   int right = (g_rank + 1) % g_size, left = (g_rank + g_size - 1) % g_size;
-  int sockets = data_sockets();
+  int k = streams_per_pair(), sockets = data_sockets_settled(2 * k);
   printf("rank %d: after a ring all_reduce of %d ranks: connected with %d peer(s), %d data "
-         "socket(s)\n", g_rank, g_size, n, sockets);
+         "socket(s), %d per pair\n", g_rank, g_size, n, sockets, k);
   /* Nobody goes on (and connects to more peers) before every rank counted:
    * a second ring all_reduce ends nowhere before every rank entered it. */
   ASSERT_EQ(chorus_all_reduce(g_comm, v, v, 64, CHORUS_FLOAT32, CHORUS_SUM, NULL), CHORUS_OK);
   ASSERT_EQ(chorus_comm_set_algo(g_comm, CHORUS_COLL_ALL_REDUCE, "auto"), CHORUS_OK);
   ASSERT_EQ(mask, (1ull << left) | (1ull << right));
-  ASSERT_EQ(sockets, 2);
+  ASSERT_EQ(sockets, 2 * k);
 }
 
 TEST(links_use_the_expected_channel) {
@@ -172,18 +193,11 @@ TEST(every_pair_exchanges) {
   /* Every pair dialled from both ends at once: still one connection each. */
   unsigned long long mask;
   int n = connected_peers(&mask);
-  /* A peer's given-up crossing attempt closes as soon as its reset or end
-   * is read; give that a moment on a loaded machine. */
-  int sockets = data_sockets();
-  for (int i = 0; i < 100 && sockets != g_size - 1; i++) {
-    struct timespec ts = {0, 20000000};
-    nanosleep(&ts, NULL);
-    sockets = data_sockets();
-  }
+  int k = streams_per_pair(), sockets = data_sockets_settled((g_size - 1) * k);
   printf("rank %d: after every pair exchanged: connected with %d peer(s), %d data socket(s)\n",
          g_rank, n, sockets);
   ASSERT_EQ(n, g_size - 1);
-  ASSERT_EQ(sockets, g_size - 1);
+  ASSERT_EQ(sockets, (g_size - 1) * k);
 }
 
 TEST(sender_far_ahead_stays_bounded) {

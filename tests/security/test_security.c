@@ -214,12 +214,13 @@ static int rank_addr(int r, char *host, int *port) {
 /* The data handshake's MAC, computed the way tcp.c does (a connecting
  * rank's proof, or an accepting rank's with accept_side). */
 static void data_mac(const chorus__key_t *key, int accept_side, uint64_t world, uint32_t c,
-                     uint32_t a, const uint8_t *na, const uint8_t *nc, uint8_t *mac) {
+                     uint32_t a, uint32_t v, const uint8_t *na, const uint8_t *nc, uint8_t *mac) {
   static const char lc[] = "chorus data connect", la[] = "chorus data accept";
-  uint8_t ids[16];
+  uint8_t ids[20];
   chorus__le64_put(ids, world);
   chorus__le32_put(ids + 8, c);
   chorus__le32_put(ids + 12, a);
+  chorus__le32_put(ids + 16, v);
   const void *parts[4] = {accept_side ? (const void *)la : (const void *)lc, ids, na, nc};
   size_t lens[4] = {accept_side ? sizeof la : sizeof lc, sizeof ids, 32, 32};
   chorus__hmac(key, parts, lens, 4, mac);
@@ -234,13 +235,14 @@ static int data_handshake(const char *host, int port, const chorus__key_t *key, 
   int fd = raw_connect(host, port);
   if (fd < 0) return -2;
   int64_t dl = chorus__deadline_ms(5000);
-  uint8_t out[76], in[40];
+  uint8_t out[76], in[44];
   if (chorus__net_read_full(fd, hello, 40, dl) < 0) goto bad;
   chorus__le32_put(out, 0x43524843u); /* "CHRC" */
-  chorus__le32_put(out + 4, 2);
+  uint32_t v = 3 | 1u << 24; /* version 3, stream 0 of 1 */
+  chorus__le32_put(out + 4, v);
   chorus__le32_put(out + 8, me);
   memset(out + 12, 0x33, 32);
-  data_mac(key, 0, world, me, to, hello + 8, out + 12, out + 44);
+  data_mac(key, 0, world, me, to, v, hello + 8, out + 12, out + 44);
   if (chorus__net_write_full(fd, out, sizeof out, dl) < 0) goto bad;
   if (chorus__net_read_full(fd, in, 8, dl) < 0) goto bad;
   if (chorus__le32_get(in) == 0x44524843u) { /* "CHRD" */
@@ -248,7 +250,7 @@ static int data_handshake(const char *host, int port, const chorus__key_t *key, 
     close(fd);
     return -1;
   }
-  if (chorus__le32_get(in) != 0x4b524843u || chorus__net_read_full(fd, in + 8, 32, dl) < 0) goto bad;
+  if (chorus__le32_get(in) != 0x4b524843u || chorus__net_read_full(fd, in + 8, 36, dl) < 0) goto bad;
   return fd;
 bad:
   close(fd);

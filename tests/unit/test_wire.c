@@ -264,7 +264,7 @@ TEST(check_bad_magic) {
 }
 
 TEST(check_unknown_type) {
-  static const int bad_types[] = {0, 5, 6, 100, 0x100, 0xffff};
+  static const int bad_types[] = {0, 7, 100, 0x100, 0xffff};
   for (size_t i = 0; i < sizeof bad_types / sizeof bad_types[0]; i++) {
     hdr_t h = good_data();
     h.type = (uint16_t)bad_types[i];
@@ -351,7 +351,12 @@ static const char *ref_check(const hdr_t *h) {
   if (h->type == 4) return h->len ? "heartbeat with payload" : NULL;
   if (h->type == 3) return h->len ? "goodbye with payload" : NULL;
   if (h->type == 2) return h->len > 4096 ? "abort text too long" : NULL;
-  if (h->type != 1) return "unknown message type";
+  if (h->type == 6)
+    return h->kind || h->step || h->tag || h->fp.coll || h->fp.dtype || h->fp.op ||
+                   h->fp.algo || h->fp.root || h->fp.count || !h->len || !h->ep_id
+               ? "malformed piece header" : NULL;
+  if (h->type == 5 && h->len < (256u << 10)) return "striped message too short to stripe";
+  if (h->type != 1 && h->type != 5) return "unknown message type";
   if (h->kind != 1 && h->kind != 2) return "unknown message kind";
   if (h->fp.coll >= CHORUS_COLL_COUNT || h->fp.dtype >= CHORUS_DTYPE_COUNT)
     return "fingerprint out of range";
@@ -366,7 +371,7 @@ TEST(check_random_against_reference) {
     /* Bias toward the interesting region so every branch is reached. */
     uint64_t knobs = rng_next(&seed);
     if (knobs & 1) h.magic = CHORUS__WIRE_MAGIC;
-    if (knobs & 2) h.type = (uint16_t)(1 + (knobs >> 8) % 5);
+    if (knobs & 2) h.type = (uint16_t)(1 + (knobs >> 8) % 7);
     if (knobs & 4) h.kind = (uint16_t)((knobs >> 16) % 4);
     if (knobs & 8) h.len = (knobs >> 24) % 8192;
     if (knobs & 16) h.len = 0;
@@ -383,6 +388,64 @@ TEST(check_random_against_reference) {
   ASSERT_TRUE(accepted > 1000);
 }
 
+/* A piece header as tcp.c writes one: every field zero but the message
+ * number, the offset and the length. */
+TEST(check_part) {
+  hdr_t h;
+  memset(&h, 0, sizeof h);
+  h.magic = CHORUS__WIRE_MAGIC;
+  h.type = CHORUS__WIRE_PART;
+  h.ep_id = 3;
+  h.seq = 1 << 20;
+  h.len = 1 << 17;
+  ASSERT_TRUE(check_wire(&h) == NULL);
+  hdr_t b = h;
+  b.ep_id = 0; /* messages are numbered from 1 */
+  ASSERT_REJECTED(b, "malformed piece header");
+  b = h;
+  b.len = 0;
+  ASSERT_REJECTED(b, "malformed piece header");
+  b = h;
+  b.kind = CHORUS__KIND_COLL;
+  ASSERT_REJECTED(b, "malformed piece header");
+  b = h;
+  b.fp.count = 1;
+  ASSERT_REJECTED(b, "malformed piece header");
+  /* A HEAD is a DATA header that must be long enough to cut. */
+  hdr_t d = good_data();
+  d.type = CHORUS__WIRE_HEAD;
+  d.len = 2 * CHORUS__WIRE_PART_MIN;
+  ASSERT_TRUE(check_wire(&d) == NULL);
+  d.len--;
+  ASSERT_REJECTED(d, "striped message too short to stripe");
+}
+
+/* The cut both ends compute: pieces of at least PART_MIN (4 KiB multiples
+ * but the last) that cover the message exactly, at most one per stream. */
+TEST(parts_cut) {
+  uint64_t ps;
+  ASSERT_EQ(chorus__wire_parts(1 << 20, 1, &ps), 1);
+  ASSERT_EQ(chorus__wire_parts(2 * CHORUS__WIRE_PART_MIN - 1, 4, &ps), 1);
+  ASSERT_EQ(chorus__wire_parts(2 * CHORUS__WIRE_PART_MIN, 4, &ps), 2);
+  ASSERT_EQ(ps, CHORUS__WIRE_PART_MIN);
+  ASSERT_EQ(chorus__wire_parts(64 << 20, 4, &ps), 4);
+  ASSERT_EQ(ps, 16u << 20);
+  ASSERT_EQ(chorus__wire_parts(64 << 20, 99, &ps), CHORUS__WIRE_MAX_STREAMS);
+  uint64_t seed = 7;
+  for (int i = 0; i < 100000; i++) {
+    uint64_t len = rng_next(&seed) % (64u << 20);
+    int k = 1 + (int)(rng_next(&seed) % CHORUS__WIRE_MAX_STREAMS);
+    int n = chorus__wire_parts(len, k, &ps);
+    ASSERT_TRUE(n >= 1 && n <= k);
+    if (n == 1) {
+      ASSERT_TRUE(len < 2 * CHORUS__WIRE_PART_MIN || k == 1);
+      continue;
+    }
+    ASSERT_TRUE(ps % 4096 == 0 && ps >= CHORUS__WIRE_PART_MIN);
+    ASSERT_TRUE((uint64_t)(n - 1) * ps < len && (uint64_t)n * ps >= len);
+  }
+}
+
 int main(void) {
   RUN(round_trip_random);
   RUN(decode_random_bytes);
@@ -391,6 +454,8 @@ int main(void) {
   RUN(check_accepts_valid);
   RUN(check_bad_magic);
   RUN(check_unknown_type);
+  RUN(check_part);
+  RUN(parts_cut);
   RUN(check_unknown_kind);
   RUN(check_oversize_length);
   RUN(check_abort_text_too_long);
