@@ -91,7 +91,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   int wfd = -1, connected = -1;
   if ((flags & 32) && rank + 1 < nproc) {
     connected = rank + 1;
-    FUZZ_REQUIRE(chorus__tp_fuzz_feed(tp, connected, NULL, 0, &wfd) == 0);
+    FUZZ_REQUIRE(chorus__tp_fuzz_feed(tp, connected, 0, NULL, 0, &wfd) == 0);
   }
 
   int got = chorus__tp_fuzz_handshake(tp, msg, n);

@@ -31,7 +31,11 @@
  *            time (0: all at once), so headers and payloads arrive split
  *   rest     the byte stream from world rank 1; if it contains the 8-byte
  *            marker "#rank2#\n", what follows is world rank 2's stream.
- *            The two are fed in alternating chunks.  Each stream is a
+ *            If rank 1's stream contains "#piece#\n" (and bit 6 is clear),
+ *            the pair with rank 1 has 2 connections (tcp.c's striping):
+ *            what follows the marker is its second connection's stream of
+ *            pieces (PART headers + bytes), the part before it may carry
+ *            HEADs.  The streams are fed in alternating chunks.  Each is a
  *            sequence of messages: 56-byte header (transport/wire.h) +
  *            payload.
  *
@@ -60,6 +64,7 @@
 
 #define MARKER "#rank2#\n"
 #define MARKER_LEN 8
+#define PIECE_MARKER "#piece#\n"
 #define MAX_FEEDS 4096
 
 static chorus__key_t g_key;
@@ -76,6 +81,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 typedef struct peer_stream {
   int world;
+  int stream; /* of the pair */
   const uint8_t *p;
   size_t n, off;
   int wfd;
@@ -104,14 +110,16 @@ static void feed(chorus__tp_t *tp, peer_stream_t *s, size_t chunk) {
     }
     out = g_rec;
   }
-  if (!s->dead && chorus__tp_fuzz_feed(tp, s->world, out, outn, &s->wfd) < 0) s->dead = 1;
+  if (!s->dead && chorus__tp_fuzz_feed(tp, s->world, s->stream, out, outn, &s->wfd) < 0)
+    s->dead = 1;
   s->off = s->dead ? s->n : s->off + k;
 }
 
 /* Runs the parser once more over what waits in the socket (a paused
  * connection resumed by a receive posted since). */
 static void poke(chorus__tp_t *tp, peer_stream_t *s) {
-  if (!s->dead && chorus__tp_fuzz_feed(tp, s->world, NULL, 0, &s->wfd) < 0) s->dead = 1;
+  if (!s->dead && chorus__tp_fuzz_feed(tp, s->world, s->stream, NULL, 0, &s->wfd) < 0)
+    s->dead = 1;
 }
 
 static chorus__req_t recv_req(int peer, int kind, uint32_t step, int32_t tag, void *buf, size_t len,
@@ -148,13 +156,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     s2.p = m + MARKER_LEN;
     s2.n = nrest - s1.n - MARKER_LEN;
   }
+  peer_stream_t s1b = {.world = 1, .stream = 1, .p = NULL, .n = 0, .wfd = -1};
+  const uint8_t *pm = !(flags & 64) && s1.n >= MARKER_LEN
+                          ? memmem(s1.p, s1.n, PIECE_MARKER, MARKER_LEN) : NULL;
+  if (pm) {
+    s1b.p = pm + MARKER_LEN;
+    s1b.n = s1.n - (size_t)(pm - s1.p) - MARKER_LEN;
+    s1.n = (size_t)(pm - s1.p);
+  }
   /* Bounded work per input, whatever the chunk size. */
   size_t longest = s1.n > s2.n ? s1.n : s2.n;
+  if (s1b.n > longest) longest = s1b.n;
   if (chunk && longest / chunk > MAX_FEEDS) chunk = longest / MAX_FEEDS + 1;
 
   chorus__tp_t *tp = chorus__tp_fuzz_new(0, 3, &g_key, FUZZ_WORLD_ID);
   FUZZ_REQUIRE(tp != NULL);
-  s1.flip = s2.flip = -1;
+  s1.flip = s1b.flip = s2.flip = -1;
+  if (pm) FUZZ_REQUIRE(chorus__tp_fuzz_stripe(tp, 1, 2) == 0);
   if (flags & 64) {
     s1.sealer = chorus__tp_fuzz_encrypt(tp, 1);
     s2.sealer = chorus__tp_fuzz_encrypt(tp, 2);
@@ -198,14 +216,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (flags & 2) POST_ALL();
   /* Alternate chunks between the two peers until both streams are out. */
   if (s1.n == 0) poke(tp, &s1); /* an empty stream still opens the socket */
-  while (s1.off < s1.n || s2.off < s2.n) {
+  while (s1.off < s1.n || s1b.off < s1b.n || s2.off < s2.n) {
     if (s1.off < s1.n) feed(tp, &s1, chunk);
+    if (s1b.off < s1b.n) {
+      s1b.dead |= s1.dead; /* one pair: a violation on either ends both */
+      feed(tp, &s1b, chunk);
+      s1.dead |= s1b.dead;
+    }
     if (s2.off < s2.n) feed(tp, &s2, chunk);
   }
   if (flags & 4) FUZZ_REQUIRE(chorus__ep_create(tp, 2, sub, 2, 0, &ep2) == CHORUS_OK);
   if (!posted) {
     POST_ALL();
     poke(tp, &s1);
+    if (s1b.p && !s1.dead) poke(tp, &s1b);
     if (s2.p) poke(tp, &s2);
   }
   if (flags & 8) {
@@ -253,6 +277,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   chorus__aead_free(s1.sealer);
   chorus__aead_free(s2.sealer);
   if (s1.wfd >= 0) close(s1.wfd);
+  if (s1b.wfd >= 0) close(s1b.wfd);
   if (s2.wfd >= 0) close(s2.wfd);
   return 0;
 }

@@ -28,6 +28,8 @@ static const char *const reasons[] = {
     "abort text too long",
     "unknown message kind",
     "fingerprint out of range",
+    "striped message too short to stripe",
+    "malformed piece header",
     "unknown message type",
 };
 
@@ -61,9 +63,16 @@ static void one_header(const uint8_t *p) {
       case CHORUS__WIRE_ABORT:
         FUZZ_REQUIRE(h.len <= CHORUS__WIRE_MAX_ABORT_TEXT);
         break;
+      case CHORUS__WIRE_HEAD:
+        FUZZ_REQUIRE(h.len >= 2 * CHORUS__WIRE_PART_MIN);
+        __attribute__((fallthrough)); /* and a DATA header's rules */
       case CHORUS__WIRE_DATA:
         FUZZ_REQUIRE(h.kind == CHORUS__KIND_COLL || h.kind == CHORUS__KIND_P2P);
         FUZZ_REQUIRE(h.fp.coll < CHORUS_COLL_COUNT && h.fp.dtype < CHORUS_DTYPE_COUNT);
+        break;
+      case CHORUS__WIRE_PART:
+        FUZZ_REQUIRE(h.len > 0 && h.ep_id > 0 && !h.kind && !h.step && !h.tag && !h.fp.count &&
+                     !h.fp.coll && !h.fp.dtype && !h.fp.op && !h.fp.algo && !h.fp.root);
         break;
       default:
         FUZZ_REQUIRE(!"accepted an unknown type");

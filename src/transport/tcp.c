@@ -1621,22 +1621,37 @@ chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, 
 
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn) { tp->fp_format = fn; }
 
-int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, const void *data, size_t n, int *wfd) {
+int chorus__tp_fuzz_stripe(chorus__tp_t *tp, int peer, int k) {
   conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
-  if (!c) return -1;
-  stream_t *s = &c->s0;
+  if (!c || k < 1 || k > MAX_STREAMS || c->nready) return -1;
+  c->nstreams = k;
+  c->rx.striped = k > 1;
+  return 0;
+}
+
+int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *data, size_t n,
+                         int *wfd) {
+  conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
+  if (!c || stream < 0 || stream >= c->nstreams) return -1;
+  stream_t *s = c->s[stream];
+  if (!s) {
+    if (!(s = calloc(1, sizeof *s))) return -1;
+    stream_init(s, c, stream);
+  }
   if (s->fd < 0) {
     int sp[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sp) < 0) return -1;
     s->fd = sp[0];
-    s->state = c->state = C_READY;
-    c->nready = 1;
+    s->state = C_READY;
+    if (stream == 0) c->state = C_READY;
+    c->nready++;
     *wfd = sp[1];
     chorus__tp_watch(tp, s->fd, EPOLLIN, &s->watch);
   }
   if (n && send(*wfd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) return -1;
   pthread_mutex_lock(&tp->lock);
-  if (!c->peer->dead && !c->rx.paused) read_stream(s);
+  if (!c->peer->dead && !stream_blocked(s)) read_stream(s);
+  if (!c->peer->dead) tcp_poll(tp->net);
   int dead = c->peer->dead;
   pthread_mutex_unlock(&tp->lock);
   return dead ? -1 : 0;
