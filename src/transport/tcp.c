@@ -16,18 +16,20 @@
  * lock, one pair state per peer).  A world of P ranks whose algorithms
  * talk to k peers opens k sockets per rank, not P-1.
  *
- * Several connections per pair.  The pair's first connection (stream 0)
- * agrees on how many it has: the smaller of both ranks' NSTREAMS.  The rank
- * that dialled it then dials the others (streams 1 .. K-1, each with its own
- * handshake and keys), and once all are up on a side, that side stripes its
- * large messages (wire.h): header and piece 0 on stream 0, piece i on
- * stream i, written side by side; everything else keeps to stream 0, in
- * order.  The receiver routes a striped message when its header arrives and
- * places the pieces at their offsets as the streams deliver them (a piece
- * whose header comes first waits, its stream unread).  One TCP flow is
- * limited by its congestion window and by one core's copying; K flows take
- * K shares of a link other traffic also uses, and K cores' worth of kernel
- * work.
+ * Pieces, and several connections per pair.  The pair's first connection
+ * (stream 0) agrees on how many it has: the smaller of both ranks'
+ * NSTREAMS.  The rank that dialled it then dials the others (streams 1 ..
+ * K-1, each with its own handshake and keys).  Once all are up on a side,
+ * that side cuts its large messages into pieces (wire.h): header and piece
+ * 0 on stream 0, piece i on stream i mod K, written side by side;
+ * everything else keeps to stream 0, where a message overtakes the pieces
+ * not yet begun, so a large transfer delays another communicator's message
+ * by a piece, not by the transfer.  The receiver routes a cut message when
+ * its header arrives and places the pieces at their offsets as the streams
+ * deliver them (a piece whose header comes first waits, its stream
+ * unread).  One TCP flow is limited by its congestion window and by one
+ * core's copying; K flows take K shares of a link other traffic also uses,
+ * and K cores' worth of kernel work.
  *
  * Wire format of every message: a 56-byte header followed by `len` payload
  * bytes.  The header's layout, its encoding and the checks that need nothing
@@ -137,7 +139,8 @@ typedef struct assembly {
   uint64_t msg;
   uint64_t psize;
   int nparts;
-  struct assembly *next;
+  int next[MAX_STREAMS]; /* the piece each stream delivers next */
+  struct assembly *next_asm;
 } assembly_t;
 
 /* One connection of a pair. */
@@ -364,29 +367,52 @@ static void flush_tx(stream_t *s) {
   }
 }
 
-/* Queues it on s (and writes what can go now, when s is up). */
+/* Queues it on s and writes what can go now, when s is up.  A data
+ * message (not a piece, not a control message) overtakes the pieces s has
+ * not begun to write: another message's large transfer delays it by a
+ * piece at most (wire.h). */
 static void stream_push(stream_t *s, txitem_t *it) {
-  chorus__txq_push(&s->txq, it);
-  if (s->state == C_READY && s->txq.head == it) flush_tx(s);
+  chorus__txq_t *q = &s->txq;
+  uint16_t type = chorus__le16_get(it->hdr + 4);
+  if (!it->whole && q->head && (type == CHORUS__WIRE_DATA || type == CHORUS__WIRE_HEAD)) {
+    txitem_t *prev = q->head; /* never before the head: the writer may be on it */
+    while (prev->next && !(prev->next->whole && prev->next->off == 0)) prev = prev->next;
+    if (prev->next) {
+      it->next = prev->next;
+      prev->next = it;
+      return; /* behind something: written when that is */
+    }
+  }
+  chorus__txq_push(q, it);
+  if (s->state == C_READY && q->head == it) flush_tx(s);
 }
 
-/* Cuts it (a DATA message, every stream up) into pieces, one per stream:
- * it becomes the HEAD with piece 0 on stream 0, the others PARTs.  0, or
- * -1 when it stays whole (too short, or no memory for the pieces). */
+/* Cuts it (a DATA message, every stream up) into pieces (wire.h): it
+ * becomes the HEAD with piece 0 on stream 0, piece i a PART on stream
+ * i mod K.  0, or -1 when it stays whole (too short, or no memory for the
+ * pieces). */
 static int stripe(conn_t *c, txitem_t *it) {
   uint64_t psize;
   if (chorus__le16_get(it->hdr + 4) != CHORUS__WIRE_DATA) return -1;
   int n = chorus__wire_parts(it->len, c->nstreams, &psize);
   if (n < 2) return -1;
-  txitem_t *part[MAX_STREAMS] = {0};
-  for (int i = 1; i < n; i++)
-    if (!(part[i] = calloc(1, sizeof **part))) {
-      for (int j = 1; j < i; j++) free(part[j]);
+  txitem_t *first = NULL, **tail = &first;
+  for (int i = 1; i < n; i++) {
+    txitem_t *pt = calloc(1, sizeof *pt);
+    if (!pt) {
+      while (first) {
+        txitem_t *x = first;
+        first = x->next;
+        free(x);
+      }
       return -1;
     }
+    *tail = pt;
+    tail = &pt->next;
+  }
   uint64_t msg = ++c->tx_msgs;
-  for (int i = 1; i < n; i++) {
-    txitem_t *pt = part[i];
+  int i = 1;
+  for (txitem_t *pt = first; pt; pt = pt->next, i++) {
     uint64_t off = (uint64_t)i * psize;
     chorus__wire_hdr_t h = {.magic = CHORUS__WIRE_MAGIC, .type = CHORUS__WIRE_PART,
                             .ep_id = msg, .seq = off,
@@ -401,11 +427,14 @@ static int stripe(conn_t *c, txitem_t *it) {
   it->len = (size_t)psize;
   it->pieces = n;
   stream_push(c->s[0], it);
-  for (int i = 1; i < n; i++) {
+  i = 1;
+  for (txitem_t *pt = first, *nx; pt; pt = nx, i++) {
+    nx = pt->next;
+    pt->next = NULL;
     if (c->state == C_CLOSED) /* a write failed meanwhile: the pair is gone */
-      chorus__tp_tx_lost(conn_tp(c), c->peer, part[i]);
+      chorus__tp_tx_lost(conn_tp(c), c->peer, pt);
     else
-      stream_push(c->s[i], part[i]);
+      stream_push(c->s[i % c->nstreams], pt);
   }
   return 0;
 }
@@ -468,10 +497,10 @@ static void assembly_free(conn_t *c, assembly_t *a) {
   assembly_t **pp = &c->asm_head, *prev = NULL;
   while (*pp && *pp != a) {
     prev = *pp;
-    pp = &(*pp)->next;
+    pp = &(*pp)->next_asm;
   }
   if (*pp) {
-    *pp = a->next;
+    *pp = a->next_asm;
     if (c->asm_tail == a) c->asm_tail = prev;
     c->nasm--;
   }
@@ -506,7 +535,8 @@ static int head_begin(stream_t *s) {
   a->msg = ++c->rx_msgs;
   a->psize = psize;
   a->nparts = n;
-  if (c->asm_tail) c->asm_tail->next = a;
+  for (int i = 0; i < c->nstreams; i++) a->next[i] = i ? i : c->nstreams;
+  if (c->asm_tail) c->asm_tail->next_asm = a;
   else c->asm_head = a;
   c->asm_tail = a;
   c->nasm++;
@@ -523,15 +553,18 @@ static int head_begin(stream_t *s) {
   return 0;
 }
 
-/* A piece's header is in s->hbuf (s > 0): find its message, or wait for its
- * HEAD.  0, or -1 after failing the peer. */
-static int part_header(stream_t *s) {
+/* A piece's header is in hb (s->hbuf, or on stream 0 its message
+ * parser's): find its message, or (streams > 0) wait for its HEAD.  0, or
+ * -1 after failing the peer. */
+static int part_header(stream_t *s, const uint8_t *hb) {
   conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
   chorus__wire_hdr_t h;
-  chorus__wire_decode(s->hbuf, &h);
+  chorus__wire_decode(hb, &h);
   const char *bad = chorus__wire_check(&h);
   if (!bad && h.type != CHORUS__WIRE_PART) bad = "a message other than a piece on a piece stream";
+  if (!bad && s->idx == 0 && h.ep_id > c->rx_msgs)
+    bad = "a piece ahead of its message's header";
   if (bad) {
     chorus__tp_protocol_error(tp, c->peer, bad);
     return -1;
@@ -544,15 +577,16 @@ static int part_header(stream_t *s) {
     return 0;
   }
   assembly_t *a = c->asm_head;
-  while (a && a->msg != h.ep_id) a = a->next;
-  uint64_t off = (uint64_t)s->idx * (a ? a->psize : 0);
-  if (!a || s->idx >= a->nparts || h.seq != off ||
-      h.len != CHORUS__MIN(a->psize, a->rx.h.len - off)) {
+  while (a && a->msg != h.ep_id) a = a->next_asm;
+  int j = a ? a->next[s->idx] : 0;
+  uint64_t off = (uint64_t)j * (a ? a->psize : 0);
+  if (!a || j >= a->nparts || h.seq != off || h.len != CHORUS__MIN(a->psize, a->rx.h.len - off)) {
     chorus__tp_protocol_error(tp, c->peer, a ? "a piece that does not fit its message"
                                              : "a piece of a message already complete");
     return -1;
   }
-  s->hgot = 0;
+  a->next[s->idx] += c->nstreams;
+  if (s->idx) s->hgot = 0;
   s->part = a;
   s->part_off = off;
   s->part_left = h.len;
@@ -590,7 +624,7 @@ static void read_stream(stream_t *s) {
     } else if (s->idx > 0) {
       if (s->waiting) return;
       if (s->hgot == HDR_SIZE) {
-        if (part_header(s) < 0) return;
+        if (part_header(s, s->hbuf) < 0) return;
         continue;
       }
       n = stream_recv(s, s->hbuf + s->hgot, HDR_SIZE - s->hgot);
@@ -604,7 +638,11 @@ static void read_stream(stream_t *s) {
       if (n > 0) {
         p->last_heard = chorus__now_ns();
         rx->hgot += (size_t)n;
-        if (rx->hgot == HDR_SIZE) {
+        if (rx->hgot == HDR_SIZE && chorus__le16_get(rx->hbuf + 4) == CHORUS__WIRE_PART &&
+            c->rx.striped) {
+          rx->hgot = 0; /* a piece of a message whose HEAD came before */
+          if (part_header(s, rx->hbuf) < 0) return;
+        } else if (rx->hgot == HDR_SIZE) {
           chorus__tp_rx_header(tp, rx);
           if (rx->paused) return; /* the endpoint layer resumes it */
         }
@@ -711,8 +749,7 @@ static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
     chorus__tp_tx_lost(ch->tp, p, it);
     return;
   }
-  if (c->state == C_READY && c->nready == c->nstreams && c->nstreams > 1 && stripe(c, it) == 0)
-    return;
+  if (c->state == C_READY && c->nready == c->nstreams && stripe(c, it) == 0) return;
   stream_push(&c->s0, it);
   if (c->state == C_IDLE) {
     c->since = chorus__now_ns();
@@ -980,7 +1017,7 @@ static int stream_ready(stream_t *s, int fd, int connector) {
   if (s->idx == 0) {
     c->state = C_READY;
     c->connector = connector;
-    c->rx.striped = c->nstreams > 1;
+    c->rx.striped = 1;
   }
   c->nready++;
   if (tp->encrypt) {
@@ -1625,7 +1662,6 @@ int chorus__tp_fuzz_stripe(chorus__tp_t *tp, int peer, int k) {
   conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
   if (!c || k < 1 || k > MAX_STREAMS || c->nready) return -1;
   c->nstreams = k;
-  c->rx.striped = k > 1;
   return 0;
 }
 
@@ -1644,6 +1680,7 @@ int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *dat
     s->fd = sp[0];
     s->state = C_READY;
     if (stream == 0) c->state = C_READY;
+    c->rx.striped = 1;
     c->nready++;
     *wfd = sp[1];
     chorus__tp_watch(tp, s->fd, EPOLLIN, &s->watch);

@@ -74,13 +74,12 @@ const char *chorus__wire_check(const chorus__wire_hdr_t *h) {
 }
 
 int chorus__wire_parts(uint64_t len, int k, uint64_t *psize) {
-  uint64_t n = len / CHORUS__WIRE_PART_MIN;
+  if (k < 1) k = 1;
   if (k > CHORUS__WIRE_MAX_STREAMS) k = CHORUS__WIRE_MAX_STREAMS;
-  if (n > (uint64_t)k) n = (uint64_t)k;
-  *psize = len;
-  if (n < 2) return 1;
-  uint64_t p = (len + n - 1) / n;
+  uint64_t p = (len + (uint64_t)k - 1) / (uint64_t)k;
+  if (p < CHORUS__WIRE_PART_MIN) p = CHORUS__WIRE_PART_MIN;
+  if (p > CHORUS__WIRE_PART_MAX) p = CHORUS__WIRE_PART_MAX;
   p = (p + 4095) & ~(uint64_t)4095;
   *psize = p;
-  return (int)((len + p - 1) / p); /* at least 2: p < len when len >= 2 * PART_MIN */
+  return len < 2 * CHORUS__WIRE_PART_MIN || len <= p ? 1 : (int)((len + p - 1) / p);
 }

@@ -25,15 +25,20 @@
  * bytes, not NUL-terminated); BYE (goodbye: the sender destroyed its last
  * endpoint, nothing more will come) and PING (heartbeat) carry nothing.
  *
- * Striping (TCP with CHORUS_SOCKET_NSTREAMS > 1 agreed by both ranks of a
- * pair).  A DATA message long enough to cut (chorus__wire_parts) may be
- * sent as HEAD instead: the same header, len the whole message's length,
- * on the pair's first connection, followed by piece 0 only.  Piece i > 0
- * travels on the pair's connection i as a PART: a header whose endpoint
- * field holds the message's number (1 for the pair's first striped message
- * in this direction, counted on the first connection) and whose sequence
- * field holds the piece's offset in the message, len its length; every
- * other field is zero.  The receiver routes the message when its HEAD
+ * Pieces (TCP, between ranks on different hosts).  A DATA message long
+ * enough to cut (chorus__wire_parts) may be sent as HEAD instead: the same
+ * header, len the whole message's length, on the pair's first connection,
+ * followed by piece 0 only.  Piece i > 0 travels as a PART on the pair's
+ * connection i mod K (K: the connections of the pair, CHORUS_SOCKET_NSTREAMS
+ * agreed by both ranks): a header whose endpoint field holds the message's
+ * number (1 for the pair's first cut message in this direction, counted on
+ * the first connection) and whose sequence field holds the piece's offset
+ * in the message, len its length; every other field is zero.  Each
+ * connection carries its pieces of a message in order, and of messages in
+ * order; on the first connection other messages may come between a
+ * message's pieces (the sender lets messages overtake pieces it has not
+ * begun), so one large message cannot hold up another communicator's small
+ * one by more than a piece.  The receiver routes the message when its HEAD
  * arrives and places each piece at its offset, whatever order the
  * connections deliver them in.
  */
@@ -59,9 +64,11 @@ enum {
   CHORUS__WIRE_PART = 6  /* a piece of it, on another connection */
 };
 
-/* Pieces are at least this long, and at most this many connections carry
- * a pair's messages. */
+/* Pieces are at least PART_MIN and at most PART_MAX bytes long (but the
+ * last of a message, which may be shorter), and at most MAX_STREAMS
+ * connections carry a pair's messages. */
 #define CHORUS__WIRE_PART_MIN ((uint64_t)128 << 10)
+#define CHORUS__WIRE_PART_MAX ((uint64_t)1 << 20)
 #define CHORUS__WIRE_MAX_STREAMS 16
 
 /* A decoded header, one member per field above. */
@@ -93,10 +100,11 @@ void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h);
  * this rank executes) are tcp.c's. */
 const char *chorus__wire_check(const chorus__wire_hdr_t *h);
 
-/* How a message of len bytes is striped over k connections: the number of
- * pieces (1: it is not striped), each *psize bytes (a multiple of 4096)
- * but the last; piece i starts at i * *psize and travels on connection i.
- * Sender and receiver compute the same cut. */
+/* How a message of len bytes is cut for k connections: the number of
+ * pieces (1: it is not cut), each *psize bytes (a multiple of 4096, the
+ * share of each connection, within PART_MIN .. PART_MAX) but the last;
+ * piece i starts at i * *psize and travels on connection i mod k.  Sender
+ * and receiver compute the same cut. */
 int chorus__wire_parts(uint64_t len, int k, uint64_t *psize);
 
 #endif

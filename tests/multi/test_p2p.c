@@ -251,6 +251,57 @@ TEST(sender_far_ahead_stays_bounded) {
   ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
 }
 
+/* Over TCP a large message on one communicator does not hold up a small
+ * one on another: rank 0 starts a 256 MiB send to rank 1 on the world,
+ * then sends 8 bytes on a second communicator; that send must complete
+ * while the large one is still in flight (the large one travels in pieces
+ * and the small message overtakes those not yet written).  Whole messages
+ * in order would complete the large one first, every time. */
+TEST(small_overtakes_large) {
+  enum { BIG = 256 << 20 };
+  chorus_comm_t other;
+  ASSERT_EQ(chorus_comm_split(g_comm, 0, g_rank, &other), CHORUS_OK);
+  if (g_rank <= 1 && g_size >= 2) {
+    char link[256];
+    ASSERT_EQ(chorus_comm_link(g_comm, 1 - g_rank, link, sizeof link), CHORUS_OK);
+    int tcp = !strncmp(link, "tcp", 3);
+    unsigned char *big = malloc(BIG), small[8];
+    ASSERT_TRUE(big != NULL);
+    chorus_work_t w;
+    if (g_rank == 0) {
+      fill(big, BIG, 3);
+      fill(small, sizeof small, 4);
+      ASSERT_EQ(chorus_send(g_comm, big, BIG, CHORUS_UINT8, 1, 11, &w), CHORUS_OK);
+      struct timespec ts = {0, 50000000}; /* the queued send is on its way */
+      nanosleep(&ts, NULL);
+      ASSERT_EQ(chorus_send(other, small, sizeof small, CHORUS_UINT8, 1, 12, NULL), CHORUS_OK);
+      chorus_result_t st = chorus_work_test(w);
+      ASSERT_EQ(chorus_work_wait(w, -1), CHORUS_OK);
+      chorus_work_free(w);
+      printf("rank 0: over %.3s, 8 bytes on another communicator were sent %s the 256 MiB "
+             "message was\n", link, st == CHORUS_INPROGRESS ? "before" : "after");
+      if (tcp) ASSERT_EQ(st, CHORUS_INPROGRESS);
+    } else {
+      ASSERT_EQ(chorus_recv(g_comm, big, BIG, CHORUS_UINT8, 0, 11, &w), CHORUS_OK);
+      ASSERT_EQ(chorus_recv(other, small, sizeof small, CHORUS_UINT8, 0, 12, NULL), CHORUS_OK);
+      ASSERT_EQ(chorus_work_wait(w, -1), CHORUS_OK);
+      chorus_work_free(w);
+      unsigned char want[8];
+      fill(want, sizeof want, 4);
+      ASSERT_TRUE(memcmp(small, want, sizeof want) == 0);
+      /* The large one whole, every piece in its place. */
+      unsigned char *ref = malloc(BIG);
+      ASSERT_TRUE(ref != NULL);
+      fill(ref, BIG, 3);
+      ASSERT_TRUE(memcmp(big, ref, BIG) == 0);
+      free(ref);
+    }
+    free(big);
+  }
+  ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+  ASSERT_EQ(chorus_comm_destroy(other), CHORUS_OK);
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (int i = 1; i < argc; i++) {
@@ -272,6 +323,7 @@ int main(int argc, char **argv) {
   RUN(links_use_the_expected_channel);
   RUN(every_pair_exchanges);
   RUN(sender_far_ahead_stays_bounded);
+  RUN(small_overtakes_large);
   chorus_comm_destroy(g_comm);
   return HARNESS_DONE();
 }

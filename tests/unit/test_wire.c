@@ -420,28 +420,32 @@ TEST(check_part) {
   ASSERT_REJECTED(d, "striped message too short to stripe");
 }
 
-/* The cut both ends compute: pieces of at least PART_MIN (4 KiB multiples
- * but the last) that cover the message exactly, at most one per stream. */
+/* The cut both ends compute: pieces of PART_MIN .. PART_MAX (4 KiB
+ * multiples but the last) that cover the message exactly, as many as the
+ * connections share at the least. */
 TEST(parts_cut) {
   uint64_t ps;
   ASSERT_EQ(chorus__wire_parts(1 << 20, 1, &ps), 1);
   ASSERT_EQ(chorus__wire_parts(2 * CHORUS__WIRE_PART_MIN - 1, 4, &ps), 1);
   ASSERT_EQ(chorus__wire_parts(2 * CHORUS__WIRE_PART_MIN, 4, &ps), 2);
   ASSERT_EQ(ps, CHORUS__WIRE_PART_MIN);
-  ASSERT_EQ(chorus__wire_parts(64 << 20, 4, &ps), 4);
-  ASSERT_EQ(ps, 16u << 20);
-  ASSERT_EQ(chorus__wire_parts(64 << 20, 99, &ps), CHORUS__WIRE_MAX_STREAMS);
+  ASSERT_EQ(chorus__wire_parts(4 << 20, 4, &ps), 4);
+  ASSERT_EQ(ps, 1u << 20);
+  ASSERT_EQ(chorus__wire_parts(64 << 20, 1, &ps), 64); /* one connection: 1 MiB pieces */
+  ASSERT_EQ(ps, CHORUS__WIRE_PART_MAX);
+  ASSERT_EQ(chorus__wire_parts(3 << 20, 2, &ps), 3);
   uint64_t seed = 7;
   for (int i = 0; i < 100000; i++) {
     uint64_t len = rng_next(&seed) % (64u << 20);
     int k = 1 + (int)(rng_next(&seed) % CHORUS__WIRE_MAX_STREAMS);
     int n = chorus__wire_parts(len, k, &ps);
-    ASSERT_TRUE(n >= 1 && n <= k);
+    ASSERT_TRUE(n >= 1);
+    ASSERT_TRUE(ps % 4096 == 0 && ps >= CHORUS__WIRE_PART_MIN && ps <= CHORUS__WIRE_PART_MAX);
     if (n == 1) {
-      ASSERT_TRUE(len < 2 * CHORUS__WIRE_PART_MIN || k == 1);
+      ASSERT_TRUE(len < 2 * CHORUS__WIRE_PART_MIN || len <= ps);
       continue;
     }
-    ASSERT_TRUE(ps % 4096 == 0 && ps >= CHORUS__WIRE_PART_MIN);
+    ASSERT_TRUE(n >= k || ps == CHORUS__WIRE_PART_MIN || ps - len / (uint64_t)k < 4096);
     ASSERT_TRUE((uint64_t)(n - 1) * ps < len && (uint64_t)n * ps >= len);
   }
 }
