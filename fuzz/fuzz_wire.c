@@ -64,7 +64,7 @@ static void one_header(const uint8_t *p) {
         FUZZ_REQUIRE(h.len <= CHORUS__WIRE_MAX_ABORT_TEXT);
         break;
       case CHORUS__WIRE_HEAD:
-        FUZZ_REQUIRE(h.len >= 2 * CHORUS__WIRE_PART_MIN);
+        FUZZ_REQUIRE(h.len > CHORUS__WIRE_PART_MAX);
         __attribute__((fallthrough)); /* and a DATA header's rules */
       case CHORUS__WIRE_DATA:
         FUZZ_REQUIRE(h.kind == CHORUS__KIND_COLL || h.kind == CHORUS__KIND_P2P);

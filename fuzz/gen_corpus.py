@@ -22,7 +22,7 @@ COLL = {"broadcast": 0, "reduce": 1, "all_reduce": 2, "send": 12}
 DT = {"int8": 0, "uint8": 1, "int32": 2, "float32": 6}
 SUM, NO_OP = 0, 0xFF
 DATA, ABORT, BYE, PING, HEAD, PART = 1, 2, 3, 4, 5, 6
-PART_MIN = 128 << 10
+PART_MIN, PART_MAX = 128 << 10, 1 << 20
 K_COLL, K_P2P = 1, 2
 
 
@@ -119,19 +119,21 @@ def tcp_seeds():
     yield "encrypted_two_peers", bytes([0x42, 13]) + p2p_msg(5, "uint8", 8, b"12345678") + \
         RANK2 + coll_msg(step=1, payload=b"") + p2p_msg(7, "int32", 1, b"\x07\x00\x00\x00")
     yield "encrypted_tampered", bytes([0xc3, 0]) + coll_msg()
-    # Striped: a 256 KiB p2p message (rank 1, tag 5: unexpected, then
-    # mismatched against the 8-byte receive) whose pieces arrive before and
-    # after its HEAD; a piece that does not fit; a piece of no message.
-    big = 2 * PART_MIN
+    # In pieces: a 2 MiB p2p message (rank 1, tag 5: unexpected, then
+    # mismatched against the 8-byte receive) cut in two for 2 connections,
+    # whose piece 1 arrives before and after its HEAD; a piece that does not
+    # fit; a piece of no message; a HEAD too short to cut.
+    big = 2 * PART_MAX
     head = hdr(HEAD, K_P2P, 1, 0, 0, 5, COLL["send"], DT["uint8"], NO_OP, 0, -1, big, big)
     yield "striped_piece_first", bytes([0x01, 0]) + PING_MSG + head + b"\x11" * 64 + PIECE + \
-        part_msg(1, PART_MIN, PART_MIN, b"\x22" * 64)
+        part_msg(1, PART_MAX, PART_MAX, b"\x22" * 64)
     yield "striped_bad_offset", bytes([0x01, 0]) + head + PIECE + \
-        part_msg(1, PART_MIN + 4096, PART_MIN - 4096)
+        part_msg(1, PART_MAX + 4096, PART_MAX - 4096)
     yield "striped_no_head", bytes([0x03, 0]) + p2p_msg(5, "uint8", 8, b"abcdefgh") + PIECE + \
-        part_msg(1, PART_MIN, PART_MIN) + part_msg(2, PART_MIN, PART_MIN)
+        part_msg(1, PART_MAX, PART_MAX) + part_msg(2, PART_MAX, PART_MAX)
     yield "head_unstriped", bytes([0x03, 0]) + RANK2 + \
-        hdr(HEAD, K_P2P, 1, 0, 0, 7, COLL["send"], DT["int32"], NO_OP, 0, -1, big // 4, big)
+        hdr(HEAD, K_P2P, 1, 0, 0, 7, COLL["send"], DT["int32"], NO_OP, 0, -1, PART_MAX // 4,
+            PART_MAX)
     yield "unknown_endpoint", bytes([0x00, 0]) + coll_msg(ep=99) + p2p_msg(5, "uint8", 3, b"abc",
                                                                            ep=77)
 

@@ -51,7 +51,7 @@ const char *chorus__wire_check(const chorus__wire_hdr_t *h) {
     case CHORUS__WIRE_ABORT:
       return h->len > CHORUS__WIRE_MAX_ABORT_TEXT ? "abort text too long" : NULL;
     case CHORUS__WIRE_HEAD:
-      if (h->len < 2 * CHORUS__WIRE_PART_MIN) return "striped message too short to stripe";
+      if (h->len <= CHORUS__WIRE_PART_MAX) return "striped message too short to stripe";
       __attribute__((fallthrough)); /* otherwise a DATA header */
     case CHORUS__WIRE_DATA:
       if (h->kind != CHORUS__KIND_COLL && h->kind != CHORUS__KIND_P2P)
@@ -81,5 +81,5 @@ int chorus__wire_parts(uint64_t len, int k, uint64_t *psize) {
   if (p > CHORUS__WIRE_PART_MAX) p = CHORUS__WIRE_PART_MAX;
   p = (p + 4095) & ~(uint64_t)4095;
   *psize = p;
-  return len < 2 * CHORUS__WIRE_PART_MIN || len <= p ? 1 : (int)((len + p - 1) / p);
+  return len <= CHORUS__WIRE_PART_MAX ? 1 : (int)((len + p - 1) / p);
 }

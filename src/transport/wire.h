@@ -101,10 +101,11 @@ void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h);
 const char *chorus__wire_check(const chorus__wire_hdr_t *h);
 
 /* How a message of len bytes is cut for k connections: the number of
- * pieces (1: it is not cut), each *psize bytes (a multiple of 4096, the
- * share of each connection, within PART_MIN .. PART_MAX) but the last;
- * piece i starts at i * *psize and travels on connection i mod k.  Sender
- * and receiver compute the same cut. */
+ * pieces (1: it is not cut -- it is PART_MAX or shorter), each *psize
+ * bytes (a multiple of 4096, the share of each connection, within
+ * PART_MIN .. PART_MAX) but the last; piece i starts at i * *psize and
+ * travels on connection i mod k.  Sender and receiver compute the same
+ * cut. */
 int chorus__wire_parts(uint64_t len, int k, uint64_t *psize);
 
 #endif

@@ -355,7 +355,7 @@ static const char *ref_check(const hdr_t *h) {
     return h->kind || h->step || h->tag || h->fp.coll || h->fp.dtype || h->fp.op ||
                    h->fp.algo || h->fp.root || h->fp.count || !h->len || !h->ep_id
                ? "malformed piece header" : NULL;
-  if (h->type == 5 && h->len < (256u << 10)) return "striped message too short to stripe";
+  if (h->type == 5 && h->len <= (1u << 20)) return "striped message too short to stripe";
   if (h->type != 1 && h->type != 5) return "unknown message type";
   if (h->kind != 1 && h->kind != 2) return "unknown message kind";
   if (h->fp.coll >= CHORUS_COLL_COUNT || h->fp.dtype >= CHORUS_DTYPE_COUNT)
@@ -414,7 +414,7 @@ TEST(check_part) {
   /* A HEAD is a DATA header that must be long enough to cut. */
   hdr_t d = good_data();
   d.type = CHORUS__WIRE_HEAD;
-  d.len = 2 * CHORUS__WIRE_PART_MIN;
+  d.len = CHORUS__WIRE_PART_MAX + 1;
   ASSERT_TRUE(check_wire(&d) == NULL);
   d.len--;
   ASSERT_REJECTED(d, "striped message too short to stripe");
@@ -426,8 +426,8 @@ TEST(check_part) {
 TEST(parts_cut) {
   uint64_t ps;
   ASSERT_EQ(chorus__wire_parts(1 << 20, 1, &ps), 1);
-  ASSERT_EQ(chorus__wire_parts(2 * CHORUS__WIRE_PART_MIN - 1, 4, &ps), 1);
-  ASSERT_EQ(chorus__wire_parts(2 * CHORUS__WIRE_PART_MIN, 4, &ps), 2);
+  ASSERT_EQ(chorus__wire_parts(CHORUS__WIRE_PART_MAX, 4, &ps), 1);
+  ASSERT_EQ(chorus__wire_parts(CHORUS__WIRE_PART_MAX + 1, 16, &ps), 9);
   ASSERT_EQ(ps, CHORUS__WIRE_PART_MIN);
   ASSERT_EQ(chorus__wire_parts(4 << 20, 4, &ps), 4);
   ASSERT_EQ(ps, 1u << 20);
@@ -442,7 +442,7 @@ TEST(parts_cut) {
     ASSERT_TRUE(n >= 1);
     ASSERT_TRUE(ps % 4096 == 0 && ps >= CHORUS__WIRE_PART_MIN && ps <= CHORUS__WIRE_PART_MAX);
     if (n == 1) {
-      ASSERT_TRUE(len < 2 * CHORUS__WIRE_PART_MIN || len <= ps);
+      ASSERT_TRUE(len <= CHORUS__WIRE_PART_MAX);
       continue;
     }
     ASSERT_TRUE(n >= k || ps == CHORUS__WIRE_PART_MIN || ps - len / (uint64_t)k < 4096);
