@@ -7,8 +7,9 @@
  *   "CHRC" u32 version word v, u32 rank c, nonce Nc (32),
  *   HMAC-SHA256(key, "chorus data connect" W c a v Na Nc)
  * where the fuzzing transport's own nonce Na is 32 zero bytes; v holds the
- * version (bits 0-15), the encryption flag (16), the stream (20-23) and
- * how many streams the connector wants (24-28).
+ * version (bits 0-15), the encryption flag (16), which connection (19-23:
+ * 0 the pair's main one, i + 1 the connector's piece connection i) and a
+ * count of piece connections (24-28).
  *
  * Input: byte 0 flags, the rest the connect message as it arrives (shorter:
  * zero-padded by the hook; longer: the rest is ignored).
@@ -21,10 +22,11 @@
  *             made with the fuzzer's key: must be refused)
  * Oracle: a message is accepted (a rank returned) exactly when its magic,
  * version, MAC (checked here independently with libcrypto's HMAC), rank
- * (not this rank, below the size, not connected yet), encryption flag and
- * streams (stream 0 -- a pair's other streams need its stream 0 accepted
- * from that rank first -- of 1 to 16) are right; every refusal is one of
- * the four reasons.
+ * (not this rank, below the size), encryption flag and connection are
+ * right: a count of 1 to 16 and a connection index at most the count;
+ * the main connection only from a rank not connected yet, a piece
+ * connection only from a connected rank and only its first (no count
+ * agreed yet); every refusal is one of the four reasons.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -99,10 +101,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   uint8_t want[CHORUS__MAC_LEN];
   connect_mac(tp_key, peer, (uint32_t)rank, version, msg + 12, want);
   int mac_ok = memcmp(want, msg + 12 + CHORUS__NONCE_LEN, sizeof want) == 0;
+  uint32_t sidx = (version >> 19) & 0x1fu, count = (version >> 24) & 0x1fu;
+  int conn_ok = count >= 1 && count <= 16 && sidx <= count &&
+                (sidx == 0 ? (int)peer != connected : (int)peer == connected && sidx == 1);
   int ok = chorus__le32_get(msg) == HS_CONNECT && (version & 0xffffu) == HS_VERSION && mac_ok &&
-           peer < (uint32_t)nproc && (int)peer != rank && (int)peer != connected &&
-           !(version & HS_FLAG_ENCRYPT) && ((version >> 20) & 0xfu) == 0 &&
-           ((version >> 24) & 0x1fu) >= 1 && ((version >> 24) & 0x1fu) <= 16;
+           peer < (uint32_t)nproc && (int)peer != rank && !(version & HS_FLAG_ENCRYPT) && conn_ok;
   if (ok) {
     FUZZ_REQUIRE(got == (int)peer);
   } else {

@@ -32,10 +32,9 @@
  *   rest     the byte stream from world rank 1; if it contains the 8-byte
  *            marker "#rank2#\n", what follows is world rank 2's stream.
  *            If rank 1's stream contains "#piece#\n" (and bit 6 is clear),
- *            the pair with rank 1 has 2 connections (tcp.c's striping):
- *            what follows the marker is its second connection's stream of
- *            pieces (PART headers + bytes), the part before it may carry
- *            HEADs.  The streams are fed in alternating chunks.  Each is a
+ *            rank 1 has a piece connection to this rank (tcp.c): what
+ *            follows the marker is that connection's stream of pieces (PART
+ *            headers + bytes); the part before it may carry HEADs.  The streams are fed in alternating chunks.  Each is a
  *            sequence of messages: 56-byte header (transport/wire.h) +
  *            payload.
  *
@@ -172,7 +171,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   chorus__tp_t *tp = chorus__tp_fuzz_new(0, 3, &g_key, FUZZ_WORLD_ID);
   FUZZ_REQUIRE(tp != NULL);
   s1.flip = s1b.flip = s2.flip = -1;
-  if (pm) FUZZ_REQUIRE(chorus__tp_fuzz_stripe(tp, 1, 2) == 0);
+  if (pm) FUZZ_REQUIRE(chorus__tp_fuzz_pieces(tp, 1, 1) == 0);
   if (flags & 64) {
     s1.sealer = chorus__tp_fuzz_encrypt(tp, 1);
     s2.sealer = chorus__tp_fuzz_encrypt(tp, 2);

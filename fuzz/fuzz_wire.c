@@ -28,7 +28,7 @@ static const char *const reasons[] = {
     "abort text too long",
     "unknown message kind",
     "fingerprint out of range",
-    "striped message too short to stripe",
+    "message in pieces too short to cut",
     "malformed piece header",
     "unknown message type",
 };

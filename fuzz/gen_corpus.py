@@ -56,8 +56,8 @@ PIECE = b"#piece#\n"
 
 
 def part_msg(msg, off, length, payload=b""):
-    """A piece of striped message msg (tcp.c with 2 streams), its header
-    and the first bytes of it."""
+    """A piece of message msg (tcp.c's piece connections): its header and
+    the first bytes of it."""
     return hdr(PART, 0, msg, off, 0, 0, 0, 0, 0, 0, 0, 0, length) + payload
 
 
@@ -120,18 +120,18 @@ def tcp_seeds():
         RANK2 + coll_msg(step=1, payload=b"") + p2p_msg(7, "int32", 1, b"\x07\x00\x00\x00")
     yield "encrypted_tampered", bytes([0xc3, 0]) + coll_msg()
     # In pieces: a 2 MiB p2p message (rank 1, tag 5: unexpected, then
-    # mismatched against the 8-byte receive) cut in two for 2 connections,
-    # whose piece 1 arrives before and after its HEAD; a piece that does not
-    # fit; a piece of no message; a HEAD too short to cut.
+    # mismatched against the 8-byte receive) in two 1 MiB pieces on rank 1's
+    # piece connection, which may come before or after its HEAD; a piece
+    # that does not fit; pieces of no message; a HEAD too short to cut.
     big = 2 * PART_MAX
     head = hdr(HEAD, K_P2P, 1, 0, 0, 5, COLL["send"], DT["uint8"], NO_OP, 0, -1, big, big)
-    yield "striped_piece_first", bytes([0x01, 0]) + PING_MSG + head + b"\x11" * 64 + PIECE + \
-        part_msg(1, PART_MAX, PART_MAX, b"\x22" * 64)
-    yield "striped_bad_offset", bytes([0x01, 0]) + head + PIECE + \
-        part_msg(1, PART_MAX + 4096, PART_MAX - 4096)
-    yield "striped_no_head", bytes([0x03, 0]) + p2p_msg(5, "uint8", 8, b"abcdefgh") + PIECE + \
-        part_msg(1, PART_MAX, PART_MAX) + part_msg(2, PART_MAX, PART_MAX)
-    yield "head_unstriped", bytes([0x03, 0]) + RANK2 + \
+    yield "pieces_first", bytes([0x01, 0]) + PING_MSG + head + PIECE + \
+        part_msg(1, 0, PART_MAX, b"\x11" * 64)
+    yield "pieces_bad_offset", bytes([0x01, 0]) + head + PIECE + \
+        part_msg(1, 4096, PART_MAX)
+    yield "pieces_no_head", bytes([0x03, 0]) + p2p_msg(5, "uint8", 8, b"abcdefgh") + PIECE + \
+        part_msg(1, 0, PART_MAX) + part_msg(2, 0, PART_MAX)
+    yield "head_too_short", bytes([0x03, 0]) + RANK2 + \
         hdr(HEAD, K_P2P, 1, 0, 0, 7, COLL["send"], DT["int32"], NO_OP, 0, -1, PART_MAX // 4,
             PART_MAX)
     yield "unknown_endpoint", bytes([0x00, 0]) + coll_msg(ep=99) + p2p_msg(5, "uint8", 3, b"abc",
@@ -150,16 +150,18 @@ def wire_seeds():
 
 def handshake_seeds():
     def connect(rank, version=3 | 1 << 24, magic=b"CHRC"):
-        # version word: version 3, stream (bits 20-23) of nstreams (bits 24-28)
+        # version word: version 3, connection (bits 19-23: 0 main, i + 1 piece
+        # connection i) and count (bits 24-28)
         return magic + struct.pack("<II", version, rank) + bytes(range(32)) + bytes(32)
     # flags: bits 0-1 rank, 2-3 size-2, 4 fix MAC, 5 rank+1 connected, 6 other key
     yield "valid_rank1_of_3", bytes([0x14]) + connect(1)
     yield "valid_rank3_of_5_from_1", bytes([0x1d]) + connect(3)
     yield "already_connected", bytes([0x34]) + connect(1)
     yield "encrypt_flag", bytes([0x14]) + connect(1, 3 | 1 << 24 | 0x10000)
-    yield "four_streams", bytes([0x14]) + connect(1, 3 | 4 << 24)
-    yield "stream_2_unasked", bytes([0x34]) + connect(1, 3 | 2 << 20 | 4 << 24)
-    yield "no_streams", bytes([0x14]) + connect(1, 3)
+    yield "main_count_4", bytes([0x14]) + connect(1, 3 | 4 << 24)
+    yield "piece_first_of_4", bytes([0x34]) + connect(1, 3 | 1 << 19 | 4 << 24)
+    yield "piece_second_unasked", bytes([0x34]) + connect(1, 3 | 2 << 19 | 4 << 24)
+    yield "no_count", bytes([0x14]) + connect(1, 3)
     yield "wrong_key", bytes([0x54]) + connect(2)
     yield "bad_mac", bytes([0x04]) + connect(1)
     yield "old_version", bytes([0x14]) + connect(1, 2)

@@ -29,13 +29,13 @@
  * slows the sender.  The channel moves payload bytes to rx->dst (discarding
  * them when it is NULL) and reports them with chorus__tp_rx_bytes().
  *
- * Striped messages (wire.h).  A channel that stripes sets rx->striped on
- * the stream that may carry HEADs; the endpoint layer routes a HEAD as the
- * DATA message it is (rx->h says DATA, its whole length; rx->hbuf still
- * says HEAD), and the channel then moves that
+ * Messages in pieces (wire.h).  A channel that cuts messages sets
+ * rx->pieces_ok on the stream that may carry HEADs; the endpoint layer
+ * routes a HEAD as the DATA message it is (rx->h says DATA, its whole
+ * length; rx->hbuf still says HEAD), and the channel then moves that
  * message's state into a stream of its own (chorus__tp_rx_move) which its
- * pieces fill at their offsets from any connection, reporting each with
- * chorus__tp_rx_bytes; the first stream goes on with the next header.
+ * pieces fill at their offsets as they come, reporting each with
+ * chorus__tp_rx_bytes; the HEAD's stream goes on with the next header.
  *
  * Failures.  A channel that loses a peer (EOF, error, a protocol violation)
  * calls chorus__tp_peer_failed(); the endpoint layer fails the endpoints
@@ -74,7 +74,7 @@ typedef struct chorus__tx {
   chorus__req_t *req;  /* completed when written; NULL for control */
   chorus__ep_t *ep;    /* owner, for detaching on failure; NULL for control */
   char *owned;         /* payload copy owned by the item */
-  /* A message a channel cut into pieces (tcp.c's striping) is several
+  /* A message a channel cut into pieces (tcp.c) is several
    * items: the whole (its request, its first piece) with pieces = how many
    * of its items are not yet written or lost, itself included, and one item
    * per other piece with whole pointing to it.  The request completes when
@@ -117,7 +117,7 @@ typedef struct chorus__rx {
   size_t abort_len;
   int paused;            /* not read: its payload can go nowhere yet */
   int64_t paused_since;
-  int striped;           /* the channel may deliver HEADs here (wire.h: striping) */
+  int pieces_ok;         /* the channel may deliver HEADs here (wire.h: pieces) */
   struct chorus__rx *next; /* the peer's other streams */
 } chorus__rx_t;
 
@@ -288,9 +288,10 @@ void chorus__tp_free(chorus__tp_t *tp);
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                       chorus__chan_t **out, char *errmsg, size_t errcap);
 /* TCP (tcp.c): carries the peers no other channel carries, one connection
- * per pair (or CHORUS_SOCKET_NSTREAMS), made when the first message between
- * them is sent (the listener cfg->listen_fd accepts for as long as the
- * channel lives). */
+ * per pair made when the first message between them is sent, and
+ * CHORUS_SOCKET_NSTREAMS more per rank and peer for the pieces of large
+ * messages (the listener cfg->listen_fd accepts for as long as the channel
+ * lives). */
 chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                  chorus__chan_t **out, char *errmsg, size_t errcap);
 

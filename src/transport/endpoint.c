@@ -805,16 +805,16 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
       rx->dst = rx->abort; /* NULL (out of memory): the text is discarded */
       break;
     case T_HEAD:
-      if (!rx->striped)
-        return chorus__tp_protocol_error(tp, c, "striped message on a connection that carries "
-                                                "none");
+      if (!rx->pieces_ok)
+        return chorus__tp_protocol_error(tp, c, "message in pieces on a connection that "
+                                                "carries none");
       h->type = T_DATA; /* the DATA message it is, for matching and buffering */
       __attribute__((fallthrough));
     case T_DATA:
       if (!route_data(tp, rx)) return; /* paused: the payload stays where it is */
       break;
-    default: /* a PART (only a striping channel parses those), or rejected by wire_check */
-      return chorus__tp_protocol_error(tp, c, "piece of a striped message outside its "
+    default: /* a PART (only the channel that cut it parses those), or rejected by wire_check */
+      return chorus__tp_protocol_error(tp, c, "piece of a message outside its "
                                               "connection");
   }
   rx->in_payload = 1;

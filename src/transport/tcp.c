@@ -16,20 +16,23 @@
  * lock, one pair state per peer).  A world of P ranks whose algorithms
  * talk to k peers opens k sockets per rank, not P-1.
  *
- * Pieces, and several connections per pair.  The pair's first connection
- * (stream 0) agrees on how many it has: the smaller of both ranks'
- * NSTREAMS.  The rank that dialled it then dials the others (streams 1 ..
- * K-1, each with its own handshake and keys).  Once all are up on a side,
- * that side cuts its large messages into pieces (wire.h): header and piece
- * 0 on stream 0, piece i on stream i mod K, written side by side;
- * everything else keeps to stream 0, where a message overtakes the pieces
- * not yet begun, so a large transfer delays another communicator's message
- * by a piece, not by the transfer.  The receiver routes a cut message when
- * its header arrives and places the pieces at their offsets as the streams
- * deliver them (a piece whose header comes first waits, its stream
- * unread).  One TCP flow is limited by its congestion window and by one
- * core's copying; K flows take K shares of a link other traffic also uses,
- * and K cores' worth of kernel work.
+ * Pieces.  A message over 1 MiB travels in pieces (wire.h) on
+ * connections of their own: the sender dials K piece connections to the
+ * peer (CHORUS_SOCKET_NSTREAMS, or fewer if the peer asks for fewer) the
+ * first time it has such a message for it, and once they are up sends the
+ * message's header alone (a HEAD) on the pair's main connection and piece i
+ * on piece connection i mod K, written side by side.  A piece connection
+ * carries one direction: the rank that dialled it writes, the other reads.
+ * The main connection carries headers and every smaller message, in order,
+ * so a large transfer delays another communicator's message by nothing
+ * but its header, and a main connection paused for the receiver's budget
+ * (chan.h) never holds back the pieces of a message admitted before.  The
+ * receiver routes a cut message when its HEAD arrives and places each piece
+ * at its offset as the piece connections deliver them (a piece whose HEAD
+ * has not come yet waits, its connection unread).  One TCP flow is limited
+ * by its congestion window and by one core's copying; K flows take K
+ * shares of a link other traffic also uses, and K cores' worth of kernel
+ * work.
  *
  * Wire format of every message: a 56-byte header followed by `len` payload
  * bytes.  The header's layout, its encoding and the checks that need nothing
@@ -72,14 +75,15 @@ typedef chorus__tx_t txitem_t;
 #define HS_VERSION 3u
 /* The version word of connect and ok: the version in its low 16 bits, and
  * HS_FLAG_ENCRYPT when the sender encrypts (CHORUS_ENCRYPT=1: both ends must
- * agree); in connect also which stream of the pair the connection is and
- * how many streams the connector wants (1 .. MAX_STREAMS); in ok how many
- * the pair has. */
+ * agree); then which connection of the pair this is (bits 19-23: 0 the
+ * main one, i + 1 the connector's piece connection i) and, for a piece
+ * connection, how many the connector wants (its first: 1 .. MAX_STREAMS)
+ * or has (the others) in bits 24-28 -- in ok, how many it may have. */
 #define HS_FLAG_ENCRYPT 0x10000u
 #define HS_VERSION_MASK 0xffffu
-#define HS_STREAM(v) (((v) >> 20) & 0xfu)
+#define HS_STREAM(v) (((v) >> 19) & 0x1fu)
 #define HS_NSTREAMS(v) (((v) >> 24) & 0x1fu)
-#define HS_STREAMS(s, k) (((uint32_t)(s) << 20) | ((uint32_t)(k) << 24))
+#define HS_STREAMS(s, k) (((uint32_t)(s) << 19) | ((uint32_t)(k) << 24))
 /* Handshake messages (docs/design.md, "Authentication"):
  *   hello    acceptor -> connector  "CHRA" u32 version, nonce Na
  *   connect  connector -> acceptor  "CHRC" u32 version word v, u32 rank c, nonce Nc,
@@ -105,22 +109,22 @@ enum {
  * in AES-256-GCM records, u32 plaintext length (authenticated too) | that
  * many ciphertext bytes | 16-byte tag, each direction with its own key from
  * the handshake (HKDF of the job key over both nonces, the world, both
- * ranks and the stream) and a counter nonce, so a record that is altered,
+ * ranks and the connection's index) and a counter nonce, so a record that is altered,
  * dropped, replayed or reordered fails the connection.  Records pack the
  * message stream (headers and payloads) in pieces of at most REC_MAX
  * bytes. */
 #define REC_MAX ((size_t)128 << 10)
 #define REC_OVERHEAD (4 + CHORUS__AEAD_TAG_LEN)
 #define DISCARD_BUF 65536
-/* Striped messages a pair may have in reassembly at once, per direction:
- * far more than any algorithm keeps in flight to one peer. */
+/* Messages in pieces a pair may have in reassembly at once, per
+ * direction: far more than any algorithm keeps in flight to one peer. */
 #define MAX_ASSEMBLIES 4096
 
 typedef struct tcp_chan tcp_chan_t;
 typedef struct conn conn_t;
 
-/* The state of a pair (conn_t.state, which its stream 0 drives) or of a
- * stream being dialled (stream_t.state), on this side. */
+/* The state of a pair (conn_t.state, which its main connection drives) or
+ * of a connection being dialled (stream_t.state), on this side. */
 enum {
   C_IDLE,       /* no connection, none being made */
   C_CONNECTING, /* dialled: connect() in progress (fd >= 0), or waiting to retry (fd < 0) */
@@ -131,27 +135,35 @@ enum {
   C_CLOSED      /* the peer failed */
 };
 
-/* A striped message being received: the endpoint layer's stream for it
+/* A message being received in pieces: the endpoint layer's stream for it
  * (where its bytes go, how many are still to come), its number among the
- * pair's striped messages, its cut. */
+ * pair's cut messages, its cut. */
 typedef struct assembly {
   chorus__rx_t rx;
   uint64_t msg;
   uint64_t psize;
   int nparts;
-  int next[MAX_STREAMS]; /* the piece each stream delivers next */
+  int next[MAX_STREAMS]; /* the piece each piece connection delivers next */
   struct assembly *next_asm;
 } assembly_t;
+
+/* What a connection of a pair carries. */
+enum {
+  S_MAIN, /* every message but pieces, both ways */
+  S_OUT,  /* this rank's pieces (dialled by this rank; nothing comes back) */
+  S_IN    /* the peer's pieces (accepted here; nothing goes back) */
+};
 
 /* One connection of a pair. */
 typedef struct stream {
   conn_t *c;
-  int idx; /* 0: the pair's first, which carries everything but pieces */
+  int kind; /* S_* */
+  int idx;  /* of a piece connection: which (piece i travels on i mod K) */
   int fd;
   int state;
   chorus__watch_t watch;
   int epoll_out;
-  int waiting; /* a piece header whose message's HEAD has not come: not read */
+  int waiting; /* S_IN: a piece header whose message's HEAD has not come: not read */
   /* Encryption (NULL when off): the directions' ciphers, the record being
    * written (tx_rec[tx_off..tx_len)) and the record being read
    * (rx_got bytes so far; once opened, plaintext at rx_rec + 4 + rx_poff,
@@ -168,12 +180,11 @@ typedef struct stream {
   uint8_t hs[64]; /* a hello or an ok (HS_HELLO_LEN, HS_OK_LEN) */
   size_t hs_got;
   uint8_t na[CHORUS__NONCE_LEN], nc[CHORUS__NONCE_LEN];
-  /* Send queue: messages (pieces, on streams > 0) wait here while the
+  /* Send queue (S_MAIN, S_OUT): messages or pieces wait here while the
    * connection is made and while the socket is full. */
   chorus__txq_t txq;
-  /* Receiving: the piece being read into part (every stream: stream 0
-   * reads piece 0 right after its HEAD), and on streams > 0 the header of
-   * the next piece. */
+  /* S_IN: the header of the next piece, and the piece being read into
+   * part. */
   assembly_t *part;
   uint64_t part_off, part_left;
   uint8_t hbuf[HDR_SIZE];
@@ -182,16 +193,17 @@ typedef struct stream {
 
 struct conn {
   int state;
-  int connector; /* this rank dialled stream 0 (and dials the others) */
   tcp_chan_t *ch;
   chorus__peer_t *peer;
-  chorus__rx_t rx;  /* stream 0's message parser */
+  chorus__rx_t rx;  /* the main connection's message parser */
   int64_t since;    /* when dialling began */
-  int nstreams;     /* agreed with the peer (1 until stream 0 is up) */
-  int nready;       /* streams up on this side: striping once all are */
-  stream_t s0;
-  stream_t *s[MAX_STREAMS]; /* s[0] = &s0; the others once dialled or accepted */
-  /* Striped messages: numbered as sent and as their HEADs arrive; those
+  stream_t s0;      /* the main connection */
+  /* Piece connections: this rank's (nout agreed with the peer once the
+   * first is up, 0 before; nout_ready up; out_dialled: dialling began) and
+   * the peer's (nin, from the handshake of its first). */
+  stream_t *out[MAX_STREAMS], *in[MAX_STREAMS];
+  int nout, nout_ready, out_dialled, nin;
+  /* Messages in pieces: numbered as sent and as their HEADs arrive; those
    * being reassembled, oldest first. */
   uint64_t tx_msgs, rx_msgs;
   assembly_t *asm_head, *asm_tail;
@@ -242,9 +254,11 @@ static chorus__tp_t *stream_tp(const stream_t *s) { return s->c->ch->base.tp; }
 
 /* ------------------------------------------------------------ sending */
 
-/* Whether s's input is switched off: stream 0 paused by the endpoint
- * layer, another stream's piece waiting for its HEAD. */
-static int stream_blocked(const stream_t *s) { return s->idx ? s->waiting : s->c->rx.paused; }
+/* Whether s's input is switched off: the main connection paused by the
+ * endpoint layer, a piece waiting for its HEAD. */
+static int stream_blocked(const stream_t *s) {
+  return s->kind == S_MAIN ? s->c->rx.paused : s->kind == S_IN && s->waiting;
+}
 
 /* The events s waits for: input unless blocked, output while its queue is
  * blocked. */
@@ -367,37 +381,23 @@ static void flush_tx(stream_t *s) {
   }
 }
 
-/* Queues it on s and writes what can go now, when s is up.  A data
- * message (not a piece, not a control message) overtakes the pieces s has
- * not begun to write: another message's large transfer delays it by a
- * piece at most (wire.h). */
+/* Queues it on s and writes what can go now, when s is up. */
 static void stream_push(stream_t *s, txitem_t *it) {
-  chorus__txq_t *q = &s->txq;
-  uint16_t type = chorus__le16_get(it->hdr + 4);
-  if (!it->whole && q->head && (type == CHORUS__WIRE_DATA || type == CHORUS__WIRE_HEAD)) {
-    txitem_t *prev = q->head; /* never before the head: the writer may be on it */
-    while (prev->next && !(prev->next->whole && prev->next->off == 0)) prev = prev->next;
-    if (prev->next) {
-      it->next = prev->next;
-      prev->next = it;
-      return; /* behind something: written when that is */
-    }
-  }
-  chorus__txq_push(q, it);
-  if (s->state == C_READY && q->head == it) flush_tx(s);
+  chorus__txq_push(&s->txq, it);
+  if (s->state == C_READY && s->txq.head == it) flush_tx(s);
 }
 
-/* Cuts it (a DATA message, every stream up) into pieces (wire.h): it
- * becomes the HEAD with piece 0 on stream 0, piece i a PART on stream
- * i mod K.  0, or -1 when it stays whole (too short, or no memory for the
- * pieces). */
-static int stripe(conn_t *c, txitem_t *it) {
+/* Sends it (a DATA message, every piece connection up) in pieces (wire.h):
+ * its header alone as the HEAD on the main connection, piece i a PART on
+ * piece connection i mod K.  0, or -1 when it goes whole (too short, or no
+ * memory for the pieces). */
+static int send_in_pieces(conn_t *c, txitem_t *it) {
   uint64_t psize;
   if (chorus__le16_get(it->hdr + 4) != CHORUS__WIRE_DATA) return -1;
-  int n = chorus__wire_parts(it->len, c->nstreams, &psize);
+  int n = chorus__wire_parts(it->len, c->nout, &psize);
   if (n < 2) return -1;
   txitem_t *first = NULL, **tail = &first;
-  for (int i = 1; i < n; i++) {
+  for (int i = 0; i < n; i++) {
     txitem_t *pt = calloc(1, sizeof *pt);
     if (!pt) {
       while (first) {
@@ -411,7 +411,7 @@ static int stripe(conn_t *c, txitem_t *it) {
     tail = &pt->next;
   }
   uint64_t msg = ++c->tx_msgs;
-  int i = 1;
+  int i = 0;
   for (txitem_t *pt = first; pt; pt = pt->next, i++) {
     uint64_t off = (uint64_t)i * psize;
     chorus__wire_hdr_t h = {.magic = CHORUS__WIRE_MAGIC, .type = CHORUS__WIRE_PART,
@@ -424,17 +424,17 @@ static int stripe(conn_t *c, txitem_t *it) {
     pt->whole = it;
   }
   chorus__le16_put(it->hdr + 4, CHORUS__WIRE_HEAD); /* its len stays the whole length */
-  it->len = (size_t)psize;
-  it->pieces = n;
-  stream_push(c->s[0], it);
-  i = 1;
+  it->len = 0;                                     /* the header alone */
+  it->pieces = n + 1;
+  stream_push(&c->s0, it);
+  i = 0;
   for (txitem_t *pt = first, *nx; pt; pt = nx, i++) {
     nx = pt->next;
     pt->next = NULL;
     if (c->state == C_CLOSED) /* a write failed meanwhile: the pair is gone */
       chorus__tp_tx_lost(conn_tp(c), c->peer, pt);
     else
-      stream_push(c->s[i % c->nstreams], pt);
+      stream_push(c->out[i % c->nout], pt);
   }
   return 0;
 }
@@ -508,26 +508,28 @@ static void assembly_free(conn_t *c, assembly_t *a) {
   free(a);
 }
 
-/* Stream 0 routed a HEAD (c->rx in its payload, nothing read): the message
- * moves to an assembly of its own, stream 0 reads piece 0 into it, and
- * streams whose piece of it arrived first may read on.  0, or -1 after
- * failing the peer. */
-static int head_begin(stream_t *s) {
-  conn_t *c = s->c;
+/* The main connection routed a HEAD (c->rx in its payload, none of which
+ * comes on this connection): the message moves to an assembly of its own
+ * for the piece connections to fill, and the main connection goes on with
+ * the next header; piece connections whose piece of it came first may read
+ * on.  0, or -1 after failing the peer. */
+static int head_begin(conn_t *c) {
   chorus__tp_t *tp = conn_tp(c);
   uint64_t psize;
-  int n = chorus__wire_parts(c->rx.h.len, c->nstreams, &psize);
-  if (n < 2) { /* wire_check and rx.striped rule this out; a peer's bytes all the same */
-    chorus__tp_protocol_error(tp, c->peer, "striped message too short to stripe");
+  int n = c->nin ? chorus__wire_parts(c->rx.h.len, c->nin, &psize) : 0;
+  if (n < 2) { /* wire_check rules out the short ones; a peer's bytes all the same */
+    chorus__tp_protocol_error(tp, c->peer, c->nin ? "a message in pieces too short to cut"
+                                                  : "a message in pieces before any piece "
+                                                    "connection");
     return -1;
   }
   if (c->nasm >= MAX_ASSEMBLIES) {
-    chorus__tp_protocol_error(tp, c->peer, "too many striped messages in reassembly");
+    chorus__tp_protocol_error(tp, c->peer, "too many messages in pieces in reassembly");
     return -1;
   }
   assembly_t *a = calloc(1, sizeof *a);
   if (!a) {
-    conn_failed(c, "out of memory reassembling a striped message", CHORUS_ERR_NO_MEMORY);
+    conn_failed(c, "out of memory reassembling a message in pieces", CHORUS_ERR_NO_MEMORY);
     return -1;
   }
   chorus__tp_rx_attach(tp, c->peer, &a->rx, &c->ch->base, c);
@@ -535,44 +537,39 @@ static int head_begin(stream_t *s) {
   a->msg = ++c->rx_msgs;
   a->psize = psize;
   a->nparts = n;
-  for (int i = 0; i < c->nstreams; i++) a->next[i] = i ? i : c->nstreams;
+  for (int i = 0; i < c->nin; i++) a->next[i] = i;
   if (c->asm_tail) c->asm_tail->next_asm = a;
   else c->asm_head = a;
   c->asm_tail = a;
   c->nasm++;
-  s->part = a;
-  s->part_off = 0;
-  s->part_left = psize;
-  for (int i = 1; i < c->nstreams; i++) {
-    stream_t *o = c->s[i];
+  for (int i = 0; i < c->nin; i++) {
+    stream_t *o = c->in[i];
     if (!o || !o->waiting) continue;
     o->waiting = 0;
-    update_events(o, 0, o->epoll_out);
+    update_events(o, 0, 0);
     chorus__tp_kick(tp); /* its header is parsed already: no event says so */
   }
   return 0;
 }
 
-/* A piece's header is in hb (s->hbuf, or on stream 0 its message
- * parser's): find its message, or (streams > 0) wait for its HEAD.  0, or
- * -1 after failing the peer. */
-static int part_header(stream_t *s, const uint8_t *hb) {
+/* The header of a piece is in s->hbuf (s: a piece connection of the
+ * peer's): find its message, or wait for its HEAD.  0, or -1 after failing
+ * the peer. */
+static int part_header(stream_t *s) {
   conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
   chorus__wire_hdr_t h;
-  chorus__wire_decode(hb, &h);
+  chorus__wire_decode(s->hbuf, &h);
   const char *bad = chorus__wire_check(&h);
-  if (!bad && h.type != CHORUS__WIRE_PART) bad = "a message other than a piece on a piece stream";
-  if (!bad && s->idx == 0 && h.ep_id > c->rx_msgs)
-    bad = "a piece ahead of its message's header";
+  if (!bad && h.type != CHORUS__WIRE_PART) bad = "a message other than a piece on a piece connection";
   if (bad) {
     chorus__tp_protocol_error(tp, c->peer, bad);
     return -1;
   }
-  if (h.ep_id > c->rx_msgs) { /* its HEAD has not come yet on stream 0 */
+  if (h.ep_id > c->rx_msgs) { /* its HEAD has not come yet on the main connection */
     if (!s->waiting) {
       s->waiting = 1;
-      update_events(s, 1, s->epoll_out);
+      update_events(s, 1, 0);
     }
     return 0;
   }
@@ -585,8 +582,8 @@ static int part_header(stream_t *s, const uint8_t *hb) {
                                              : "a piece of a message already complete");
     return -1;
   }
-  a->next[s->idx] += c->nstreams;
-  if (s->idx) s->hgot = 0;
+  a->next[s->idx] += c->nin;
+  s->hgot = 0;
   s->part = a;
   s->part_off = off;
   s->part_left = h.len;
@@ -603,7 +600,8 @@ static void part_bytes(stream_t *s, size_t n) {
   if (!a->rx.left) assembly_free(s->c, a);
 }
 
-/* Reads what s's socket has: messages (stream 0), pieces (every stream). */
+/* Reads what s's socket has: messages (the main connection), pieces (the
+ * peer's piece connections), nothing (ours: only its end, or an error). */
 static void read_stream(stream_t *s) {
   conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
@@ -611,46 +609,51 @@ static void read_stream(stream_t *s) {
   chorus__rx_t *rx = &c->rx;
   while (!p->dead) {
     ssize_t n;
-    if (s->part) {
-      assembly_t *a = s->part;
-      char *dst = a->rx.dst ? a->rx.dst + s->part_off : c->ch->discard;
-      size_t want = a->rx.dst ? s->part_left : CHORUS__MIN(s->part_left, (uint64_t)DISCARD_BUF);
-      n = stream_recv(s, dst, want);
+    if (s->kind == S_OUT) {
+      char b;
+      n = stream_recv(s, &b, 1);
       if (n > 0) {
-        p->last_heard = chorus__now_ns();
-        part_bytes(s, (size_t)n);
-        continue;
+        chorus__tp_protocol_error(tp, p, "data on a connection that carries this rank's pieces");
+        return;
       }
-    } else if (s->idx > 0) {
-      if (s->waiting) return;
-      if (s->hgot == HDR_SIZE) {
-        if (part_header(s, s->hbuf) < 0) return;
-        continue;
-      }
-      n = stream_recv(s, s->hbuf + s->hgot, HDR_SIZE - s->hgot);
-      if (n > 0) {
-        p->last_heard = chorus__now_ns();
-        s->hgot += (size_t)n;
-        continue;
+    } else if (s->kind == S_IN) {
+      if (s->part) {
+        assembly_t *a = s->part;
+        char *dst = a->rx.dst ? a->rx.dst + s->part_off : c->ch->discard;
+        size_t want = a->rx.dst ? s->part_left : CHORUS__MIN(s->part_left, (uint64_t)DISCARD_BUF);
+        n = stream_recv(s, dst, want);
+        if (n > 0) {
+          p->last_heard = chorus__now_ns();
+          part_bytes(s, (size_t)n);
+          continue;
+        }
+      } else {
+        if (s->waiting) return;
+        if (s->hgot == HDR_SIZE) {
+          if (part_header(s) < 0) return;
+          continue;
+        }
+        n = stream_recv(s, s->hbuf + s->hgot, HDR_SIZE - s->hgot);
+        if (n > 0) {
+          p->last_heard = chorus__now_ns();
+          s->hgot += (size_t)n;
+          continue;
+        }
       }
     } else if (!rx->in_payload) {
       n = stream_recv(s, rx->hbuf + rx->hgot, HDR_SIZE - rx->hgot);
       if (n > 0) {
         p->last_heard = chorus__now_ns();
         rx->hgot += (size_t)n;
-        if (rx->hgot == HDR_SIZE && chorus__le16_get(rx->hbuf + 4) == CHORUS__WIRE_PART &&
-            c->rx.striped) {
-          rx->hgot = 0; /* a piece of a message whose HEAD came before */
-          if (part_header(s, rx->hbuf) < 0) return;
-        } else if (rx->hgot == HDR_SIZE) {
+        if (rx->hgot == HDR_SIZE) {
           chorus__tp_rx_header(tp, rx);
           if (rx->paused) return; /* the endpoint layer resumes it */
         }
         continue;
       }
     } else if (chorus__le16_get(rx->hbuf + 4) == CHORUS__WIRE_HEAD) {
-      /* Routed (now, or when the endpoint layer resumed the stream). */
-      if (head_begin(s) < 0) return;
+      /* Routed (now, or when the endpoint layer resumed the connection). */
+      if (head_begin(c) < 0) return;
       continue;
     } else {
       char *dst = rx->dst ? rx->dst + (rx->h.len - rx->left) : c->ch->discard;
@@ -664,7 +667,7 @@ static void read_stream(stream_t *s) {
     }
     if (p->dead) return; /* a record failed authentication */
     if (n == 0) {
-      int mid = s->part || (s->idx ? s->hgot > 0 : rx->in_payload || rx->hgot);
+      int mid = s->kind == S_IN ? s->part || s->hgot : s->kind == S_MAIN && (rx->in_payload || rx->hgot);
       conn_failed(c, mid ? "closed its connection in the middle of a message"
                          : "closed its connection", CHORUS_ERR_REMOTE);
       return;
@@ -702,14 +705,23 @@ static conn_t *conn_of(chorus__chan_t *ch, const chorus__peer_t *p) {
   return ((tcp_chan_t *)ch)->conns[p->rank];
 }
 
-static void stream_init(stream_t *s, conn_t *c, int idx) {
+static void stream_init(stream_t *s, conn_t *c, int kind, int idx) {
   s->c = c;
+  s->kind = kind;
   s->idx = idx;
   s->fd = -1;
   s->state = C_IDLE;
   s->watch = (chorus__watch_t){on_stream_event, s};
-  c->s[idx] = s;
+  if (kind == S_OUT) c->out[idx] = s;
+  if (kind == S_IN) c->in[idx] = s;
 }
+
+/* Every connection of c: the main one, then the piece connections. */
+#define FOR_STREAMS(c, s)                                                              \
+  for (int k_ = 0; k_ < 1 + 2 * MAX_STREAMS; k_++)                                     \
+    for (stream_t *s = k_ == 0 ? &(c)->s0                                              \
+                       : k_ <= MAX_STREAMS ? (c)->out[k_ - 1] : (c)->in[k_ - 1 - MAX_STREAMS]; \
+         s; s = NULL)
 
 /* p's pair state, made now if need be; NULL when out of memory. */
 static conn_t *conn_make(tcp_chan_t *t, chorus__peer_t *p) {
@@ -726,8 +738,7 @@ static conn_t *conn_make(tcp_chan_t *t, chorus__peer_t *p) {
   if (!c) return NULL;
   c->ch = t;
   c->peer = p;
-  c->nstreams = 1;
-  stream_init(&c->s0, c, 0);
+  stream_init(&c->s0, c, S_MAIN, 0);
   chorus__tp_rx_attach(t->base.tp, p, &c->rx, &t->base, c);
   p->link = c;
   t->conns[p->rank] = c;
@@ -736,6 +747,18 @@ static conn_t *conn_make(tcp_chan_t *t, chorus__peer_t *p) {
 }
 
 static void dial_start(stream_t *s);
+
+/* The first message over 1 MiB to c's peer: dial this rank's first piece
+ * connection (its handshake agrees on how many; stream_ready dials the
+ * others).  Meanwhile messages go whole. */
+static void pieces_dial(conn_t *c) {
+  stream_t *x = calloc(1, sizeof *x);
+  c->out_dialled = 1;
+  if (!x) return; /* whole messages, then */
+  stream_init(x, c, S_OUT, 0);
+  x->deadline = chorus__now_ns() + c->ch->connect_ns;
+  dial_start(x);
+}
 
 static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
   conn_t *c = conn_make((tcp_chan_t *)ch, p);
@@ -749,7 +772,10 @@ static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
     chorus__tp_tx_lost(ch->tp, p, it);
     return;
   }
-  if (c->state == C_READY && c->nready == c->nstreams && stripe(c, it) == 0) return;
+  if (c->state == C_READY && it->len > CHORUS__WIRE_PART_MAX) {
+    if (!c->out_dialled) pieces_dial(c);
+    if (c->nout && c->nout_ready == c->nout && send_in_pieces(c, it) == 0) return;
+  }
   stream_push(&c->s0, it);
   if (c->state == C_IDLE) {
     c->since = chorus__now_ns();
@@ -766,10 +792,10 @@ static void tcp_rx_pause(chorus__chan_t *ch, chorus__rx_t *rx, int on) {
   if (!on && c->s0.rx_pleft) chorus__tp_kick(ch->tp);
 }
 
-/* Striped messages are never dropped half-sent: the receiver waits for
+/* Messages in pieces are never dropped half-sent: the receiver waits for
  * every piece of one whose HEAD it saw.  ep's are kept whole, each item
  * from a private copy of its bytes, and no longer ep's. */
-static int cancel_striped(chorus__txq_t *q, const chorus__ep_t *ep) {
+static int cancel_pieces(chorus__txq_t *q, const chorus__ep_t *ep) {
   int lost = 0;
   for (txitem_t *it = q->head; it; it = it->next) {
     if (it->ep != ep || !(it->whole || it->pieces)) continue;
@@ -790,19 +816,16 @@ static int cancel_striped(chorus__txq_t *q, const chorus__ep_t *ep) {
 static int tcp_cancel(chorus__chan_t *ch, chorus__peer_t *p, chorus__ep_t *ep) {
   conn_t *c = conn_of(ch, p);
   int rc = 0;
-  for (int i = 0; c && i < c->nstreams; i++)
-    if (c->s[i] && cancel_striped(&c->s[i]->txq, ep) < 0) rc = -1;
-  for (int i = 0; c && i < c->nstreams; i++)
-    if (c->s[i] && chorus__txq_cancel(&c->s[i]->txq, ep) < 0) rc = -1;
+  if (!c) return 0;
+  FOR_STREAMS(c, s) if (cancel_pieces(&s->txq, ep) < 0) rc = -1;
+  FOR_STREAMS(c, s) if (chorus__txq_cancel(&s->txq, ep) < 0) rc = -1;
   return rc;
 }
 
 static int tcp_pending(chorus__chan_t *ch, chorus__peer_t *p, const chorus__ep_t *ep) {
   conn_t *c = conn_of(ch, p);
-  for (int i = 0; c && i < c->nstreams; i++) {
-    stream_t *s = c->s[i];
-    if (s && (chorus__txq_has(&s->txq, ep) || (!ep && s->tx_off < s->tx_len))) return 1;
-  }
+  if (!c) return 0;
+  FOR_STREAMS(c, s) if (chorus__txq_has(&s->txq, ep) || (!ep && s->tx_off < s->tx_len)) return 1;
   return 0;
 }
 
@@ -818,9 +841,7 @@ static void dial_unlist(stream_t *s) {
 static void tcp_close(chorus__chan_t *ch, chorus__peer_t *p) {
   conn_t *c = conn_of(ch, p);
   if (!c) return; /* never talked: nothing queued, nothing to close */
-  for (int i = 0; i < MAX_STREAMS; i++) {
-    stream_t *s = c->s[i];
-    if (!s) continue;
+  FOR_STREAMS(c, s) {
     if (s->state >= C_CONNECTING && s->state <= C_AWAIT) dial_unlist(s);
     if (s->fd >= 0) {
       chorus__tp_unwatch(ch->tp, s->fd);
@@ -850,8 +871,9 @@ static void tcp_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
   chorus__net_local_addr(c->s0.fd, local, sizeof local, &lport);
   chorus__net_peer_addr(c->s0.fd, remote, sizeof remote, &rport);
   chorus__net_addr_ifname(local, ifname, sizeof ifname);
-  if (c->nstreams > 1)
-    snprintf(more, sizeof more, ", %d of %d streams up", c->nready, c->nstreams);
+  if (c->nout || c->nin)
+    snprintf(more, sizeof more, ", piece connections %d of %d out, %d in", c->nout_ready, c->nout,
+             c->nin);
   snprintf(buf, cap, "tcp %s:%d -> %s:%d (%s%s)", local, lport, remote, rport, ifname, more);
 }
 
@@ -871,7 +893,7 @@ static void dial_tick(tcp_chan_t *t, int64_t now);
  * parsed yet, or a piece header parsed while its HEAD was awaited. */
 static int stream_has_input(const stream_t *s) {
   if (s->state != C_READY || stream_blocked(s)) return 0;
-  return s->rx_pleft || (s->idx && s->hgot == HDR_SIZE && !s->part);
+  return s->rx_pleft || (s->kind == S_IN && s->hgot == HDR_SIZE && !s->part);
 }
 
 /* Each progress round: handshakes and dials past their deadlines; input
@@ -890,8 +912,7 @@ static void tcp_poll(chorus__chan_t *ch) {
   if (t->dialing) dial_tick(t, now);
   for (int i = 0; i < t->nlive; i++) {
     conn_t *c = t->live[i];
-    for (int k = 0; k < c->nstreams && !c->peer->dead; k++)
-      if (c->s[k] && stream_has_input(c->s[k])) read_stream(c->s[k]);
+    FOR_STREAMS(c, s) if (!c->peer->dead && stream_has_input(s)) read_stream(s);
   }
 }
 
@@ -903,7 +924,7 @@ static void stream_free(stream_t *s) {
   free(s->tx_rec);
   free(s->rx_rec);
   chorus__wipe(s->keys, sizeof s->keys);
-  if (s->idx) free(s);
+  if (s->kind != S_MAIN) free(s);
 }
 
 static void tcp_destroy(chorus__chan_t *ch) {
@@ -920,8 +941,7 @@ static void tcp_destroy(chorus__chan_t *ch) {
                 "port", ch->tp->rank, t->rejected);
   for (int i = 0; i < t->nlive; i++) {
     conn_t *c = t->live[i];
-    for (int k = MAX_STREAMS - 1; k >= 0; k--)
-      if (c->s[k]) stream_free(c->s[k]);
+    FOR_STREAMS(c, s) stream_free(s);
     while (c->asm_head) assembly_free(c, c->asm_head);
     free(c);
   }
@@ -1000,10 +1020,14 @@ static int hs_keys(const chorus__tp_t *tp, uint32_t connector, uint32_t acceptor
 
 static void dial_start(stream_t *s);
 
+/* The index of s in the handshake: 0 the main connection, i + 1 piece
+ * connection i of the rank that dials it. */
+static uint32_t wire_index(const stream_t *s) { return s->kind == S_MAIN ? 0 : (uint32_t)s->idx + 1; }
+
 /* s's handshake succeeded on fd (this rank dialled: connector): s carries
- * its share of the pair from now on, its queued messages go; once stream 0
- * is up, its connector dials the others.  0, or -1 after failing the
- * peer. */
+ * its share of the pair from now on, its queued messages go; once this
+ * rank's first piece connection is up (and the count agreed), it dials the
+ * others.  0, or -1 after failing the peer. */
 static int stream_ready(stream_t *s, int fd, int connector) {
   conn_t *c = s->c;
   chorus__tp_t *tp = conn_tp(c);
@@ -1014,12 +1038,10 @@ static int stream_ready(stream_t *s, int fd, int connector) {
   }
   s->fd = fd;
   s->state = C_READY;
-  if (s->idx == 0) {
+  if (s->kind == S_MAIN) {
     c->state = C_READY;
-    c->connector = connector;
-    c->rx.striped = 1;
+    c->rx.pieces_ok = 1;
   }
-  c->nready++;
   if (tp->encrypt) {
     s->tx_aead = chorus__aead_new(s->keys + (connector ? 0 : 32), connector ? 1 : 2, 1);
     s->rx_aead = chorus__aead_new(s->keys + (connector ? 32 : 0), connector ? 2 : 1, 0);
@@ -1036,7 +1058,8 @@ static int stream_ready(stream_t *s, int fd, int connector) {
   int sz = 4 << 20;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
-  /* An accepted fd is new to epoll; a dialled one is watched already. */
+  /* An accepted fd is new to epoll; a dialled one is watched already.
+   * Every kind reads: ours to see the end of a piece connection. */
   if (chorus__tp_watch(tp, fd, EPOLLIN, &s->watch) < 0 &&
       (errno != EEXIST || chorus__tp_watch_mod(tp, fd, EPOLLIN, &s->watch) < 0)) {
     char why[96];
@@ -1045,22 +1068,26 @@ static int stream_ready(stream_t *s, int fd, int connector) {
     return -1;
   }
   s->epoll_out = 0;
-  if (s->idx == 0) {
+  if (s->kind == S_MAIN) {
     /* Silence counts from now: nothing could be heard before. */
     c->peer->last_heard = chorus__now_ns();
-    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: connected with world rank %d (%s, %s, %d "
-                 "stream%s)", tp->rank, c->peer->rank, c->peer->addr,
-                 connector ? "dialled" : "accepted", c->nstreams, c->nstreams > 1 ? "s" : "");
+    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: connected with world rank %d (%s, %s)",
+                 tp->rank, c->peer->rank, c->peer->addr, connector ? "dialled" : "accepted");
+  } else {
+    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus rank %d: %s piece connection %d of %d with world "
+                 "rank %d up", tp->rank, s->kind == S_OUT ? "outgoing" : "incoming", s->idx + 1,
+                 s->kind == S_OUT ? c->nout : c->nin, c->peer->rank);
   }
+  if (s->kind == S_OUT) c->nout_ready++;
   if (s->txq.head) flush_tx(s);
-  if (s->idx == 0 && connector) {
-    for (int i = 1; i < c->nstreams && !c->peer->dead; i++) {
+  if (s->kind == S_OUT && s->idx == 0) {
+    for (int i = 1; i < c->nout && !c->peer->dead; i++) {
       stream_t *x = calloc(1, sizeof *x);
       if (!x) {
         conn_failed(c, "out of memory for its connections' state", CHORUS_ERR_NO_MEMORY);
         return -1;
       }
-      stream_init(x, c, i);
+      stream_init(x, c, S_OUT, i);
       x->deadline = chorus__now_ns() + c->ch->connect_ns;
       dial_start(x);
     }
@@ -1086,7 +1113,7 @@ static int split_addr(const char *s, char sep, char *host, size_t cap, int *port
 static void dial_fail(stream_t *s, const char *what, int err) {
   conn_t *c = s->c;
   char why[200], which[48] = "";
-  if (s->idx) snprintf(which, sizeof which, " (stream %d of %d)", s->idx, c->nstreams);
+  if (s->kind == S_OUT) snprintf(which, sizeof which, " (piece connection %d)", s->idx + 1);
   snprintf(why, sizeof why, "cannot connect to its listener at %s%s: %s", c->peer->addr, which,
            what);
   if (err) {
@@ -1098,10 +1125,10 @@ static void dial_fail(stream_t *s, const char *what, int err) {
   conn_failed(c, why, err == ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_REMOTE);
 }
 
-/* s's state, and the pair's when s is its stream 0. */
+/* s's state, and the pair's when s is its main connection. */
 static void dial_state(stream_t *s, int state) {
   s->state = state;
-  if (s->idx == 0) s->c->state = state;
+  if (s->kind == S_MAIN) s->c->state = state;
 }
 
 /* This attempt is over but the stream may still connect: try again after
@@ -1186,11 +1213,12 @@ static int dial_read(stream_t *s, size_t want) {
   return 1;
 }
 
-/* The version word of this rank's connect for s. */
+/* The version word of this rank's connect for s: for a piece connection
+ * also how many this rank wants (its first) or agreed (the others). */
 static uint32_t connect_word(const stream_t *s) {
   const conn_t *c = s->c;
-  return HS_VERSION | (conn_tp(c)->encrypt ? HS_FLAG_ENCRYPT : 0) |
-         HS_STREAMS(s->idx, s->idx ? c->nstreams : c->ch->nstreams);
+  int k = s->kind == S_MAIN ? 1 : s->idx ? c->nout : c->ch->nstreams;
+  return HS_VERSION | (conn_tp(c)->encrypt ? HS_FLAG_ENCRYPT : 0) | HS_STREAMS(wire_index(s), k);
 }
 
 /* The acceptor's hello is in: answer with our proof. */
@@ -1240,7 +1268,7 @@ static void dial_reply(stream_t *s) {
   int peer = c->peer->rank;
   if (chorus__le32_get(s->hs) == HS_DENY) {
     uint32_t reason = chorus__le32_get(s->hs + 4);
-    if (reason == HS_DENY_CROSS && s->idx == 0) {
+    if (reason == HS_DENY_CROSS && s->kind == S_MAIN) {
       /* It dials us too and its connection is the one: wait for it. */
       chorus__tp_unwatch(tp, s->fd);
       close(s->fd);
@@ -1268,19 +1296,19 @@ static void dial_reply(stream_t *s) {
     dial_fail(s, "it did not prove the job key (a stranger on that port?)", 0);
     return;
   }
-  /* The pair's stream count: at most what we asked for; the others must
-   * repeat it. */
+  /* The count of piece connections: at most what we asked for; the others
+   * must repeat it. */
   if (k < 1 || k > (uint32_t)HS_NSTREAMS(connect_word(s)) ||
-      (s->idx && k != (uint32_t)c->nstreams)) {
-    dial_fail(s, "it answered with an impossible number of streams", 0);
+      (s->kind == S_OUT && s->idx && k != (uint32_t)c->nout)) {
+    dial_fail(s, "it answered with an impossible number of piece connections", 0);
     return;
   }
-  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, (uint32_t)s->idx, s->na,
-                             s->nc, s->keys) < 0) {
+  if (tp->encrypt && hs_keys(tp, (uint32_t)tp->rank, (uint32_t)peer, wire_index(s), s->na, s->nc,
+                             s->keys) < 0) {
     dial_fail(s, "cannot derive the connection's keys (libcrypto)", 0);
     return;
   }
-  if (s->idx == 0) c->nstreams = (int)k;
+  if (s->kind == S_OUT && s->idx == 0) c->nout = (int)k;
   stream_ready(s, s->fd, 1);
 }
 
@@ -1358,20 +1386,22 @@ static int hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t cap) {
     return -HS_DENY_ENCRYPT;
   }
   uint32_t k = HS_NSTREAMS(version), sidx = HS_STREAM(version);
-  if (k < 1 || k > MAX_STREAMS || sidx >= k) {
-    snprintf(why, cap, "rank %u asks for stream %u of %u", peer, sidx, k);
+  if (k < 1 || k > MAX_STREAMS || sidx > k) {
+    snprintf(why, cap, "rank %u asks for connection %u of %u", peer, sidx, k);
     return -HS_DENY_VERSION;
   }
   return (int)peer;
 }
 
-/* What to do with an authenticated peer's connection for stream sidx of
- * k, given the pair's state here: 0 accept it, or a HS_DENY_* reason. */
+/* What to do with an authenticated peer's connection (sidx 0: the pair's
+ * main one; else its piece connection sidx - 1 of k), given the pair's
+ * state here: 0 accept it, or a HS_DENY_* reason. */
 static int hs_decide(tcp_chan_t *t, int peer, uint32_t sidx, uint32_t k) {
   conn_t *c = t->conns[peer];
-  if (sidx > 0) /* one of the others, once we accepted its stream 0 */
-    return c && c->state == C_READY && !c->connector && k == (uint32_t)c->nstreams &&
-                   !c->s[sidx] ? 0 : HS_DENY_RANK;
+  if (sidx > 0) /* it dials its piece connections once the pair is connected */
+    return c && c->state != C_CLOSED && c->state != C_IDLE && !c->in[sidx - 1] &&
+                   (sidx == 1 ? !c->nin : c->nin && k == (uint32_t)c->nin && sidx <= k)
+               ? 0 : HS_DENY_RANK;
   if (!c) return 0;
   switch (c->state) {
   case C_IDLE:
@@ -1435,11 +1465,12 @@ static void pending_complete(pending_t *p) {
   }
   if (!deny && sidx > 0 && !(s = calloc(1, sizeof *s))) {
     chorus__wipe(keys, sizeof keys);
-    pending_reject(p, "out of memory for the stream's state");
+    pending_reject(p, "out of memory for the connection's state");
     return;
   }
-  /* The pair's count: the smaller wish (stream 0), then that one. */
-  uint32_t agreed = sidx > 0 ? k : CHORUS__MIN(k, (uint32_t)t->nstreams);
+  /* The count of the peer's piece connections: the smaller wish (its
+   * first), then that one. */
+  uint32_t agreed = sidx > 1 ? k : CHORUS__MIN(k, (uint32_t)t->nstreams);
   uint32_t ok_word = HS_VERSION | (tp->encrypt ? HS_FLAG_ENCRYPT : 0) | HS_STREAMS(sidx, agreed);
   uint8_t reply[HS_OK_LEN];
   size_t rlen;
@@ -1474,11 +1505,12 @@ static void pending_complete(pending_t *p) {
   chorus__tp_unwatch(tp, fd);
   p->fd = -1;
   pending_drop(p);
-  if (sidx > 0)
-    stream_init(s, c, (int)sidx);
-  else
-    c->nstreams = (int)agreed;
-  s = c->s[sidx];
+  if (sidx > 0) {
+    stream_init(s, c, S_IN, (int)sidx - 1);
+    if (sidx == 1) c->nin = (int)agreed;
+  } else {
+    s = &c->s0;
+  }
   if (tp->encrypt) memcpy(s->keys, keys, sizeof keys);
   chorus__wipe(keys, sizeof keys);
   stream_ready(s, fd, 0);
@@ -1658,21 +1690,21 @@ chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, 
 
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn) { tp->fp_format = fn; }
 
-int chorus__tp_fuzz_stripe(chorus__tp_t *tp, int peer, int k) {
+int chorus__tp_fuzz_pieces(chorus__tp_t *tp, int peer, int k) {
   conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
-  if (!c || k < 1 || k > MAX_STREAMS || c->nready) return -1;
-  c->nstreams = k;
+  if (!c || k < 1 || k > MAX_STREAMS || c->nin) return -1;
+  c->nin = k;
   return 0;
 }
 
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *data, size_t n,
                          int *wfd) {
   conn_t *c = conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
-  if (!c || stream < 0 || stream >= c->nstreams) return -1;
-  stream_t *s = c->s[stream];
+  if (!c || stream < 0 || stream > c->nin) return -1;
+  stream_t *s = stream ? c->in[stream - 1] : &c->s0;
   if (!s) {
     if (!(s = calloc(1, sizeof *s))) return -1;
-    stream_init(s, c, stream);
+    stream_init(s, c, S_IN, stream - 1);
   }
   if (s->fd < 0) {
     int sp[2];
@@ -1680,8 +1712,7 @@ int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *dat
     s->fd = sp[0];
     s->state = C_READY;
     if (stream == 0) c->state = C_READY;
-    c->rx.striped = 1;
-    c->nready++;
+    c->rx.pieces_ok = 1;
     *wfd = sp[1];
     chorus__tp_watch(tp, s->fd, EPOLLIN, &s->watch);
   }

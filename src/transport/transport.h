@@ -199,18 +199,18 @@ void chorus__ep_set_fail_hook(chorus__ep_t *ep, void (*fn)(void *), void *arg);
  * thread whose receive path is fed by chorus__tp_fuzz_feed: the bytes are
  * written to a socket pair (its other end returned in *wfd, created on the
  * first call for that peer and stream; the caller closes it) and parsed as
- * bytes from world rank peer on that stream of the pair, then the
- * progress round's poll runs.  Returns -1 once that connection is dead (a
- * protocol violation).  chorus__tp_fuzz_stripe gives the pair with peer k
- * streams (as the handshake would; before it is first fed): HEADs on
- * stream 0, pieces on streams 1 .. k-1.  chorus__tp_fuzz_handshake runs
+ * bytes from world rank peer on that connection of the pair (0: the main
+ * one, i: the peer's piece connection i - 1), then the progress round's
+ * poll runs.  Returns -1 once that connection is dead (a protocol
+ * violation).  chorus__tp_fuzz_pieces gives the peer k piece connections
+ * to this rank (as their handshakes would; before they are first fed).  chorus__tp_fuzz_handshake runs
  * the acceptor's check of a connect message and its decision given the
  * pairs' states (returns the peer's rank or a negative HS_DENY reason). */
 chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, uint64_t world);
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn);
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *data, size_t n,
                          int *wfd);
-int chorus__tp_fuzz_stripe(chorus__tp_t *tp, int peer, int k);
+int chorus__tp_fuzz_pieces(chorus__tp_t *tp, int peer, int k);
 int chorus__tp_fuzz_handshake(chorus__tp_t *tp, const void *msg, size_t n);
 /* Makes the connection from world rank peer (> this rank, before it is first
  * fed) encrypted as with CHORUS_ENCRYPT=1, with keys from all-zero nonces;

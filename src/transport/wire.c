@@ -51,7 +51,7 @@ const char *chorus__wire_check(const chorus__wire_hdr_t *h) {
     case CHORUS__WIRE_ABORT:
       return h->len > CHORUS__WIRE_MAX_ABORT_TEXT ? "abort text too long" : NULL;
     case CHORUS__WIRE_HEAD:
-      if (h->len <= CHORUS__WIRE_PART_MAX) return "striped message too short to stripe";
+      if (h->len <= CHORUS__WIRE_PART_MAX) return "message in pieces too short to cut";
       __attribute__((fallthrough)); /* otherwise a DATA header */
     case CHORUS__WIRE_DATA:
       if (h->kind != CHORUS__KIND_COLL && h->kind != CHORUS__KIND_P2P)

@@ -25,22 +25,21 @@
  * bytes, not NUL-terminated); BYE (goodbye: the sender destroyed its last
  * endpoint, nothing more will come) and PING (heartbeat) carry nothing.
  *
- * Pieces (TCP, between ranks on different hosts).  A DATA message long
- * enough to cut (chorus__wire_parts) may be sent as HEAD instead: the same
- * header, len the whole message's length, on the pair's first connection,
- * followed by piece 0 only.  Piece i > 0 travels as a PART on the pair's
- * connection i mod K (K: the connections of the pair, CHORUS_SOCKET_NSTREAMS
- * agreed by both ranks): a header whose endpoint field holds the message's
- * number (1 for the pair's first cut message in this direction, counted on
- * the first connection) and whose sequence field holds the piece's offset
- * in the message, len its length; every other field is zero.  Each
+ * Pieces (TCP, between ranks on different hosts).  A DATA message longer
+ * than PART_MAX may be sent as a HEAD instead: the same header, len the
+ * whole message's length, on the pair's main connection, with no payload
+ * there.  Its bytes travel as PARTs on the sender's K piece connections to
+ * that peer (CHORUS_SOCKET_NSTREAMS, agreed with the peer), piece i
+ * (chorus__wire_parts) on piece connection i mod K: a header whose endpoint
+ * field holds the message's number (1 for the first message in pieces
+ * from that sender to that peer, counted in HEAD order on the main
+ * connection) and whose sequence field holds the piece's offset in the
+ * message, len its length; every other field is zero.  Each piece
  * connection carries its pieces of a message in order, and of messages in
- * order; on the first connection other messages may come between a
- * message's pieces (the sender lets messages overtake pieces it has not
- * begun), so one large message cannot hold up another communicator's small
- * one by more than a piece.  The receiver routes the message when its HEAD
- * arrives and places each piece at its offset, whatever order the
- * connections deliver them in.
+ * order.  The receiver routes the message when its HEAD arrives and places
+ * each piece at its offset, whatever order the connections deliver them
+ * in.  The main connection, meanwhile, carries the next messages: a large
+ * transfer delays another message by its header, not its bytes.
  */
 #ifndef CHORUS_TRANSPORT_WIRE_H
 #define CHORUS_TRANSPORT_WIRE_H
@@ -60,13 +59,13 @@ enum {
   CHORUS__WIRE_ABORT = 2,
   CHORUS__WIRE_BYE = 3,
   CHORUS__WIRE_PING = 4,
-  CHORUS__WIRE_HEAD = 5, /* DATA whose payload is striped (above) */
-  CHORUS__WIRE_PART = 6  /* a piece of it, on another connection */
+  CHORUS__WIRE_HEAD = 5, /* DATA whose payload travels in pieces (above) */
+  CHORUS__WIRE_PART = 6  /* a piece of it, on a piece connection */
 };
 
 /* Pieces are at least PART_MIN and at most PART_MAX bytes long (but the
- * last of a message, which may be shorter), and at most MAX_STREAMS
- * connections carry a pair's messages. */
+ * last of a message, which may be shorter), and a rank has at most
+ * MAX_STREAMS piece connections to a peer. */
 #define CHORUS__WIRE_PART_MIN ((uint64_t)128 << 10)
 #define CHORUS__WIRE_PART_MAX ((uint64_t)1 << 20)
 #define CHORUS__WIRE_MAX_STREAMS 16
@@ -93,7 +92,7 @@ void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h);
  * acceptable, otherwise a static string saying what is wrong ("bad magic",
  * "payload length out of range", "heartbeat with payload", "goodbye with
  * payload", "abort text too long", "unknown message kind", "fingerprint out
- * of range", "striped message too short to stripe", "malformed piece
+ * of range", "message in pieces too short to cut", "malformed piece
  * header", "unknown message type").  A header that fails them is a
  * protocol violation: the transport closes the connection.  The checks that
  * need state (is the sender a member of the endpoint, is the call the one

@@ -5,8 +5,8 @@
 # rendezvous.
 #   matrix    the whole collective matrix (test_colls --big: every algorithm
 #             of every collective forced in turn, flat and hierarchical)
-#   streams   the same with 4 TCP connections per pair (CHORUS_SOCKET_NSTREAMS):
-#             messages of 256 KiB and more striped over them
+#   streams   the same with 4 piece connections per rank and peer
+#             (CHORUS_SOCKET_NSTREAMS): messages over 1 MiB dealt over them
 #   lossy     links with 1 ms delay and 1 % loss: all_reduce (every
 #             algorithm) and all_to_all stay right
 #   linkdown  host 1 unplugged in the middle of a stream of 16 MiB
@@ -47,8 +47,8 @@ launch() {
 collect() { local i; for i in 0 1; do wait "${PID[i]}"; RC[i]=$?; done; }
 tail_of() { echo "---- $1 (last lines)"; tail -n 15 "$1" | sed 's/^/  /'; }
 
-# matrix_with NAME NSTREAMS: the matrix with that many TCP connections per
-# pair of hosts' ranks (more than one: large messages striped over them).
+# matrix_with NAME NSTREAMS: the matrix with that many piece connections
+# per rank and peer between hosts (messages over 1 MiB in pieces on them).
 matrix_with() {
   local name=$1
   hosts_up 2
@@ -56,7 +56,7 @@ matrix_with() {
   launch "$name" 600 "$TMP/test_colls" --big
   collect
   if ((RC[0] == 0 && RC[1] == 0)) && grep -q "passed, 0 failed" "$TMP/$name.h0.out" "$TMP/$name.h1.out"; then
-    ok "$name: every collective and algorithm on 2 hosts x 2, $2 TCP stream(s) per pair ($(grep -ho '[0-9]* passed, 0 failed' "$TMP/$name.h0.out" "$TMP/$name.h1.out" | head -n 1))"
+    ok "$name: every collective and algorithm on 2 hosts x 2, $2 piece connection(s) per peer ($(grep -ho '[0-9]* passed, 0 failed' "$TMP/$name.h0.out" "$TMP/$name.h1.out" | head -n 1))"
   else
     fail "$name: exit ${RC[*]}"
     tail_of "$TMP/$name.h0.out"

@@ -355,7 +355,7 @@ static const char *ref_check(const hdr_t *h) {
     return h->kind || h->step || h->tag || h->fp.coll || h->fp.dtype || h->fp.op ||
                    h->fp.algo || h->fp.root || h->fp.count || !h->len || !h->ep_id
                ? "malformed piece header" : NULL;
-  if (h->type == 5 && h->len <= (1u << 20)) return "striped message too short to stripe";
+  if (h->type == 5 && h->len <= (1u << 20)) return "message in pieces too short to cut";
   if (h->type != 1 && h->type != 5) return "unknown message type";
   if (h->kind != 1 && h->kind != 2) return "unknown message kind";
   if (h->fp.coll >= CHORUS_COLL_COUNT || h->fp.dtype >= CHORUS_DTYPE_COUNT)
@@ -417,7 +417,7 @@ TEST(check_part) {
   d.len = CHORUS__WIRE_PART_MAX + 1;
   ASSERT_TRUE(check_wire(&d) == NULL);
   d.len--;
-  ASSERT_REJECTED(d, "striped message too short to stripe");
+  ASSERT_REJECTED(d, "message in pieces too short to cut");
 }
 
 /* The cut both ends compute: pieces of PART_MIN .. PART_MAX (4 KiB
