@@ -277,6 +277,18 @@ TEST(small_overtakes_large) {
     if (g_rank == 0) {
       fill(big, BIG, 3);
       fill(small, sizeof small, 4);
+      /* A first message over 1 MiB has this rank dial its piece connections
+       * (it goes whole itself): wait until the link says they are up. */
+      ASSERT_EQ(chorus_send(g_comm, big, 2 << 20, CHORUS_UINT8, 1, 10, NULL), CHORUS_OK);
+      for (int i = 0; tcp && i < 1000; i++) {
+        int up = -1, of = -2;
+        ASSERT_EQ(chorus_comm_link(g_comm, 1, link, sizeof link), CHORUS_OK);
+        const char *at = strstr(link, "piece connections ");
+        if (at && sscanf(at, "piece connections %d of %d", &up, &of) == 2 && up == of && up > 0)
+          break;
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+      }
       ASSERT_EQ(chorus_send(g_comm, big, BIG, CHORUS_UINT8, 1, 11, &w), CHORUS_OK);
       struct timespec ts = {0, 50000000}; /* the queued send is on its way */
       nanosleep(&ts, NULL);
@@ -288,6 +300,7 @@ TEST(small_overtakes_large) {
              "message was\n", link, st == CHORUS_INPROGRESS ? "before" : "after");
       if (tcp) ASSERT_EQ(st, CHORUS_INPROGRESS);
     } else {
+      ASSERT_EQ(chorus_recv(g_comm, big, 2 << 20, CHORUS_UINT8, 0, 10, NULL), CHORUS_OK);
       ASSERT_EQ(chorus_recv(g_comm, big, BIG, CHORUS_UINT8, 0, 11, &w), CHORUS_OK);
       ASSERT_EQ(chorus_recv(other, small, sizeof small, CHORUS_UINT8, 0, 12, NULL), CHORUS_OK);
       ASSERT_EQ(chorus_work_wait(w, -1), CHORUS_OK);
