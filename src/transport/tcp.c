@@ -203,6 +203,7 @@ struct conn {
    * the peer's (nin, from the handshake of its first). */
   stream_t *out[MAX_STREAMS], *in[MAX_STREAMS];
   int nout, nout_ready, out_dialled, nin;
+  int parts_queued; /* pieces on our piece connections' queues */
   /* Messages in pieces: numbered as sent and as their HEADs arrive; those
    * being reassembled, oldest first. */
   uint64_t tx_msgs, rx_msgs;
@@ -254,6 +255,12 @@ static chorus__tp_t *stream_tp(const stream_t *s) { return s->c->ch->base.tp; }
 
 /* ------------------------------------------------------------ sending */
 
+/* Whether the main connection routed a HEAD that head_begin has not taken
+ * yet (it was paused for the budget, and resumed). */
+static int head_waiting(const conn_t *c) {
+  return c->rx.in_payload && chorus__le16_get(c->rx.hbuf + 4) == CHORUS__WIRE_HEAD;
+}
+
 /* Whether s's input is switched off: the main connection paused by the
  * endpoint layer, a piece waiting for its HEAD. */
 static int stream_blocked(const stream_t *s) {
@@ -275,7 +282,10 @@ static void set_epoll_out(stream_t *s, int on) {
 /* Takes an item off the head of s's queue once all its bytes are out (or
  * sealed in a record): its request is complete (or, for a piece, one step
  * nearer), the caller may reuse the buffer. */
-static void tx_item_done(stream_t *s) { chorus__txq_pop_done(stream_tp(s), &s->txq); }
+static void tx_item_done(stream_t *s) {
+  if (s->kind == S_OUT) s->c->parts_queued--;
+  chorus__txq_pop_done(stream_tp(s), &s->txq);
+}
 
 /* Seals the next record from the head of the queue into s->tx_rec: as many
  * bytes of as many queued messages as fit in REC_MAX.  0, or -1 after
@@ -433,8 +443,10 @@ static int send_in_pieces(conn_t *c, txitem_t *it) {
     pt->next = NULL;
     if (c->state == C_CLOSED) /* a write failed meanwhile: the pair is gone */
       chorus__tp_tx_lost(conn_tp(c), c->peer, pt);
-    else
+    else {
+      c->parts_queued++;
       stream_push(c->out[i % c->nout], pt);
+    }
   }
   return 0;
 }
@@ -597,6 +609,9 @@ static void part_bytes(stream_t *s, size_t n) {
   s->part_left -= n;
   if (!s->part_left) s->part = NULL;
   chorus__tp_rx_bytes(stream_tp(s), &a->rx, n);
+  /* Completing it may fail endpoints, whose ABORT may fail the peer: then
+   * tcp_close freed every assembly, a too. */
+  if (s->c->peer->dead) return;
   if (!a->rx.left) assembly_free(s->c, a);
 }
 
@@ -692,6 +707,11 @@ static void dial_event(stream_t *s, uint32_t events);
 static void on_stream_event(void *arg, uint32_t events) {
   stream_t *s = arg;
   if (s->c->peer->dead) return;
+  if (s->kind == S_IN && s->waiting && (events & (EPOLLHUP | EPOLLERR))) {
+    /* Not read while it waits for a HEAD, and epoll reports this anyway. */
+    conn_failed(s->c, "closed a piece connection in the middle of a message", CHORUS_ERR_REMOTE);
+    return;
+  }
   if (s->state != C_READY) {
     dial_event(s, events);
     return;
@@ -774,7 +794,15 @@ static void tcp_send(chorus__chan_t *ch, chorus__peer_t *p, txitem_t *it) {
   }
   if (c->state == C_READY && it->len > CHORUS__WIRE_PART_MAX) {
     if (!c->out_dialled) pieces_dial(c);
-    if (c->nout && c->nout_ready == c->nout && send_in_pieces(c, it) == 0) return;
+    if (c->state == C_CLOSED) { /* that dial failed at once, and the peer with it */
+      chorus__tp_tx_lost(ch->tp, p, it);
+      return;
+    }
+    /* In pieces once the connections are up, and while the receiver's
+     * reassemblies stay well within MAX_ASSEMBLIES. */
+    if (c->nout && c->nout_ready == c->nout && c->parts_queued < MAX_ASSEMBLIES / 2 &&
+        send_in_pieces(c, it) == 0)
+      return;
   }
   stream_push(&c->s0, it);
   if (c->state == C_IDLE) {
@@ -788,8 +816,9 @@ static void tcp_rx_pause(chorus__chan_t *ch, chorus__rx_t *rx, int on) {
   conn_t *c = rx->link;
   if (c->state != C_READY || c->peer->dead) return;
   update_events(&c->s0, on, c->s0.epoll_out);
-  /* Plaintext already opened: no socket event will say so. */
-  if (!on && c->s0.rx_pleft) chorus__tp_kick(ch->tp);
+  /* Plaintext already opened, or a HEAD routed now whose bytes come on
+   * other connections: no socket event will say so. */
+  if (!on && (c->s0.rx_pleft || head_waiting(c))) chorus__tp_kick(ch->tp);
 }
 
 /* Messages in pieces are never dropped half-sent: the receiver waits for
@@ -799,6 +828,10 @@ static int cancel_pieces(chorus__txq_t *q, const chorus__ep_t *ep) {
   int lost = 0;
   for (txitem_t *it = q->head; it; it = it->next) {
     if (it->ep != ep || !(it->whole || it->pieces)) continue;
+    if (it->whole) { /* the whole may be written already, in no queue */
+      it->whole->req = NULL;
+      it->whole->ep = NULL;
+    }
     if (!it->owned && it->len) {
       if ((it->owned = malloc(it->len))) {
         memcpy(it->owned, it->payload, it->len);
@@ -893,7 +926,8 @@ static void dial_tick(tcp_chan_t *t, int64_t now);
  * parsed yet, or a piece header parsed while its HEAD was awaited. */
 static int stream_has_input(const stream_t *s) {
   if (s->state != C_READY || stream_blocked(s)) return 0;
-  return s->rx_pleft || (s->kind == S_IN && s->hgot == HDR_SIZE && !s->part);
+  return s->rx_pleft || (s->kind == S_IN && s->hgot == HDR_SIZE && !s->part) ||
+         (s->kind == S_MAIN && head_waiting(s->c));
 }
 
 /* Each progress round: handshakes and dials past their deadlines; input
@@ -916,9 +950,21 @@ static void tcp_poll(chorus__chan_t *ch) {
   }
 }
 
+/* Frees what is left in q at teardown: a message in pieces goes with its
+ * last item, wherever that is queued (its whole may be in no queue). */
+static void queue_free(chorus__txq_t *q) {
+  while (q->head) {
+    txitem_t *it = q->head, *w = it->whole ? it->whole : it;
+    q->head = it->next;
+    if (it != w) chorus__tx_free(it);
+    if (!w->pieces || !--w->pieces) chorus__tx_free(w);
+  }
+  q->tail = NULL;
+}
+
 static void stream_free(stream_t *s) {
   if (s->fd >= 0) close(s->fd);
-  chorus__txq_free(&s->txq);
+  queue_free(&s->txq);
   chorus__aead_free(s->tx_aead);
   chorus__aead_free(s->rx_aead);
   free(s->tx_rec);
