@@ -237,10 +237,11 @@ void chorus__tp_tx_lost(chorus__tp_t *tp, chorus__peer_t *p, chorus__tx_t *it);
 void chorus__tx_free(chorus__tx_t *it);
 /* The queue helpers every channel's send side shares: push at the tail;
  * pop the head (all its bytes are out: its request completes);
- * cancel ep's messages (the ops->cancel contract: the head and begun ones
- * keep going from a private copy, -1 when one could not be copied); whether
- * ep (NULL: anyone) has messages queued; hand every message back because
- * the peer failed (chorus__tp_tx_lost); free everything (teardown). */
+ * cancel ep's messages (the ops->cancel contract: the head, begun ones and
+ * the items of a message in pieces keep going from a private copy, -1 when
+ * one could not be copied); whether ep (NULL: anyone) has messages queued;
+ * hand every message back because the peer failed (chorus__tp_tx_lost);
+ * free everything (teardown; a message in pieces with its last item). */
 void chorus__txq_push(chorus__txq_t *q, chorus__tx_t *it);
 void chorus__txq_pop_done(chorus__tp_t *tp, chorus__txq_t *q);
 int chorus__txq_cancel(chorus__txq_t *q, const chorus__ep_t *ep);

@@ -88,6 +88,8 @@ void chorus__tx_free(chorus__tx_t *it) {
   free(it);
 }
 
+static chorus__tx_t *tx_last_piece(chorus__tx_t *it);
+
 void chorus__txq_push(chorus__txq_t *q, chorus__tx_t *it) {
   it->next = NULL;
   if (q->tail) q->tail->next = it;
@@ -107,8 +109,16 @@ int chorus__txq_cancel(chorus__txq_t *q, const chorus__ep_t *ep) {
   chorus__tx_t **pp = &q->head, *prev = NULL;
   while (*pp) {
     chorus__tx_t *it = *pp;
-    if (it->ep == ep && it->req) {
-      if (it->off == 0 && it != q->head) {
+    if (it->ep == ep && (it->req || it->whole)) {
+      /* A message in pieces is never dropped half-sent (the receiver waits
+       * for every piece of one whose HEAD it saw): each item is kept, and
+       * the whole, which may be in no queue any more, forgets ep too. */
+      int in_pieces = it->whole || it->pieces;
+      if (it->whole) {
+        it->whole->req = NULL;
+        it->whole->ep = NULL;
+      }
+      if (it->off == 0 && it != q->head && !in_pieces) {
         *pp = it->next;
         if (q->tail == it) q->tail = prev;
         chorus__tx_free(it);
@@ -152,9 +162,11 @@ void chorus__txq_lose(chorus__tp_t *tp, chorus__peer_t *p, chorus__txq_t *q) {
 
 void chorus__txq_free(chorus__txq_t *q) {
   while (q->head) {
-    chorus__tx_t *it = q->head;
+    chorus__tx_t *it = q->head, *w;
     q->head = it->next;
-    chorus__tx_free(it);
+    /* A message in pieces goes with its last item, wherever that is
+     * queued (its whole may be in no queue). */
+    if ((w = tx_last_piece(it))) chorus__tx_free(w);
   }
   q->tail = NULL;
 }

@@ -821,36 +821,10 @@ static void tcp_rx_pause(chorus__chan_t *ch, chorus__rx_t *rx, int on) {
   if (!on && (c->s0.rx_pleft || head_waiting(c))) chorus__tp_kick(ch->tp);
 }
 
-/* Messages in pieces are never dropped half-sent: the receiver waits for
- * every piece of one whose HEAD it saw.  ep's are kept whole, each item
- * from a private copy of its bytes, and no longer ep's. */
-static int cancel_pieces(chorus__txq_t *q, const chorus__ep_t *ep) {
-  int lost = 0;
-  for (txitem_t *it = q->head; it; it = it->next) {
-    if (it->ep != ep || !(it->whole || it->pieces)) continue;
-    if (it->whole) { /* the whole may be written already, in no queue */
-      it->whole->req = NULL;
-      it->whole->ep = NULL;
-    }
-    if (!it->owned && it->len) {
-      if ((it->owned = malloc(it->len))) {
-        memcpy(it->owned, it->payload, it->len);
-        it->payload = it->owned;
-      } else {
-        lost = 1;
-      }
-    }
-    it->req = NULL;
-    it->ep = NULL;
-  }
-  return lost ? -1 : 0;
-}
-
 static int tcp_cancel(chorus__chan_t *ch, chorus__peer_t *p, chorus__ep_t *ep) {
   conn_t *c = conn_of(ch, p);
   int rc = 0;
   if (!c) return 0;
-  FOR_STREAMS(c, s) if (cancel_pieces(&s->txq, ep) < 0) rc = -1;
   FOR_STREAMS(c, s) if (chorus__txq_cancel(&s->txq, ep) < 0) rc = -1;
   return rc;
 }
@@ -950,21 +924,9 @@ static void tcp_poll(chorus__chan_t *ch) {
   }
 }
 
-/* Frees what is left in q at teardown: a message in pieces goes with its
- * last item, wherever that is queued (its whole may be in no queue). */
-static void queue_free(chorus__txq_t *q) {
-  while (q->head) {
-    txitem_t *it = q->head, *w = it->whole ? it->whole : it;
-    q->head = it->next;
-    if (it != w) chorus__tx_free(it);
-    if (!w->pieces || !--w->pieces) chorus__tx_free(w);
-  }
-  q->tail = NULL;
-}
-
 static void stream_free(stream_t *s) {
   if (s->fd >= 0) close(s->fd);
-  queue_free(&s->txq);
+  chorus__txq_free(&s->txq);
   chorus__aead_free(s->tx_aead);
   chorus__aead_free(s->rx_aead);
   free(s->tx_rec);
