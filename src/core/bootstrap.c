@@ -347,7 +347,19 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
    * address it listens on, a random nonce (names its shared-memory inbox
    * and doorbell, so nobody outside the job can know them), and its host
    * identity (which ranks share memory, the host map of the hierarchical
-   * algorithms): "ADDR PORT|NONCE|IDENT". */
+   * algorithms), and with CHORUS_TRANSPORT=ucx its UCX worker's address
+   * ("-" without): "ADDR PORT|NONCE|UCX|IDENT". */
+  chorus__ucx_worker_t *ucx = NULL;
+  char *ucx_hex = NULL;
+  if (env->TRANSPORT && !strcasecmp(env->TRANSPORT, "ucx")) {
+    char uerr[256];
+    st = chorus__ucx_worker_new(&ucx, &ucx_hex, uerr, sizeof uerr);
+    if (st != CHORUS_OK) {
+      close(lfd);
+      chorus__init_fail(st, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx: %s", rank, size, uerr);
+      goto fail;
+    }
+  }
   char ident[400];
   if (env->HOST_ID && env->HOST_ID[0])
     snprintf(ident, sizeof ident, "id %s", env->HOST_ID);
@@ -355,12 +367,21 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     chorus__host_identity(ident, sizeof ident);
   uint64_t my_nonce = 0;
   chorus__random_bytes(&my_nonce, sizeof my_nonce);
-  char mine[600], addrs_mine[128];
+  char addrs_mine[128];
   snprintf(addrs_mine, sizeof addrs_mine, "%s %d", ifaddr, data_port);
-  snprintf(mine, sizeof mine, "%s|%016" PRIx64 "|%s", addrs_mine, my_nonce, ident);
+  size_t mine_cap = 700 + (ucx_hex ? strlen(ucx_hex) : 0);
+  char *mine = malloc(mine_cap);
   char err[512] = "out of memory";
-  st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
+  st = CHORUS_ERR_NO_MEMORY;
+  if (mine) {
+    snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s|%s", addrs_mine, my_nonce,
+             ucx_hex ? ucx_hex : "-", ident);
+    st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
+  }
+  free(mine);
+  free(ucx_hex);
   if (st != CHORUS_OK) {
+    chorus__ucx_worker_free(ucx);
     close(lfd);
     chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
     goto fail;
@@ -369,8 +390,11 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   ctx->host = calloc((size_t)size, sizeof *ctx->host);
   uint64_t *nonce = calloc((size_t)size, sizeof *nonce);
   ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);
-  if (!ctx->host || !nonce || !ctx->memreg) {
+  const char **ucx_addrs = ucx ? calloc((size_t)size, sizeof *ucx_addrs) : NULL;
+  if (!ctx->host || !nonce || !ctx->memreg || (ucx && !ucx_addrs)) {
     free(nonce);
+    free(ucx_addrs);
+    chorus__ucx_worker_free(ucx);
     close(lfd);
     st = chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
     goto fail;
@@ -382,29 +406,46 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   for (int r = 0; r < size && st == CHORUS_OK; r++) {
     char *bar = strchr(addrs[r], '|');
     char *bar2 = bar ? strchr(bar + 1, '|') : NULL;
+    char *bar3 = bar2 ? strchr(bar2 + 1, '|') : NULL;
     char *end = NULL;
     if (bar && bar2 && bar2 - bar == 17) nonce[r] = strtoull(bar + 1, &end, 16);
-    if (!bar2 || end != bar2) {
+    if (!bar3 || end != bar2) {
       st = chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d: rank %d published a "
                              "malformed address record (another chorus version?)", rank, size, r);
       break;
     }
     *bar = '\0';
-    const char *their = bar2 + 1;
+    *bar3 = '\0';
+    if (ucx && r != rank) {
+      if (!strcmp(bar2 + 1, "-")) {
+        st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx "
+                               "here but rank %d does not use UCX: set the same "
+                               "CHORUS_TRANSPORT on every rank", rank, size, r);
+        break;
+      }
+      ucx_addrs[r] = bar2 + 1;
+    }
+    const char *their = bar3 + 1;
     ctx->host[r] = chorus__siphash(hkey, their, strlen(their));
     if (!strcmp(their, ident)) ctx->local_count++;
   }
   if (st != CHORUS_OK) {
     free(nonce);
+    free(ucx_addrs);
+    chorus__ucx_worker_free(ucx);
     close(lfd);
     goto fail;
   }
   chorus__tp_config_t tcfg = {.rank = rank, .size = size, .key = &ws->key, .world_id = world_id,
                               .listen_fd = lfd, .addrs = (const char *const *)addrs,
                               .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
-                              .fp_format = chorus__fp_format, .host = ctx->host, .nonce = nonce};
+                              .fp_format = chorus__fp_format, .host = ctx->host, .nonce = nonce,
+                              .ucx = ucx, .ucx_addrs = ucx_addrs};
+  /* Over UCX, UCX's own shared memory carries the ranks of one host. */
+  if (ucx) tcfg.host = NULL;
   st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
   free(nonce);
+  free(ucx_addrs);
   if (st != CHORUS_OK) {
     chorus__init_fail(st, "chorus rank %d/%d: connecting to the other ranks failed: %s", rank, size, err);
     goto fail;

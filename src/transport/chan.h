@@ -168,14 +168,17 @@ typedef struct chorus__chan_ops {
   /* Each round of the progress loop, after the events: work no event
    * announces (plaintext opened but not parsed yet).  May be NULL. */
   void (*poll)(chorus__chan_t *ch);
-  /* For channels no descriptor announces (shared memory); NULL otherwise.
-   * progress: moves what can move now, returns non-zero if anything did
-   * (a waiting thread polls with it before it blocks).  idle: the progress
-   * thread is about to sleep (1: the channel must arrange to be woken, and
-   * look once more) or woke (0).  polling: a thread starts (1) or stops
-   * (0) calling progress, so peers need not wake this rank meanwhile. */
+  /* idle: the progress thread is about to sleep (1: the channel must
+   * arrange to be woken -- ring a doorbell, arm an event descriptor -- and
+   * look once more; non-zero when it could not and the thread must look
+   * again at once) or woke (0).  May be NULL.
+   * For the local channel, which no descriptor announces (shared memory):
+   * progress moves what can move now, returns non-zero if anything did (a
+   * waiting thread polls with it before it blocks); polling: a thread
+   * starts (1) or stops (0) calling progress, so peers need not wake this
+   * rank meanwhile. */
+  int (*idle)(chorus__chan_t *ch, int sleeping);
   int (*progress)(chorus__chan_t *ch);
-  void (*idle)(chorus__chan_t *ch, int sleeping);
   void (*polling)(chorus__chan_t *ch, int on);
   /* Frees everything, after the progress thread stopped. */
   void (*destroy)(chorus__chan_t *ch);
@@ -198,7 +201,7 @@ struct chorus__tp {
   chorus__key_t key;
   uint64_t world_id;
   chorus__peer_t *peers; /* indexed by world rank; peers[rank] is this rank */
-  chorus__chan_t *net;   /* the channel between hosts (TCP) */
+  chorus__chan_t *net;   /* the channel between hosts (TCP or UCX) */
   chorus__chan_t *local; /* the channel between ranks of this host (shared memory), or NULL */
   int crowded;           /* fewer CPUs than local ranks: waiting threads poll local
                           * with sched_yield from the start (set by local) */
@@ -294,6 +297,11 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
  * messages (the listener cfg->listen_fd accepts for as long as the channel
  * lives). */
 chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
+                                 chorus__chan_t **out, char *errmsg, size_t errcap);
+/* UCX (ucx.c): carries the peers no other channel carries, over the
+ * worker cfg->ucx (ownership passes, also on failure) to the addresses
+ * cfg->ucx_addrs.  Only in a library built with UCX. */
+chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                  chorus__chan_t **out, char *errmsg, size_t errcap);
 
 #endif

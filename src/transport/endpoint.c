@@ -1232,15 +1232,18 @@ static void check_silence(chorus__tp_t *tp, int64_t now) {
 static void *progress_main(void *arg) {
   chorus__tp_t *tp = arg;
   struct epoll_event evs[64];
-  chorus__chan_t *local = tp->local;
+  chorus__chan_t *local = tp->local, *net = tp->net;
   pthread_mutex_lock(&tp->lock);
   while (!__atomic_load_n(&tp->stopping, __ATOMIC_ACQUIRE)) {
-    if (local) local->ops->idle(local, 1);
+    int busy = 0;
+    if (local) busy |= local->ops->idle(local, 1);
+    if (net && net->ops->idle) busy |= net->ops->idle(net, 1);
     pthread_mutex_unlock(&tp->lock);
-    int n = epoll_wait(tp->epfd, evs, 64, HEARTBEAT_MS / 2);
+    int n = epoll_wait(tp->epfd, evs, 64, busy ? 0 : HEARTBEAT_MS / 2);
     int err = errno;
     pthread_mutex_lock(&tp->lock);
     if (local) local->ops->idle(local, 0);
+    if (net && net->ops->idle) net->ops->idle(net, 0);
     if (n < 0) {
       if (err == EINTR) continue;
       CHORUS_WARN(CHORUS__SUB_TCP, "chorus: epoll_wait failed: %s", strerror(err));
@@ -1325,6 +1328,7 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   chorus__tp_t *tp = chorus__tp_alloc(cfg->rank, cfg->size, cfg->key, cfg->world_id);
   if (!tp) {
     close(cfg->listen_fd);
+    chorus__ucx_worker_free(cfg->ucx);
     return CHORUS_ERR_NO_MEMORY;
   }
   tp->fp_format = cfg->fp_format;
@@ -1339,21 +1343,29 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   tp->ev_watch = (chorus__watch_t){on_kick, tp};
   if (tp->evfd < 0 || chorus__tp_watch(tp, tp->evfd, EPOLLIN, &tp->ev_watch) < 0) {
     close(cfg->listen_fd);
+    chorus__ucx_worker_free(cfg->ucx);
     snprintf(errmsg, errcap, "eventfd: %s", strerror(errno));
     st = CHORUS_ERR_SYSTEM;
     goto fail;
   }
-  /* Peers on this host first (shared memory), then TCP for the rest. */
+  /* Peers on this host first (shared memory), then TCP -- or UCX, which
+   * then carries every peer -- for the rest. */
   const char *mode = chorus__env()->TRANSPORT;
-  if (cfg->host && cfg->nonce && !(mode && !strcmp(mode, "tcp"))) {
-    st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap);
-    if (st != CHORUS_OK) {
-      close(cfg->listen_fd);
-      goto fail;
+  if (cfg->ucx) {
+    close(cfg->listen_fd);
+    st = chorus__ucx_open(tp, cfg, &tp->net, errmsg, errcap);
+    if (st != CHORUS_OK) goto fail;
+  } else {
+    if (cfg->host && cfg->nonce && !(mode && !strcmp(mode, "tcp"))) {
+      st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap);
+      if (st != CHORUS_OK) {
+        close(cfg->listen_fd);
+        goto fail;
+      }
     }
+    st = chorus__tcp_open(tp, cfg, &tp->net, errmsg, errcap);
+    if (st != CHORUS_OK) goto fail;
   }
-  st = chorus__tcp_open(tp, cfg, &tp->net, errmsg, errcap);
-  if (st != CHORUS_OK) goto fail;
   /* Silence is counted from now: connecting may have taken a while. */
   int64_t start = chorus__now_ns();
   for (int r = 0; r < cfg->size; r++) tp->peers[r].last_heard = start;

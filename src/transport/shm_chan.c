@@ -365,12 +365,13 @@ static void shm_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
 
 static int shm_progress(chorus__chan_t *ch) { return progress_all((shm_chan_t *)ch); }
 
-static void shm_idle(chorus__chan_t *ch, int sleeping) {
+static int shm_idle(chorus__chan_t *ch, int sleeping) {
   shm_chan_t *s = (shm_chan_t *)ch;
   __atomic_store_n(&s->hdr->sleeping, (uint32_t)sleeping, __ATOMIC_SEQ_CST);
   /* Going to sleep: look once more after raising the flag (a sender that
    * published before seeing it did not ring). */
   if (sleeping) progress_all(s);
+  return 0;
 }
 
 static void shm_polling(chorus__chan_t *ch, int on) {

@@ -97,7 +97,22 @@ typedef struct chorus__tp_config {
    * shared-memory inbox and doorbell. */
   const uint64_t *host;
   const uint64_t *nonce;
+  /* With CHORUS_TRANSPORT=ucx: this rank's UCX worker (chorus__ucx_worker_new;
+   * tp_create owns it, also when it fails) and every rank's worker address
+   * as it published it (hex).  Every peer then goes over UCX. */
+  struct chorus__ucx_worker *ucx;
+  const char *const *ucx_addrs;
 } chorus__tp_config_t;
+
+/* UCX (ucx.c): whether this library was built with it; a worker made
+ * before the ranks exchange addresses, and its address in hex to publish
+ * (free it); freeing one that tp_create did not take. */
+typedef struct chorus__ucx_worker chorus__ucx_worker_t;
+#define CHORUS__UCX_ADDR_MAX 16384
+int chorus__ucx_built(void);
+chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, char *errmsg,
+                                       size_t errcap);
+void chorus__ucx_worker_free(chorus__ucx_worker_t *w);
 
 /* Opens the channels (shared-memory inboxes with the ranks of this host;
  * TCP for the rest, each pair connected and authenticated with the job key
