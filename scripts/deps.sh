@@ -43,6 +43,9 @@ command -v pgrep >/dev/null 2>&1 || need+=(procps)
 # libcrypto (OpenSSL 3) for authentication and encryption (src/util/crypto.c).
 [[ "$(dpkg-query -W -f='${Status}' libssl-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libssl-dev)
+# UCX for the UCX channel (CHORUS_TRANSPORT=ucx): headers to build it,
+# libucp (libucx0) loaded at run time by the ranks that use it.
+installed libucx-dev || need+=(libucx-dev)
 # The Python package (python/chorus): headers and NumPy.
 for p in python3-dev python3-numpy; do installed "$p" || need+=("$p"); done
 # The fuzzers: clang 14 and its runtime libraries (libFuzzer, ASan, UBSan).

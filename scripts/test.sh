@@ -38,6 +38,10 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
     -DCHORUS_SANITIZE=thread -DCHORUS_WERROR=ON >/dev/null
   cmake --build build-tsan -j"$jobs" >/dev/null
   echo "== tests (TSan)"
+  # UCX's memory hooks (libucm patches mmap and friends when the UCX tests
+  # load it) and TSan's interceptors cannot both own them: UCX runs without
+  # its hooks here (they only serve RDMA registration caches).
+  UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_EVENTS=no \
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E '^launcher\.' -LE cluster
 fi

@@ -416,15 +416,13 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     }
     *bar = '\0';
     *bar3 = '\0';
-    if (ucx && r != rank) {
-      if (!strcmp(bar2 + 1, "-")) {
-        st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx "
-                               "here but rank %d does not use UCX: set the same "
-                               "CHORUS_TRANSPORT on every rank", rank, size, r);
-        break;
-      }
-      ucx_addrs[r] = bar2 + 1;
+    if (!strcmp(bar2 + 1, "-") != !ucx) {
+      st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: rank %d %s UCX and this "
+                             "rank %s: set the same CHORUS_TRANSPORT on every rank", rank, size, r,
+                             ucx ? "does not use" : "uses", ucx ? "does" : "does not");
+      break;
     }
+    if (ucx) ucx_addrs[r] = bar2 + 1;
     const char *their = bar3 + 1;
     ctx->host[r] = chorus__siphash(hkey, their, strlen(their));
     if (!strcmp(their, ident)) ctx->local_count++;
@@ -441,8 +439,6 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
                               .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
                               .fp_format = chorus__fp_format, .host = ctx->host, .nonce = nonce,
                               .ucx = ucx, .ucx_addrs = ucx_addrs};
-  /* Over UCX, UCX's own shared memory carries the ranks of one host. */
-  if (ucx) tcfg.host = NULL;
   st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
   free(nonce);
   free(ucx_addrs);

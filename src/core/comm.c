@@ -254,7 +254,7 @@ chorus_result_t chorus__shm_setup(chorus_comm_t comm) {
   const chorus__env_t *env = chorus__env();
   chorus__ctx_t *ctx = comm->ctx;
   const char *mode = env->TRANSPORT && *env->TRANSPORT ? env->TRANSPORT : "auto";
-  if (!strcasecmp(mode, "tcp") || !strcasecmp(mode, "ucx") || comm->size < 2) return CHORUS_OK;
+  if (!strcasecmp(mode, "tcp") || comm->size < 2) return CHORUS_OK;
   int strict = !strcasecmp(mode, "shm");
   int local = comm->size <= CHORUS__SHM_MAX_RANKS;
   for (int i = 0; i < comm->size && local; i++) local = chorus_comm_same_host(comm, i) == 1;

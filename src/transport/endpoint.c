@@ -1348,24 +1348,24 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
     st = CHORUS_ERR_SYSTEM;
     goto fail;
   }
-  /* Peers on this host first (shared memory), then TCP -- or UCX, which
-   * then carries every peer -- for the rest. */
+  /* Peers on this host first (shared memory), then TCP or UCX for the
+   * rest. */
   const char *mode = chorus__env()->TRANSPORT;
+  if (cfg->host && cfg->nonce && !(mode && !strcmp(mode, "tcp"))) {
+    st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap);
+    if (st != CHORUS_OK) {
+      close(cfg->listen_fd);
+      chorus__ucx_worker_free(cfg->ucx);
+      goto fail;
+    }
+  }
   if (cfg->ucx) {
     close(cfg->listen_fd);
     st = chorus__ucx_open(tp, cfg, &tp->net, errmsg, errcap);
-    if (st != CHORUS_OK) goto fail;
   } else {
-    if (cfg->host && cfg->nonce && !(mode && !strcmp(mode, "tcp"))) {
-      st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap);
-      if (st != CHORUS_OK) {
-        close(cfg->listen_fd);
-        goto fail;
-      }
-    }
     st = chorus__tcp_open(tp, cfg, &tp->net, errmsg, errcap);
-    if (st != CHORUS_OK) goto fail;
   }
+  if (st != CHORUS_OK) goto fail;
   /* Silence is counted from now: connecting may have taken a while. */
   int64_t start = chorus__now_ns();
   for (int r = 0; r < cfg->size; r++) tp->peers[r].last_heard = start;

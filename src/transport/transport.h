@@ -99,7 +99,8 @@ typedef struct chorus__tp_config {
   const uint64_t *nonce;
   /* With CHORUS_TRANSPORT=ucx: this rank's UCX worker (chorus__ucx_worker_new;
    * tp_create owns it, also when it fails) and every rank's worker address
-   * as it published it (hex).  Every peer then goes over UCX. */
+   * as it published it (hex).  UCX then carries the peers of other hosts
+   * instead of TCP. */
   struct chorus__ucx_worker *ucx;
   const char *const *ucx_addrs;
 } chorus__tp_config_t;

@@ -43,13 +43,20 @@
  * none of which may happen inside a UCX callback).  The progress thread
  * sleeps on the worker's event descriptor, armed before it sleeps.
  *
+ * Loading.  libucp is opened with dlopen() by the first rank that asks
+ * for UCX (CHORUS_TRANSPORT=ucx), never linked: UCX's memory hooks
+ * (libucm intercepts mmap and friends when it loads) stay out of every
+ * process that does not use it.
+ *
  * Every function here runs with the context's lock held (chan.h).
  */
 #include "transport/chan.h"
 
 #ifdef CHORUS_HAVE_UCX
 
+#include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +67,70 @@
 #include "util/clock.h"
 #include "util/le.h"
 #include "util/util.h"
+
+/* ---------------------------------------------------------- loading UCX */
+
+/* Every UCX function used, as pointers filled from libucp (and, through
+ * its dependencies, libucs); the names below stand for them. */
+#define UCX_FUNCS(X)                                                    \
+  X(ucp_config_read) X(ucp_config_release) X(ucp_init_version) X(ucp_cleanup) \
+  X(ucp_worker_create) X(ucp_worker_destroy) X(ucp_worker_get_address)       \
+  X(ucp_worker_release_address) X(ucp_worker_get_efd) X(ucp_worker_arm)      \
+  X(ucp_worker_progress) X(ucp_worker_set_am_recv_handler) X(ucp_ep_create)  \
+  X(ucp_ep_close_nbx) X(ucp_ep_print_info) X(ucp_am_send_nbx)                \
+  X(ucp_am_recv_data_nbx) X(ucp_am_data_release) X(ucp_request_free)         \
+  X(ucp_request_check_status) X(ucp_request_cancel) X(ucs_status_string)
+
+static struct {
+#define X(f) __typeof__(&f) f;
+  UCX_FUNCS(X)
+#undef X
+} U;
+static pthread_once_t g_ucx_once = PTHREAD_ONCE_INIT;
+static char g_ucx_error[256];
+
+static void ucx_load(void) {
+  void *lib = dlopen("libucp.so.0", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(g_ucx_error, sizeof g_ucx_error, "cannot load UCX (libucp.so.0: %s); install "
+             "Debian's libucx0", dlerror());
+    return;
+  }
+  /* dlsym returns void *; POSIX guarantees the conversion works. */
+#define X(f)                                                                      \
+  if (!(*(void **)&U.f = dlsym(lib, #f))) {                                       \
+    snprintf(g_ucx_error, sizeof g_ucx_error, "libucp.so.0 lacks %s (UCX older "  \
+             "than 1.13?)", #f);                                                  \
+    return;                                                                       \
+  }
+  UCX_FUNCS(X)
+#undef X
+  /* Kept loaded: UCX's hooks and threads outlive any one context. */
+}
+
+#define ucp_config_read U.ucp_config_read
+#define ucp_config_release U.ucp_config_release
+#define ucp_cleanup U.ucp_cleanup
+#define ucp_worker_create U.ucp_worker_create
+#define ucp_worker_destroy U.ucp_worker_destroy
+#define ucp_worker_get_address U.ucp_worker_get_address
+#define ucp_worker_release_address U.ucp_worker_release_address
+#define ucp_worker_get_efd U.ucp_worker_get_efd
+#define ucp_worker_arm U.ucp_worker_arm
+#define ucp_worker_progress U.ucp_worker_progress
+#define ucp_worker_set_am_recv_handler U.ucp_worker_set_am_recv_handler
+#define ucp_ep_create U.ucp_ep_create
+#define ucp_ep_close_nbx U.ucp_ep_close_nbx
+#define ucp_ep_print_info U.ucp_ep_print_info
+#define ucp_am_send_nbx U.ucp_am_send_nbx
+#define ucp_am_recv_data_nbx U.ucp_am_recv_data_nbx
+#define ucp_am_data_release U.ucp_am_data_release
+#define ucp_request_free U.ucp_request_free
+#define ucp_request_check_status U.ucp_request_check_status
+#define ucp_request_cancel U.ucp_request_cancel
+#define ucs_status_string U.ucs_status_string
+
+/* ------------------------------------------------------------ the wire */
 
 #define AM_ID 0x43u
 #define AM_HDR (CHORUS__WIRE_HDR_SIZE + 40)
@@ -74,6 +145,7 @@
 #define WINDOW 256
 #define CREDIT_EVERY 64
 #define EAGER_MAX 8192
+#define CANCEL_WAIT_MS 200
 
 typedef struct ucx_chan ucx_chan_t;
 typedef struct ucx_link ucx_link_t;
@@ -130,7 +202,9 @@ struct ucx_link {
   int paused;
   int npulls;
   int ready;         /* in ch->ready */
-  ucx_link_t *next_ready, *next_batch;
+  ucx_link_t *next_ready, *next_batch, *next_hb;
+  int hb_due;
+  int64_t last_sent; /* when a message last went to it */
   chorus__rx_t rx;
   uint8_t tok_in[TOKEN_LEN], tok_out[TOKEN_LEN];
 };
@@ -222,8 +296,8 @@ static int post(ucx_link_t *l, chorus__tx_t *it) {
   chorus__tp_t *tp = ch->base.tp;
   sent_t *s = calloc(1, sizeof *s);
   if (!s) {
-    if (it) chorus__tp_tx_lost(tp, l->peer, it);
     chorus__tp_peer_failed(tp, l->peer, "could not be sent to (out of memory)", CHORUS_ERR_REMOTE);
+    if (it) chorus__tp_tx_lost(tp, l->peer, it);
     return -1;
   }
   s->l = l;
@@ -235,6 +309,7 @@ static int post(ucx_link_t *l, chorus__tx_t *it) {
   chorus__le64_put(s->hdr + OFF_ACK, l->rx_next);
   memcpy(s->hdr + OFF_TOKEN, l->tok_out, TOKEN_LEN);
   l->ack_sent = l->rx_next;
+  l->last_sent = chorus__now_ns();
   size_t len = it ? it->len : 0;
   ucp_request_param_t prm = {
       .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -254,9 +329,9 @@ static int post(ucx_link_t *l, chorus__tx_t *it) {
     LIST_DEL(ch->inflight, s);
     char why[160];
     snprintf(why, sizeof why, "could not be sent to (UCX: %s)", ucs_status_string(UCS_PTR_STATUS(r)));
-    if (it) chorus__tp_tx_lost(tp, l->peer, it);
     free(s);
     chorus__tp_peer_failed(tp, l->peer, why, CHORUS_ERR_REMOTE);
+    if (it) chorus__tp_tx_lost(tp, l->peer, it);
     return -1;
   }
   s->req = r; /* freed once its callback ran (drive) */
@@ -530,6 +605,30 @@ static int ensure_ep(ucx_link_t *l) {
   return 0;
 }
 
+/* The endpoint layer sends a peer heartbeats only while nothing is queued
+ * to it (over TCP the queued bytes themselves say the sender is alive).
+ * Here a large message waits at the sender until the receiver fetches it,
+ * which may take longer than the peer timeout on a slow link: so a link
+ * with a message in flight and nothing else sent for a heartbeat period
+ * gets a bare acknowledgement, which the peer counts as hearing from us. */
+static void heartbeats(ucx_chan_t *ch) {
+  int64_t now = chorus__now_ns(), period = (int64_t)CHORUS__HEARTBEAT_MS * 1000000;
+  ucx_link_t *due = NULL;
+  for (sent_t *s = ch->inflight; s; s = s->next) {
+    ucx_link_t *l = s->l;
+    if (l->hb_due || l->closed || l->fail_what || !l->ep || now - l->last_sent < period) continue;
+    l->hb_due = 1;
+    l->next_hb = due;
+    due = l;
+  }
+  while (due) {
+    ucx_link_t *l = due;
+    due = l->next_hb;
+    l->hb_due = 0;
+    if (!l->closed) post(l, NULL);
+  }
+}
+
 /* Acts on what the callbacks noted, until UCX has nothing more. */
 static void drive(ucx_chan_t *ch) {
   chorus__tp_t *tp = ch->base.tp;
@@ -554,11 +653,16 @@ static void drive(ucx_chan_t *ch) {
       if (!it) continue;
       if (ok) {
         chorus__tp_tx_done(tp, it);
-      } else {
-        chorus__tp_tx_lost(tp, l->peer, it);
-        if (!l->closed && !l->fail_what)
-          defer_fail(l, 0, "could not be sent to (UCX: %s)", ucs_status_string(status));
+        continue;
       }
+      /* The peer fails first (its endpoints fail and tell the others
+       * why), then this message is lost with it. */
+      if (!l->closed) {
+        char why[160];
+        snprintf(why, sizeof why, "could not be sent to (UCX: %s)", ucs_status_string(status));
+        chorus__tp_peer_failed(tp, l->peer, why, CHORUS_ERR_REMOTE);
+      }
+      chorus__tp_tx_lost(tp, l->peer, it);
     }
     while (ch->pulled) {
       pull_t *pl = ch->pulled;
@@ -591,11 +695,7 @@ static void drive(ucx_chan_t *ch) {
     }
     if (!n && !did) break;
   }
-  /* A long fetch is the peer talking, not silence. */
-  if (ch->pulls) {
-    int64_t now = chorus__now_ns();
-    for (pull_t *pl = ch->pulls; pl; pl = pl->next) pl->l->peer->last_heard = now;
-  }
+  heartbeats(ch);
   ch->driving = 0;
 }
 
@@ -641,8 +741,11 @@ static int ucx_cancel(chorus__chan_t *base, chorus__peer_t *p, chorus__ep_t *ep)
   ucx_link_t *l = p->link;
   int rc = chorus__txq_cancel(&l->q, ep);
   /* Handed to UCX: its sends read ep's buffers and its fetches write them
-   * until they complete; they must before the caller frees them. */
-  if (wait_ops(l, ep, chorus__now_ns() + (int64_t)2000 * 1000000) < 0) return -1;
+   * until they complete; they must before the caller frees them.  A live
+   * peer finishes them within a round trip (it declines what its own
+   * failed endpoint no longer wants); one that does not within
+   * CANCEL_WAIT_MS is stopped or cut off, and fails (-1), which ends them. */
+  if (wait_ops(l, ep, chorus__now_ns() + (int64_t)CANCEL_WAIT_MS * 1000000) < 0) return -1;
   for (sent_t *s = ch->completed; s; s = s->next)
     if (s->l == l && s->it && s->it->ep == ep) {
       s->it->req = NULL;
@@ -709,12 +812,44 @@ static void ucx_close(chorus__chan_t *base, chorus__peer_t *p) {
   }
 }
 
+/* "ucx posix/memory cma/memory": the transports of the endpoint's lanes,
+ * read from what ucp_ep_print_info prints ("lane[0]:  8:posix/memory.0 ..."). */
 static void ucx_link_desc(chorus__chan_t *base, chorus__peer_t *p, char *buf, size_t cap) {
   ucx_link_t *l = p->link;
   (void)base;
-  if (l->closed) snprintf(buf, cap, "ucx (connection gone)");
-  else if (!l->ep) snprintf(buf, cap, "ucx (not connected yet)");
-  else snprintf(buf, cap, "ucx to world rank %d (UCX_TLS chooses the transport)", p->rank);
+  if (l->closed) {
+    snprintf(buf, cap, "ucx (connection gone)");
+    return;
+  }
+  if (!l->ep) {
+    snprintf(buf, cap, "ucx (not connected yet)");
+    return;
+  }
+  char text[4096] = "";
+  FILE *f = fmemopen(text, sizeof text - 1, "w");
+  if (f) {
+    ucp_ep_print_info(l->ep, f);
+    fclose(f);
+  }
+  size_t off = (size_t)snprintf(buf, cap, "ucx");
+  for (char *line = text; line && *line && off < cap; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+    char *lane = strstr(line, "lane[");
+    char *eol = strchr(line, '\n');
+    if (!lane || (eol && lane > eol)) continue;
+    char *c = strchr(lane, ':');
+    if (!c || (eol && c > eol)) continue;
+    c++;
+    while (*c == ' ') c++;
+    while (*c >= '0' && *c <= '9') c++;
+    if (*c == ':') c++;
+    size_t n = strcspn(c, " \n");
+    char name[64];
+    snprintf(name, sizeof name, "%.*s", (int)CHORUS__MIN(n, sizeof name - 1), c);
+    char *dot = strrchr(name, '.');
+    if (dot && dot > strchr(name, '/')) *dot = '\0';
+    if (!name[0] || strstr(buf, name)) continue; /* each transport once */
+    off += (size_t)snprintf(buf + off, cap - off, " %s", name);
+  }
 }
 
 static int ucx_link_state(chorus__chan_t *base, chorus__peer_t *p, int64_t *since) {
@@ -755,9 +890,11 @@ static void ucx_destroy(chorus__chan_t *base) {
       }
     }
   }
+  /* Only the flushing closes are waited for: every other operation is
+   * with a peer that is gone or will not answer. */
   int64_t until = chorus__now_ns() + (int64_t)1000 * 1000000;
   for (;;) {
-    int busy = ch->inflight || ch->pulls;
+    int busy = 0;
     for (int i = 0; i < nclosing && !busy; i++)
       if (ucp_request_check_status(closing[i]) == UCS_INPROGRESS) busy = 1;
     if (!busy || chorus__now_ns() >= until) break;
@@ -829,6 +966,11 @@ chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_h
                                        size_t errcap) {
   *out = NULL;
   *addr_hex = NULL;
+  pthread_once(&g_ucx_once, ucx_load);
+  if (g_ucx_error[0]) {
+    snprintf(errmsg, errcap, "%s", g_ucx_error);
+    return CHORUS_ERR_NOT_SUPPORTED;
+  }
   chorus__ucx_worker_t *w = calloc(1, sizeof *w);
   if (!w) return CHORUS_ERR_NO_MEMORY;
   ucp_config_t *conf = NULL;
@@ -836,7 +978,7 @@ chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_h
   if (st == UCS_OK) {
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES,
                         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};
-    st = ucp_init(&prm, conf, &w->ctx);
+    st = U.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &prm, conf, &w->ctx);
     ucp_config_release(conf);
   }
   if (st == UCS_OK) {

@@ -67,6 +67,13 @@ static void report(chorus_result_t st, double ms, const char *msg) {
 static chorus_comm_t join(int rank, int n, int timeout_ms) {
   char prefix[32];
   snprintf(prefix, sizeof prefix, "s%d/", g_scenario);
+  /* Every rank a host of its own: what goes between hosts (TCP, or UCX
+   * with CHORUS_TRANSPORT=ucx) carries every pair. */
+  if (getenv("CHORUS_FAULTS_HOST_PER_RANK")) {
+    char id[16];
+    snprintf(id, sizeof id, "h%d", rank);
+    setenv("CHORUS_HOST_ID", id, 1);
+  }
   chorus_config_t cfg = child_config(rank, n, g_port, prefix, "fault-test-secret", timeout_ms);
   chorus_comm_t comm = NULL;
   chorus_result_t st = chorus_comm_init(&cfg, &comm);

@@ -317,8 +317,7 @@ static void matrix(chorus_comm_t comm, chorus_coll_t coll) {
     const char *tp = getenv("CHORUS_TRANSPORT");
     int spread = 0; /* ranks on several hosts */
     for (int r = 0; r < g_size; r++) spread |= chorus_comm_same_host(comm, r) == 0;
-    if (!strcmp(algo, "direct") && g_size > 1 &&
-        ((tp && (!strcmp(tp, "tcp") || !strcmp(tp, "ucx"))) || spread)) {
+    if (!strcmp(algo, "direct") && g_size > 1 && ((tp && !strcmp(tp, "tcp")) || spread)) {
       /* No shared memory: forcing it must be refused, clearly. */
       char one[64] = {0}, out[64 * 64] = {0};
       chorus_result_t st = CHORUS_OK;

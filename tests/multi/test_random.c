@@ -596,7 +596,7 @@ int main(int argc, char **argv) {
     }
   }
   const char *tr = getenv("CHORUS_TRANSPORT");
-  g_tcp = tr && (!strcmp(tr, "tcp") || !strcmp(tr, "ucx"));
+  g_tcp = tr && !strcmp(tr, "tcp");
   chorus_comm_t world;
   if (chorus_comm_init_env(&world) != CHORUS_OK) {
     fprintf(stderr, "init failed: %s\n", chorus_last_init_error());
