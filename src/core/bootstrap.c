@@ -347,17 +347,42 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
    * address it listens on, a random nonce (names its shared-memory inbox
    * and doorbell, so nobody outside the job can know them), and its host
    * identity (which ranks share memory, the host map of the hierarchical
-   * algorithms), and with CHORUS_TRANSPORT=ucx its UCX worker's address
-   * ("-" without): "ADDR PORT|NONCE|UCX|IDENT". */
+   * algorithms), and its UCX worker's address when it would use UCX
+   * between hosts: "U<hex>" with CHORUS_TRANSPORT=ucx, "A<hex>" when
+   * automatic and this host has an active RDMA device, "-" otherwise
+   * (chorus__ucx_decide makes every rank's choice from all of them):
+   * "ADDR PORT|NONCE|UCX|IDENT". */
   chorus__ucx_worker_t *ucx = NULL;
-  char *ucx_hex = NULL;
-  if (env->TRANSPORT && !strcasecmp(env->TRANSPORT, "ucx")) {
+  char *ucx_hex = NULL, ucx_kind = '-';
+  const char *tmode = env->TRANSPORT && env->TRANSPORT[0] ? env->TRANSPORT : "auto";
+  char rdma[256] = "";
+  if (!strcasecmp(tmode, "ucx")) {
+    ucx_kind = 'U';
+  } else if ((!strcasecmp(tmode, "auto") || !strcasecmp(tmode, "shm")) && !env->ENCRYPT &&
+             size > cfg->local_world_size && chorus__ucx_built() &&
+             chorus__rdma_active("/sys/class/infiniband", rdma, sizeof rdma) > 0) {
+    ucx_kind = 'A';
+  }
+  if (ucx_kind == 'U' && env->ENCRYPT) {
+    close(lfd);
+    st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_ENCRYPT=1 and "
+                           "CHORUS_TRANSPORT=ucx: the UCX channel cannot encrypt; unset one of "
+                           "them (TCP encrypts)", rank, size);
+    goto fail;
+  }
+  if (ucx_kind != '-') {
     char uerr[256];
     st = chorus__ucx_worker_new(&ucx, &ucx_hex, uerr, sizeof uerr);
-    if (st != CHORUS_OK) {
+    if (st != CHORUS_OK && ucx_kind == 'U') {
       close(lfd);
       chorus__init_fail(st, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx: %s", rank, size, uerr);
       goto fail;
+    }
+    if (st != CHORUS_OK) { /* automatic: TCP it is */
+      CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s here, but UCX cannot start (%s): TCP "
+                  "between hosts", rdma, uerr);
+      ucx_kind = '-';
+      st = CHORUS_OK;
     }
   }
   char ident[400];
@@ -374,8 +399,8 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   char err[512] = "out of memory";
   st = CHORUS_ERR_NO_MEMORY;
   if (mine) {
-    snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s|%s", addrs_mine, my_nonce,
-             ucx_hex ? ucx_hex : "-", ident);
+    snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s%s|%s", addrs_mine, my_nonce,
+             ucx_hex ? (ucx_kind == 'U' ? "U" : "A") : "-", ucx_hex ? ucx_hex : "", ident);
     st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
   }
   free(mine);
@@ -390,8 +415,8 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   ctx->host = calloc((size_t)size, sizeof *ctx->host);
   uint64_t *nonce = calloc((size_t)size, sizeof *nonce);
   ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);
-  const char **ucx_addrs = ucx ? calloc((size_t)size, sizeof *ucx_addrs) : NULL;
-  if (!ctx->host || !nonce || !ctx->memreg || (ucx && !ucx_addrs)) {
+  const char **ucx_addrs = calloc((size_t)size, sizeof *ucx_addrs); /* the UCX fields */
+  if (!ctx->host || !nonce || !ctx->memreg || !ucx_addrs) {
     free(nonce);
     free(ucx_addrs);
     chorus__ucx_worker_free(ucx);
@@ -416,16 +441,33 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     }
     *bar = '\0';
     *bar3 = '\0';
-    if (!strcmp(bar2 + 1, "-") != !ucx) {
-      st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: rank %d %s UCX and this "
-                             "rank %s: set the same CHORUS_TRANSPORT on every rank", rank, size, r,
-                             ucx ? "does not use" : "uses", ucx ? "does" : "does not");
-      break;
-    }
-    if (ucx) ucx_addrs[r] = bar2 + 1;
+    ucx_addrs[r] = bar2 + 1;
     const char *their = bar3 + 1;
     ctx->host[r] = chorus__siphash(hkey, their, strlen(their));
     if (!strcmp(their, ident)) ctx->local_count++;
+  }
+  /* UCX between hosts when every rank has an address; an error on every
+   * rank when one forced it and another cannot. */
+  int use_ucx = 0;
+  if (st == CHORUS_OK) {
+    int bad = -1, use = chorus__ucx_decide(ucx_addrs, size, &bad);
+    if (use < 0) {
+      st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx on "
+                             "some ranks but rank %d has no UCX (another CHORUS_TRANSPORT, or UCX "
+                             "could not start there: see its log): set the same CHORUS_TRANSPORT "
+                             "on every rank", rank, size, bad);
+    } else if (!use) {
+      if (ucx)
+        CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s here, but rank %d has none: TCP between "
+                    "hosts", rdma, bad);
+      chorus__ucx_worker_free(ucx);
+      ucx = NULL;
+    } else {
+      use_ucx = 1;
+      for (int r = 0; r < size; r++) ucx_addrs[r]++; /* past U/A: the address */
+      if (ucx_kind == 'A')
+        CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s on every host: UCX between hosts", rdma);
+    }
   }
   if (st != CHORUS_OK) {
     free(nonce);
@@ -438,7 +480,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
                               .listen_fd = lfd, .addrs = (const char *const *)addrs,
                               .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
                               .fp_format = chorus__fp_format, .host = ctx->host, .nonce = nonce,
-                              .ucx = ucx, .ucx_addrs = ucx_addrs};
+                              .ucx = ucx, .ucx_addrs = use_ucx ? ucx_addrs : NULL};
   st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
   free(nonce);
   free(ucx_addrs);

@@ -114,6 +114,15 @@ int chorus__ucx_built(void);
 chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, char *errmsg,
                                        size_t errcap);
 void chorus__ucx_worker_free(chorus__ucx_worker_t *w);
+/* RDMA devices (InfiniBand, RoCE) with an active port under dir (normally
+ * /sys/class/infiniband): how many, their names comma-separated in names. */
+int chorus__rdma_active(const char *dir, char *names, size_t cap);
+/* Whether a world uses UCX between hosts, from every rank's published UCX
+ * field: "U<address>" (CHORUS_TRANSPORT=ucx), "A<address>" (auto, and
+ * this rank has an active RDMA device), "-" (neither).  1: every rank has
+ * an address; 0: TCP (no rank forced UCX); -1: a rank forced it and rank
+ * *bad has none (an error on every rank).  *bad: the first rank without. */
+int chorus__ucx_decide(const char *const *fields, int n, int *bad);
 
 /* Opens the channels (shared-memory inboxes with the ranks of this host;
  * TCP for the rest, each pair connected and authenticated with the job key

@@ -52,6 +52,10 @@
  */
 #include "transport/chan.h"
 
+#include <dirent.h>
+#include <stdio.h>
+#include <string.h>
+
 #ifdef CHORUS_HAVE_UCX
 
 #include <dlfcn.h>
@@ -1142,3 +1146,55 @@ chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
 }
 
 #endif
+
+/* ------------------------------------------- choosing UCX (either build) */
+
+int chorus__rdma_active(const char *dir, char *names, size_t cap) {
+  if (cap) names[0] = '\0';
+  DIR *d = opendir(dir);
+  if (!d) return 0;
+  int found = 0;
+  size_t off = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if (e->d_name[0] == '.') continue;
+    char ports[512];
+    snprintf(ports, sizeof ports, "%s/%s/ports", dir, e->d_name);
+    DIR *pd = opendir(ports);
+    if (!pd) continue;
+    int active = 0;
+    struct dirent *p;
+    while (!active && (p = readdir(pd))) {
+      if (p->d_name[0] == '.') continue;
+      char path[800], state[64] = "";
+      snprintf(path, sizeof path, "%s/%s/state", ports, p->d_name);
+      FILE *f = fopen(path, "r");
+      if (!f) continue;
+      /* "4: ACTIVE" */
+      if (fgets(state, sizeof state, f) && strstr(state, "ACTIVE")) active = 1;
+      fclose(f);
+    }
+    closedir(pd);
+    if (!active) continue;
+    found++;
+    if (off < cap)
+      off += (size_t)snprintf(names + off, cap - off, "%s%s", off ? "," : "", e->d_name);
+  }
+  closedir(d);
+  return found;
+}
+
+int chorus__ucx_decide(const char *const *fields, int n, int *bad) {
+  int forced = 0, all = 1;
+  *bad = -1;
+  for (int r = 0; r < n; r++) {
+    const char *f = fields[r];
+    if (f[0] == 'U') forced = 1;
+    if (f[0] != 'U' && f[0] != 'A') {
+      all = 0;
+      if (*bad < 0) *bad = r;
+    }
+  }
+  if (all) return 1;
+  return forced ? -1 : 0;
+}

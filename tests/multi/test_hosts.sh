@@ -7,11 +7,14 @@
 #             of every collective forced in turn, flat and hierarchical)
 #   streams   the same with 4 piece connections per rank and peer
 #             (CHORUS_SOCKET_NSTREAMS): messages over 1 MiB dealt over them
+#   ucx       the same with UCX between hosts (CHORUS_TRANSPORT=ucx: its tcp
+#             transport over the emulated links)
 #   lossy     links with 1 ms delay and 1 % loss: all_reduce (every
 #             algorithm) and all_to_all stay right
 #   linkdown  host 1 unplugged in the middle of a stream of 16 MiB
 #             all_reduces: every rank fails within the timeout, and each
 #             host's ranks name a rank of the other host
+#   linkdown_ucx  the same over UCX
 #   test_hosts.sh CHORUSRUN TEST_COLLS CHORUS_BENCH FIXTURES_DIR [CASE...]
 # (all four by default; CTest runs one case per test).  Needs root; exits 77
 # (skipped, reason printed) when the hosts, or the shaping a case needs
@@ -19,7 +22,7 @@
 set -u
 RUN=$1 COLLS=$2 BENCH=$3 FIXTURES=$4
 shift 4
-CASES=${*:-matrix streams lossy linkdown}
+CASES=${*:-matrix streams ucx lossy linkdown linkdown_ucx}
 . "$FIXTURES/hosts_test.sh"
 hosts_test_begin hosts
 FAILS=0
@@ -47,16 +50,19 @@ launch() {
 collect() { local i; for i in 0 1; do wait "${PID[i]}"; RC[i]=$?; done; }
 tail_of() { echo "---- $1 (last lines)"; tail -n 15 "$1" | sed 's/^/  /'; }
 
-# matrix_with NAME NSTREAMS: the matrix with that many piece connections
-# per rank and peer between hosts (messages over 1 MiB in pieces on them).
+# matrix_with NAME NSTREAMS [TRANSPORT]: the matrix with that many piece
+# connections per rank and peer between hosts (messages over 1 MiB in
+# pieces on them), or over UCX.
 matrix_with() {
-  local name=$1
+  local name=$1 how="$2 piece connection(s) per peer"
   hosts_up 2
   export CHORUS_TIMEOUT=60 CHORUS_SOCKET_NSTREAMS=$2
+  if [ -n "${3:-}" ]; then export CHORUS_TRANSPORT=$3; how="CHORUS_TRANSPORT=$3"; fi
   launch "$name" 600 "$TMP/test_colls" --big
   collect
+  unset CHORUS_TRANSPORT
   if ((RC[0] == 0 && RC[1] == 0)) && grep -q "passed, 0 failed" "$TMP/$name.h0.out" "$TMP/$name.h1.out"; then
-    ok "$name: every collective and algorithm on 2 hosts x 2, $2 piece connection(s) per peer ($(grep -ho '[0-9]* passed, 0 failed' "$TMP/$name.h0.out" "$TMP/$name.h1.out" | head -n 1))"
+    ok "$name: every collective and algorithm on 2 hosts x 2, $how ($(grep -ho '[0-9]* passed, 0 failed' "$TMP/$name.h0.out" "$TMP/$name.h1.out" | head -n 1))"
   else
     fail "$name: exit ${RC[*]}"
     tail_of "$TMP/$name.h0.out"
@@ -67,6 +73,7 @@ matrix_with() {
 }
 case_matrix() { matrix_with matrix 1; }
 case_streams() { matrix_with streams 4; }
+case_ucx() { matrix_with ucx 1 ucx; }
 
 case_lossy() {
   hosts_up 2 --delay 1 --loss 1
@@ -91,12 +98,13 @@ case_lossy() {
 # what the library does on its own.
 case_linkdown() {
   hosts_up 2
-  local r h t0 ms i
+  local r h t0 ms i tr=${1:-tcp}
   port=$((port + 1))
   for r in 0 1 2 3; do
     h=$((r / 2))
     bash "$NETNS" exec "$h" env RANK=$r WORLD_SIZE=4 LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 \
       MASTER_ADDR="${ADDR[0]}" MASTER_PORT=$port CHORUS_TIMEOUT=5 CHORUS_PEER_TIMEOUT_MS=3000 \
+      CHORUS_TRANSPORT=$([ "$tr" = ucx ] && echo ucx || echo auto) \
       timeout -s KILL 120 "$TMP/chorus-bench" -b 16M -e 16M -n 100000 -w 0 -c 0 \
       >"$TMP/linkdown.r$r.out" 2>&1 &
     PID[r]=$!
@@ -118,17 +126,18 @@ case_linkdown() {
     fi
   done
   if [ -z "$bad" ] && ((ms < 20000)); then
-    ok "linkdown: host 1 unplugged mid-all_reduce; every rank failed within ${ms} ms (CHORUS_TIMEOUT=5, CHORUS_PEER_TIMEOUT_MS=3000) naming a rank of the other host"
+    ok "linkdown ($tr): host 1 unplugged mid-all_reduce; every rank failed within ${ms} ms (CHORUS_TIMEOUT=5, CHORUS_PEER_TIMEOUT_MS=3000) naming a rank of the other host"
     sed -n 's/^chorus-bench: \(rank 0: .\{0,300\}\).*/  \1/p' "$TMP/linkdown.r0.out" | head -n 1
   else
-    fail "linkdown: after ${ms} ms:${bad:- too slow}"
+    fail "linkdown ($tr): after ${ms} ms:${bad:- too slow}"
     for r in 0 1 2 3; do tail_of "$TMP/linkdown.r$r.out"; done
   fi
 }
 
 for c in $CASES; do
   case $c in
-    matrix | streams | lossy | linkdown) "case_$c" ;;
+    matrix | streams | ucx | lossy | linkdown) "case_$c" ;;
+    linkdown_ucx) case_linkdown ucx ;;
     *) echo "unknown case $c"; exit 2 ;;
   esac
 done
