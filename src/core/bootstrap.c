@@ -371,7 +371,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     goto fail;
   }
   if (ucx_kind != '-') {
-    char uerr[256];
+    char uerr[256] = "out of memory";
     st = chorus__ucx_worker_new(&ucx, &ucx_hex, uerr, sizeof uerr);
     if (st != CHORUS_OK && ucx_kind == 'U') {
       close(lfd);

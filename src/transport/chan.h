@@ -149,7 +149,9 @@ typedef struct chorus__chan_ops {
   /* Takes ep's sends out of p's queues so their buffers may be freed:
    * unstarted ones are dropped, begun ones keep going from a private copy
    * (the stream must stay well-formed); nothing completes a request of ep
-   * any more.  -1 when a stream could not be kept whole (out of memory). */
+   * any more.  -1 when a stream could not be kept whole (out of memory) or
+   * the channel could not take its buffers back in time (UCX: a transfer
+   * the peer did not finish); the peer then fails. */
   int (*cancel)(chorus__chan_t *ch, chorus__peer_t *p, chorus__ep_t *ep);
   /* Whether sends of ep (any owner with NULL, and for NULL also bytes of
    * a sealed record) are still queued to p. */

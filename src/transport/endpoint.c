@@ -209,7 +209,8 @@ static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
       }
     }
     if (c->chan->ops->cancel(c->chan, c, ep) < 0)
-      chorus__tp_peer_failed(tp, c, "could not be kept consistent (out of memory)",
+      chorus__tp_peer_failed(tp, c, "could not be given back a message of a failed "
+                             "communicator (out of memory, or the peer did not release it in time)",
                              CHORUS_ERR_REMOTE);
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next)

@@ -229,9 +229,11 @@ struct ucx_chan {
   size_t *addr_lens;
   sent_t *inflight, *completed;
   pull_t *pulls, *pulled;
+  sent_t *failed_sends; /* lost once their peers failed (drive) */
+  pull_t *failed_pulls;
   ucx_link_t *ready;
   int driving;
-  int warned_stranger;
+  int warned_stranger, warned_arm;
 };
 
 /* The two lists of operations UCX holds, doubly linked: sends and
@@ -292,6 +294,7 @@ static void send_cb(void *request, ucs_status_t status, void *user_data) {
 }
 
 static int ensure_ep(ucx_link_t *l);
+static void ep_drop(ucx_chan_t *ch, ucx_link_t *l, int force);
 
 /* Hands it (NULL: a bare acknowledgement) to UCX.  0, or -1 after failing
  * the peer. */
@@ -382,7 +385,9 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
   uint32_t src = chorus__le32_get(h + OFF_SRC);
   if (src >= (uint32_t)tp->size || (int)src == tp->rank) goto stranger;
   ucx_link_t *l = &ch->links[src];
-  if (l->peer->chan != &ch->base || !chorus__ct_equal(h + OFF_TOKEN, l->tok_in, TOKEN_LEN))
+  /* A rank shared memory carries has no link here (peer NULL). */
+  if (!l->peer || l->peer->chan != &ch->base ||
+      !chorus__ct_equal(h + OFF_TOKEN, l->tok_in, TOKEN_LEN))
     goto stranger;
   if (l->closed || l->fail_what) return UCS_OK; /* dropped with the peer */
   l->peer->last_heard = chorus__now_ns();
@@ -405,9 +410,18 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
   }
   int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   int keep = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
-  if (rndv && length <= EAGER_MAX) {
-    /* Senders send these eagerly: a rendezvous would make us fetch. */
-    defer_fail(l, 1, "%s", "small message by rendezvous");
+  /* What may be held is bounded here, before anything is kept: eager
+   * payloads of at most EAGER_MAX (larger ones go by rendezvous, and a
+   * small one by rendezvous would only make us fetch), each the length its
+   * header says. */
+  if (rndv != (length > EAGER_MAX)) {
+    defer_fail(l, 1, "%s", rndv ? "small message by rendezvous" : "eager message too large");
+    return UCS_OK;
+  }
+  chorus__wire_hdr_t wh;
+  chorus__wire_decode(h, &wh);
+  if (wh.len != length) {
+    defer_fail(l, 1, "%s", "payload length differs from its header");
     return UCS_OK;
   }
   held_t *m = calloc(1, sizeof *m);
@@ -422,12 +436,11 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
   if (keep) {
     m->data = data;
   } else if (length) {
-    m->data = malloc(length); /* at most EAGER_MAX: checked when routed */
+    m->data = malloc(length); /* at most EAGER_MAX (checked above) */
     m->own = 1;
-    if (!m->data || length > EAGER_MAX) {
-      free(m->data);
+    if (!m->data) {
       free(m);
-      defer_fail(l, 1, "%s", "eager message larger than the channel sends");
+      defer_fail(l, 0, "%s", "sent a message this rank had no memory to hold");
       return UCS_OK;
     }
     memcpy(m->data, data, length);
@@ -465,19 +478,25 @@ static void pull_cb(void *request, ucs_status_t status, size_t length, void *use
   LIST_PUSH(ch->pulled, pl);
 }
 
+/* A fetch that failed fails its peer in drive(), after the messages the
+ * peer sent before; its stream stays attached until then (the peer's
+ * failure sees a message in progress). */
 static void pull_finish(ucx_chan_t *ch, pull_t *pl) {
   chorus__tp_t *tp = ch->base.tp;
   ucx_link_t *l = pl->l;
   if (pl->req) ucp_request_free(pl->req);
+  pl->req = NULL;
+  if (pl->status != UCS_OK && !l->closed) {
+    defer_fail(l, 0, "failed while this rank fetched a message from it (UCX: %s)",
+               ucs_status_string(pl->status));
+    pl->next = ch->failed_pulls;
+    ch->failed_pulls = pl;
+    return;
+  }
   l->npulls--;
   if (pl->status == UCS_OK && !l->closed) {
     l->peer->last_heard = chorus__now_ns();
     chorus__tp_rx_bytes(tp, &pl->rx, pl->len);
-  } else if (pl->status != UCS_OK && !l->closed) {
-    char why[160];
-    snprintf(why, sizeof why, "failed while this rank fetched a message from it (UCX: %s)",
-             ucs_status_string(pl->status));
-    chorus__tp_peer_failed(tp, l->peer, why, CHORUS_ERR_REMOTE);
   }
   chorus__tp_rx_detach(l->peer, &pl->rx);
   free(pl);
@@ -648,25 +667,23 @@ static void drive(ucx_chan_t *ch) {
       did = 1;
       ucx_link_t *l = s->l;
       if (s->req) ucp_request_free(s->req);
+      s->req = NULL;
       chorus__tx_t *it = s->it;
       /* A receiver that had nowhere to put a rendezvous payload
        * declines it: delivered as far as this rank is concerned. */
       ucs_status_t status = s->status;
       int ok = status == UCS_OK || (status == UCS_ERR_CANCELED && !l->closed);
-      free(s);
-      if (!it) continue;
-      if (ok) {
-        chorus__tp_tx_done(tp, it);
+      if (!it || ok) {
+        free(s);
+        if (it) chorus__tp_tx_done(tp, it);
         continue;
       }
-      /* The peer fails first (its endpoints fail and tell the others
-       * why), then this message is lost with it. */
-      if (!l->closed) {
-        char why[160];
-        snprintf(why, sizeof why, "could not be sent to (UCX: %s)", ucs_status_string(status));
-        chorus__tp_peer_failed(tp, l->peer, why, CHORUS_ERR_REMOTE);
-      }
-      chorus__tp_tx_lost(tp, l->peer, it);
+      /* The peer fails first, after what it sent before (its endpoints
+       * fail and tell the others why), then this message is lost with it. */
+      if (!l->closed)
+        defer_fail(l, 0, "could not be sent to (UCX: %s)", ucs_status_string(status));
+      s->next = ch->failed_sends;
+      ch->failed_sends = s;
     }
     while (ch->pulled) {
       pull_t *pl = ch->pulled;
@@ -697,6 +714,21 @@ static void drive(ucx_chan_t *ch) {
       if (l->fail_protocol) chorus__tp_protocol_error(tp, l->peer, l->fail_what);
       else chorus__tp_peer_failed(tp, l->peer, l->fail_what, CHORUS_ERR_REMOTE);
     }
+    while (ch->failed_sends) { /* their peers failed just now */
+      sent_t *s = ch->failed_sends;
+      ch->failed_sends = s->next;
+      chorus__tp_tx_lost(tp, s->l->peer, s->it);
+      free(s);
+      did = 1;
+    }
+    while (ch->failed_pulls) {
+      pull_t *pl = ch->failed_pulls;
+      ch->failed_pulls = pl->next;
+      pl->l->npulls--;
+      chorus__tp_rx_detach(pl->l->peer, &pl->rx);
+      free(pl);
+      did = 1;
+    }
     if (!n && !did) break;
   }
   heartbeats(ch);
@@ -716,8 +748,19 @@ static int ucx_idle(chorus__chan_t *base, int sleeping) {
   for (int k = 0; k < 16; k++) {
     drive(ch);
     ucs_status_t st = ucp_worker_arm(ch->worker);
-    if (st == UCS_OK) return 0;
-    if (st != UCS_ERR_BUSY) return 1;
+    /* Armed, but work of ours left (a heartbeat failed a peer): again. */
+    if (st == UCS_OK) return ch->ready || ch->completed || ch->pulled;
+    if (st != UCS_ERR_BUSY) {
+      /* Cannot arm: the progress thread's heartbeat tick (and the
+       * channel's poll) keep it going, slower; said once. */
+      if (!ch->warned_arm) {
+        ch->warned_arm = 1;
+        CHORUS_WARN(CHORUS__SUB_TCP, "chorus: cannot arm the UCX worker's event descriptor "
+                    "(%s): UCX progresses every %d ms only", ucs_status_string(st),
+                    CHORUS__HEARTBEAT_MS / 2);
+      }
+      return 0;
+    }
   }
   return 1; /* still busy: look again at once */
 }
@@ -745,11 +788,16 @@ static int ucx_cancel(chorus__chan_t *base, chorus__peer_t *p, chorus__ep_t *ep)
   ucx_link_t *l = p->link;
   int rc = chorus__txq_cancel(&l->q, ep);
   /* Handed to UCX: its sends read ep's buffers and its fetches write them
-   * until they complete; they must before the caller frees them.  A live
-   * peer finishes them within a round trip (it declines what its own
-   * failed endpoint no longer wants); one that does not within
-   * CANCEL_WAIT_MS is stopped or cut off, and fails (-1), which ends them. */
-  if (wait_ops(l, ep, chorus__now_ns() + (int64_t)CANCEL_WAIT_MS * 1000000) < 0) return -1;
+   * until they complete; they must before the caller frees them.  With a
+   * peer that failed (its endpoints are failing now, before its close),
+   * the endpoint is closed at once, which cancels its sends.  A live peer
+   * finishes them within a round trip (it declines what its own failed
+   * endpoint no longer wants); one that does not within CANCEL_WAIT_MS is
+   * stopped, cut off or holding the message back for its receive budget,
+   * and fails (-1), which ends them. */
+  if (p->dead) ep_drop(ch, l, 1);
+  if (wait_ops(l, ep, chorus__now_ns() + (int64_t)(p->dead ? 0 : CANCEL_WAIT_MS) * 1000000) < 0)
+    return -1;
   for (sent_t *s = ch->completed; s; s = s->next)
     if (s->l == l && s->it && s->it->ep == ep) {
       s->it->req = NULL;
@@ -795,19 +843,20 @@ static void ucx_close(chorus__chan_t *base, chorus__peer_t *p) {
   l->closed = 1;
   ep_drop(ch, l, 1);
   /* Every message to it comes back lost: the ones UCX finished (or
-   * cancelled) now, the ones it still holds when their callbacks run. */
-  for (sent_t *s = ch->completed; s; s = s->next)
-    if (s->l == l && s->it) {
-      chorus__tx_t *it = s->it;
-      s->it = NULL;
-      chorus__tp_tx_lost(tp, p, it);
-    }
-  for (sent_t *s = ch->inflight; s; s = s->next)
-    if (s->l == l && s->it) {
-      chorus__tx_t *it = s->it;
-      s->it = NULL;
-      chorus__tp_tx_lost(tp, p, it);
-    }
+   * cancelled) now, the ones it still holds when their callbacks run.
+   * Losing one fails endpoints, which may run UCX's callbacks (cancel
+   * waits) and move entries between the lists: each search starts over. */
+  for (;;) {
+    sent_t *s = NULL;
+    for (sent_t *x = ch->completed; x && !s; x = x->next)
+      if (x->l == l && x->it) s = x;
+    for (sent_t *x = ch->inflight; x && !s; x = x->next)
+      if (x->l == l && x->it) s = x;
+    if (!s) break;
+    chorus__tx_t *it = s->it;
+    s->it = NULL;
+    chorus__tp_tx_lost(tp, p, it);
+  }
   chorus__txq_lose(tp, p, &l->q);
   while (l->held) {
     held_t *m = l->held;
@@ -863,17 +912,28 @@ static int ucx_link_state(chorus__chan_t *base, chorus__peer_t *p, int64_t *sinc
   return l->ep || l->closed ? CHORUS__LINK_READY : CHORUS__LINK_NONE;
 }
 
+static void free_sent(sent_t *s) {
+  if (s->it) chorus__tx_free(s->it);
+  free(s);
+}
+
+static void free_pull(pull_t *pl) {
+  chorus__tp_rx_detach(pl->l->peer, &pl->rx);
+  free(pl);
+}
+
 static void ucx_destroy(chorus__chan_t *base) {
   ucx_chan_t *ch = (ucx_chan_t *)base;
   chorus__tp_t *tp = base->tp;
   /* Every endpoint closes (flushing what the goodbyes left) side by side,
-   * within one deadline. */
+   * within one deadline; nothing that arrives meanwhile is kept. */
   void **closing = calloc((size_t)tp->size, sizeof *closing);
   int nclosing = 0;
   if (ch->links) {
     for (int r = 0; r < tp->size; r++) {
       ucx_link_t *l = &ch->links[r];
       if (!l->peer) continue;
+      l->closed = 1;
       while (l->held) {
         held_t *m = l->held;
         l->held = m->next;
@@ -909,37 +969,50 @@ static void ucx_destroy(chorus__chan_t *base) {
     ucp_request_free(closing[i]);
   }
   free(closing);
-  while (ch->completed) {
-    sent_t *s = ch->completed;
-    LIST_DEL(ch->completed, s);
+  /* Requests UCX finished are released while the worker lives; those it
+   * never finished go with it (their callbacks may run as it goes, so the
+   * structures outlive it). */
+  for (sent_t *s = ch->completed; s; s = s->next) {
     if (s->req) ucp_request_free(s->req);
-    if (s->it) chorus__tx_free(s->it);
-    free(s);
+    s->req = NULL;
   }
-  while (ch->pulled) {
-    pull_t *pl = ch->pulled;
-    LIST_DEL(ch->pulled, pl);
+  for (pull_t *pl = ch->pulled; pl; pl = pl->next) {
     if (pl->req) ucp_request_free(pl->req);
-    chorus__tp_rx_detach(pl->l->peer, &pl->rx);
-    free(pl);
-  }
-  /* Operations UCX never finished (a peer that vanished): their requests
-   * go with the worker; their structures are ours. */
-  while (ch->inflight) {
-    sent_t *s = ch->inflight;
-    LIST_DEL(ch->inflight, s);
-    if (s->it) chorus__tx_free(s->it);
-    free(s);
-  }
-  while (ch->pulls) {
-    pull_t *pl = ch->pulls;
-    LIST_DEL(ch->pulls, pl);
-    chorus__tp_rx_detach(pl->l->peer, &pl->rx);
-    free(pl);
+    pl->req = NULL;
   }
   if (ch->efd >= 0) chorus__tp_unwatch(tp, ch->efd);
   if (ch->worker) ucp_worker_destroy(ch->worker);
   if (ch->ctx) ucp_cleanup(ch->ctx);
+  while (ch->completed) {
+    sent_t *s = ch->completed;
+    LIST_DEL(ch->completed, s);
+    free_sent(s);
+  }
+  while (ch->inflight) {
+    sent_t *s = ch->inflight;
+    LIST_DEL(ch->inflight, s);
+    free_sent(s);
+  }
+  while (ch->failed_sends) {
+    sent_t *s = ch->failed_sends;
+    ch->failed_sends = s->next;
+    free_sent(s);
+  }
+  while (ch->pulled) {
+    pull_t *pl = ch->pulled;
+    LIST_DEL(ch->pulled, pl);
+    free_pull(pl);
+  }
+  while (ch->pulls) {
+    pull_t *pl = ch->pulls;
+    LIST_DEL(ch->pulls, pl);
+    free_pull(pl);
+  }
+  while (ch->failed_pulls) {
+    pull_t *pl = ch->failed_pulls;
+    ch->failed_pulls = pl->next;
+    free_pull(pl);
+  }
   if (ch->addrs)
     for (int r = 0; r < tp->size; r++) free(ch->addrs[r]);
   free(ch->addrs);
