@@ -136,7 +136,7 @@ static void ucx_load(void) {
 
 /* ------------------------------------------------------------ the wire */
 
-#define AM_ID 0x43u
+#define AM_ID 0u
 #define AM_HDR (CHORUS__WIRE_HDR_SIZE + 40)
 #define OFF_SRC (CHORUS__WIRE_HDR_SIZE)
 #define OFF_FLAGS (CHORUS__WIRE_HDR_SIZE + 4)
