@@ -372,7 +372,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   }
   if (ucx_kind != '-') {
     char uerr[256] = "out of memory";
-    st = chorus__ucx_worker_new(&ucx, &ucx_hex, uerr, sizeof uerr);
+    st = chorus__ucx_worker_new(&ucx, &ucx_hex, ucx_kind == 'A', uerr, sizeof uerr);
     if (st != CHORUS_OK && ucx_kind == 'U') {
       close(lfd);
       chorus__init_fail(st, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx: %s", rank, size, uerr);

@@ -107,12 +107,14 @@ typedef struct chorus__tp_config {
 
 /* UCX (ucx.c): whether this library was built with it; a worker made
  * before the ranks exchange addresses, and its address in hex to publish
- * (free it); freeing one that tp_create did not take. */
+ * (free it) -- with need_rdma, only when UCX can use an RDMA transport
+ * (CHORUS_ERR_NOT_SUPPORTED otherwise); freeing one that tp_create did not
+ * take. */
 typedef struct chorus__ucx_worker chorus__ucx_worker_t;
 #define CHORUS__UCX_ADDR_MAX 16384
 int chorus__ucx_built(void);
-chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, char *errmsg,
-                                       size_t errcap);
+chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, int need_rdma,
+                                       char *errmsg, size_t errcap);
 void chorus__ucx_worker_free(chorus__ucx_worker_t *w);
 /* RDMA devices (InfiniBand, RoCE) with an active port under dir (normally
  * /sys/class/infiniband): how many, their names comma-separated in names. */

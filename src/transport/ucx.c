@@ -83,7 +83,8 @@
   X(ucp_worker_progress) X(ucp_worker_set_am_recv_handler) X(ucp_ep_create)  \
   X(ucp_ep_close_nbx) X(ucp_ep_print_info) X(ucp_am_send_nbx)                \
   X(ucp_am_recv_data_nbx) X(ucp_am_data_release) X(ucp_request_free)         \
-  X(ucp_request_check_status) X(ucp_request_cancel) X(ucs_status_string)
+  X(ucp_request_check_status) X(ucp_request_cancel) X(ucs_status_string)     \
+  X(ucp_context_print_info)
 
 static struct {
 #define X(f) __typeof__(&f) f;
@@ -133,6 +134,7 @@ static void ucx_load(void) {
 #define ucp_request_check_status U.ucp_request_check_status
 #define ucp_request_cancel U.ucp_request_cancel
 #define ucs_status_string U.ucs_status_string
+#define ucp_context_print_info U.ucp_context_print_info
 
 /* ------------------------------------------------------------ the wire */
 
@@ -1039,8 +1041,33 @@ static const chorus__chan_ops_t ucx_ops = {
 
 int chorus__ucx_built(void) { return 1; }
 
-chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, char *errmsg,
-                                       size_t errcap) {
+/* The RDMA transports UCX found ("rc_mlx5/mlx5_0:1 ud_verbs/..."), read from
+ * what ucp_context_print_info lists ("resource 2 : md 1 dev 2 flags --
+ * rc_verbs/mlx5_0:1"): how many. */
+static int rdma_resources(ucp_context_h ctx, char *names, size_t cap) {
+  char text[8192] = "";
+  FILE *f = fmemopen(text, sizeof text - 1, "w");
+  if (!f) return 0;
+  ucp_context_print_info(ctx, f);
+  fclose(f);
+  int n = 0;
+  size_t off = 0;
+  if (cap) names[0] = '\0';
+  char *save = NULL;
+  for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    if (!strstr(line, "resource") || !strstr(line, "flags")) continue;
+    char *tl = strrchr(line, ' ');
+    if (!tl) continue;
+    tl++;
+    if (strncmp(tl, "rc_", 3) && strncmp(tl, "dc_", 3) && strncmp(tl, "ud_", 3)) continue;
+    n++;
+    if (off < cap) off += (size_t)snprintf(names + off, cap - off, "%s%s", off ? " " : "", tl);
+  }
+  return n;
+}
+
+chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, int need_rdma,
+                                       char *errmsg, size_t errcap) {
   *out = NULL;
   *addr_hex = NULL;
   pthread_once(&g_ucx_once, ucx_load);
@@ -1057,6 +1084,20 @@ chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_h
                         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};
     st = U.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &prm, conf, &w->ctx);
     ucp_config_release(conf);
+  }
+  if (st == UCS_OK) {
+    /* Chosen for an RDMA device, UCX must be able to use it (its verbs
+     * library, a provider for the card), or TCP is the better channel;
+     * forced, it is told what UCX will use. */
+    char names[256];
+    int nr = rdma_resources(w->ctx, names, sizeof names);
+    if (need_rdma && nr == 0) {
+      snprintf(errmsg, errcap, "UCX found no RDMA transport (rc, dc or ud) for the device");
+      chorus__ucx_worker_free(w);
+      return CHORUS_ERR_NOT_SUPPORTED;
+    }
+    CHORUS_INFO(CHORUS__SUB_INIT, "UCX %s RDMA transports: %s", need_rdma ? "chosen," : "forced;",
+                nr ? names : "none (UCX will use TCP or shared memory)");
   }
   if (st == UCS_OK) {
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
@@ -1198,8 +1239,9 @@ fail:
 
 int chorus__ucx_built(void) { return 0; }
 
-chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, char *errmsg,
-                                       size_t errcap) {
+chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_hex, int need_rdma,
+                                       char *errmsg, size_t errcap) {
+  (void)need_rdma;
   *out = NULL;
   *addr_hex = NULL;
   snprintf(errmsg, errcap, "this libchorus was built without UCX (install libucx-dev and "
