@@ -173,7 +173,6 @@ typedef struct sent {
   ucx_link_t *l;
   chorus__tx_t *it; /* NULL: a bare acknowledgement, or its message already lost */
   void *req;
-  int done;
   ucs_status_t status;
   uint8_t hdr[AM_HDR];
 } sent_t;
@@ -185,7 +184,6 @@ typedef struct pull {
   ucx_link_t *l;
   const chorus__ep_t *owner; /* endpoint of the receive it writes, NULL: ours */
   void *req;
-  int done;
   ucs_status_t status;
   size_t len;
 } pull_t;
@@ -206,7 +204,6 @@ struct ucx_link {
   held_t *held;      /* by sequence number */
   int head_routed;   /* the endpoint routed held's head when it resumed */
   int paused;
-  int npulls;
   int ready;         /* in ch->ready */
   ucx_link_t *next_ready, *next_batch, *next_hb;
   int hb_due;
@@ -228,7 +225,6 @@ struct ucx_chan {
   chorus__watch_t watch;
   ucx_link_t *links; /* by world rank */
   uint8_t **addrs;   /* every rank's worker address */
-  size_t *addr_lens;
   sent_t *inflight, *completed;
   pull_t *pulls, *pulled;
   sent_t *failed_sends; /* lost once their peers failed (drive) */
@@ -288,7 +284,6 @@ static void token(const chorus__key_t *key, uint64_t world, int src, int dst, ui
 static void send_cb(void *request, ucs_status_t status, void *user_data) {
   sent_t *s = user_data;
   (void)request;
-  s->done = 1;
   s->status = status;
   ucx_chan_t *ch = s->l->ch;
   LIST_DEL(ch->inflight, s);
@@ -473,7 +468,6 @@ static void pull_cb(void *request, ucs_status_t status, size_t length, void *use
   pull_t *pl = user_data;
   (void)request;
   (void)length;
-  pl->done = 1;
   pl->status = status;
   ucx_chan_t *ch = pl->l->ch;
   LIST_DEL(ch->pulls, pl);
@@ -495,7 +489,6 @@ static void pull_finish(ucx_chan_t *ch, pull_t *pl) {
     ch->failed_pulls = pl;
     return;
   }
-  l->npulls--;
   if (pl->status == UCS_OK && !l->closed) {
     l->peer->last_heard = chorus__now_ns();
     chorus__tp_rx_bytes(tp, &pl->rx, pl->len);
@@ -540,7 +533,6 @@ static void deliver(ucx_link_t *l, held_t *m) {
   chorus__tp_rx_attach(tp, l->peer, &pl->rx, &ch->base, l);
   chorus__tp_rx_move(&l->rx, &pl->rx);
   pl->rx.src = l->peer->rank;
-  l->npulls++;
   LIST_PUSH(ch->pulls, pl);
   ucp_request_param_t prm = {
       .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
@@ -552,7 +544,6 @@ static void deliver(ucx_link_t *l, held_t *m) {
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(ch->worker, desc, pl->rx.dst, pl->len, &prm);
   if (r == NULL || UCS_PTR_IS_ERR(r)) {
     LIST_DEL(ch->pulls, pl);
-    pl->done = 1;
     pl->status = r ? UCS_PTR_STATUS(r) : UCS_OK;
     pull_finish(ch, pl);
     return;
@@ -726,7 +717,6 @@ static void drive(ucx_chan_t *ch) {
     while (ch->failed_pulls) {
       pull_t *pl = ch->failed_pulls;
       ch->failed_pulls = pl->next;
-      pl->l->npulls--;
       chorus__tp_rx_detach(pl->l->peer, &pl->rx);
       free(pl);
       did = 1;
@@ -1018,7 +1008,6 @@ static void ucx_destroy(chorus__chan_t *base) {
   if (ch->addrs)
     for (int r = 0; r < tp->size; r++) free(ch->addrs[r]);
   free(ch->addrs);
-  free(ch->addr_lens);
   free(ch->links);
   free(ch);
 }
@@ -1114,18 +1103,12 @@ chorus_result_t chorus__ucx_worker_new(chorus__ucx_worker_t **out, char **addr_h
     return CHORUS_ERR_SYSTEM;
   }
   char *hex = malloc(2 * alen + 1);
+  if (hex) chorus__hex(hex, a, alen);
+  ucp_worker_release_address(w->worker, a);
   if (!hex) {
-    ucp_worker_release_address(w->worker, a);
     chorus__ucx_worker_free(w);
     return CHORUS_ERR_NO_MEMORY;
   }
-  static const char digits[] = "0123456789abcdef";
-  for (size_t i = 0; i < alen; i++) {
-    hex[2 * i] = digits[((const uint8_t *)a)[i] >> 4];
-    hex[2 * i + 1] = digits[((const uint8_t *)a)[i] & 15];
-  }
-  hex[2 * alen] = '\0';
-  ucp_worker_release_address(w->worker, a);
   *out = w;
   *addr_hex = hex;
   return CHORUS_OK;
@@ -1138,7 +1121,7 @@ void chorus__ucx_worker_free(chorus__ucx_worker_t *w) {
   free(w);
 }
 
-static int unhex(const char *s, uint8_t **out, size_t *len) {
+static int unhex(const char *s, uint8_t **out) {
   size_t n = strlen(s);
   if (n == 0 || n % 2 || n > 2 * CHORUS__UCX_ADDR_MAX) return -1;
   uint8_t *b = malloc(n / 2);
@@ -1157,7 +1140,6 @@ static int unhex(const char *s, uint8_t **out, size_t *len) {
     b[i] = (uint8_t)v;
   }
   *out = b;
-  *len = n / 2;
   return 0;
 }
 
@@ -1179,14 +1161,13 @@ chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
   ch->watch = (chorus__watch_t){on_efd, ch};
   ch->links = calloc((size_t)cfg->size, sizeof *ch->links);
   ch->addrs = calloc((size_t)cfg->size, sizeof *ch->addrs);
-  ch->addr_lens = calloc((size_t)cfg->size, sizeof *ch->addr_lens);
   chorus_result_t st = CHORUS_ERR_NO_MEMORY;
-  if (!ch->links || !ch->addrs || !ch->addr_lens) goto fail;
+  if (!ch->links || !ch->addrs) goto fail;
   for (int r = 0; r < cfg->size; r++) {
     chorus__peer_t *p = &tp->peers[r];
     if (r == cfg->rank || p->chan) continue;
     if (!cfg->ucx_addrs || !cfg->ucx_addrs[r] ||
-        unhex(cfg->ucx_addrs[r], &ch->addrs[r], &ch->addr_lens[r]) < 0) {
+        unhex(cfg->ucx_addrs[r], &ch->addrs[r]) < 0) {
       snprintf(errmsg, errcap, "rank %d published no UCX address: every rank must set "
                "CHORUS_TRANSPORT=ucx (or none)", r);
       st = CHORUS_ERR_INVALID_ARG;
