@@ -91,6 +91,60 @@ CHORUS_API chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale
                                                chorus_gpt_grad_ready_fn ready, void *arg);
 CHORUS_API void chorus_gpt_zero_grad(chorus_gpt_t *m);
 
+/* ----------------------------------------------------------------- units
+ *
+ * For sharded training (below) the model is cut into units, each a run of
+ * consecutive tensors and so one float range of the layout: unit 0 the
+ * embeddings (wte, wpe), unit 1 + l block l, the last unit (layers + 1) the
+ * final layernorm.  The head, logits = lnf(x) wte^T, runs in the last unit
+ * and reads wte, whose gradient its backward adds to: the last unit's
+ * compute needs unit 0's parameters (and gradients) as well as its own.
+ *
+ * A unit's parameters and gradients can live anywhere (bind_unit): a
+ * sharded runtime gathers a unit's parameters just before it runs and
+ * lets them go after.  A unit hook hears when each unit is about to run
+ * and when it is done, forward and backward, in compute order: forward 0,
+ * 1, ..., L + 1; backward L + 1, L, ..., 0 -- skipped blocks included, so
+ * every rank sees the same sequence. */
+typedef struct chorus_gpt_unit {
+  size_t offset, size; /* float range of the layout */
+  int first_tensor, ntensors;
+} chorus_gpt_unit_t;
+
+CHORUS_API int chorus_gpt_num_units(const chorus_gpt_t *m);
+/* Bytes of the activations and backward scratch (for max_batch). */
+CHORUS_API size_t chorus_gpt_activation_bytes(const chorus_gpt_t *m);
+CHORUS_API const chorus_gpt_unit_t *chorus_gpt_unit(const chorus_gpt_t *m, int u);
+
+/* Made with this flag, the model allocates neither parameters nor
+ * gradients (chorus_gpt_params and _grads return NULL): every unit must be
+ * bound before a pass uses it. */
+#define CHORUS_GPT_EXTERNAL 1u
+CHORUS_API chorus_result_t chorus_gpt_create_ex(const chorus_gpt_config_t *cfg, int max_batch,
+                                                uint64_t seed, unsigned flags,
+                                                chorus_gpt_t **out);
+/* The initial values chorus_gpt_create gives floats [offset, offset + n)
+ * of the layout for seed, into dst -- bit for bit, at a cost of n: a rank
+ * can initialise its shard without the rest. */
+CHORUS_API void chorus_gpt_init_range(const chorus_gpt_t *m, uint64_t seed, size_t offset,
+                                      size_t n, float *dst);
+/* Unit u's parameters and gradients are at params and grads (unit size
+ * floats each) from now on; NULL: the model's own buffers (or none). */
+CHORUS_API chorus_result_t chorus_gpt_bind_unit(chorus_gpt_t *m, int u, float *params,
+                                                float *grads);
+
+typedef enum {
+  CHORUS_GPT_FORWARD_BEGIN = 0,
+  CHORUS_GPT_FORWARD_END = 1,
+  CHORUS_GPT_BACKWARD_BEGIN = 2,
+  CHORUS_GPT_BACKWARD_END = 3,
+} chorus_gpt_event_t;
+/* train: the forward has targets (a backward may follow).  A result other
+ * than CHORUS_OK stops the pass, which returns it. */
+typedef chorus_result_t (*chorus_gpt_unit_fn)(void *arg, chorus_gpt_event_t ev, int unit,
+                                              int train);
+CHORUS_API void chorus_gpt_set_unit_hook(chorus_gpt_t *m, chorus_gpt_unit_fn fn, void *arg);
+
 /* ------------------------------------------------------------ optimizers
  *
  * State lives in buffers of the parameters' layout.  Weight decay is
@@ -114,14 +168,23 @@ CHORUS_API chorus_result_t chorus_optim_create(const chorus_optim_config_t *cfg,
 CHORUS_API void chorus_optim_destroy(chorus_optim_t *o);
 /* One update of params (n floats) from grads with learning rate lr. */
 CHORUS_API void chorus_optim_step(chorus_optim_t *o, float *params, const float *grads, float lr);
+/* The same in pieces, for state that covers a rank's shard made of
+ * several ranges: begin_step once, then update each range -- the floats
+ * [state_off, state_off + n) of the state, for params and grads of n
+ * floats.  A range outside the state is ignored. */
+CHORUS_API void chorus_optim_begin_step(chorus_optim_t *o);
+CHORUS_API void chorus_optim_update(chorus_optim_t *o, size_t state_off, float *params,
+                                    const float *grads, size_t n, float lr);
 /* The state (AdamW: step count, m, v; SGD: momentum) as one byte blob, for
  * checkpoints: size, and copy out / in. */
 CHORUS_API size_t chorus_optim_state_size(const chorus_optim_t *o);
 CHORUS_API void chorus_optim_state_save(const chorus_optim_t *o, void *dst);
 CHORUS_API chorus_result_t chorus_optim_state_load(chorus_optim_t *o, const void *src, size_t len);
 
-/* Euclidean norm of g (n floats), accumulated in double. */
+/* Euclidean norm of g (n floats), accumulated in double; and its square
+ * (the sum of squares), for norms over shards: add the ranks' squares. */
 CHORUS_API double chorus_grad_norm(const float *g, size_t n);
+CHORUS_API double chorus_grad_sumsq(const float *g, size_t n);
 /* Scales g so that its norm (given) is at most max_norm (torch's
  * clip_grad_norm_ rule: factor max_norm / (norm + 1e-6), capped at 1). */
 CHORUS_API void chorus_grad_clip(float *g, size_t n, double norm, double max_norm);
@@ -207,6 +270,208 @@ CHORUS_API chorus_result_t chorus_ddp_broadcast_buffers(chorus_ddp_t *d);
  * 0 when it did not) and its bytes; i < stats.buckets. */
 CHORUS_API void chorus_ddp_bucket_times(const chorus_ddp_t *d, int i, int64_t *start_ns,
                                         int64_t *end_ns, size_t *bytes);
+
+/* ------------------------------------------------------------- sharding
+ *
+ * Sharded data parallel -- ZeRO's stages, stage 3 being FSDP's full shard
+ * -- over a communicator of N ranks.  Each unit of the model is padded to
+ * a multiple of N floats and cut in N equal slices; rank r keeps slice r of
+ * every unit (its shard) and the optimizer state of its shard only.
+ *   stage 1  every rank keeps the full parameters and gradients; a unit's
+ *            gradient is all_reduced (AVG) as soon as its backward is done
+ *            (as DDP); each rank updates its slices, then every unit's
+ *            updated slices are all-gathered.
+ *   stage 2  the gradients are sharded too: a unit's gradient exists only
+ *            from its backward until it is reduce-scattered into the shard.
+ *   stage 3  the parameters too: a unit's are all-gathered before each of
+ *            its uses, forward and backward, up to `prefetch` units ahead of
+ *            the unit computing, and let go after it.
+ * The model must be made with CHORUS_GPT_EXTERNAL; chorus_fsdp_create binds
+ * its units and installs its unit hook.  Every rank initialises its own
+ * slices from seed (chorus_gpt_init_range: the weights chorus_gpt_create
+ * gives, which DDP would broadcast); ranks given different seeds fail.
+ * Stages 2 and 3 reduce the gradients at every backward, micro-steps of an
+ * accumulation included (they keep no full gradient to accumulate into);
+ * stage 1 honours set_sync as DDP does. */
+typedef struct chorus_fsdp chorus_fsdp_t;
+
+typedef struct chorus_fsdp_config {
+  int stage;                   /* 1, 2 or 3 */
+  int prefetch;                /* stage 3: gathers ahead of the computing unit (1; 0: none) */
+  chorus_dtype_t param_dtype;  /* what the parameter all-gathers carry, and the precision the
+                                  model computes with: FLOAT32, or BFLOAT16 (fp32 master
+                                  slices, rounded copies gathered) */
+  chorus_dtype_t reduce_dtype; /* what the gradient reductions carry: FLOAT32 or BFLOAT16 */
+  int overlap;                 /* 1: reduce a unit's gradient as soon as its backward is done */
+} chorus_fsdp_config_t;
+
+#define CHORUS_FSDP_CONFIG_DEFAULT {3, 1, CHORUS_FLOAT32, CHORUS_FLOAT32, 1}
+
+CHORUS_API chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model,
+                                              uint64_t seed, const chorus_fsdp_config_t *cfg,
+                                              chorus_fsdp_t **out);
+CHORUS_API void chorus_fsdp_destroy(chorus_fsdp_t *f);
+/* Zeroes the shard's gradients (and stage 1's full ones): the start of a step. */
+CHORUS_API void chorus_fsdp_zero_grad(chorus_fsdp_t *f);
+/* Stage 1: 0 makes the next backward passes reduce nothing (no_sync). */
+CHORUS_API void chorus_fsdp_set_sync(chorus_fsdp_t *f, int sync);
+/* Starts what did not start and waits for every gradient reduction of the
+ * backward passes so far: the shard's gradients are then final. */
+CHORUS_API chorus_result_t chorus_fsdp_wait(chorus_fsdp_t *f);
+/* The shard, slice by slice (one per unit): parameters to update (fp32
+ * master values), their averaged gradients, n floats, and where the
+ * slice's optimizer state starts (an optimizer made for shard_size floats:
+ * chorus_optim_update(o, state_off, params, grads, n, lr)). */
+CHORUS_API size_t chorus_fsdp_shard_size(const chorus_fsdp_t *f);
+CHORUS_API int chorus_fsdp_num_slices(const chorus_fsdp_t *f);
+CHORUS_API void chorus_fsdp_slice(chorus_fsdp_t *f, int i, float **params, float **grads,
+                                  size_t *n, size_t *state_off);
+/* After the slices were updated (a collective): stages 1-2 all-gather
+ * them into every rank's full parameters; stage 3 lets go of gathered
+ * copies, which are stale now. */
+CHORUS_API chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f);
+/* The whole parameters (master values, the layout of chorus_gpt_tensor)
+ * into root's dst (nparams floats; ignored elsewhere), gathered unit by
+ * unit: root holds one unit more than its shard at a time.  A collective. */
+CHORUS_API chorus_result_t chorus_fsdp_full_params(chorus_fsdp_t *f, float *dst, int root);
+
+typedef struct chorus_fsdp_stats {
+  int stage;
+  size_t shard_floats;
+  size_t param_bytes; /* resident: full flat parameters (stages 1-2), master slices */
+  size_t grad_bytes;  /* resident: full gradients (stage 1) or the shard's */
+  size_t work_bytes, work_peak; /* gathered parameters and gradients being reduced: now, peak */
+  size_t work_bound;  /* the most the schedule lets them reach */
+  double comm_s;      /* collectives of the last step, summed */
+  double exposed_s;   /* time the last step blocked on them */
+  int events;
+} chorus_fsdp_stats_t;
+CHORUS_API void chorus_fsdp_get_stats(const chorus_fsdp_t *f, chorus_fsdp_stats_t *s);
+
+/* What happened in the last step (since zero_grad), for traces: each
+ * unit's forward and backward compute, and each collective. */
+enum {
+  CHORUS_FSDP_FORWARD = 0,
+  CHORUS_FSDP_BACKWARD = 1,
+  CHORUS_FSDP_GATHER = 2,
+  CHORUS_FSDP_REDUCE_SCATTER = 3,
+  CHORUS_FSDP_ALL_REDUCE = 4,
+};
+typedef struct chorus_fsdp_event {
+  int kind, unit;
+  int64_t start_ns, end_ns; /* CLOCK_MONOTONIC */
+  size_t bytes;
+} chorus_fsdp_event_t;
+CHORUS_API const chorus_fsdp_event_t *chorus_fsdp_event(const chorus_fsdp_t *f, int i);
+
+/* -------------------------------------------------------------- trainer
+ *
+ * One data-parallel training step of the GPT, whichever way it is spread
+ * over the ranks -- DDP (shard 0) or sharded (1-3, chorus_fsdp) -- with
+ * what every loop needs around it:
+ *   - the uneven-input join (PyTorch's Join): a rank out of data keeps
+ *     taking part, contributing zero gradients, until no rank has data;
+ *   - dynamic loss scaling (torch.cuda.amp.GradScaler's rule): the loss is
+ *     scaled (2^16 at first) so small gradients survive fp16/bf16
+ *     reductions; a step whose gradients hold inf/NaN on any rank is
+ *     skipped on every rank and the scale halves; 200 good steps double it;
+ *   - the gradient norm over the whole model (over every shard), clipping;
+ *   - the optimizer, over the whole model or the rank's shard;
+ *   - bfloat16 parameters: the model computes with weights rounded to
+ *     bf16, fp32 master weights are what the optimizer updates (stage 0
+ *     too, so DDP is the counterpart of the sharded runs).
+ * A step: begin_step, micro_step once per micro-batch (the last with
+ * last = 1), finish_step.  Every rank makes the same calls. */
+typedef struct chorus_trainer chorus_trainer_t;
+
+typedef struct chorus_trainer_config {
+  int shard;                   /* 0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP full shard) */
+  chorus_ddp_config_t ddp;     /* shard 0 */
+  chorus_fsdp_config_t fsdp;   /* shards 1-3 (its stage and param_dtype are set from here) */
+  chorus_optim_config_t optim;
+  float clip;                  /* max norm of the whole gradient; 0: no clipping */
+  int loss_scale;              /* 1: dynamic loss scaling */
+  chorus_dtype_t param_dtype;  /* FLOAT32, or BFLOAT16 on fp32 masters */
+  size_t mem_cap;              /* bytes per rank; 0: no cap (see chorus_train_memory_t) */
+} chorus_trainer_config_t;
+
+/* Memory of one rank, in bytes.  planned = params + grads + optim +
+ * work_bound + activations is what --mem-cap compares. */
+typedef struct chorus_train_memory {
+  size_t params;      /* resident parameters (full, shard, masters) */
+  size_t grads;       /* resident gradients (full or shard, + DDP's bf16/fp16 copies) */
+  size_t optim;       /* optimizer state */
+  size_t work_peak;   /* gathered parameters and gradients in flight: the peak so far */
+  size_t work_bound;  /* the most the schedule lets those reach */
+  size_t activations; /* activations and backward scratch */
+  size_t planned;
+} chorus_train_memory_t;
+
+typedef struct chorus_loss_scale {
+  float scale;
+  int good_steps, skipped_steps;
+} chorus_loss_scale_t;
+
+typedef struct chorus_step_info {
+  int skipped;       /* inf/NaN in the gradients: no update on any rank */
+  double grad_norm;  /* of the whole gradient, before clipping */
+  float loss_scale;  /* after this step */
+  double comm_s;     /* the step's reductions (and gathers), summed */
+  double exposed_s;  /* time the step blocked on them (sharded: in the passes too) */
+  double wait_s;     /* of which in finish_step, waiting for the gradients */
+} chorus_step_info_t;
+
+/* Makes the model (seed: chorus_gpt_create's weights; every rank the same),
+ * its sharding and its optimizer.  With a mem_cap the plan is checked
+ * first: over the cap, CHORUS_ERR_NO_MEMORY and a message that itemises it,
+ * before the model's state exists.  comm NULL (shard 0 only): no DDP until
+ * set_comm.  Shards 1-3 are collectives of comm. */
+CHORUS_API chorus_result_t chorus_trainer_create(chorus_comm_t comm,
+                                                 const chorus_gpt_config_t *model, int max_batch,
+                                                 uint64_t seed,
+                                                 const chorus_trainer_config_t *cfg,
+                                                 chorus_trainer_t **out);
+CHORUS_API void chorus_trainer_destroy(chorus_trainer_t *t);
+/* Shard 0: leave the communicator (NULL) or move to another, which
+ * broadcasts rank 0's weights (elastic training).  Sharded runs refuse. */
+CHORUS_API chorus_result_t chorus_trainer_set_comm(chorus_trainer_t *t, chorus_comm_t comm);
+
+CHORUS_API chorus_gpt_t *chorus_trainer_model(chorus_trainer_t *t);
+CHORUS_API chorus_optim_t *chorus_trainer_optim(chorus_trainer_t *t);
+CHORUS_API chorus_ddp_t *chorus_trainer_ddp(chorus_trainer_t *t);   /* NULL when sharded */
+CHORUS_API chorus_fsdp_t *chorus_trainer_fsdp(chorus_trainer_t *t); /* NULL at shard 0 */
+/* Shard 0: the weights the optimizer updates (fp32 masters with bf16
+ * parameters, else the model's parameters).  NULL when sharded. */
+CHORUS_API float *chorus_trainer_master(chorus_trainer_t *t);
+/* Shard 0: sets the weights (nparams floats: masters, and the model's
+ * rounded copy with bf16 parameters). */
+CHORUS_API chorus_result_t chorus_trainer_load_weights(chorus_trainer_t *t, const float *src);
+CHORUS_API void chorus_trainer_get_loss_scale(const chorus_trainer_t *t, chorus_loss_scale_t *ls);
+CHORUS_API void chorus_trainer_set_loss_scale(chorus_trainer_t *t, const chorus_loss_scale_t *ls);
+CHORUS_API void chorus_trainer_memory(const chorus_trainer_t *t, chorus_train_memory_t *out);
+
+/* Every rank says whether it has data for this step (a collective):
+ * *active gets how many do; 0 means training is over. */
+CHORUS_API chorus_result_t chorus_trainer_join(chorus_trainer_t *t, int have_data, int *active);
+/* Zeroes the gradients. */
+CHORUS_API void chorus_trainer_begin_step(chorus_trainer_t *t);
+/* Forward and backward of one micro-batch (B x T tokens and targets),
+ * its loss weighted by weight (1/K for K micro-batches) and the loss
+ * scale; last: the step's last micro-batch (DDP and stage 1 reduce only
+ * then).  tokens NULL: this rank is out of data and only takes part. */
+CHORUS_API chorus_result_t chorus_trainer_micro_step(chorus_trainer_t *t, const int *tokens,
+                                                     const int *targets, int B, int T,
+                                                     float weight, int last, float *loss);
+/* When the last micro_step's forward started, its backward started and
+ * ended (CLOCK_MONOTONIC ns). */
+CHORUS_API void chorus_trainer_pass_times(const chorus_trainer_t *t, int64_t ns[3]);
+/* Waits for the gradients, unscales and votes, clips, updates (with lr),
+ * and brings the parameters up to date on every rank. */
+CHORUS_API chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float lr,
+                                                      chorus_step_info_t *info);
+/* The whole master weights into root's dst (nparams floats).  A
+ * collective when sharded. */
+CHORUS_API chorus_result_t chorus_trainer_full_params(chorus_trainer_t *t, float *dst, int root);
 
 /* ---------------------------------------------------------------- sampler
  *

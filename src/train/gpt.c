@@ -55,14 +55,29 @@ typedef struct {
   float *res3;                      /* (N,C) x after the MLP */
 } block_acts_t;
 
+/* How a tensor starts: N(0, std) from the stream, ones, or zeros. */
+typedef struct {
+  float std;      /* > 0: normal; 0: constant */
+  float value;    /* the constant */
+  uint64_t calls; /* normals: generator calls made before this tensor */
+} tensor_init_t;
+
 struct chorus_gpt {
   chorus_gpt_config_t cfg;
   int max_batch;
   size_t nparams;
-  float *params, *grads;
+  float *params, *grads; /* NULL with CHORUS_GPT_EXTERNAL */
   int ntensors;
   chorus_gpt_tensor_t *tensors;
   char *names;
+  tensor_init_t *init;
+  int *tunit;   /* tensor -> unit */
+  size_t *trel; /* tensor's offset inside its unit */
+  int nunits;
+  chorus_gpt_unit_t *units;
+  float **upar, **ugrd; /* where each unit's parameters and gradients live */
+  chorus_gpt_unit_fn hook;
+  void *hook_arg;
   unsigned char *skip;   /* per block: identity */
   unsigned char *skipped; /* per block, as the last forward ran */
   /* activations of the last forward */
@@ -90,13 +105,18 @@ static uint64_t rng_next(uint64_t *s) {
 static double rng_uniform(uint64_t *s) { /* (0, 1] */
   return ((double)(rng_next(s) >> 11) + 1.0) / 9007199254740992.0;
 }
-static void fill_normal(float *p, size_t n, float std, uint64_t *s) {
-  for (size_t i = 0; i < n; i += 2) {
-    /* Box-Muller: two normals per pair of uniforms. */
-    double u1 = rng_uniform(s), u2 = rng_uniform(s);
+/* Elements [lo, hi) of a tensor of normals whose stream starts at s (the
+ * generator state before its first call).  Box-Muller makes two normals of
+ * each pair of uniforms, and a call only adds a constant to the state, so
+ * element i's pair starts 2 * (i / 2) calls in: any range costs only its
+ * own length -- what a rank initialising its shard alone needs. */
+static void fill_normal_range(float *dst, size_t lo, size_t hi, float std, uint64_t s) {
+  for (size_t i = lo & ~(size_t)1; i < hi; i += 2) {
+    uint64_t st = s + 0x9E3779B97F4A7C15ull * (uint64_t)i;
+    double u1 = rng_uniform(&st), u2 = rng_uniform(&st);
     double r = sqrt(-2.0 * log(u1)), a = 6.283185307179586 * u2;
-    p[i] = (float)(r * cos(a)) * std;
-    if (i + 1 < n) p[i + 1] = (float)(r * sin(a)) * std;
+    if (i >= lo) dst[i - lo] = (float)(r * cos(a)) * std;
+    if (i + 1 >= lo && i + 1 < hi) dst[i + 1 - lo] = (float)(r * sin(a)) * std;
   }
 }
 
@@ -114,75 +134,121 @@ static size_t block_size(int what, int C) {
   }
 }
 
-static float *T_(chorus_gpt_t *m, float *base, int layer, int what) {
-  return base + m->tensors[2 + layer * P_PER_LAYER + what].offset;
-}
-#define PAR(l, w) T_(m, m->params, (l), (w))
-#define GRD(l, w) T_(m, m->grads, (l), (w))
-#define WTE(base) ((base) + m->tensors[0].offset)
-#define WPE(base) ((base) + m->tensors[1].offset)
-#define LNFW(base) ((base) + m->tensors[m->ntensors - 2].offset)
-#define LNFB(base) ((base) + m->tensors[m->ntensors - 1].offset)
+/* Tensor t in the parameters (or gradients) of its unit, wherever the
+ * unit lives now. */
+static float *tpar(const chorus_gpt_t *m, int t) { return m->upar[m->tunit[t]] + m->trel[t]; }
+static float *tgrd(const chorus_gpt_t *m, int t) { return m->ugrd[m->tunit[t]] + m->trel[t]; }
+#define PAR(l, w) tpar(m, 2 + (l) * P_PER_LAYER + (w))
+#define GRD(l, w) tgrd(m, 2 + (l) * P_PER_LAYER + (w))
+#define T_WTE 0
+#define T_WPE 1
+#define T_LNFW (m->ntensors - 2)
+#define T_LNFB (m->ntensors - 1)
 
 chorus_result_t chorus_gpt_create(const chorus_gpt_config_t *cfg, int max_batch, uint64_t seed,
                                   chorus_gpt_t **out) {
+  return chorus_gpt_create_ex(cfg, max_batch, seed, 0, out);
+}
+
+void chorus_gpt_init_range(const chorus_gpt_t *m, uint64_t seed, size_t offset, size_t n,
+                           float *dst) {
+  const size_t end = offset + n;
+  for (int t = 0; t < m->ntensors; t++) {
+    const chorus_gpt_tensor_t *ts = &m->tensors[t];
+    size_t lo = ts->offset > offset ? ts->offset : offset;
+    size_t hi = ts->offset + ts->size < end ? ts->offset + ts->size : end;
+    if (lo >= hi) continue;
+    const tensor_init_t *in = &m->init[t];
+    float *d = dst + (lo - offset);
+    if (in->std > 0)
+      fill_normal_range(d, lo - ts->offset, hi - ts->offset, in->std,
+                        seed + 0x9E3779B97F4A7C15ull * in->calls);
+    else
+      for (size_t i = 0; i < hi - lo; i++) d[i] = in->value;
+  }
+}
+
+chorus_result_t chorus_gpt_create_ex(const chorus_gpt_config_t *cfg, int max_batch,
+                                     uint64_t seed, unsigned flags, chorus_gpt_t **out) {
   if (!out) return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_create: out is NULL");
   *out = NULL;
   if (!cfg || cfg->vocab < 2 || cfg->ctx < 1 || cfg->layers < 1 || cfg->heads < 1 ||
-      cfg->channels < 1 || cfg->channels % cfg->heads || max_batch < 1)
+      cfg->channels < 1 || cfg->channels % cfg->heads || max_batch < 1 ||
+      (flags & ~CHORUS_GPT_EXTERNAL))
     return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_create: bad shape (vocab %d, ctx %d, layers "
-                "%d, heads %d, channels %d, batch %d): channels must be a multiple of heads",
-                cfg ? cfg->vocab : 0, cfg ? cfg->ctx : 0, cfg ? cfg->layers : 0,
-                cfg ? cfg->heads : 0, cfg ? cfg->channels : 0, max_batch);
+                "%d, heads %d, channels %d, batch %d) or flags %#x: channels must be a multiple "
+                "of heads", cfg ? cfg->vocab : 0, cfg ? cfg->ctx : 0, cfg ? cfg->layers : 0,
+                cfg ? cfg->heads : 0, cfg ? cfg->channels : 0, max_batch, flags);
   chorus_gpt_t *m = calloc(1, sizeof *m);
   if (!m) return fail(CHORUS_ERR_NO_MEMORY, "chorus_gpt_create: out of memory");
   m->cfg = *cfg;
   m->max_batch = max_batch;
   const int V = cfg->vocab, C = cfg->channels, L = cfg->layers, Tm = cfg->ctx, NH = cfg->heads;
   m->ntensors = 2 + L * P_PER_LAYER + 2;
+  m->nunits = L + 2;
   m->tensors = calloc((size_t)m->ntensors, sizeof *m->tensors);
   m->names = calloc((size_t)m->ntensors, 32);
-  if (!m->tensors || !m->names) goto oom;
+  m->init = calloc((size_t)m->ntensors, sizeof *m->init);
+  m->tunit = calloc((size_t)m->ntensors, sizeof *m->tunit);
+  m->trel = calloc((size_t)m->ntensors, sizeof *m->trel);
+  m->units = calloc((size_t)m->nunits, sizeof *m->units);
+  m->upar = calloc((size_t)m->nunits, sizeof *m->upar);
+  m->ugrd = calloc((size_t)m->nunits, sizeof *m->ugrd);
+  if (!m->tensors || !m->names || !m->init || !m->tunit || !m->trel || !m->units || !m->upar ||
+      !m->ugrd)
+    goto oom;
+  /* Layout, and how each tensor starts: the normals come from one stream
+   * in layout order (each tensor takes an even number of calls). */
   size_t off = 0;
+  uint64_t calls = 0;
   int k = 0;
-#define ADD(nm, sz, ly)                                                          \
+#define ADD(nm, sz, ly, std_, val_)                                            \
   do {                                                                         \
     char *slot = m->names + 32 * k;                                            \
     snprintf(slot, 32, "%s", nm);                                              \
     m->tensors[k] = (chorus_gpt_tensor_t){slot, off, (sz), (ly)};              \
+    m->init[k] = (tensor_init_t){(std_), (val_), calls};                       \
+    if ((std_) > 0) calls += 2 * (((sz) + 1) / 2);                             \
     off += (sz);                                                               \
     k++;                                                                       \
   } while (0)
-  ADD("wte", (size_t)V * C, -1);
-  ADD("wpe", (size_t)Tm * C, -1);
+  const float proj_std = 0.02f / sqrtf(2.0f * (float)L);
+  ADD("wte", (size_t)V * C, -1, 0.02f, 0.0f);
+  ADD("wpe", (size_t)Tm * C, -1, 0.01f, 0.0f);
   for (int l = 0; l < L; l++)
     for (int w = 0; w < P_PER_LAYER; w++) {
       char nm[32];
       snprintf(nm, sizeof nm, "h.%d.%s", l, k_block_names[w]);
-      ADD(nm, block_size(w, C), l);
+      float std = w == P_QKVW || w == P_FCW ? 0.02f : w == P_PROJW || w == P_FCPW ? proj_std : 0;
+      ADD(nm, block_size(w, C), l, std, w == P_LN1W || w == P_LN2W ? 1.0f : 0.0f);
     }
-  ADD("lnf.w", (size_t)C, -1);
-  ADD("lnf.b", (size_t)C, -1);
+  ADD("lnf.w", (size_t)C, -1, 0.0f, 1.0f);
+  ADD("lnf.b", (size_t)C, -1, 0.0f, 0.0f);
 #undef ADD
   m->nparams = off;
-  m->params = malloc(sizeof(float) * off);
-  m->grads = calloc(off, sizeof(float));
-  if (!m->params || !m->grads) goto oom;
-
-  /* Initialisation, tensor by tensor in layout order from one stream. */
-  uint64_t s = seed;
-  memset(m->params, 0, sizeof(float) * off);
-  fill_normal(WTE(m->params), (size_t)V * C, 0.02f, &s);
-  fill_normal(WPE(m->params), (size_t)Tm * C, 0.01f, &s);
-  float proj_std = 0.02f / sqrtf(2.0f * (float)L);
-  for (int l = 0; l < L; l++) {
-    for (int i = 0; i < C; i++) PAR(l, P_LN1W)[i] = PAR(l, P_LN2W)[i] = 1.0f;
-    fill_normal(PAR(l, P_QKVW), block_size(P_QKVW, C), 0.02f, &s);
-    fill_normal(PAR(l, P_PROJW), block_size(P_PROJW, C), proj_std, &s);
-    fill_normal(PAR(l, P_FCW), block_size(P_FCW, C), 0.02f, &s);
-    fill_normal(PAR(l, P_FCPW), block_size(P_FCPW, C), proj_std, &s);
+  /* Units: the embeddings, each block, the final layernorm. */
+  for (int u = 0; u < m->nunits; u++) {
+    int first = u == 0 ? 0 : u <= L ? 2 + (u - 1) * P_PER_LAYER : m->ntensors - 2;
+    int count = u == 0 || u == L + 1 ? 2 : P_PER_LAYER;
+    const chorus_gpt_tensor_t *last = &m->tensors[first + count - 1];
+    m->units[u] = (chorus_gpt_unit_t){m->tensors[first].offset,
+                                      last->offset + last->size - m->tensors[first].offset,
+                                      first, count};
+    for (int t = first; t < first + count; t++) {
+      m->tunit[t] = u;
+      m->trel[t] = m->tensors[t].offset - m->tensors[first].offset;
+    }
   }
-  for (int i = 0; i < C; i++) LNFW(m->params)[i] = 1.0f;
+  if (!(flags & CHORUS_GPT_EXTERNAL)) {
+    m->params = malloc(sizeof(float) * off);
+    m->grads = calloc(off, sizeof(float));
+    if (!m->params || !m->grads) goto oom;
+    chorus_gpt_init_range(m, seed, 0, off, m->params);
+    for (int u = 0; u < m->nunits; u++) {
+      m->upar[u] = m->params + m->units[u].offset;
+      m->ugrd[u] = m->grads + m->units[u].offset;
+    }
+  }
 
   /* Activations and backward scratch, one arena. */
   size_t N = (size_t)max_batch * Tm;
@@ -255,6 +321,12 @@ void chorus_gpt_destroy(chorus_gpt_t *m) {
   free(m->targets);
   free(m->skip);
   free(m->skipped);
+  free(m->init);
+  free(m->tunit);
+  free(m->trel);
+  free(m->units);
+  free(m->upar);
+  free(m->ugrd);
   free(m);
 }
 
@@ -267,7 +339,58 @@ const chorus_gpt_tensor_t *chorus_gpt_tensor(const chorus_gpt_t *m, int i) {
   return i >= 0 && i < m->ntensors ? &m->tensors[i] : NULL;
 }
 const float *chorus_gpt_probs(const chorus_gpt_t *m) { return m->probs; }
-void chorus_gpt_zero_grad(chorus_gpt_t *m) { memset(m->grads, 0, sizeof(float) * m->nparams); }
+void chorus_gpt_zero_grad(chorus_gpt_t *m) {
+  if (m->grads) {
+    memset(m->grads, 0, sizeof(float) * m->nparams);
+    return;
+  }
+  for (int u = 0; u < m->nunits; u++)
+    if (m->ugrd[u]) memset(m->ugrd[u], 0, sizeof(float) * m->units[u].size);
+}
+
+int chorus_gpt_num_units(const chorus_gpt_t *m) { return m->nunits; }
+size_t chorus_gpt_activation_bytes(const chorus_gpt_t *m) {
+  return m->arena_size * sizeof(float);
+}
+const chorus_gpt_unit_t *chorus_gpt_unit(const chorus_gpt_t *m, int u) {
+  return u >= 0 && u < m->nunits ? &m->units[u] : NULL;
+}
+
+chorus_result_t chorus_gpt_bind_unit(chorus_gpt_t *m, int u, float *params, float *grads) {
+  if (u < 0 || u >= m->nunits)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_bind_unit: no unit %d (the model has %d)", u,
+                m->nunits);
+  m->upar[u] = params ? params : m->params ? m->params + m->units[u].offset : NULL;
+  m->ugrd[u] = grads ? grads : m->grads ? m->grads + m->units[u].offset : NULL;
+  return CHORUS_OK;
+}
+
+void chorus_gpt_set_unit_hook(chorus_gpt_t *m, chorus_gpt_unit_fn fn, void *arg) {
+  m->hook = fn;
+  m->hook_arg = arg;
+}
+
+/* Tells the hook about unit u, then checks that what the unit's compute
+ * needs is there: its parameters (and gradients in backward) and, for the
+ * last unit, the embeddings' too (the head is tied to wte). */
+static chorus_result_t unit_event(chorus_gpt_t *m, chorus_gpt_event_t ev, int u, int train) {
+  if (m->hook) {
+    chorus_result_t st = m->hook(m->hook_arg, ev, u, train);
+    if (st != CHORUS_OK) return st;
+  }
+  if (ev != CHORUS_GPT_FORWARD_BEGIN && ev != CHORUS_GPT_BACKWARD_BEGIN) return CHORUS_OK;
+  const int bwd = ev == CHORUS_GPT_BACKWARD_BEGIN;
+  for (int k = 0; k < (u == m->nunits - 1 ? 2 : 1); k++) {
+    int v = k ? 0 : u;
+    if (!m->upar[v] || (bwd && !m->ugrd[v]))
+      return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt: unit %d has no %s bound for its %s (a "
+                  "model made with CHORUS_GPT_EXTERNAL needs chorus_gpt_bind_unit, usually "
+                  "from a unit hook)", v, m->upar[v] ? "gradients" : "parameters",
+                  bwd ? "backward" : "forward");
+  }
+  return CHORUS_OK;
+}
+#define EVENT(ev, u)                                                             do {                                                                             chorus_result_t est_ = unit_event(m, (ev), (u), train);                        if (est_ != CHORUS_OK) return est_;                                          } while (0)
 
 chorus_result_t chorus_gpt_skip_layer(chorus_gpt_t *m, int layer, int skip) {
   if (layer < 0 || layer >= m->cfg.layers)
@@ -302,14 +425,21 @@ chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens, const int
   else
     for (int i = 0; i < N; i++) m->targets[i] = -1; /* probabilities only */
 
-  chorus__encoder_fwd(m->x0, tokens, WTE(m->params), WPE(m->params), B, T, C);
+  const int train = targets != NULL, last = m->nunits - 1;
+  EVENT(CHORUS_GPT_FORWARD_BEGIN, 0);
+  chorus__encoder_fwd(m->x0, tokens, tpar(m, T_WTE), tpar(m, T_WPE), B, T, C);
+  EVENT(CHORUS_GPT_FORWARD_END, 0);
   const float *x = m->x0;
   for (int l = 0; l < L; l++) {
     block_acts_t *a = &m->blk[l];
     m->skipped[l] = m->skip[l];
+    /* A skipped block's unit is announced too: every rank must take part
+     * in the same collectives, whatever it computes. */
+    EVENT(CHORUS_GPT_FORWARD_BEGIN, 1 + l);
     if (m->skipped[l]) { /* identity: the stream passes through */
       memcpy(a->res3, x, sizeof(float) * (size_t)N * C);
       x = a->res3;
+      EVENT(CHORUS_GPT_FORWARD_END, 1 + l);
       continue;
     }
     chorus__layernorm_fwd(a->ln1, a->ln1_mean, a->ln1_rstd, x, PAR(l, P_LN1W), PAR(l, P_LN1B), N,
@@ -324,10 +454,13 @@ chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens, const int
     chorus__linear_fwd(a->res3, a->fch_gelu, PAR(l, P_FCPW), PAR(l, P_FCPB), a->res2, N, 4 * C,
                        C);
     x = a->res3;
+    EVENT(CHORUS_GPT_FORWARD_END, 1 + l);
   }
-  chorus__layernorm_fwd(m->lnf, m->lnf_mean, m->lnf_rstd, x, LNFW(m->params), LNFB(m->params), N,
+  EVENT(CHORUS_GPT_FORWARD_BEGIN, last);
+  chorus__layernorm_fwd(m->lnf, m->lnf_mean, m->lnf_rstd, x, tpar(m, T_LNFW), tpar(m, T_LNFB), N,
                         C);
-  chorus__linear_fwd(m->logits, m->lnf, WTE(m->params), NULL, NULL, N, C, V);
+  chorus__linear_fwd(m->logits, m->lnf, tpar(m, T_WTE), NULL, NULL, N, C, V);
+  EVENT(CHORUS_GPT_FORWARD_END, last);
   float l = chorus__xent_fwd(m->probs, m->losses, m->logits, m->targets, N, V);
   if (loss) *loss = l;
   return CHORUS_OK;
@@ -349,21 +482,26 @@ chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
   float *dres = m->dres; /* gradient of the residual stream */
   float *dtmp = m->dtmp;
 
+  const int train = 1, last = m->nunits - 1;
+  EVENT(CHORUS_GPT_BACKWARD_BEGIN, last);
   chorus__xent_bwd(m->dlogits, m->probs, m->targets, loss_scale, N, V);
-  chorus__linear_bwd(dtmp, WTE(m->grads), NULL, m->dlogits, m->lnf, WTE(m->params), N, C, V);
+  chorus__linear_bwd(dtmp, tgrd(m, T_WTE), NULL, m->dlogits, m->lnf, tpar(m, T_WTE), N, C, V);
   memset(dres, 0, sizeof(float) * NC);
   const float *xL = L ? m->blk[L - 1].res3 : m->x0;
-  chorus__layernorm_bwd(dres, LNFW(m->grads), LNFB(m->grads), dtmp, xL, LNFW(m->params),
+  chorus__layernorm_bwd(dres, tgrd(m, T_LNFW), tgrd(m, T_LNFB), dtmp, xL, tpar(m, T_LNFW),
                         m->lnf_mean, m->lnf_rstd, N, C);
   ready(fn, arg, m->ntensors - 1);
   ready(fn, arg, m->ntensors - 2);
+  EVENT(CHORUS_GPT_BACKWARD_END, last);
 
   for (int l = L - 1; l >= 0; l--) {
     block_acts_t *a = &m->blk[l];
     const float *xin = l ? m->blk[l - 1].res3 : m->x0;
     int base = 2 + l * P_PER_LAYER;
+    EVENT(CHORUS_GPT_BACKWARD_BEGIN, 1 + l);
     if (m->skipped[l]) { /* unused: its gradients are final (untouched) now */
       for (int w = P_PER_LAYER - 1; w >= 0; w--) ready(fn, arg, base + w);
+      EVENT(CHORUS_GPT_BACKWARD_END, 1 + l);
       continue;
     }
     /* MLP: res3 = res2 + proj(gelu(fc(ln2(res2)))); dres flows to res2
@@ -397,9 +535,12 @@ chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
                           a->ln1_mean, a->ln1_rstd, N, C);
     ready(fn, arg, base + P_LN1B);
     ready(fn, arg, base + P_LN1W);
+    EVENT(CHORUS_GPT_BACKWARD_END, 1 + l);
   }
-  chorus__encoder_bwd(WTE(m->grads), WPE(m->grads), dres, m->tokens, B, T, C);
+  EVENT(CHORUS_GPT_BACKWARD_BEGIN, 0);
+  chorus__encoder_bwd(tgrd(m, T_WTE), tgrd(m, T_WPE), dres, m->tokens, B, T, C);
   ready(fn, arg, 1);
   ready(fn, arg, 0);
+  EVENT(CHORUS_GPT_BACKWARD_END, 0);
   return CHORUS_OK;
 }

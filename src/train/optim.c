@@ -44,30 +44,39 @@ void chorus_optim_destroy(chorus_optim_t *o) {
   free(o);
 }
 
-void chorus_optim_step(chorus_optim_t *o, float *p, const float *g, float lr) {
+void chorus_optim_begin_step(chorus_optim_t *o) { o->t++; }
+
+void chorus_optim_update(chorus_optim_t *o, size_t state_off, float *p, const float *g, size_t n,
+                         float lr) {
   const chorus_optim_config_t *c = &o->cfg;
-  o->t++;
+  if (state_off > o->n || n > o->n - state_off) return; /* documented: ranges inside n */
+  float *m = o->m + state_off, *v = o->v ? o->v + state_off : NULL;
   if (c->kind == CHORUS_OPTIM_ADAMW) {
     const float b1 = c->beta1, b2 = c->beta2, wd = c->weight_decay;
     const float bc1 = 1.0f - powf(b1, (float)o->t), bc2 = 1.0f - powf(b2, (float)o->t);
     const float step = lr / bc1, bc2_sqrt = sqrtf(bc2);
-    for (size_t i = 0; i < o->n; i++) {
+    for (size_t i = 0; i < n; i++) {
       p[i] -= lr * wd * p[i];
-      o->m[i] = b1 * o->m[i] + (1.0f - b1) * g[i];
-      o->v[i] = b2 * o->v[i] + (1.0f - b2) * g[i] * g[i];
-      p[i] -= step * o->m[i] / (sqrtf(o->v[i]) / bc2_sqrt + c->eps);
+      m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+      v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+      p[i] -= step * m[i] / (sqrtf(v[i]) / bc2_sqrt + c->eps);
     }
   } else {
     const float mu = c->momentum, wd = c->weight_decay;
-    for (size_t i = 0; i < o->n; i++) {
+    for (size_t i = 0; i < n; i++) {
       float d = g[i] + wd * p[i];
       if (mu != 0.0f) {
-        o->m[i] = o->t == 1 ? d : mu * o->m[i] + d;
-        d = o->m[i];
+        m[i] = o->t == 1 ? d : mu * m[i] + d;
+        d = m[i];
       }
       p[i] -= lr * d;
     }
   }
+}
+
+void chorus_optim_step(chorus_optim_t *o, float *p, const float *g, float lr) {
+  chorus_optim_begin_step(o);
+  chorus_optim_update(o, 0, p, g, o->n, lr);
 }
 
 /* Layout of the blob: int64 step count, then m (and v for AdamW). */
@@ -101,7 +110,9 @@ chorus_result_t chorus_optim_state_load(chorus_optim_t *o, const void *src, size
 typedef float f8 __attribute__((vector_size(32)));
 typedef double d8 __attribute__((vector_size(64)));
 
-double chorus_grad_norm(const float *g, size_t n) {
+double chorus_grad_norm(const float *g, size_t n) { return sqrt(chorus_grad_sumsq(g, n)); }
+
+double chorus_grad_sumsq(const float *g, size_t n) {
   d8 acc = {0};
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -114,7 +125,7 @@ double chorus_grad_norm(const float *g, size_t n) {
   memcpy(lanes, &acc, sizeof lanes);
   for (int j = 0; j < 8; j++) s += lanes[j];
   for (; i < n; i++) s += (double)g[i] * g[i];
-  return sqrt(s);
+  return s;
 }
 
 void chorus_grad_clip(float *g, size_t n, double norm, double max_norm) {

@@ -48,6 +48,10 @@ typedef struct {
   int inject_inf;  /* testing: rank 1 puts an inf into its gradient at this step */
   int trace_ping;  /* --trace-clock ping: estimate every rank's clock offset */
   long skew_ms;    /* testing: rank 1's trace clock runs this far ahead */
+  int shard;       /* 0: DDP; 1-3: ZeRO stages */
+  int prefetch;    /* stage 3: gathers ahead */
+  chorus_dtype_t param_dtype;
+  size_t mem_cap;  /* bytes per rank; 0: none */
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer. */
@@ -116,7 +120,16 @@ static void usage(FILE *f) {
           "  --trace-clock auto|ping  ranks on rank 0's host share its clock; others\n"
           "                       estimate their offset by round trips to rank 0 (auto);\n"
           "                       ping estimates it for every rank\n"
-          "  --clock-skew-ms N    testing: rank 1's trace clock runs N ms ahead\n");
+          "  --clock-skew-ms N    testing: rank 1's trace clock runs N ms ahead\n"
+          "  --shard 0|1|2|3      0: DDP (every rank holds everything); sharded like ZeRO:\n"
+          "                       1 the optimizer state, 2 also the gradients, 3 also the\n"
+          "                       parameters (FSDP's full shard) (0)\n"
+          "  --prefetch K         stage 3: all-gathers in flight ahead of the unit that\n"
+          "                       computes (1; 0: gather each unit when it is needed)\n"
+          "  --param-dtype fp32|bf16  compute with weights rounded to bf16 (gathered as\n"
+          "                       bf16 when sharded); the optimizer keeps fp32 masters\n"
+          "  --mem-cap BYTES[K|M|G]  refuse to start when a rank's planned memory (state,\n"
+          "                       gathered units, activations) would pass it\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -135,6 +148,8 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"trace", 1, 0, 'R'},       {"skip-layer", 1, 0, 'Y'},
       {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},    {"loss-scale", 1, 0, 'Q'},
       {"inject-inf", 1, 0, 'I'}, {"trace-clock", 1, 0, 'G'}, {"clock-skew-ms", 1, 0, 'z'},
+      {"shard", 1, 0, 1000},     {"prefetch", 1, 0, 1001},   {"param-dtype", 1, 0, 1002},
+      {"mem-cap", 1, 0, 1003},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -203,12 +218,30 @@ static int parse(int argc, char **argv, opts_t *o) {
         else if (strcmp(optarg, "auto")) return -1;
         break;
       case 'z': o->skew_ms = atol(optarg); break;
+      case 1000: o->shard = atoi(optarg); break;
+      case 1001: o->prefetch = atoi(optarg); break;
+      case 1002:
+        if (!strcmp(optarg, "fp32")) o->param_dtype = CHORUS_FLOAT32;
+        else if (!strcmp(optarg, "bf16")) o->param_dtype = CHORUS_BFLOAT16;
+        else return -1;
+        break;
+      case 1003: {
+        char *end;
+        double v = strtod(optarg, &end);
+        double k = !*end ? 1 : !strcmp(end, "K") || !strcmp(end, "KiB") ? 1024.0
+                 : !strcmp(end, "M") || !strcmp(end, "MiB") ? 1048576.0
+                 : !strcmp(end, "G") || !strcmp(end, "GiB") ? 1073741824.0 : -1;
+        if (k < 0 || !(v > 0)) return -1;
+        o->mem_cap = (size_t)(v * k);
+        break;
+      }
       case 'h': usage(stdout); exit(0);
       default: return -1;
     }
   }
   if (optind != argc || o->batch < 1 || o->steps < 0 || o->accum < 1 || o->model.ctx < 2 ||
-      o->val_every < 0 || o->val_batches < 1 || o->warmup < 0 || o->log_every < 1)
+      o->val_every < 0 || o->val_batches < 1 || o->warmup < 0 || o->log_every < 1 ||
+      o->shard < 0 || o->shard > 3 || o->prefetch < 0)
     return -1;
   return 0;
 }
@@ -365,15 +398,21 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
 /* ----------------------------------------------------------- checkpoints */
 
 /* Rank 0 writes; everyone waits for it, so a crash right after still finds
- * the file. */
-static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_gpt_t *m,
-                                  chorus_optim_t *opt, const chorus_sampler_t *sp,
-                                  long steps_done) {
+ * the file.  The file holds the master weights (bf16 parameters: their
+ * fp32 masters). */
+static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_trainer_t *t,
+                                  const chorus_sampler_t *sp, long steps_done) {
   chorus_result_t st = CHORUS_OK;
   if (g_rank == 0) {
+    chorus_gpt_t *m = chorus_trainer_model(t);
+    const float *master = chorus_trainer_master(t);
+    const size_t np = chorus_gpt_num_params(m);
+    if (master != chorus_gpt_params(m)) memcpy(chorus_gpt_params(m), master, np * sizeof(float));
     train_state_t ts = {steps_done, chorus_sampler_epoch(sp), (int64_t)chorus_sampler_pos(sp),
                         g_size, 0, o->seed};
-    st = chorus_ckpt_save(o->ckpt_dir, steps_done, m, opt, &ts, sizeof ts, o->keep);
+    st = chorus_ckpt_save(o->ckpt_dir, steps_done, m, chorus_trainer_optim(t), &ts, sizeof ts,
+                          o->keep);
+    chorus_trainer_load_weights(t, master); /* the rounded copy back */
     if (st != CHORUS_OK)
       fprintf(stderr, "chorus-train: %s\n", chorus_train_last_error());
     else
@@ -396,12 +435,16 @@ static int sampler_place(chorus_sampler_t *sp, long epoch, size_t pos, int world
 
 /* Every rank loads the newest checkpoint (the same file); the sampler goes
  * on from the same global position, also with another number of ranks. */
-static long resume(const opts_t *o, chorus_gpt_t *m, chorus_optim_t *opt, chorus_sampler_t *sp) {
+static long resume(const opts_t *o, chorus_trainer_t *t, chorus_sampler_t *sp) {
   train_state_t ts;
   size_t len = 0;
   long step = -1;
-  if (chorus_ckpt_load(o->ckpt_dir, &step, m, opt, &ts, sizeof ts, &len) != CHORUS_OK || step < 0)
+  chorus_gpt_t *m = chorus_trainer_model(t);
+  if (chorus_ckpt_load(o->ckpt_dir, &step, m, chorus_trainer_optim(t), &ts, sizeof ts, &len) !=
+          CHORUS_OK ||
+      step < 0)
     return 0;
+  chorus_trainer_load_weights(t, chorus_gpt_params(m)); /* masters, and their rounded copy */
   if (len != sizeof ts || ts.world < 1) return 0;
   if (ts.epoch < 0 || ts.pos < 0 || sampler_place(sp, (long)ts.epoch, (size_t)ts.pos, ts.world))
     return 0;
@@ -504,28 +547,25 @@ typedef struct {
   long epoch; /* the sampler's */
   size_t pos;
   int world;
-  float scale; /* loss scaling */
-  int good_steps, skipped_steps;
+  chorus_loss_scale_t ls;
 } snap_t;
 
 /* Everything a training run changes as it goes. */
 typedef struct {
   const opts_t *o;
   chorus_comm_t comm;
-  chorus_gpt_t *m;
-  chorus_ddp_config_t dc;
-  chorus_ddp_t *ddp;
-  chorus_optim_t *opt;
+  chorus_trainer_t *trainer; /* DDP or sharded, optimizer, loss scaling, join */
+  chorus_gpt_t *m;           /* the trainer's model */
+  chorus_optim_t *opt;       /* the trainer's optimizer */
   chorus_sampler_t *sp;
   chorus_text_t *text;
   trace_t *tr;
   int *tok, *tgt;
   size_t *idx, np;
-  float scale; /* dynamic loss scaling */
-  int good_steps, skipped_steps;
   int first_generation; /* CHORUS_RESTART_COUNT is 0 */
   /* For the summary. */
-  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm;
+  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm, sum_step;
+  int skipped_steps;
   int timed;
   float first_val, last_val;
   /* The collective that failed a step, and whether the step's update had
@@ -552,6 +592,92 @@ static int64_t wall_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* The trace of a step's collectives (and, sharded, each unit's compute),
+ * and the optimizer step from t_wait on. */
+static void trace_step(run_t *r, long step, int64_t t_wait) {
+  if (!r->tr) return;
+  trace_add(r->tr, "optimizer step", 0, (int)step, -1, t_wait, now_ns(), 0);
+  chorus_ddp_t *ddp = chorus_trainer_ddp(r->trainer);
+  chorus_fsdp_t *f = chorus_trainer_fsdp(r->trainer);
+  if (ddp) {
+    chorus_ddp_stats_t bs;
+    chorus_ddp_get_stats(ddp, &bs);
+    for (int i = 0; i < bs.buckets; i++) {
+      int64_t b0, b1;
+      size_t bytes;
+      chorus_ddp_bucket_times(ddp, i, &b0, &b1, &bytes);
+      trace_add(r->tr, "all_reduce bucket", 1, (int)step, i, b0, b1, bytes);
+    }
+  }
+  static const char *const names[] = {"forward unit", "backward unit", "all_gather unit",
+                                      "reduce_scatter unit", "all_reduce unit"};
+  const chorus_fsdp_event_t *e;
+  for (int i = 0; f && (e = chorus_fsdp_event(f, i)); i++)
+    trace_add(r->tr, names[e->kind], e->kind >= CHORUS_FSDP_GATHER, (int)step, e->unit,
+              e->start_ns, e->end_ns, e->bytes);
+}
+
+/* --dump: the master weights as raw float32, by rank 0 (every rank with
+ * --dump-all, to FILE.rank<R>).  Sharded runs gather them unit by unit.
+ * 0, or -1 (reported). */
+static int dump_weights(run_t *r, const char *file, int all) {
+  float *w = malloc(r->np * sizeof(float));
+  if (!w) return -1;
+  int rc = 0;
+  for (int root = 0; root < (all ? g_size : 1) && rc == 0; root++) {
+    chorus_result_t st = chorus_trainer_full_params(r->trainer, w, root);
+    if (st != CHORUS_OK) {
+      die(r->comm, "gathering the weights for --dump", st);
+      rc = -1;
+      break;
+    }
+    if (g_rank != root) continue;
+    char path[4096];
+    if (all) snprintf(path, sizeof path, "%s.rank%d", file, g_rank);
+    else snprintf(path, sizeof path, "%s", file);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(w, sizeof(float), r->np, f) != r->np || fclose(f) != 0) {
+      fprintf(stderr, "chorus-train: cannot write %s: %s\n", path, strerror(errno));
+      rc = -1;
+    }
+  }
+  free(w);
+  return rc;
+}
+
+/* The process's peak resident memory (VmHWM), bytes; 0 when unknown. */
+static size_t peak_rss(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  long kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmHWM: %ld kB", &kb) == 1) break;
+  fclose(f);
+  return (size_t)kb * 1024;
+}
+
+/* Every rank's memory: what the runtime holds against the formula of its
+ * stage (fp32 parameters and gradients, AdamW's two moments: 16 bytes a
+ * parameter unsharded), the peak of gathered units, and the process's
+ * peak resident memory. */
+static void report_memory(run_t *r) {
+  chorus_train_memory_t m;
+  chorus_trainer_memory(r->trainer, &m);
+  const double P = (double)r->np, N = g_size, ob = r->o->optim == CHORUS_OPTIM_ADAMW ? 8 : 4;
+  const int s = r->o->shard;
+  double formula = s == 0 ? (8 + ob) * P : s == 1 ? 8 * P + ob * P / N
+                 : s == 2 ? 4 * P + (4 + ob) * P / N : (8 + ob) * P / N;
+  const double state = (double)(m.params + m.grads + m.optim);
+  printf("memory rank %d: stage %d: parameters %.2f MiB, gradients %.2f MiB, optimizer %.2f MiB "
+         "= state %.2f MiB (formula %.2f MiB, %.3fx); gathered units peak %.2f MiB (bound "
+         "%.2f); activations %.2f MiB; peak resident %.1f MiB\n",
+         g_rank, s, m.params / 1048576.0, m.grads / 1048576.0, m.optim / 1048576.0,
+         state / 1048576.0, formula / 1048576.0, state / formula, m.work_peak / 1048576.0,
+         m.work_bound / 1048576.0, m.activations / 1048576.0, peak_rss() / 1048576.0);
+  fflush(stdout);
+}
+
 /* One optimizer step: STEP_NEXT, STEP_STOP (out of data, --stop-after),
  * STEP_FATAL (reported) or STEP_COMM (a collective failed: r->fail_*). */
 static int train_step(run_t *r, long step) {
@@ -565,104 +691,73 @@ static int train_step(run_t *r, long step) {
     raise(SIGKILL);
   }
   double t0 = now_s(), tf = 0, tb = 0;
-  chorus_gpt_zero_grad(r->m);
+  chorus_trainer_begin_step(r->trainer);
   float loss_sum = 0;
   /* Uneven inputs: a rank out of data joins -- it contributes zero
-   * gradients to the others' all_reduces (averaged over all ranks, as
+   * gradients to the others' reductions (averaged over all ranks, as
    * PyTorch's Join does by default) and applies the same update, so every
    * rank keeps the same weights; training ends when no rank has data. */
-  int32_t have = !(g_rank == o->uneven_rank && step >= o->uneven_steps), active = have;
+  int have = !(g_rank == o->uneven_rank && step >= o->uneven_steps), active = have;
   if (o->uneven_rank >= 0 &&
-      (st = chorus_all_reduce(r->comm, &have, &active, 1, CHORUS_INT32, CHORUS_SUM, NULL)) !=
-          CHORUS_OK)
+      (st = chorus_trainer_join(r->trainer, have, &active)) != CHORUS_OK)
     return comm_failed(r, "join", st);
   if (active == 0) {
     say("step %ld: every rank is out of data\n", step);
     return STEP_STOP;
   }
-  for (int a = 0; a < o->accum && !have; a++) chorus_ddp_set_sync(r->ddp, a == o->accum - 1);
-  for (int a = 0; a < o->accum && have; a++) {
+  for (int a = 0; a < o->accum; a++) {
+    const int last = a == o->accum - 1;
+    if (!have) {
+      if ((st = chorus_trainer_micro_step(r->trainer, NULL, NULL, 0, 0, 0, last, NULL)) !=
+          CHORUS_OK)
+        return comm_failed(r, "a joined rank's share of the step", st);
+      continue;
+    }
     for (int b = 0; b < B; b++) r->idx[b] = chorus_sampler_next(r->sp);
     chorus_text_batch(r->text, CHORUS_SPLIT_TRAIN, T, r->idx, B, r->tok, r->tgt);
-    double f0 = now_s();
-    int64_t n0 = now_ns();
     float loss = 0;
-    if ((st = chorus_gpt_forward(r->m, r->tok, r->tgt, B, T, &loss)) != CHORUS_OK) {
-      die(NULL, "forward", st);
+    /* --inject-inf: a backward weighted by infinity fills rank 1's
+     * gradients with inf and NaN. */
+    const float w = step == o->inject_inf && g_rank == 1 ? INFINITY : 1.0f / (float)o->accum;
+    st = chorus_trainer_micro_step(r->trainer, r->tok, r->tgt, B, T, w, last, &loss);
+    if (st != CHORUS_OK) {
+      /* A collective under the pass failed (sharded runs gather and reduce
+       * inside it), or the pass itself refused its input. */
+      if (chorus_comm_status(r->comm) != CHORUS_OK) return comm_failed(r, "forward/backward", st);
+      die(NULL, "forward/backward", st);
       return STEP_FATAL;
     }
-    double f1 = now_s();
-    int64_t n1 = now_ns();
-    chorus_ddp_set_sync(r->ddp, a == o->accum - 1);
-    if ((st = chorus_gpt_backward(r->m, r->scale / (float)o->accum, chorus_ddp_ready, r->ddp)) !=
-        CHORUS_OK) {
-      die(NULL, "backward", st);
-      return STEP_FATAL;
-    }
-    trace_add(r->tr, "forward", 0, (int)step, -1, n0, n1, 0);
-    trace_add(r->tr, "backward", 0, (int)step, -1, n1, now_ns(), 0);
-    tf += f1 - f0;
-    tb += now_s() - f1;
+    int64_t ns[3];
+    chorus_trainer_pass_times(r->trainer, ns);
+    trace_add(r->tr, "forward", 0, (int)step, -1, ns[0], ns[1], 0);
+    trace_add(r->tr, "backward", 0, (int)step, -1, ns[1], ns[2], 0);
+    tf += (double)(ns[1] - ns[0]) / 1e9;
+    tb += (double)(ns[2] - ns[1]) / 1e9;
     loss_sum += loss;
-    if (a < o->accum - 1) chorus_ddp_wait(r->ddp); /* resets the buckets; communicates nothing */
   }
   double w0 = now_s();
   int64_t nw0 = now_ns();
-  if ((st = chorus_ddp_wait(r->ddp)) != CHORUS_OK) return comm_failed(r, "gradient all_reduce", st);
-  double w1 = now_s();
-  int64_t nw1 = now_ns();
-  trace_add(r->tr, "wait for gradients", 0, (int)step, -1, nw0, nw1, 0);
-  if (r->tr) {
-    chorus_ddp_stats_t bs;
-    chorus_ddp_get_stats(r->ddp, &bs);
-    for (int i = 0; i < bs.buckets; i++) {
-      int64_t b0, b1;
-      size_t bytes;
-      chorus_ddp_bucket_times(r->ddp, i, &b0, &b1, &bytes);
-      trace_add(r->tr, "all_reduce bucket", 1, (int)step, i, b0, b1, bytes);
-    }
-  }
-  const size_t np = r->np;
-  float *g = chorus_gpt_grads(r->m);
-  if (step == o->inject_inf && g_rank == 1) g[np / 2] = INFINITY;
-  int skip_step = 0;
-  if (o->loss_scale) {
-    /* Unscale; a non-finite value on any rank skips the step on all (the
-     * all_reduce already spread it, but the check must not depend on
-     * that: every rank votes). */
-    int32_t bad = 0, any = 0;
-    for (size_t i = 0; i < np; i++) {
-      g[i] /= r->scale;
-      bad |= !isfinite(g[i]);
-    }
-    if ((st = chorus_all_reduce(r->comm, &bad, &any, 1, CHORUS_INT32, CHORUS_MAX, NULL)) !=
-        CHORUS_OK)
-      return comm_failed(r, "loss-scale vote", st);
-    if (any) {
-      skip_step = 1;
-      r->skipped_steps++;
-      r->good_steps = 0;
-      r->scale = r->scale / 2.0f < 1.0f ? 1.0f : r->scale / 2.0f;
-      say("step %ld: inf/NaN in the gradients: step skipped on every rank, loss scale now %g\n",
-          step, r->scale);
-    } else if (++r->good_steps == 200) {
-      r->good_steps = 0;
-      r->scale = r->scale * 2.0f > 16777216.0f ? 16777216.0f : r->scale * 2.0f;
-    }
-  }
-  double norm = skip_step ? 0.0 : chorus_grad_norm(g, np);
-  if (o->clip > 0 && !skip_step) chorus_grad_clip(g, np, norm, o->clip);
   float lr = chorus_lr_at(step, o->warmup, o->steps, o->lr, o->lr * o->min_lr_frac);
-  if (!skip_step) chorus_optim_step(r->opt, chorus_gpt_params(r->m), g, lr);
+  chorus_step_info_t info;
+  if ((st = chorus_trainer_finish_step(r->trainer, lr, &info)) != CHORUS_OK)
+    return comm_failed(r, "the optimizer step (gradient reductions)", st);
+  double w1 = now_s();
+  trace_step(r, step, nw0);
+  if (info.skipped) {
+    r->skipped_steps++;
+    say("step %ld: inf/NaN in the gradients: step skipped on every rank, loss scale now %g\n",
+        step, info.loss_scale);
+  }
+  const double norm = info.grad_norm;
   r->applied = 1;
   double t1 = now_s();
-  trace_add(r->tr, "optimizer", 0, (int)step, -1, nw1, now_ns(), 0);
-  chorus_ddp_stats_t ds;
-  chorus_ddp_get_stats(r->ddp, &ds);
   double dt = t1 - t0, tps = (double)g_size * B * T * o->accum / dt;
+  /* Sharded runs wait for gathers inside the passes: that time is in
+   * fwd/bwd and in exposed comm both. */
+  const double opt_s = (w1 - w0) - info.wait_s;
   if (step >= 3) { /* after warm-up */
-    r->sum_tps += tps, r->sum_fwd += tf, r->sum_bwd += tb, r->sum_exp += w1 - w0;
-    r->sum_opt += t1 - w1, r->sum_comm += ds.comm_s;
+    r->sum_tps += tps, r->sum_fwd += tf, r->sum_bwd += tb, r->sum_exp += info.exposed_s;
+    r->sum_opt += opt_s, r->sum_comm += info.comm_s, r->sum_step += dt;
     r->timed++;
   }
   /* The loss every rank saw, averaged (what PyTorch users log). */
@@ -673,7 +768,8 @@ static int train_step(run_t *r, long step) {
       return comm_failed(r, "loss all_reduce", st);
     say("step %4ld/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  fwd %.1f ms  bwd %.1f ms  "
         "exposed comm %.1f ms  optim %.1f ms\n",
-        step, o->steps, avg, lr, norm, tps, 1e3 * tf, 1e3 * tb, 1e3 * (w1 - w0), 1e3 * (t1 - w1));
+        step, o->steps, avg, lr, norm, tps, 1e3 * tf, 1e3 * tb, 1e3 * info.exposed_s,
+        1e3 * opt_s);
   }
   if (o->val_every && ((step + 1) % o->val_every == 0 || step == o->steps - 1)) {
     float v;
@@ -686,7 +782,7 @@ static int train_step(run_t *r, long step) {
   int stopping = o->stop_after >= 0 && step + 1 >= o->stop_after;
   if (o->ckpt_dir && ((o->ckpt_every && (step + 1) % o->ckpt_every == 0) ||
                       step == o->steps - 1 || stopping)) {
-    st = checkpoint(r->comm, o, r->m, r->opt, r->sp, step + 1);
+    st = checkpoint(r->comm, o, r->trainer, r->sp, step + 1);
     if (st == CHORUS_ERR_SYSTEM) {
       fprintf(stderr, "chorus-train: rank %d: stopping: rank 0 could not write the checkpoint "
               "(see its output)\n", g_rank);
@@ -704,14 +800,12 @@ static int train_step(run_t *r, long step) {
 /* Keeps the state at the start of step (in the slot of its parity). */
 static void snap_take(run_t *r, long step) {
   snap_t *s = &r->snap[step & 1];
-  memcpy(s->params, chorus_gpt_params(r->m), r->np * sizeof(float));
+  memcpy(s->params, chorus_trainer_master(r->trainer), r->np * sizeof(float));
   chorus_optim_state_save(r->opt, s->optim);
   s->epoch = chorus_sampler_epoch(r->sp);
   s->pos = chorus_sampler_pos(r->sp);
   s->world = g_size;
-  s->scale = r->scale;
-  s->good_steps = r->good_steps;
-  s->skipped_steps = r->skipped_steps;
+  chorus_trainer_get_loss_scale(r->trainer, &s->ls);
   s->step = step;
 }
 
@@ -720,11 +814,10 @@ static void snap_take(run_t *r, long step) {
 static int snap_restore(run_t *r, long step) {
   const snap_t *s = &r->snap[step & 1];
   if (s->step != step) return -1;
-  memcpy(chorus_gpt_params(r->m), s->params, r->np * sizeof(float));
-  if (chorus_optim_state_load(r->opt, s->optim, r->optim_bytes) != CHORUS_OK) return -1;
-  r->scale = s->scale;
-  r->good_steps = s->good_steps;
-  r->skipped_steps = s->skipped_steps;
+  if (chorus_trainer_load_weights(r->trainer, s->params) != CHORUS_OK ||
+      chorus_optim_state_load(r->opt, s->optim, r->optim_bytes) != CHORUS_OK)
+    return -1;
+  chorus_trainer_set_loss_scale(r->trainer, &s->ls);
   /* The sampler as the old world had it at that step, then over the new one. */
   return sampler_place(r->sp, s->epoch, s->pos, s->world);
 }
@@ -744,8 +837,7 @@ static long recover(run_t *r, long step) {
   fprintf(stderr, "chorus-train: rank %d: step %ld failed (%s: %s); going on with the ranks "
           "still alive (--elastic inplace)\n", g_rank, step, r->fail_what,
           chorus_comm_last_error(r->comm));
-  chorus_ddp_destroy(r->ddp);
-  r->ddp = NULL;
+  chorus_trainer_set_comm(r->trainer, NULL);
   /* A rank that applied this step's update already has the state of the
    * next one's start. */
   if (r->applied) snap_take(r, step + 1);
@@ -781,7 +873,7 @@ static long recover(run_t *r, long step) {
     }
     /* chorus_ddp_create broadcasts rank 0's weights: every survivor went
      * back to the same step, so they are the ones it holds already. */
-    st = chorus_ddp_create(next, r->m, &r->dc, &r->ddp);
+    st = chorus_trainer_set_comm(r->trainer, next);
     if (st != CHORUS_OK) continue;
     say("elastic: %d of %d rank(s) go on from step %ld with the weights in memory, the data "
         "re-sharded (recovery took %.0f ms)\n", g_size, before, to, (now_ns() - t0) / 1e6);
@@ -811,9 +903,11 @@ static int share_state(run_t *r, int old_world, long *step) {
     js.step = *step;
     js.epoch = chorus_sampler_epoch(r->sp);
     js.taken = (int64_t)(chorus_sampler_pos(r->sp) * (size_t)old_world);
-    js.scale = r->scale;
-    js.good_steps = r->good_steps;
-    js.skipped_steps = r->skipped_steps;
+    chorus_loss_scale_t ls;
+    chorus_trainer_get_loss_scale(r->trainer, &ls);
+    js.scale = ls.scale;
+    js.good_steps = ls.good_steps;
+    js.skipped_steps = ls.skipped_steps;
   }
   unsigned char *optim = malloc(r->optim_bytes ? r->optim_bytes : 1);
   if (!optim) return -1;
@@ -826,13 +920,12 @@ static int share_state(run_t *r, int old_world, long *step) {
   free(optim);
   if (st != CHORUS_OK || js.step < 0 || js.epoch < 0 || js.taken < 0) return -1;
   *step = (long)js.step;
-  r->scale = js.scale;
-  r->good_steps = js.good_steps;
-  r->skipped_steps = js.skipped_steps;
+  chorus_loss_scale_t ls = {js.scale, js.good_steps, js.skipped_steps};
+  chorus_trainer_set_loss_scale(r->trainer, &ls);
   /* The sampler: the epoch, and how far the old world got into it. */
   if (sampler_place(r->sp, (long)js.epoch, (size_t)js.taken, 1) != 0) return -1;
-  /* chorus_ddp_create broadcasts rank 0's weights to the newcomers. */
-  return chorus_ddp_create(r->comm, r->m, &r->dc, &r->ddp) == CHORUS_OK ? 0 : -1;
+  /* Making DDP broadcasts rank 0's weights to the newcomers. */
+  return chorus_trainer_set_comm(r->trainer, r->comm) == CHORUS_OK ? 0 : -1;
 }
 
 /* --elastic inplace, at the start of a step: when processes wait to join
@@ -869,8 +962,7 @@ static int admit_joiners(run_t *r, long *step) {
     return 0;
   }
   const int before = g_size;
-  chorus_ddp_destroy(r->ddp);
-  r->ddp = NULL;
+  chorus_trainer_set_comm(r->trainer, NULL);
   chorus_comm_destroy(r->comm);
   r->comm = grown;
   g_rank = chorus_comm_rank(grown);
@@ -893,7 +985,7 @@ int main(int argc, char **argv) {
               .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
               .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1,
               .kill_rank = 1, .skip_rank = -1, .uneven_rank = -1, .loss_scale = -1,
-              .inject_inf = -1, .elastic = -1};
+              .inject_inf = -1, .elastic = -1, .prefetch = 1, .param_dtype = CHORUS_FLOAT32};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
@@ -912,6 +1004,22 @@ int main(int argc, char **argv) {
   if (o.elastic && o.uneven_rank >= 0) {
     fprintf(stderr, "chorus-train: --uneven and --elastic inplace do not go together (the "
             "rank out of data could be the one that dies)\n");
+    return 2;
+  }
+  if (o.shard && (o.elastic || join)) {
+    fprintf(stderr, "chorus-train: --shard %d and --elastic inplace do not go together yet: the "
+            "survivors would have to redistribute the shards in memory; use --elastic restart "
+            "(a checkpoint)\n", o.shard);
+    return 2;
+  }
+  if (o.shard && o.hook == CHORUS_DDP_HOOK_FP16) {
+    fprintf(stderr, "chorus-train: --shard %d reduces gradients in fp32 or bf16 (--hook bf16), "
+            "not fp16\n", o.shard);
+    return 2;
+  }
+  if (o.shard && o.ckpt_dir) {
+    fprintf(stderr, "chorus-train: --checkpoint-dir with --shard %d: sharded checkpoints are not "
+            "built yet\n", o.shard);
     return 2;
   }
   if (o.loss_scale < 0) o.loss_scale = o.hook == CHORUS_DDP_HOOK_FP16;
@@ -936,24 +1044,36 @@ int main(int argc, char **argv) {
     chorus_comm_destroy(r.comm);
     return 1;
   }
-  if ((st = chorus_gpt_create(&o.model, o.batch, o.seed, &r.m)) != CHORUS_OK)
-    return die(NULL, "model", st);
+  chorus_trainer_config_t tc = {.shard = o.shard,
+                                .ddp = CHORUS_DDP_CONFIG_DEFAULT,
+                                .fsdp = CHORUS_FSDP_CONFIG_DEFAULT,
+                                .optim = CHORUS_OPTIM_ADAMW_DEFAULT,
+                                .clip = o.clip,
+                                .loss_scale = o.loss_scale,
+                                .param_dtype = o.param_dtype,
+                                .mem_cap = o.mem_cap};
+  tc.ddp.bucket_mb = o.bucket_mb;
+  tc.ddp.overlap = o.overlap;
+  tc.ddp.hook = o.hook;
+  tc.fsdp.prefetch = o.prefetch;
+  tc.fsdp.overlap = o.overlap;
+  tc.fsdp.reduce_dtype = o.hook == CHORUS_DDP_HOOK_BF16 ? CHORUS_BFLOAT16 : CHORUS_FLOAT32;
+  tc.optim.kind = o.optim;
+  tc.optim.momentum = o.momentum;
+  tc.optim.weight_decay = o.weight_decay;
+  /* A newcomer makes its DDP once it has the members' state (share_state). */
+  st = chorus_trainer_create(join ? NULL : r.comm, &o.model, o.batch, o.seed, &tc, &r.trainer);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+    if (st != CHORUS_ERR_NO_MEMORY || !o.mem_cap) chorus_comm_abort(r.comm);
+    chorus_comm_destroy(r.comm);
+    return 1;
+  }
+  r.m = chorus_trainer_model(r.trainer);
+  r.opt = chorus_trainer_optim(r.trainer);
+  r.np = chorus_gpt_num_params(r.m);
   if (o.skip_rank == g_rank && (st = chorus_gpt_skip_layer(r.m, o.skip_layer, 1)) != CHORUS_OK)
     return die(NULL, "--skip-layer", st);
-  r.dc = (chorus_ddp_config_t)CHORUS_DDP_CONFIG_DEFAULT;
-  r.dc.bucket_mb = o.bucket_mb;
-  r.dc.overlap = o.overlap;
-  r.dc.hook = o.hook;
-  /* A newcomer makes its DDP once it has the members' state (share_state). */
-  if (!join && (st = chorus_ddp_create(r.comm, r.m, &r.dc, &r.ddp)) != CHORUS_OK)
-    return die(r.comm, "ddp", st);
-  chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
-  oc.kind = o.optim;
-  oc.momentum = o.momentum;
-  oc.weight_decay = o.weight_decay;
-  r.np = chorus_gpt_num_params(r.m);
-  if ((st = chorus_optim_create(&oc, r.np, &r.opt)) != CHORUS_OK)
-    return die(NULL, "optimizer", st);
 
   const int T = o.model.ctx, B = o.batch;
   size_t nsamples = chorus_text_samples(r.text, CHORUS_SPLIT_TRAIN, T);
@@ -974,15 +1094,25 @@ int main(int argc, char **argv) {
     if (!r.snap[k].params || !r.snap[k].optim) return die(r.comm, "--elastic inplace", CHORUS_ERR_NO_MEMORY);
   }
   if (!r.tok || !r.tgt || !r.idx) return die(r.comm, "buffers", CHORUS_ERR_NO_MEMORY);
-  chorus_ddp_stats_t ds = {0};
-  if (r.ddp) chorus_ddp_get_stats(r.ddp, &ds);
+  char mode[128];
+  if (o.shard == 0) {
+    chorus_ddp_stats_t ds = {0};
+    if (chorus_trainer_ddp(r.trainer)) chorus_ddp_get_stats(chorus_trainer_ddp(r.trainer), &ds);
+    snprintf(mode, sizeof mode, "DDP, %d bucket(s)", ds.buckets);
+  } else {
+    snprintf(mode, sizeof mode, "sharded, stage %d (%s), %d units%s", o.shard,
+             o.shard == 1 ? "optimizer state" : o.shard == 2 ? "+ gradients" : "+ parameters",
+             chorus_gpt_num_units(r.m), o.shard == 3 && o.prefetch ? ", prefetch" : "");
+    if (o.shard == 3 && o.prefetch) snprintf(mode + strlen(mode), sizeof mode - strlen(mode), " %d",
+                                             o.prefetch);
+  }
   say("chorus-train: %d rank(s), %d BLAS thread(s) each; model %d layers, %d heads, %d "
-      "channels, context %d: %zu parameters; %d DDP buckets; batch %d x %d per rank, %d "
-      "step(s) of %d micro-step(s); %zu training samples%s\n",
-      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, r.np, ds.buckets, B,
-      T, o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "");
+      "channels, context %d: %zu parameters; %s; batch %d x %d per rank, %d "
+      "step(s) of %d micro-step(s); %zu training samples%s%s\n",
+      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, r.np, mode, B, T,
+      o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "",
+      o.param_dtype == CHORUS_BFLOAT16 ? "; bf16 parameters on fp32 masters" : "");
 
-  r.scale = o.loss_scale ? 65536.0f : 1.0f;
   long start = 0;
   if (join) {
     /* A newcomer: the members hand over their state. */
@@ -990,7 +1120,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "chorus-train: joined the running job as rank %d of %d at step %ld\n", g_rank,
             g_size, start);
   } else if (o.ckpt_dir) {
-    start = resume(&o, r.m, r.opt, r.sp);
+    start = resume(&o, r.trainer, r.sp);
   }
   trace_t trace_buf = {0};
   r.tr = o.trace ? &trace_buf : NULL;
@@ -1019,36 +1149,27 @@ int main(int argc, char **argv) {
     step++;
   }
   if (r.timed) {
-    double step_s = (r.sum_fwd + r.sum_bwd + r.sum_exp + r.sum_opt) / r.timed;
+    double step_s = r.sum_step / r.timed;
     say("summary: %.0f tok/s (mean after 3 steps), step %.1f ms: fwd %.1f, bwd %.1f, exposed "
-        "comm %.1f (%.0f %%), optim %.1f; all_reduce %.1f ms per step, %.0f %% hidden behind "
-        "backward\n",
+        "comm %.1f (%.0f %%), optim %.1f; %s %.1f ms per step, %.0f %% hidden behind %s\n",
         r.sum_tps / r.timed, 1e3 * step_s, 1e3 * r.sum_fwd / r.timed, 1e3 * r.sum_bwd / r.timed,
         1e3 * r.sum_exp / r.timed, 100.0 * r.sum_exp / r.timed / step_s,
-        1e3 * r.sum_opt / r.timed, 1e3 * r.sum_comm / r.timed,
-        r.sum_comm > 0 && r.sum_exp < r.sum_comm ? 100.0 * (1.0 - r.sum_exp / r.sum_comm) : 0.0);
+        1e3 * r.sum_opt / r.timed, o.shard ? "collectives" : "all_reduce",
+        1e3 * r.sum_comm / r.timed,
+        r.sum_comm > 0 && r.sum_exp < r.sum_comm ? 100.0 * (1.0 - r.sum_exp / r.sum_comm) : 0.0,
+        o.shard ? "compute" : "backward");
     if (!isnan(r.first_val)) say("validation loss %.4f -> %.4f\n", r.first_val, r.last_val);
   }
   if (r.tr && trace_write(r.comm, r.tr, o.trace_ping, o.trace) != 0)
     fprintf(stderr, "chorus-train: rank %d: cannot write the trace %s\n", g_rank, o.trace);
   free(trace_buf.ev);
   if (o.sample > 0) sample_text(r.m, &o, o.sample);
-  if (o.dump && (g_rank == 0 || o.dump_all)) {
-    char path[4096];
-    if (o.dump_all) snprintf(path, sizeof path, "%s.rank%d", o.dump, g_rank);
-    else snprintf(path, sizeof path, "%s", o.dump);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(chorus_gpt_params(r.m), sizeof(float), r.np, f) != r.np || fclose(f) != 0) {
-      fprintf(stderr, "chorus-train: cannot write %s: %s\n", path, strerror(errno));
-      return 1;
-    }
-  }
+  if (o.dump && dump_weights(&r, o.dump, o.dump_all) != 0) return 1;
+  report_memory(&r);
   for (int k = 0; k < 2; k++) free(r.snap[k].params), free(r.snap[k].optim);
   free(r.tok), free(r.tgt), free(r.idx);
   chorus_sampler_destroy(r.sp);
-  chorus_optim_destroy(r.opt);
-  chorus_ddp_destroy(r.ddp);
-  chorus_gpt_destroy(r.m);
+  chorus_trainer_destroy(r.trainer);
   chorus_text_free(r.text);
   chorus_comm_destroy(r.comm);
   return 0;

@@ -1,0 +1,725 @@
+/*
+ * fsdp.c - sharded data parallel (ZeRO stages 1-3, FSDP's full shard) for
+ * the GPT of chorus_train.h, over the public API of chorus.h.
+ *
+ * Every unit of the model (chorus_gpt_unit) of c floats is padded to N * s
+ * floats, s = ceil(c / N), and rank r owns floats [r s, (r + 1) s) of it:
+ * its slice.  A rank's shard is its slices of every unit, one after the
+ * other (shard offset soff per unit); the optimizer's state covers the
+ * shard.  Padding floats start at zero and stay zero (their gradients are
+ * zero, and so is every update of AdamW or SGD on them).
+ *
+ *   stage 1  full parameters and gradients on every rank, in padded "flat"
+ *            buffers the model's units are bound to; each unit's gradient is
+ *            all_reduced (AVG) once its backward is done; a rank updates its
+ *            slices and the updated parameters are all-gathered per unit.
+ *   stage 2  the same parameters; gradients only per unit while its
+ *            backward runs, then reduce-scattered into the shard.
+ *   stage 3  the parameters too live in the shard: a unit's parameters are
+ *            all-gathered before each use and let go after it.
+ *
+ * Stage 3's uses follow a fixed schedule, the order the model computes its
+ * units in: forward 0, 1, ..., L + 1, backward L + 1, ..., 0, where the last
+ * unit also needs unit 0 (the head is tied to wte).  At the start of use i
+ * the gathers of uses i..i+K (K = prefetch) that are not held yet are
+ * issued, then use i's are waited for; at its end a unit whose next use is
+ * more than K + 1 uses away is let go (it would be gathered again before
+ * then anyway).  Every rank walks the same schedule, so the collectives go
+ * out in one order everywhere, skipped blocks included.
+ *
+ * A unit's gradient (stages 2 and 3) is held from the start of its first
+ * backward use (unit 0: the head's, at the last unit) to the end of its
+ * last, then reduce-scattered; at most MAX_REDUCING reductions are in
+ * flight (the oldest is waited for first), which bounds the memory they
+ * hold.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chorus_train.h"
+
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+#define fail chorus__train_fail
+
+enum { MAX_REDUCING = 2, MAX_EVENTS = 4096 };
+enum { P_FREE, P_GATHERING, P_READY };
+enum { G_NONE, G_HELD, G_REDUCING };
+
+typedef struct {
+  size_t count; /* c: floats of the unit */
+  size_t off;   /* in the model's layout */
+  size_t s;     /* slice: ceil(c / N) */
+  size_t soff;  /* the slice's place in the shard */
+  size_t foff;  /* stages 1 and 2: the unit's place in the flat buffers */
+  /* Gathered parameters: stage 3, and stages 1-2 with bf16 parameters
+   * (there only while the gather after the update runs). */
+  int pstate;
+  float *pbuf;        /* N * s floats (stage 3) */
+  uint16_t *phalf;    /* bf16: N * s, what the all_gather fills */
+  uint16_t *psend;    /* bf16: s, this rank's slice rounded */
+  chorus_work_t pwork;
+  int64_t pt0;        /* when the gather was issued */
+  /* Gradient (stages 2 and 3: a working copy; stage 1: the flat buffer). */
+  int gstate;
+  float *gbuf;        /* N * s floats */
+  uint16_t *ghalf;    /* bf16 reduction: N * s (stage 1: c) */
+  void *rsout;        /* s elements of the reduce dtype */
+  chorus_work_t gwork;
+  long gseq;          /* order its reduction started in */
+  int reduced;        /* stage 1: its all_reduce of this step started */
+  int bwd_first, bwd_last; /* schedule positions of its backward uses */
+} unit_t;
+
+typedef struct {
+  int unit;
+  int needs[2], nneeds;
+  int backward;
+} use_t;
+
+struct chorus_fsdp {
+  chorus_comm_t comm;
+  chorus_gpt_t *model;
+  chorus_fsdp_config_t cfg;
+  int rank, size, nu;
+  unit_t *u;
+  size_t shard;              /* S: floats of the shard */
+  size_t flat;               /* padded floats of every unit */
+  float *pflat, *gflat;      /* stages 1-2: full parameters; stage 1: full gradients */
+  float *pshard;             /* master slices: stage 3, or bf16 parameters */
+  float *gshard;             /* stages 2-3: the shard's gradients */
+  use_t *sched;              /* forward then backward uses */
+  int nsched, pos, train;
+  int sync;
+  long gseq_next;
+  int reducing;              /* reductions in flight */
+  chorus_result_t error;
+  char why[256];
+  /* memory */
+  size_t work_bytes, work_peak, work_bound;
+  /* timing */
+  double comm_s, exposed_s;
+  chorus_fsdp_event_t *ev;
+  int nev;
+};
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void note_event(chorus_fsdp_t *f, int kind, int unit, int64_t t0, int64_t t1,
+                       size_t bytes) {
+  if (f->nev >= MAX_EVENTS || t1 < t0) return;
+  f->ev[f->nev++] = (chorus_fsdp_event_t){kind, unit, t0, t1, bytes};
+}
+
+/* Working buffers: counted, so the peak is known. */
+static void *work_alloc(chorus_fsdp_t *f, size_t bytes, int zero) {
+  void *p = zero ? calloc(1, bytes ? bytes : 1) : malloc(bytes ? bytes : 1);
+  if (!p) return NULL;
+  f->work_bytes += bytes;
+  if (f->work_bytes > f->work_peak) f->work_peak = f->work_bytes;
+  return p;
+}
+static void work_free(chorus_fsdp_t *f, void *p, size_t bytes) {
+  if (!p) return;
+  free(p);
+  f->work_bytes -= bytes;
+}
+
+static chorus_result_t set_error(chorus_fsdp_t *f, chorus_result_t st, const char *what,
+                                 int unit) {
+  if (f->error == CHORUS_OK) {
+    f->error = st;
+    snprintf(f->why, sizeof f->why, "rank %d: %s of unit %d: %s: %s", f->rank, what, unit,
+             chorus_result_name(st), chorus_comm_last_error(f->comm));
+  }
+  return fail(f->error, "chorus_fsdp: %s", f->why);
+}
+
+static chorus_dtype_t reduce_half(const chorus_fsdp_t *f) {
+  return f->cfg.reduce_dtype == CHORUS_BFLOAT16 ? CHORUS_BFLOAT16 : CHORUS_FLOAT32;
+}
+
+/* ------------------------------------------------------------- gathers */
+
+static chorus_result_t gather_start(chorus_fsdp_t *f, int v) {
+  unit_t *u = &f->u[v];
+  const size_t full = (size_t)f->size * u->s;
+  u->pbuf = work_alloc(f, full * sizeof(float), 0);
+  if (!u->pbuf) return set_error(f, CHORUS_ERR_NO_MEMORY, "gathering the parameters", v);
+  chorus_result_t st;
+  if (f->cfg.param_dtype == CHORUS_BFLOAT16) {
+    u->phalf = work_alloc(f, full * 2, 0);
+    u->psend = work_alloc(f, u->s * 2, 0);
+    if (!u->phalf || !u->psend)
+      return set_error(f, CHORUS_ERR_NO_MEMORY, "gathering the parameters", v);
+    chorus_convert(u->psend, CHORUS_BFLOAT16, f->pshard + u->soff, CHORUS_FLOAT32, u->s);
+    st = chorus_all_gather(f->comm, u->psend, u->phalf, u->s, CHORUS_BFLOAT16, &u->pwork);
+  } else {
+    st = chorus_all_gather(f->comm, f->pshard + u->soff, u->pbuf, u->s, CHORUS_FLOAT32,
+                           &u->pwork);
+  }
+  if (st != CHORUS_OK) return set_error(f, st, "all_gather of the parameters", v);
+  u->pstate = P_GATHERING;
+  u->pt0 = now_ns();
+  return CHORUS_OK;
+}
+
+static chorus_result_t gather_wait(chorus_fsdp_t *f, int v) {
+  unit_t *u = &f->u[v];
+  if (u->pstate == P_FREE) {
+    chorus_result_t st = gather_start(f, v);
+    if (st != CHORUS_OK) return st;
+  }
+  if (u->pstate == P_GATHERING) {
+    int64_t w0 = now_ns();
+    chorus_result_t st = chorus_work_wait(u->pwork, -1);
+    f->exposed_s += (double)(now_ns() - w0) / 1e9;
+    int64_t t0, t1;
+    chorus_work_timestamps(u->pwork, &t0, &t1);
+    f->comm_s += chorus_work_duration(u->pwork);
+    note_event(f, CHORUS_FSDP_GATHER, v, t0, t1, u->s * f->size * 4);
+    chorus_work_free(u->pwork);
+    u->pwork = NULL;
+    if (st != CHORUS_OK) return set_error(f, st, "all_gather of the parameters", v);
+    if (u->phalf) {
+      const size_t full = (size_t)f->size * u->s;
+      chorus_convert(u->pbuf, CHORUS_FLOAT32, u->phalf, CHORUS_BFLOAT16, full);
+      work_free(f, u->phalf, full * 2);
+      work_free(f, u->psend, u->s * 2);
+      u->phalf = u->psend = NULL;
+    }
+    u->pstate = P_READY;
+  }
+  return chorus_gpt_bind_unit(f->model, v, u->pbuf, f->u[v].gbuf ? f->u[v].gbuf : NULL);
+}
+
+static void gather_drop(chorus_fsdp_t *f, int v) {
+  unit_t *u = &f->u[v];
+  if (u->pstate == P_GATHERING) {
+    chorus_work_wait(u->pwork, -1); /* the buffers must outlive it */
+    chorus_work_free(u->pwork);
+    u->pwork = NULL;
+  }
+  const size_t full = (size_t)f->size * u->s;
+  work_free(f, u->pbuf, full * sizeof(float));
+  work_free(f, u->phalf, full * 2);
+  work_free(f, u->psend, u->s * 2);
+  u->pbuf = NULL;
+  u->phalf = u->psend = NULL;
+  u->pstate = P_FREE;
+  chorus_gpt_bind_unit(f->model, v, NULL, u->gbuf);
+}
+
+/* ---------------------------------------------------------- reductions */
+
+static chorus_result_t reduce_finish(chorus_fsdp_t *f, int v) {
+  unit_t *u = &f->u[v];
+  chorus_result_t st = chorus_work_wait(u->gwork, -1);
+  int64_t t0, t1;
+  chorus_work_timestamps(u->gwork, &t0, &t1);
+  f->comm_s += chorus_work_duration(u->gwork);
+  chorus_work_free(u->gwork);
+  u->gwork = NULL;
+  f->reducing--;
+  const int half = reduce_half(f) == CHORUS_BFLOAT16;
+  if (f->cfg.stage == 1) {
+    note_event(f, CHORUS_FSDP_ALL_REDUCE, v, t0, t1, u->count * (half ? 2 : 4));
+    if (st == CHORUS_OK && half)
+      chorus_convert(f->gflat + u->foff, CHORUS_FLOAT32, u->ghalf, CHORUS_BFLOAT16, u->count);
+    u->gstate = G_NONE;
+    return st == CHORUS_OK ? CHORUS_OK : set_error(f, st, "gradient all_reduce", v);
+  }
+  const size_t full = (size_t)f->size * u->s;
+  note_event(f, CHORUS_FSDP_REDUCE_SCATTER, v, t0, t1, full * (half ? 2 : 4));
+  if (st == CHORUS_OK) {
+    float *g = f->gshard + u->soff;
+    if (half) {
+      const uint16_t *h = u->rsout;
+      float x[1024];
+      for (size_t i = 0; i < u->s; i += 1024) {
+        size_t n = u->s - i < 1024 ? u->s - i : 1024;
+        chorus_convert(x, CHORUS_FLOAT32, h + i, CHORUS_BFLOAT16, n);
+        for (size_t j = 0; j < n; j++) g[i + j] += x[j];
+      }
+    } else {
+      const float *r = u->rsout;
+      for (size_t i = 0; i < u->s; i++) g[i] += r[i];
+    }
+  }
+  work_free(f, u->gbuf, full * sizeof(float));
+  work_free(f, u->ghalf, half ? full * 2 : 0);
+  work_free(f, u->rsout, u->s * (half ? 2 : 4));
+  u->gbuf = NULL;
+  u->ghalf = NULL;
+  u->rsout = NULL;
+  u->gstate = G_NONE;
+  chorus_gpt_bind_unit(f->model, v, u->pstate == P_READY ? u->pbuf : f->pflat ? f->pflat + u->foff
+                                                                              : NULL, NULL);
+  return st == CHORUS_OK ? CHORUS_OK : set_error(f, st, "gradient reduce_scatter", v);
+}
+
+/* Waits for the oldest reduction in flight. */
+static chorus_result_t reduce_oldest(chorus_fsdp_t *f) {
+  int best = -1;
+  for (int v = 0; v < f->nu; v++)
+    if (f->u[v].gstate == G_REDUCING && (best < 0 || f->u[v].gseq < f->u[best].gseq)) best = v;
+  return best < 0 ? CHORUS_OK : reduce_finish(f, best);
+}
+
+static chorus_result_t reduce_start(chorus_fsdp_t *f, int v) {
+  unit_t *u = &f->u[v];
+  while (f->cfg.stage >= 2 && f->reducing >= MAX_REDUCING) {
+    int64_t w0 = now_ns();
+    chorus_result_t st = reduce_oldest(f);
+    f->exposed_s += (double)(now_ns() - w0) / 1e9;
+    if (st != CHORUS_OK) return st;
+  }
+  const int half = reduce_half(f) == CHORUS_BFLOAT16;
+  chorus_result_t st;
+  if (f->cfg.stage == 1) {
+    float *g = f->gflat + u->foff;
+    u->reduced = 1;
+    if (half) {
+      chorus_convert(u->ghalf, CHORUS_BFLOAT16, g, CHORUS_FLOAT32, u->count);
+      st = chorus_all_reduce(f->comm, u->ghalf, u->ghalf, u->count, CHORUS_BFLOAT16, CHORUS_AVG,
+                             &u->gwork);
+    } else {
+      st = chorus_all_reduce(f->comm, g, g, u->count, CHORUS_FLOAT32, CHORUS_AVG, &u->gwork);
+    }
+  } else {
+    const size_t full = (size_t)f->size * u->s;
+    u->rsout = work_alloc(f, u->s * (half ? 2 : 4), 0);
+    if (!u->rsout) return set_error(f, CHORUS_ERR_NO_MEMORY, "reducing the gradients", v);
+    if (half) {
+      u->ghalf = work_alloc(f, full * 2, 0);
+      if (!u->ghalf) return set_error(f, CHORUS_ERR_NO_MEMORY, "reducing the gradients", v);
+      chorus_convert(u->ghalf, CHORUS_BFLOAT16, u->gbuf, CHORUS_FLOAT32, full);
+      st = chorus_reduce_scatter(f->comm, u->ghalf, u->rsout, u->s, CHORUS_BFLOAT16, CHORUS_AVG,
+                                 &u->gwork);
+    } else {
+      st = chorus_reduce_scatter(f->comm, u->gbuf, u->rsout, u->s, CHORUS_FLOAT32, CHORUS_AVG,
+                                 &u->gwork);
+    }
+  }
+  if (st != CHORUS_OK)
+    return set_error(f, st, f->cfg.stage == 1 ? "gradient all_reduce" : "gradient reduce_scatter",
+                     v);
+  u->gstate = G_REDUCING;
+  u->gseq = f->gseq_next++;
+  f->reducing++;
+  return CHORUS_OK;
+}
+
+/* Finishes the reductions that are done, without waiting. */
+static chorus_result_t reduce_poll(chorus_fsdp_t *f) {
+  for (int v = 0; v < f->nu; v++)
+    if (f->u[v].gstate == G_REDUCING && chorus_work_test(f->u[v].gwork) != CHORUS_INPROGRESS) {
+      chorus_result_t st = reduce_finish(f, v);
+      if (st != CHORUS_OK) return st;
+    }
+  return CHORUS_OK;
+}
+
+/* ------------------------------------------------------------ schedule */
+
+/* Position of the next use of unit v after position i in this pass; -1
+ * when none. */
+static int next_use(const chorus_fsdp_t *f, int v, int i) {
+  int end = f->train ? f->nsched : f->nu;
+  for (int j = i + 1; j < end; j++)
+    for (int k = 0; k < f->sched[j].nneeds; k++)
+      if (f->sched[j].needs[k] == v) return j;
+  return -1;
+}
+
+static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int train) {
+  chorus_fsdp_t *f = arg;
+  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: failed before: %s", f->why);
+  const int bwd = ev == CHORUS_GPT_BACKWARD_BEGIN || ev == CHORUS_GPT_BACKWARD_END;
+  const int begin = ev == CHORUS_GPT_FORWARD_BEGIN || ev == CHORUS_GPT_BACKWARD_BEGIN;
+  const int i = bwd ? f->nu + (f->nu - 1 - unit) : unit;
+  const use_t *use = &f->sched[i];
+  f->pos = i;
+  chorus_result_t st = CHORUS_OK;
+  int64_t t = now_ns();
+  if (ev == CHORUS_GPT_FORWARD_BEGIN && unit == 0) {
+    /* A new pass.  A forward with targets whose backward never came
+     * (validation) leaves the backward's first units held: let go of
+     * what this pass's window does not need, so the bound holds. */
+    f->train = train;
+    for (int v = 0; v < f->nu && f->cfg.stage == 3; v++) {
+      int want = 0;
+      for (int j = 0; j <= f->cfg.prefetch && j < f->nu; j++)
+        for (int k = 0; k < f->sched[j].nneeds; k++) want |= f->sched[j].needs[k] == v;
+      if (!want && f->u[v].pstate != P_FREE) gather_drop(f, v);
+    }
+  }
+  if (begin) {
+    if (f->cfg.stage == 3) {
+      int end = f->train ? f->nsched : f->nu;
+      for (int j = i; j <= i + f->cfg.prefetch && j < end && st == CHORUS_OK; j++)
+        for (int k = 0; k < f->sched[j].nneeds && st == CHORUS_OK; k++)
+          if (f->u[f->sched[j].needs[k]].pstate == P_FREE)
+            st = gather_start(f, f->sched[j].needs[k]);
+      for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) st = gather_wait(f, use->needs[k]);
+    }
+    if (bwd && f->cfg.stage >= 2)
+      for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) {
+        unit_t *u = &f->u[use->needs[k]];
+        if (u->gstate != G_NONE) continue;
+        u->gbuf = work_alloc(f, (size_t)f->size * u->s * sizeof(float), 1);
+        if (!u->gbuf) {
+          st = set_error(f, CHORUS_ERR_NO_MEMORY, "holding the gradients", use->needs[k]);
+          break;
+        }
+        u->gstate = G_HELD;
+        st = chorus_gpt_bind_unit(f->model, use->needs[k],
+                                  u->pstate == P_READY ? u->pbuf
+                                  : f->pflat ? f->pflat + u->foff : NULL, u->gbuf);
+      }
+    if (st == CHORUS_OK && f->cfg.stage >= 2) st = reduce_poll(f);
+    if (st == CHORUS_OK) note_event(f, bwd ? CHORUS_FSDP_BACKWARD : CHORUS_FSDP_FORWARD, unit,
+                                    t, t, 0);
+    return st;
+  }
+  /* The end of use i: close its compute event. */
+  for (int e = f->nev - 1; e >= 0; e--)
+    if (f->ev[e].unit == unit && f->ev[e].kind == (bwd ? CHORUS_FSDP_BACKWARD : CHORUS_FSDP_FORWARD)) {
+      f->ev[e].end_ns = t;
+      break;
+    }
+  if (bwd) {
+    for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) {
+      int v = use->needs[k];
+      if (f->u[v].bwd_last != i) continue; /* more of its gradient comes later */
+      if (f->cfg.stage == 1 && (!f->sync || !f->cfg.overlap)) continue;
+      if (f->cfg.stage >= 2 && !f->cfg.overlap) continue;
+      st = reduce_start(f, v);
+    }
+  }
+  if (f->cfg.stage == 3)
+    for (int k = 0; k < use->nneeds; k++) {
+      int v = use->needs[k], n = next_use(f, v, i);
+      if (n < 0 || n > i + 1 + f->cfg.prefetch) gather_drop(f, v);
+    }
+  return st;
+}
+
+/* -------------------------------------------------------------- create */
+
+chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint64_t seed,
+                                   const chorus_fsdp_config_t *cfg, chorus_fsdp_t **out) {
+  static const chorus_fsdp_config_t defaults = CHORUS_FSDP_CONFIG_DEFAULT;
+  if (!out) return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: out is NULL");
+  *out = NULL;
+  const chorus_fsdp_config_t c = cfg ? *cfg : defaults;
+  if (!comm || !model || c.stage < 1 || c.stage > 3 || c.prefetch < 0 ||
+      (c.reduce_dtype != CHORUS_FLOAT32 && c.reduce_dtype != CHORUS_BFLOAT16) ||
+      (c.param_dtype != CHORUS_FLOAT32 && c.param_dtype != CHORUS_BFLOAT16))
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: bad arguments (stage %d: 1, 2 or "
+                "3; prefetch %d >= 0; dtypes float32 or bfloat16)", c.stage, c.prefetch);
+  if (chorus_gpt_params(model))
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: the model holds its own parameters; "
+                "make it with chorus_gpt_create_ex(..., CHORUS_GPT_EXTERNAL, ...) so that the "
+                "runtime places them");
+  /* Every rank must start from the same weights: the same seed. */
+  const int64_t s_hi = (int64_t)(seed >> 32), s_lo = (int64_t)(seed & 0xffffffffu);
+  int64_t mine[4] = {s_hi, -s_hi, s_lo, -s_lo}, agreed[4]; /* max and -min of both halves */
+  chorus_result_t st =
+      chorus_all_reduce(comm, mine, agreed, 4, CHORUS_INT64, CHORUS_MAX, NULL);
+  if (st != CHORUS_OK)
+    return fail(st, "chorus_fsdp_create: rank %d: agreeing on the seed: %s",
+                chorus_comm_rank(comm), chorus_comm_last_error(comm));
+  if (memcmp(agreed, mine, sizeof mine))
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: rank %d: the ranks were given "
+                "different seeds (this one %llu): every rank must initialise the same model",
+                chorus_comm_rank(comm), (unsigned long long)seed);
+  chorus_fsdp_t *f = calloc(1, sizeof *f);
+  if (!f) return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
+  f->comm = comm;
+  f->model = model;
+  f->cfg = c;
+  f->rank = chorus_comm_rank(comm);
+  f->size = chorus_comm_size(comm);
+  f->nu = chorus_gpt_num_units(model);
+  f->sync = 1;
+  f->u = calloc((size_t)f->nu, sizeof *f->u);
+  f->nsched = 2 * f->nu;
+  f->sched = calloc((size_t)f->nsched, sizeof *f->sched);
+  f->ev = calloc(MAX_EVENTS, sizeof *f->ev);
+  if (!f->u || !f->sched || !f->ev) goto oom;
+  const size_t N = (size_t)f->size;
+  for (int v = 0; v < f->nu; v++) {
+    const chorus_gpt_unit_t *gu = chorus_gpt_unit(model, v);
+    unit_t *u = &f->u[v];
+    u->count = gu->size;
+    u->off = gu->offset;
+    u->s = (gu->size + N - 1) / N;
+    u->soff = f->shard;
+    u->foff = f->flat;
+    f->shard += u->s;
+    f->flat += N * u->s;
+  }
+  /* The schedule: forward 0..U-1, backward U-1..0; the last unit needs 0. */
+  for (int i = 0; i < f->nsched; i++) {
+    use_t *use = &f->sched[i];
+    use->backward = i >= f->nu;
+    use->unit = use->backward ? 2 * f->nu - 1 - i : i;
+    use->needs[use->nneeds++] = use->unit;
+    if (use->unit == f->nu - 1) use->needs[use->nneeds++] = 0;
+  }
+  for (int v = 0; v < f->nu; v++) f->u[v].bwd_first = f->u[v].bwd_last = -1;
+  for (int i = f->nu; i < f->nsched; i++)
+    for (int k = 0; k < f->sched[i].nneeds; k++) {
+      unit_t *u = &f->u[f->sched[i].needs[k]];
+      if (u->bwd_first < 0) u->bwd_first = i;
+      u->bwd_last = i;
+    }
+  /* Storage, and the initial values of what this rank keeps. */
+  const int master = c.stage == 3 || c.param_dtype == CHORUS_BFLOAT16;
+  if (c.stage <= 2) {
+    f->pflat = calloc(f->flat ? f->flat : 1, sizeof(float));
+    if (!f->pflat) goto oom;
+    for (int v = 0; v < f->nu; v++) {
+      unit_t *u = &f->u[v];
+      chorus_gpt_init_range(model, seed, u->off, u->count, f->pflat + u->foff);
+    }
+  }
+  if (c.stage == 1) {
+    f->gflat = calloc(f->flat ? f->flat : 1, sizeof(float));
+    if (!f->gflat) goto oom;
+    if (c.reduce_dtype == CHORUS_BFLOAT16)
+      for (int v = 0; v < f->nu; v++)
+        if (!(f->u[v].ghalf = malloc(2 * (f->u[v].count ? f->u[v].count : 1)))) goto oom;
+  } else {
+    f->gshard = calloc(f->shard ? f->shard : 1, sizeof(float));
+    if (!f->gshard) goto oom;
+  }
+  if (master) {
+    f->pshard = calloc(f->shard ? f->shard : 1, sizeof(float));
+    if (!f->pshard) goto oom;
+    for (int v = 0; v < f->nu; v++) {
+      unit_t *u = &f->u[v];
+      size_t lo = (size_t)f->rank * u->s, hi = lo + u->s < u->count ? lo + u->s : u->count;
+      if (lo < hi) chorus_gpt_init_range(model, seed, u->off + lo, hi - lo, f->pshard + u->soff);
+    }
+  }
+  if (c.stage <= 2 && c.param_dtype == CHORUS_BFLOAT16) /* compute on rounded values */
+    for (int v = 0; v < f->nu; v++) {
+      float *p = f->pflat + f->u[v].foff;
+      for (size_t i = 0; i < f->u[v].count; i++) {
+        uint16_t h;
+        chorus_convert(&h, CHORUS_BFLOAT16, &p[i], CHORUS_FLOAT32, 1);
+        chorus_convert(&p[i], CHORUS_FLOAT32, &h, CHORUS_BFLOAT16, 1);
+      }
+    }
+  for (int v = 0; v < f->nu; v++)
+    chorus_gpt_bind_unit(model, v, f->pflat ? f->pflat + f->u[v].foff : NULL,
+                         f->gflat ? f->gflat + f->u[v].foff : NULL);
+  /* The most the working buffers can hold at once (for --mem-cap): walk
+   * the schedule as the hook would. */
+  {
+    const int K = c.stage == 3 ? c.prefetch : 0;
+    size_t biggest = 0;
+    for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;
+    size_t pb = 0;
+    if (c.stage == 3) {
+      const size_t per = N * (sizeof(float) + (c.param_dtype == CHORUS_BFLOAT16 ? 2 : 0)) + 2;
+      for (int i = 0; i < f->nsched; i++) {
+        size_t sum = 0;
+        int seen[64] = {0}, nseen = 0;
+        for (int j = i; j <= i + K + 1 && j < f->nsched; j++)
+          for (int k = 0; k < f->sched[j].nneeds; k++) {
+            int v = f->sched[j].needs[k], dup = 0;
+            for (int q = 0; q < nseen; q++) dup |= seen[q] == v;
+            if (dup || nseen == 64) continue;
+            seen[nseen++] = v;
+            sum += f->u[v].s * per;
+          }
+        if (sum > pb) pb = sum;
+      }
+    }
+    /* Gradients: unit 0 held through backward, the one computing, and the
+     * reductions in flight (each with its output and bf16 copy). */
+    size_t gb = 0;
+    if (c.stage >= 2) {
+      const size_t half = c.reduce_dtype == CHORUS_BFLOAT16;
+      const size_t per = N * (sizeof(float) + 2 * half) + (half ? 2 : 4);
+      gb = (f->u[0].s + (MAX_REDUCING + 1) * biggest) * per;
+    }
+    f->work_bound = pb + gb;
+  }
+  chorus_gpt_set_unit_hook(model, on_event, f);
+  *out = f;
+  return CHORUS_OK;
+oom:
+  chorus_fsdp_destroy(f);
+  return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
+}
+
+void chorus_fsdp_destroy(chorus_fsdp_t *f) {
+  if (!f) return;
+  if (f->model) chorus_gpt_set_unit_hook(f->model, NULL, NULL);
+  for (int v = 0; f->u && v < f->nu; v++) {
+    unit_t *u = &f->u[v];
+    if (u->pwork) chorus_work_wait(u->pwork, -1), chorus_work_free(u->pwork);
+    if (u->gwork) chorus_work_wait(u->gwork, -1), chorus_work_free(u->gwork);
+    free(u->pbuf), free(u->phalf), free(u->psend), free(u->gbuf), free(u->ghalf), free(u->rsout);
+    if (f->model) chorus_gpt_bind_unit(f->model, v, NULL, NULL);
+  }
+  free(f->u);
+  free(f->sched);
+  free(f->ev);
+  free(f->pflat), free(f->gflat), free(f->pshard), free(f->gshard);
+  free(f);
+}
+
+/* ---------------------------------------------------------------- step */
+
+size_t chorus_fsdp_shard_size(const chorus_fsdp_t *f) { return f->shard; }
+int chorus_fsdp_num_slices(const chorus_fsdp_t *f) { return f->nu; }
+
+void chorus_fsdp_slice(chorus_fsdp_t *f, int i, float **params, float **grads, size_t *n,
+                       size_t *state_off) {
+  const unit_t *u = &f->u[i];
+  const size_t mine = (size_t)f->rank * u->s;
+  *params = f->pshard ? f->pshard + u->soff : f->pflat + u->foff + mine;
+  *grads = f->gshard ? f->gshard + u->soff : f->gflat + u->foff + mine;
+  *n = u->s;
+  *state_off = u->soff;
+}
+
+void chorus_fsdp_set_sync(chorus_fsdp_t *f, int sync) { f->sync = sync != 0; }
+
+void chorus_fsdp_zero_grad(chorus_fsdp_t *f) {
+  if (f->gflat) memset(f->gflat, 0, f->flat * sizeof(float));
+  if (f->gshard) memset(f->gshard, 0, f->shard * sizeof(float));
+  f->nev = 0;
+  f->comm_s = f->exposed_s = 0;
+}
+
+chorus_result_t chorus_fsdp_wait(chorus_fsdp_t *f) {
+  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: %s", f->why);
+  int64_t w0 = now_ns();
+  chorus_result_t st = CHORUS_OK;
+  /* What did not start during backward starts now, in backward's order. */
+  for (int i = f->nu; i < f->nsched && st == CHORUS_OK; i++)
+    for (int k = 0; k < f->sched[i].nneeds && st == CHORUS_OK; k++) {
+      int v = f->sched[i].needs[k];
+      unit_t *u = &f->u[v];
+      if (u->bwd_last != i) continue;
+      if (f->cfg.stage == 1 ? f->sync && !u->reduced : u->gstate == G_HELD)
+        st = reduce_start(f, v);
+    }
+  while (st == CHORUS_OK && f->reducing > 0) st = reduce_oldest(f);
+  /* No gather may still read the shard when the optimizer writes it. */
+  for (int v = 0; v < f->nu && st == CHORUS_OK; v++)
+    if (f->u[v].pstate == P_GATHERING) st = gather_wait(f, v);
+  for (int v = 0; v < f->nu; v++) f->u[v].reduced = 0;
+  f->exposed_s += (double)(now_ns() - w0) / 1e9;
+  return st;
+}
+
+chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f) {
+  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: %s", f->why);
+  if (f->cfg.stage == 3) { /* every gathered copy is stale now */
+    for (int v = 0; v < f->nu; v++)
+      if (f->u[v].pstate != P_FREE) gather_drop(f, v);
+    return CHORUS_OK;
+  }
+  /* Stages 1-2: every unit's slices go to every rank, all in flight at
+   * once (fp32: in place in the flat buffer). */
+  const int half = f->cfg.param_dtype == CHORUS_BFLOAT16;
+  chorus_result_t st = CHORUS_OK;
+  int started = 0;
+  for (int v = 0; v < f->nu && st == CHORUS_OK; v++, started++) {
+    unit_t *u = &f->u[v];
+    float *full = f->pflat + u->foff;
+    if (!half) {
+      st = chorus_all_gather(f->comm, full + (size_t)f->rank * u->s, full, u->s, CHORUS_FLOAT32,
+                             &u->pwork);
+    } else {
+      u->phalf = work_alloc(f, (size_t)f->size * u->s * 2, 0);
+      u->psend = work_alloc(f, u->s * 2, 0);
+      if (!u->phalf || !u->psend) {
+        st = CHORUS_ERR_NO_MEMORY;
+        break;
+      }
+      chorus_convert(u->psend, CHORUS_BFLOAT16, f->pshard + u->soff, CHORUS_FLOAT32, u->s);
+      st = chorus_all_gather(f->comm, u->psend, u->phalf, u->s, CHORUS_BFLOAT16, &u->pwork);
+    }
+    if (st != CHORUS_OK) break;
+  }
+  chorus_result_t first = st;
+  int bad = -1;
+  for (int v = 0; v < f->nu; v++) {
+    unit_t *u = &f->u[v];
+    if (u->pwork) {
+      chorus_result_t w = chorus_work_wait(u->pwork, -1);
+      int64_t t0, t1;
+      chorus_work_timestamps(u->pwork, &t0, &t1);
+      f->comm_s += chorus_work_duration(u->pwork);
+      note_event(f, CHORUS_FSDP_GATHER, v, t0, t1, (size_t)f->size * u->s * (half ? 2 : 4));
+      chorus_work_free(u->pwork);
+      u->pwork = NULL;
+      if (w != CHORUS_OK && first == CHORUS_OK) first = w, bad = v;
+      if (w == CHORUS_OK && half)
+        chorus_convert(f->pflat + u->foff, CHORUS_FLOAT32, u->phalf, CHORUS_BFLOAT16, u->count);
+    }
+    work_free(f, u->phalf, (size_t)f->size * u->s * 2);
+    work_free(f, u->psend, u->s * 2);
+    u->phalf = u->psend = NULL;
+  }
+  (void)started;
+  return first == CHORUS_OK ? CHORUS_OK
+                            : set_error(f, first, "all_gather of the updated parameters",
+                                        bad < 0 ? 0 : bad);
+}
+
+chorus_result_t chorus_fsdp_full_params(chorus_fsdp_t *f, float *dst, int root) {
+  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: %s", f->why);
+  const int me = f->rank == root;
+  size_t biggest = 0;
+  for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;
+  float *tmp = me ? malloc((size_t)f->size * biggest * sizeof(float) + 1) : NULL;
+  if (me && !tmp) return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_full_params: out of memory");
+  chorus_result_t st = CHORUS_OK;
+  for (int v = 0; v < f->nu && st == CHORUS_OK; v++) {
+    const unit_t *u = &f->u[v];
+    const float *slice = f->pshard ? f->pshard + u->soff
+                                   : f->pflat + u->foff + (size_t)f->rank * u->s;
+    st = chorus_gather(f->comm, slice, tmp, u->s, CHORUS_FLOAT32, root, NULL);
+    if (st == CHORUS_OK && me) memcpy(dst + u->off, tmp, u->count * sizeof(float));
+  }
+  free(tmp);
+  return st == CHORUS_OK ? CHORUS_OK : set_error(f, st, "gathering the full parameters", 0);
+}
+
+void chorus_fsdp_get_stats(const chorus_fsdp_t *f, chorus_fsdp_stats_t *s) {
+  memset(s, 0, sizeof *s);
+  s->stage = f->cfg.stage;
+  s->shard_floats = f->shard;
+  s->comm_s = f->comm_s;
+  s->exposed_s = f->exposed_s;
+  s->param_bytes = (f->pflat ? f->flat * sizeof(float) : 0) +
+                   (f->pshard ? f->shard * sizeof(float) : 0);
+  s->grad_bytes = f->gflat ? f->flat * sizeof(float) : f->shard * sizeof(float);
+  if (f->cfg.stage == 1 && f->cfg.reduce_dtype == CHORUS_BFLOAT16)
+    for (int v = 0; v < f->nu; v++) s->grad_bytes += f->u[v].count * 2;
+  s->work_bytes = f->work_bytes;
+  s->work_peak = f->work_peak;
+  s->work_bound = f->work_bound;
+  s->events = f->nev;
+}
+
+const chorus_fsdp_event_t *chorus_fsdp_event(const chorus_fsdp_t *f, int i) {
+  return i >= 0 && i < f->nev ? &f->ev[i] : NULL;
+}
