@@ -46,7 +46,7 @@ chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 #define fail chorus__train_fail
 
-enum { MAX_REDUCING = 2, MAX_EVENTS = 4096 };
+enum { MAX_REDUCING = 1, MAX_EVENTS = 4096 };
 enum { P_FREE, P_GATHERING, P_READY };
 enum { G_NONE, G_HELD, G_REDUCING };
 
@@ -340,6 +340,17 @@ static int next_use(const chorus_fsdp_t *f, int v, int i) {
   return -1;
 }
 
+/* Issues the gathers of uses from..from+K that are not held yet, in
+ * schedule order. */
+static chorus_result_t prefetch(chorus_fsdp_t *f, int from) {
+  const int end = f->train ? f->nsched : f->nu;
+  chorus_result_t st = CHORUS_OK;
+  for (int j = from; j <= from + f->cfg.prefetch && j < end && st == CHORUS_OK; j++)
+    for (int k = 0; k < f->sched[j].nneeds && st == CHORUS_OK; k++)
+      if (f->u[f->sched[j].needs[k]].pstate == P_FREE) st = gather_start(f, f->sched[j].needs[k]);
+  return st;
+}
+
 static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int train) {
   chorus_fsdp_t *f = arg;
   if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: failed before: %s", f->why);
@@ -364,11 +375,7 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
   }
   if (begin) {
     if (f->cfg.stage == 3) {
-      int end = f->train ? f->nsched : f->nu;
-      for (int j = i; j <= i + f->cfg.prefetch && j < end && st == CHORUS_OK; j++)
-        for (int k = 0; k < f->sched[j].nneeds && st == CHORUS_OK; k++)
-          if (f->u[f->sched[j].needs[k]].pstate == P_FREE)
-            st = gather_start(f, f->sched[j].needs[k]);
+      st = prefetch(f, i);
       for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) st = gather_wait(f, use->needs[k]);
     }
     if (bwd && f->cfg.stage >= 2)
@@ -397,6 +404,9 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
       break;
     }
   if (bwd) {
+    /* The next uses' gathers go out before this unit's reduction, so they
+     * are not queued behind it (FSDP's backward prefetch). */
+    if (f->cfg.stage == 3) st = prefetch(f, i + 1);
     for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) {
       int v = use->needs[k];
       if (f->u[v].bwd_last != i) continue; /* more of its gradient comes later */
