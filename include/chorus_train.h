@@ -462,6 +462,51 @@ CHORUS_API void chorus_trainer_begin_step(chorus_trainer_t *t);
 CHORUS_API chorus_result_t chorus_trainer_micro_step(chorus_trainer_t *t, const int *tokens,
                                                      const int *targets, int B, int T,
                                                      float weight, int last, float *loss);
+/* The communicator (NULL when detached) and the stage (0 for DDP). */
+CHORUS_API chorus_comm_t chorus_trainer_comm(chorus_trainer_t *t);
+CHORUS_API int chorus_trainer_shard(const chorus_trainer_t *t);
+/* After writing new master weights into chorus_trainer_master (shard 0) or
+ * the slices (chorus_fsdp_slice): brings every copy up to date (bf16
+ * rounding, stages 1-2's full parameters, stage 3's gathered units).  A
+ * collective when sharded. */
+CHORUS_API chorus_result_t chorus_trainer_weights_changed(chorus_trainer_t *t);
+
+/* Checkpoints of a run, at any stage, resumable at any stage on any number
+ * of ranks (a collective).  dir/ckpt-<step, 9 digits>/ gets one file per
+ * rank, shard-<r>-of-<N>.bin -- global ranges of the parameter layout, each
+ * with its master weights and optimizer state: a rank's slices when
+ * sharded, a 1/N share of everything under DDP, so every rank writes at
+ * once -- and index.bin, written last by rank 0 with each file's size and
+ * checksum and the caller's extra bytes.  Every file is written to a
+ * temporary name, fsynced and renamed; a checkpoint exists once its index
+ * does.  Then all but the newest keep complete checkpoints are removed,
+ * and incomplete older ones.  A shared filesystem is assumed. */
+CHORUS_API chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
+                                               const void *extra, size_t extra_len, int keep);
+typedef struct chorus_ckpt_info {
+  int world;   /* ranks that wrote it; 0 for a single file */
+  int stage;   /* their stage */
+  int sharded; /* 1: dir/ckpt-N/, 0: dir/ckpt-N.bin (chorus_ckpt_save, an export) */
+} chorus_ckpt_info_t;
+/* Loads the newest usable checkpoint of dir -- sharded, or the single
+ * file of chorus_ckpt_save / chorus_trainer_export -- whatever the world
+ * and stage that wrote it: each rank reads the ranges it needs from every
+ * file, checksumming each file whole, and nothing changes on any rank
+ * until every rank has all it needs; a torn, foreign or mismatched one is
+ * reported and the previous one tried (rank 0's list decides, every rank
+ * follows).  *step = -1 and CHORUS_OK when none is usable.  The optimizer
+ * must be of the same kind as the one that wrote it. */
+CHORUS_API chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *step,
+                                               void *extra, size_t extra_cap, size_t *extra_len,
+                                               chorus_ckpt_info_t *info);
+/* The whole state in chorus_ckpt_save's single-file format at path (a
+ * collective): rank 0 writes it, gathering one unit of one array at a time,
+ * so it never holds the whole optimizer state.  Loadable by
+ * chorus_ckpt_load in a program of one process, and by chorus_trainer_load
+ * at any stage (as dir/ckpt-<step>.bin). */
+CHORUS_API chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, long step,
+                                                 const void *extra, size_t extra_len);
+
 /* When the last micro_step's forward started, its backward started and
  * ended (CLOCK_MONOTONIC ns). */
 CHORUS_API void chorus_trainer_pass_times(const chorus_trainer_t *t, int64_t ns[3]);

@@ -19,32 +19,15 @@
 #include <unistd.h>
 
 #include "chorus_train.h"
-
-#define CK_MAGIC 0x6b637375726f6863ull /* "chorusck" */
-#define CK_VERSION 1u
-
-typedef struct {
-  uint64_t magic;
-  uint32_t version, header;
-  int64_t step;
-  int32_t shape[5], pad;
-  uint64_t nparams, optbytes, extrabytes;
-} ck_header_t;
+#include "train/ckpt.h"
 
 /* gpt.c's error recorder (one per thread). */
 chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n) {
-  const unsigned char *b = p;
-  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-  return h;
-}
-#define FNV0 0xcbf29ce484222325ull
-
-static int write_all(int fd, const void *p, size_t n, uint64_t *h) {
+int chorus__ckpt_write_all(int fd, const void *p, size_t n, uint64_t *h) {
   const char *c = p;
-  *h = fnv(*h, p, n);
+  *h = chorus__fnv(*h, p, n);
   while (n) {
     ssize_t w = write(fd, c, n);
     if (w < 0 && errno == EINTR) continue;
@@ -55,7 +38,7 @@ static int write_all(int fd, const void *p, size_t n, uint64_t *h) {
   return 0;
 }
 
-static void shape_of(const chorus_gpt_t *m, int32_t s[5]) {
+void chorus__ckpt_shape(const chorus_gpt_t *m, int32_t s[5]) {
   const chorus_gpt_config_t *c = chorus_gpt_config(m);
   s[0] = c->vocab, s[1] = c->ctx, s[2] = c->layers, s[3] = c->heads, s[4] = c->channels;
 }
@@ -117,14 +100,14 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
   chorus_optim_state_save(o, opt);
   ck_header_t h = {CK_MAGIC, CK_VERSION, sizeof h, step, {0}, 0, chorus_gpt_num_params(m),
                    optbytes, extra_len};
-  shape_of(m, h.shape);
+  chorus__ckpt_shape(m, h.shape);
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   uint64_t sum = FNV0;
-  int bad = fd < 0 || write_all(fd, &h, sizeof h, &sum) ||
-            write_all(fd, chorus_gpt_params(m), sizeof(float) * h.nparams, &sum) ||
-            write_all(fd, opt, optbytes, &sum) || (extra_len && write_all(fd, extra, extra_len, &sum));
+  int bad = fd < 0 || chorus__ckpt_write_all(fd, &h, sizeof h, &sum) ||
+            chorus__ckpt_write_all(fd, chorus_gpt_params(m), sizeof(float) * h.nparams, &sum) ||
+            chorus__ckpt_write_all(fd, opt, optbytes, &sum) || (extra_len && chorus__ckpt_write_all(fd, extra, extra_len, &sum));
   uint64_t dummy = FNV0, final_sum = sum;
-  bad = bad || write_all(fd, &final_sum, sizeof final_sum, &dummy) || fsync(fd) != 0;
+  bad = bad || chorus__ckpt_write_all(fd, &final_sum, sizeof final_sum, &dummy) || fsync(fd) != 0;
   int err = errno;
   free(opt);
   if (fd >= 0 && close(fd) != 0 && !bad) bad = 1, err = errno;
@@ -157,7 +140,7 @@ static int load_one(const char *path, chorus_gpt_t *m, chorus_optim_t *o, void *
   if (!f) return -1;
   ck_header_t h;
   int32_t shape[5];
-  shape_of(m, shape);
+  chorus__ckpt_shape(m, shape);
   int ok = fread(&h, sizeof h, 1, f) == 1 && h.magic == CK_MAGIC && h.version == CK_VERSION &&
            h.header == sizeof h && !memcmp(h.shape, shape, sizeof shape) &&
            h.nparams == chorus_gpt_num_params(m) && h.optbytes == chorus_optim_state_size(o) &&
@@ -170,7 +153,7 @@ static int load_one(const char *path, chorus_gpt_t *m, chorus_optim_t *o, void *
        fread(&stored, sizeof stored, 1, f) == 1;
   fclose(f);
   if (ok) {
-    sum = fnv(fnv(sum, &h, sizeof h), buf, pbytes + h.optbytes + h.extrabytes);
+    sum = chorus__fnv(chorus__fnv(sum, &h, sizeof h), buf, pbytes + h.optbytes + h.extrabytes);
     ok = sum == stored;
   }
   if (ok) ok = chorus_optim_state_load(o, buf + pbytes, h.optbytes) == CHORUS_OK;

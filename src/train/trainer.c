@@ -177,6 +177,14 @@ chorus_result_t chorus_trainer_set_comm(chorus_trainer_t *t, chorus_comm_t comm)
 }
 
 chorus_gpt_t *chorus_trainer_model(chorus_trainer_t *t) { return t->m; }
+chorus_comm_t chorus_trainer_comm(chorus_trainer_t *t) { return t->comm; }
+int chorus_trainer_shard(const chorus_trainer_t *t) { return t->cfg.shard; }
+
+chorus_result_t chorus_trainer_weights_changed(chorus_trainer_t *t) {
+  if (t->fsdp) return chorus_fsdp_sync_params(t->fsdp);
+  if (t->master) round_bf16(chorus_gpt_params(t->m), t->master, t->np);
+  return CHORUS_OK;
+}
 chorus_optim_t *chorus_trainer_optim(chorus_trainer_t *t) { return t->opt; }
 chorus_ddp_t *chorus_trainer_ddp(chorus_trainer_t *t) { return t->ddp; }
 chorus_fsdp_t *chorus_trainer_fsdp(chorus_trainer_t *t) { return t->fsdp; }

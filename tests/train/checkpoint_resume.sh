@@ -33,7 +33,7 @@ train_run straight 2 -- --batch 2 --dump "$tmp/straight"
 # Stop after 10 steps (checkpoint), then resume to 20.
 train_run first 2 -- --batch 2 --checkpoint-dir "$tmp/ck1" --stop-after 10
 train_run second 2 -- --batch 2 --checkpoint-dir "$tmp/ck1" --dump "$tmp/resumed"
-has "the second run resumed at step 10" second "resumed from .*ckpt-000000010.bin"
+has "the second run resumed at step 10" second "resumed from .*ckpt-000000010 "
 check "stop + resume is bit-exact" straight resumed 0
 # 4 ranks x 1 for 10 steps, then 2 ranks x 2: the same global batches.
 train_run four 4 -- --batch 1 --checkpoint-dir "$tmp/ck2" --stop-after 10
@@ -45,16 +45,17 @@ train_run elastic 2 --max-restarts 1 -- --batch 2 --checkpoint-dir "$tmp/ck3" \
   --checkpoint-every 5 --kill-at 12 --dump "$tmp/elastic"
 has "the worker was killed" elastic "rank 1 kills itself at step 12"
 has "chorusrun restarted the group" elastic "restarting the group"
-has "the restart resumed from step 10" elastic "resumed from .*ckpt-000000010.bin"
+has "the restart resumed from step 10" elastic "resumed from .*ckpt-000000010 "
 check "the restarted job ends with the uninterrupted weights" straight elastic 0
 # Keep: only the newest 2 remain of 4 written.
 train_run keep 1 -- --batch 4 --checkpoint-dir "$tmp/ck4" --checkpoint-every 5 --keep 2
-n=$(ls "$tmp/ck4" | grep -c '^ckpt-.*\.bin$')
-if [ "$n" -eq 2 ] && [ -e "$tmp/ck4/ckpt-000000020.bin" ]; then echo "ok   --keep 2 keeps the newest 2"
+n=$(ls "$tmp/ck4" | grep -c '^ckpt-[0-9]*$')
+if [ "$n" -eq 2 ] && [ -e "$tmp/ck4/ckpt-000000020/index.bin" ]; then echo "ok   --keep 2 keeps the newest 2"
 else echo "FAIL --keep 2 left $n files"; fails=$((fails + 1)); fi
 # A torn newest checkpoint: the older one is used.
-truncate -s 1000 "$tmp/ck4/ckpt-000000020.bin"
+truncate -s 1000 "$tmp/ck4/ckpt-000000020/shard-00000-of-00001.bin"
 train_run torn 1 -- --batch 4 --checkpoint-dir "$tmp/ck4" --steps 20
-has "a torn newest checkpoint falls back to the previous" torn "resumed from .*ckpt-000000015.bin"
+has "a torn newest checkpoint falls back to the previous" torn "resumed from .*ckpt-000000015 "
+has "and says why the newest was unusable" torn "ckpt-000000020 is unusable: .*shard-00000-of-00001.bin: 1000 bytes, the index says"
 [ "$fails" -eq 0 ] && echo "all checkpoint checks passed" && exit 0
 echo "$fails checkpoint check(s) FAILED"; exit 1

@@ -116,7 +116,7 @@ if [[ -n $M ]]; then
   job ref2 2 29502 -- --checkpoint-dir "$TMP/ck" --dump "$TMP/reference.bin"
   job_wait
   [[ ${RCS[*]} == "0 0" ]] || fail "reference, second part: agents ${RCS[*]}"
-  if ((M < STEPS)) && ! grep -q "resumed from .*ckpt-$(printf %09d "$M").bin" "$TMP"/ref2.h*.out; then
+  if ((M < STEPS)) && ! grep -q "resumed from .*ckpt-$(printf %09d "$M") " "$TMP"/ref2.h*.out; then
     fail "the reference did not resume from step $M"
   fi
   # The uninterrupted run on 3 hosts.

@@ -38,7 +38,7 @@ typedef struct {
   chorus_optim_kind_t optim;
   float momentum;
   uint64_t seed;
-  const char *dump, *ckpt_dir, *trace;
+  const char *dump, *ckpt_dir, *trace, *export_path;
   int ckpt_every, keep, stop_after, kill_at, kill_rank;
   int elastic; /* --elastic inplace (-1: CHORUS_ELASTIC decides) */
   int skip_rank, skip_layer;     /* --skip-layer R:L */
@@ -128,6 +128,9 @@ static void usage(FILE *f) {
           "                       computes (1; 0: gather each unit when it is needed)\n"
           "  --param-dtype fp32|bf16  compute with weights rounded to bf16 (gathered as\n"
           "                       bf16 when sharded); the optimizer keeps fp32 masters\n"
+          "  --export FILE        at the end, the whole state in one file (chorus_ckpt_save's\n"
+          "                       format: rank 0 gathers it unit by unit); any stage and\n"
+          "                       world resumes from it as DIR/ckpt-<step>.bin\n"
           "  --mem-cap BYTES[K|M|G]  refuse to start when a rank's planned memory (state,\n"
           "                       gathered units, activations) would pass it\n");
 }
@@ -149,7 +152,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},    {"loss-scale", 1, 0, 'Q'},
       {"inject-inf", 1, 0, 'I'}, {"trace-clock", 1, 0, 'G'}, {"clock-skew-ms", 1, 0, 'z'},
       {"shard", 1, 0, 1000},     {"prefetch", 1, 0, 1001},   {"param-dtype", 1, 0, 1002},
-      {"mem-cap", 1, 0, 1003},
+      {"mem-cap", 1, 0, 1003},   {"export", 1, 0, 1004},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -225,6 +228,7 @@ static int parse(int argc, char **argv, opts_t *o) {
         else if (!strcmp(optarg, "bf16")) o->param_dtype = CHORUS_BFLOAT16;
         else return -1;
         break;
+      case 1004: o->export_path = optarg; break;
       case 1003: {
         char *end;
         double v = strtod(optarg, &end);
@@ -397,30 +401,20 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
 
 /* ----------------------------------------------------------- checkpoints */
 
-/* Rank 0 writes; everyone waits for it, so a crash right after still finds
- * the file.  The file holds the master weights (bf16 parameters: their
- * fp32 masters). */
-static chorus_result_t checkpoint(chorus_comm_t comm, const opts_t *o, chorus_trainer_t *t,
+/* Every rank writes its file (its slices, or a share under DDP), rank 0
+ * the index last; the call returns on every rank once the checkpoint is
+ * complete, so a crash right after still finds it. */
+static chorus_result_t checkpoint(const opts_t *o, chorus_trainer_t *t,
                                   const chorus_sampler_t *sp, long steps_done) {
-  chorus_result_t st = CHORUS_OK;
-  if (g_rank == 0) {
-    chorus_gpt_t *m = chorus_trainer_model(t);
-    const float *master = chorus_trainer_master(t);
-    const size_t np = chorus_gpt_num_params(m);
-    if (master != chorus_gpt_params(m)) memcpy(chorus_gpt_params(m), master, np * sizeof(float));
-    train_state_t ts = {steps_done, chorus_sampler_epoch(sp), (int64_t)chorus_sampler_pos(sp),
-                        g_size, 0, o->seed};
-    st = chorus_ckpt_save(o->ckpt_dir, steps_done, m, chorus_trainer_optim(t), &ts, sizeof ts,
-                          o->keep);
-    chorus_trainer_load_weights(t, master); /* the rounded copy back */
-    if (st != CHORUS_OK)
-      fprintf(stderr, "chorus-train: %s\n", chorus_train_last_error());
-    else
-      say("checkpoint: %s/ckpt-%09ld.bin\n", o->ckpt_dir, steps_done);
-  }
-  int32_t ok = st == CHORUS_OK, all = 0;
-  chorus_result_t cs = chorus_all_reduce(comm, &ok, &all, 1, CHORUS_INT32, CHORUS_MIN, NULL);
-  return cs != CHORUS_OK ? cs : all ? CHORUS_OK : CHORUS_ERR_SYSTEM;
+  train_state_t ts = {steps_done, chorus_sampler_epoch(sp), (int64_t)chorus_sampler_pos(sp),
+                      g_size, 0, o->seed};
+  chorus_result_t st = chorus_trainer_save(t, o->ckpt_dir, steps_done, &ts, sizeof ts, o->keep);
+  if (st != CHORUS_OK)
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+  else
+    say("checkpoint: %s/ckpt-%09ld (%d file(s) and an index)\n", o->ckpt_dir, steps_done,
+        g_size);
+  return st;
 }
 
 /* Puts the sampler at (epoch, pos) as a world of `world` ranks had it, then
@@ -433,23 +427,29 @@ static int sampler_place(chorus_sampler_t *sp, long epoch, size_t pos, int world
   return chorus_sampler_reshard(sp, g_size, g_rank) == CHORUS_OK ? 0 : -1;
 }
 
-/* Every rank loads the newest checkpoint (the same file); the sampler goes
- * on from the same global position, also with another number of ranks. */
+/* Every rank loads the newest usable checkpoint, whatever stage and number
+ * of ranks wrote it; the sampler goes on from the same global position.
+ * The step to start from, or -1 when a collective failed (reported). */
 static long resume(const opts_t *o, chorus_trainer_t *t, chorus_sampler_t *sp) {
   train_state_t ts;
   size_t len = 0;
   long step = -1;
-  chorus_gpt_t *m = chorus_trainer_model(t);
-  if (chorus_ckpt_load(o->ckpt_dir, &step, m, chorus_trainer_optim(t), &ts, sizeof ts, &len) !=
-          CHORUS_OK ||
-      step < 0)
-    return 0;
-  chorus_trainer_load_weights(t, chorus_gpt_params(m)); /* masters, and their rounded copy */
-  if (len != sizeof ts || ts.world < 1) return 0;
-  if (ts.epoch < 0 || ts.pos < 0 || sampler_place(sp, (long)ts.epoch, (size_t)ts.pos, ts.world))
-    return 0;
-  say("resumed from %s/ckpt-%09ld.bin (saved by %d rank(s), epoch %ld)\n", o->ckpt_dir, step,
-      (int)ts.world, (long)ts.epoch);
+  chorus_ckpt_info_t info;
+  chorus_result_t st = chorus_trainer_load(t, o->ckpt_dir, &step, &ts, sizeof ts, &len, &info);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+    return -1;
+  }
+  if (step < 0) return 0;
+  if (len != sizeof ts || ts.world < 1 || ts.epoch < 0 || ts.pos < 0 ||
+      sampler_place(sp, (long)ts.epoch, (size_t)ts.pos, ts.world)) {
+    say("checkpoint of step %ld: its training state is unreadable; the data order starts "
+        "over\n", step);
+    return step;
+  }
+  say("resumed from %s/ckpt-%09ld%s (saved by %d rank(s)%s%s, epoch %ld)\n", o->ckpt_dir, step,
+      info.sharded ? "" : ".bin", (int)ts.world, info.sharded ? " at stage " : "",
+      info.sharded ? (const char *[]){"0", "1", "2", "3"}[info.stage & 3] : "", (long)ts.epoch);
   return (long)ts.steps_done;
 }
 
@@ -576,6 +576,7 @@ typedef struct {
   snap_t snap[2];
   size_t optim_bytes;
   int64_t failed_ns; /* when a failure was seen; 0 once a step completed after it */
+  long steps_done;
 } run_t;
 
 enum { STEP_NEXT, STEP_STOP, STEP_FATAL, STEP_COMM };
@@ -750,6 +751,7 @@ static int train_step(run_t *r, long step) {
   }
   const double norm = info.grad_norm;
   r->applied = 1;
+  r->steps_done = step + 1;
   double t1 = now_s();
   double dt = t1 - t0, tps = (double)g_size * B * T * o->accum / dt;
   /* Sharded runs wait for gathers inside the passes: that time is in
@@ -782,10 +784,10 @@ static int train_step(run_t *r, long step) {
   int stopping = o->stop_after >= 0 && step + 1 >= o->stop_after;
   if (o->ckpt_dir && ((o->ckpt_every && (step + 1) % o->ckpt_every == 0) ||
                       step == o->steps - 1 || stopping)) {
-    st = checkpoint(r->comm, o, r->trainer, r->sp, step + 1);
-    if (st == CHORUS_ERR_SYSTEM) {
-      fprintf(stderr, "chorus-train: rank %d: stopping: rank 0 could not write the checkpoint "
-              "(see its output)\n", g_rank);
+    st = checkpoint(o, r->trainer, r->sp, step + 1);
+    if (st == CHORUS_ERR_SYSTEM || st == CHORUS_ERR_NO_MEMORY) {
+      fprintf(stderr, "chorus-train: rank %d: stopping: the checkpoint could not be written\n",
+              g_rank);
       return STEP_FATAL;
     }
     if (st != CHORUS_OK) return comm_failed(r, "checkpoint", st);
@@ -1017,11 +1019,6 @@ int main(int argc, char **argv) {
             "not fp16\n", o.shard);
     return 2;
   }
-  if (o.shard && o.ckpt_dir) {
-    fprintf(stderr, "chorus-train: --checkpoint-dir with --shard %d: sharded checkpoints are not "
-            "built yet\n", o.shard);
-    return 2;
-  }
   if (o.loss_scale < 0) o.loss_scale = o.hook == CHORUS_DDP_HOOK_FP16;
   run_t r = {.o = &o, .first_val = NAN, .last_val = NAN};
   chorus_result_t st = init_comm(join, &r.comm);
@@ -1120,11 +1117,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "chorus-train: joined the running job as rank %d of %d at step %ld\n", g_rank,
             g_size, start);
   } else if (o.ckpt_dir) {
-    start = resume(&o, r.trainer, r.sp);
+    if ((start = resume(&o, r.trainer, r.sp)) < 0) return die(r.comm, "resuming", CHORUS_ERR_REMOTE);
   }
   trace_t trace_buf = {0};
   r.tr = o.trace ? &trace_buf : NULL;
   if (g_rank == 1) trace_buf.skew = (int64_t)o.skew_ms * 1000000;
+  r.steps_done = start;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   r.first_generation = !rc || !strcmp(rc, "0");
   for (long step = start; step < o.steps;) {
@@ -1165,6 +1163,16 @@ int main(int argc, char **argv) {
   free(trace_buf.ev);
   if (o.sample > 0) sample_text(r.m, &o, o.sample);
   if (o.dump && dump_weights(&r, o.dump, o.dump_all) != 0) return 1;
+  if (o.export_path) {
+    train_state_t ts = {r.steps_done, chorus_sampler_epoch(r.sp),
+                        (int64_t)chorus_sampler_pos(r.sp), g_size, 0, o.seed};
+    if ((st = chorus_trainer_export(r.trainer, o.export_path, r.steps_done, &ts, sizeof ts)) !=
+        CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+      return 1;
+    }
+    say("exported: %s (step %ld)\n", o.export_path, r.steps_done);
+  }
   report_memory(&r);
   for (int k = 0; k < 2; k++) free(r.snap[k].params), free(r.snap[k].optim);
   free(r.tok), free(r.tgt), free(r.idx);

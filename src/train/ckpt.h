@@ -1,0 +1,43 @@
+/*
+ * ckpt.h - what the two checkpoint formats share (private to the runtime):
+ * the single-file format of ckpt.c (chorus_ckpt_save; also what a full
+ * export writes) and the FNV-1a checksum both use.
+ *
+ * Single file (little-endian, as the machine writes it):
+ *   u64 magic "chorusck", u32 version, u32 header bytes,
+ *   i64 step, 5 x i32 model shape (vocab ctx layers heads channels), i32 pad,
+ *   u64 params (floats), u64 optimizer bytes, u64 extra bytes,
+ *   then the parameters, the optimizer state (i64 step count, m, and v for
+ *   AdamW), the extra bytes, then u64 FNV-1a of everything before it.
+ */
+#ifndef CHORUS_TRAIN_CKPT_H
+#define CHORUS_TRAIN_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chorus_train.h"
+
+#define CK_MAGIC 0x6b637375726f6863ull /* "chorusck" */
+#define CK_VERSION 1u
+
+typedef struct {
+  uint64_t magic;
+  uint32_t version, header;
+  int64_t step;
+  int32_t shape[5], pad;
+  uint64_t nparams, optbytes, extrabytes;
+} ck_header_t;
+
+#define FNV0 0xcbf29ce484222325ull
+static inline uint64_t chorus__fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+/* Writes all of p (retrying short writes), adding it to the checksum *h.
+ * 0, or -1 with errno. */
+int chorus__ckpt_write_all(int fd, const void *p, size_t n, uint64_t *h);
+void chorus__ckpt_shape(const chorus_gpt_t *m, int32_t s[5]);
+
+#endif

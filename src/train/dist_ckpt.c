@@ -1,0 +1,807 @@
+/*
+ * dist_ckpt.c - checkpoints of a data-parallel run, written by every rank
+ * and readable by any number of ranks at any stage (see chorus_train.h).
+ *
+ * dir/ckpt-<step, 9 digits>/ holds shard-<r>-of-<N>.bin, one per rank, and
+ * index.bin, written last by rank 0.  A shard file holds ranges of the
+ * parameter layout: the rank's slices when sharded, a 1/N share of
+ * everything under DDP (every rank writes at once).  For each range: the
+ * master weights, then the optimizer's m (and v) for them.
+ *
+ *   shard file: sh_header_t, nranges x {u64 offset, u64 count} (floats of
+ *               the layout), the ranges' data in table order, u64 FNV-1a of
+ *               all before it.
+ *   index:      ix_header_t, world x {u64 bytes, u64 FNV} (each shard file's
+ *               size and stored checksum), the caller's extra bytes, u64
+ *               FNV-1a of all before it.
+ *
+ * A checkpoint is complete when its index is.  Loading reads, from every
+ * file, the bytes of the ranges this rank needs (its slices, or everything
+ * under DDP) into staging buffers while checksumming the whole file; only
+ * when every rank has all it needs does any rank change its state.  Rank 0
+ * picks the candidate and every rank follows it, newest first, so all load
+ * the same one.  The single-file format of chorus_ckpt_save is read the
+ * same way (one range covering everything), and chorus_trainer_export
+ * writes it, gathering one unit at a time on rank 0.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "chorus_train.h"
+#include "train/ckpt.h"
+
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+#define fail chorus__train_fail
+
+#define SH_MAGIC 0x6873737572686f63ull /* "chorussh" */
+#define IX_MAGIC 0x7869737572686f63ull /* "chorusix" */
+#define DC_VERSION 1u
+#define MAX_RANGES (1u << 24)
+#define MAX_WORLD (1u << 20)
+#define MAX_EXTRA (1u << 30)
+
+typedef struct {
+  uint64_t magic;
+  uint32_t version, header;
+  int64_t step;
+  int32_t shape[5], of; /* of: optimizer floats per parameter (AdamW 2, SGD 1) */
+  int64_t opt_steps;
+  uint32_t rank, world;
+  uint64_t nranges, nparams;
+} sh_header_t;
+
+typedef struct {
+  uint64_t magic;
+  uint32_t version, header;
+  int64_t step;
+  int32_t shape[5], of;
+  uint64_t nparams;
+  uint32_t world, stage;
+  uint64_t extrabytes;
+} ix_header_t;
+
+/* A range of the layout this rank saves or needs: where its parameters
+ * are, where its optimizer state starts. */
+typedef struct {
+  uint64_t off, count;
+  float *par;
+  size_t soff;
+} span_t;
+
+/* A range as a file holds it: byte positions of its three arrays. */
+typedef struct {
+  uint64_t off, count;
+  uint64_t fpar, fm, fv; /* fv: 0 when of == 1 */
+} piece_t;
+
+typedef struct {
+  chorus_trainer_t *t;
+  chorus_comm_t comm;
+  int rank, size, stage, of;
+  size_t np, nstate; /* floats of the layout; of the optimizer state */
+  int32_t shape[5];
+} ctx_t;
+
+static void ctx_init(ctx_t *c, chorus_trainer_t *t) {
+  chorus_gpt_t *m = chorus_trainer_model(t);
+  chorus_fsdp_t *f = chorus_trainer_fsdp(t);
+  c->t = t;
+  c->comm = chorus_trainer_comm(t);
+  c->rank = c->comm ? chorus_comm_rank(c->comm) : 0;
+  c->size = c->comm ? chorus_comm_size(c->comm) : 1;
+  c->stage = chorus_trainer_shard(t);
+  c->np = chorus_gpt_num_params(m);
+  c->nstate = f ? chorus_fsdp_shard_size(f) : c->np;
+  size_t blob = chorus_optim_state_size(chorus_trainer_optim(t));
+  c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (c->nstate ? c->nstate : 1)));
+  chorus__ckpt_shape(m, c->shape);
+}
+
+/* This rank's spans: its slices (sharded), or for DDP everything when
+ * loading and a 1/N share of every unit when saving.  *n of them. */
+static span_t *my_spans(const ctx_t *c, int saving, int *n) {
+  chorus_gpt_t *m = chorus_trainer_model(c->t);
+  chorus_fsdp_t *f = chorus_trainer_fsdp(c->t);
+  const int nu = chorus_gpt_num_units(m);
+  span_t *s = calloc((size_t)nu + 1, sizeof *s);
+  *n = 0;
+  if (!s) return NULL;
+  float *master = chorus_trainer_master(c->t);
+  if (!f && !saving) {
+    s[(*n)++] = (span_t){0, c->np, master, 0};
+    return s;
+  }
+  for (int i = 0; i < nu; i++) {
+    const chorus_gpt_unit_t *u = chorus_gpt_unit(m, i);
+    float *p = NULL, *g;
+    size_t slice = (u->size + (size_t)c->size - 1) / (size_t)c->size, so = 0;
+    if (f) chorus_fsdp_slice(f, i, &p, &g, &slice, &so);
+    size_t lo = (size_t)c->rank * slice, hi = lo + slice < u->size ? lo + slice : u->size;
+    if (lo >= hi) continue;
+    if (f) s[(*n)++] = (span_t){u->offset + lo, hi - lo, p, so};
+    else s[(*n)++] = (span_t){u->offset + lo, hi - lo, master + u->offset + lo, u->offset + lo};
+  }
+  return s;
+}
+
+static int mkdirs(const char *dir) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s", dir);
+  for (char *p = path + 1;; p++) {
+    if (*p != '/' && *p != '\0') continue;
+    char ch = *p;
+    *p = '\0';
+    if (mkdir(path, 0755) < 0 && errno != EEXIST) return -1;
+    *p = ch;
+    if (!ch) break;
+  }
+  return 0;
+}
+
+static void fsync_dir(const char *dir) {
+  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);
+    close(dfd);
+  }
+}
+
+/* Writes header-and-body pieces to tmp, fsyncs, renames to final.  The
+ * checksum of everything goes last; *bytes and *sum get the file's size
+ * and that checksum.  0, or -1 with errno. */
+typedef struct {
+  const void *p;
+  size_t n;
+} chunk_t;
+static int write_file(const char *tmp, const char *final, const chunk_t *ch, int nch,
+                      uint64_t *bytes, uint64_t *sum) {
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return -1;
+  uint64_t h = FNV0, total = 0, dummy = FNV0;
+  int bad = 0;
+  for (int i = 0; i < nch && !bad; i++) {
+    bad = ch[i].n && chorus__ckpt_write_all(fd, ch[i].p, ch[i].n, &h);
+    total += ch[i].n;
+  }
+  bad = bad || chorus__ckpt_write_all(fd, &h, sizeof h, &dummy) || fsync(fd) != 0;
+  int err = errno;
+  if (close(fd) != 0 && !bad) bad = 1, err = errno;
+  if (!bad && rename(tmp, final) != 0) bad = 1, err = errno;
+  if (bad) {
+    unlink(tmp);
+    errno = err;
+    return -1;
+  }
+  *bytes = total + sizeof h;
+  *sum = h;
+  return 0;
+}
+
+/* ------------------------------------------------------------- listing */
+
+typedef struct {
+  long step;
+  int dir; /* 1: ckpt-N/ (sharded), 0: ckpt-N.bin (single file) */
+} cand_t;
+
+/* Checkpoints in dir, newest first; a step with both forms lists the
+ * sharded one first. */
+static cand_t *list_cands(const char *dir, int *n) {
+  *n = 0;
+  DIR *d = opendir(dir);
+  if (!d) return NULL;
+  cand_t *v = NULL;
+  int cap = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    long step;
+    int used = 0;
+    if (sscanf(e->d_name, "ckpt-%ld%n", &step, &used) != 1 || step < 0 || used != 14) continue;
+    const char *tail = e->d_name + used;
+    int isdir = !*tail;
+    if (!isdir && strcmp(tail, ".bin")) continue;
+    if (*n == cap) {
+      cap = cap ? 2 * cap : 16;
+      cand_t *nv = realloc(v, sizeof *v * (size_t)cap);
+      if (!nv) break;
+      v = nv;
+    }
+    v[(*n)++] = (cand_t){step, isdir};
+  }
+  closedir(d);
+  for (int i = 1; i < *n; i++)
+    for (int j = i; j > 0 && (v[j].step > v[j - 1].step ||
+                              (v[j].step == v[j - 1].step && v[j].dir > v[j - 1].dir));
+         j--) {
+      cand_t t = v[j];
+      v[j] = v[j - 1];
+      v[j - 1] = t;
+    }
+  return v;
+}
+
+static void remove_ckpt(const char *dir, const cand_t *c) {
+  char path[4096];
+  if (!c->dir) {
+    snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, c->step);
+    unlink(path);
+    return;
+  }
+  snprintf(path, sizeof path, "%s/ckpt-%09ld", dir, c->step);
+  DIR *d = opendir(path);
+  if (!d) return;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (e->d_name[0] == '.' && (!e->d_name[1] || (e->d_name[1] == '.' && !e->d_name[2])))
+      continue;
+    char f[4352];
+    snprintf(f, sizeof f, "%s/%s", path, e->d_name);
+    unlink(f);
+  }
+  closedir(d);
+  rmdir(path);
+}
+
+static int index_exists(const char *dir, long step) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/ckpt-%09ld/index.bin", dir, step);
+  return access(path, F_OK) == 0;
+}
+
+/* ---------------------------------------------------------------- save */
+
+static chorus_result_t coll_fail(const ctx_t *c, chorus_result_t st, const char *what) {
+  return fail(st, "chorus_trainer: rank %d: %s: %s", c->rank, what,
+              c->comm ? chorus_comm_last_error(c->comm) : "");
+}
+
+/* Every rank agrees on ok (0/1): the minimum. */
+static chorus_result_t agree(const ctx_t *c, int *ok) {
+  if (!c->comm || c->size == 1) return CHORUS_OK;
+  int32_t mine = *ok, all = 0;
+  chorus_result_t st = chorus_all_reduce(c->comm, &mine, &all, 1, CHORUS_INT32, CHORUS_MIN, NULL);
+  if (st != CHORUS_OK) return coll_fail(c, st, "agreeing on the checkpoint");
+  *ok = all;
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
+                                    const void *extra, size_t extra_len, int keep) {
+  if (!t || !dir || step < 0 || keep < 1 || (extra_len && !extra) || extra_len > MAX_EXTRA)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
+  ctx_t c;
+  ctx_init(&c, t);
+  char sdir[4096], tmp[4200], final[4200], why[4400] = "";
+  snprintf(sdir, sizeof sdir, "%s/ckpt-%09ld", dir, step);
+  int n = 0, ok = 1;
+  span_t *sp = my_spans(&c, 1, &n);
+  const size_t blob_bytes = chorus_optim_state_size(chorus_trainer_optim(t));
+  unsigned char *blob = malloc(blob_bytes);
+  uint64_t *table = calloc(2 * (size_t)n + 1, sizeof *table);
+  chunk_t *ch = calloc(2 + 3 * (size_t)n, sizeof *ch);
+  uint64_t fbytes = 0, fsum = 0;
+  if (!sp || !blob || !table || !ch) {
+    ok = 0;
+    snprintf(why, sizeof why, "out of memory");
+  }
+  if (ok && mkdirs(sdir) != 0) {
+    ok = 0;
+    snprintf(why, sizeof why, "mkdir %s: %s", sdir, strerror(errno));
+  }
+  if (ok) {
+    chorus_optim_state_save(chorus_trainer_optim(t), blob);
+    int64_t opt_steps;
+    memcpy(&opt_steps, blob, sizeof opt_steps);
+    sh_header_t h = {SH_MAGIC, DC_VERSION, sizeof h, step, {0}, c.of, opt_steps,
+                     (uint32_t)c.rank, (uint32_t)c.size, (uint64_t)n, c.np};
+    memcpy(h.shape, c.shape, sizeof h.shape);
+    int k = 0;
+    ch[k++] = (chunk_t){&h, sizeof h};
+    for (int i = 0; i < n; i++) table[2 * i] = sp[i].off, table[2 * i + 1] = sp[i].count;
+    ch[k++] = (chunk_t){table, sizeof *table * 2 * (size_t)n};
+    const float *mom = (const float *)(blob + sizeof(int64_t));
+    for (int i = 0; i < n; i++) {
+      ch[k++] = (chunk_t){sp[i].par, sp[i].count * sizeof(float)};
+      for (int j = 0; j < c.of; j++)
+        ch[k++] = (chunk_t){mom + (size_t)j * c.nstate + sp[i].soff, sp[i].count * sizeof(float)};
+    }
+    snprintf(tmp, sizeof tmp, "%s/.shard-%05d-of-%05d.tmp.%d", sdir, c.rank, c.size, (int)getpid());
+    snprintf(final, sizeof final, "%s/shard-%05d-of-%05d.bin", sdir, c.rank, c.size);
+    if (write_file(tmp, final, ch, k, &fbytes, &fsum) != 0) {
+      ok = 0;
+      snprintf(why, sizeof why, "writing %s: %s", final, strerror(errno));
+    }
+  }
+  free(sp), free(blob), free(table), free(ch);
+  if (!ok) fprintf(stderr, "chorus_trainer_save: rank %d: %s\n", c.rank, why);
+  chorus_result_t st = agree(&c, &ok);
+  if (st != CHORUS_OK) return st;
+  if (!ok)
+    return fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: checkpoint %s not written: %s",
+                c.rank, sdir, why[0] ? why : "another rank could not write its shard (see its "
+                "output)");
+  /* Rank 0 learns every file's size and checksum, and writes the index. */
+  uint64_t mine[2] = {fbytes, fsum};
+  uint64_t *all = c.rank == 0 ? calloc(2 * (size_t)c.size, sizeof *all) : NULL;
+  if (c.rank == 0 && !all) ok = 0;
+  if (c.comm && c.size > 1) {
+    st = chorus_gather(c.comm, mine, all, 2, CHORUS_INT64, 0, NULL);
+    if (st != CHORUS_OK) {
+      free(all);
+      return coll_fail(&c, st, "gathering the shard files' checksums");
+    }
+  } else if (all) {
+    memcpy(all, mine, sizeof mine);
+  }
+  if (c.rank == 0 && ok) {
+    ix_header_t h = {IX_MAGIC, DC_VERSION, sizeof h, step, {0}, c.of, c.np, (uint32_t)c.size,
+                     (uint32_t)c.stage, extra_len};
+    memcpy(h.shape, c.shape, sizeof h.shape);
+    chunk_t ich[3] = {{&h, sizeof h}, {all, 2 * sizeof *all * (size_t)c.size}, {extra, extra_len}};
+    snprintf(tmp, sizeof tmp, "%s/.index.tmp.%d", sdir, (int)getpid());
+    snprintf(final, sizeof final, "%s/index.bin", sdir);
+    uint64_t b, s;
+    if (write_file(tmp, final, ich, 3, &b, &s) != 0) {
+      ok = 0;
+      snprintf(why, sizeof why, "writing %s: %s", final, strerror(errno));
+      fprintf(stderr, "chorus_trainer_save: rank 0: %s\n", why);
+    } else {
+      fsync_dir(sdir);
+      fsync_dir(dir);
+      /* Keep the newest `keep` complete checkpoints; anything older goes,
+       * incomplete ones (a crash while writing) included. */
+      int nc;
+      cand_t *cs = list_cands(dir, &nc);
+      int complete = 0;
+      for (int i = 0; i < nc; i++) {
+        int whole = !cs[i].dir || index_exists(dir, cs[i].step);
+        if (cs[i].step > step) continue; /* newer ones are someone else's business */
+        if (whole && complete < keep) {
+          complete++;
+          continue;
+        }
+        if (cs[i].step == step) continue;
+        remove_ckpt(dir, &cs[i]);
+      }
+      free(cs);
+    }
+  }
+  free(all);
+  if ((st = agree(&c, &ok)) != CHORUS_OK) return st;
+  return ok ? CHORUS_OK
+            : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: the index of %s was not "
+                   "written (see rank 0's output)", c.rank, sdir);
+}
+
+/* ---------------------------------------------------------------- load */
+
+/* What one rank collects while reading a checkpoint. */
+typedef struct {
+  const ctx_t *c;
+  span_t *sp;
+  int nsp;
+  float *par;           /* staged parameters, the spans' floats in order */
+  size_t *par_at;       /* span i's first float in par */
+  unsigned char *blob;  /* staged optimizer state (chorus_optim_state_load's layout) */
+  uint64_t covered;     /* bytes of parameters staged */
+  int64_t opt_steps;    /* -1: not seen yet */
+  unsigned char *extra; /* the caller's bytes */
+  uint64_t extra_len;
+  int world, stage;     /* who wrote it */
+  char why[512];
+} stage_t;
+
+static int bad(stage_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int bad(stage_t *s, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(s->why, sizeof s->why, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+/* Copies the bytes of [fpos, fpos + len) of a file that belong to one of
+ * the piece's arrays (which = 0 parameters, 1 m, 2 v) into the stage. */
+static void take(stage_t *s, const piece_t *p, int which, uint64_t fpos, const unsigned char *b,
+                 size_t len) {
+  const uint64_t base = which == 0 ? p->fpar : which == 1 ? p->fm : p->fv;
+  const uint64_t lo = fpos > base ? fpos : base;
+  const uint64_t hi = fpos + len < base + 4 * p->count ? fpos + len : base + 4 * p->count;
+  if (lo >= hi) return;
+  /* [lo, hi) in global bytes of the layout: */
+  const uint64_t g0 = 4 * p->off + (lo - base), g1 = g0 + (hi - lo);
+  for (int i = 0; i < s->nsp; i++) {
+    const span_t *sp = &s->sp[i];
+    uint64_t a = g0 > 4 * sp->off ? g0 : 4 * sp->off;
+    uint64_t z = g1 < 4 * (sp->off + sp->count) ? g1 : 4 * (sp->off + sp->count);
+    if (a >= z) continue;
+    const unsigned char *src = b + (lo - fpos) + (a - g0);
+    if (which == 0) {
+      memcpy((unsigned char *)(s->par + s->par_at[i]) + (a - 4 * sp->off), src, z - a);
+      s->covered += z - a;
+    } else {
+      unsigned char *mom = s->blob + sizeof(int64_t) +
+                           sizeof(float) * ((size_t)(which - 1) * s->c->nstate + sp->soff);
+      memcpy(mom + (a - 4 * sp->off), src, z - a);
+    }
+  }
+}
+
+/* Streams a whole file: checks its checksum (the last 8 bytes) and hands
+ * the pieces' bytes to take().  *sum gets the stored checksum. */
+static int read_pieces(stage_t *s, const char *path, int fd, uint64_t size, const piece_t *pc,
+                       int npc, uint64_t *sum) {
+  enum { CHUNK = 1 << 20 };
+  unsigned char *buf = malloc(CHUNK);
+  if (!buf) return bad(s, "out of memory");
+  if (lseek(fd, 0, SEEK_SET) != 0) {
+    free(buf);
+    return bad(s, "%s: %s", path, strerror(errno));
+  }
+  uint64_t h = FNV0, pos = 0, body = size - 8;
+  int rc = 0;
+  while (pos < body && rc == 0) {
+    size_t want = body - pos < CHUNK ? (size_t)(body - pos) : CHUNK;
+    ssize_t got = read(fd, buf, want);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      rc = bad(s, "%s: short read at byte %llu", path, (unsigned long long)pos);
+      break;
+    }
+    h = chorus__fnv(h, buf, (size_t)got);
+    for (int i = 0; i < npc; i++)
+      for (int w = 0; w < 1 + s->c->of; w++) take(s, &pc[i], w, pos, buf, (size_t)got);
+    pos += (uint64_t)got;
+  }
+  uint64_t stored = 0;
+  if (rc == 0 && pread(fd, &stored, sizeof stored, (off_t)body) != (ssize_t)sizeof stored)
+    rc = bad(s, "%s: cannot read its checksum", path);
+  if (rc == 0 && stored != h) rc = bad(s, "%s: checksum mismatch (torn or corrupt)", path);
+  free(buf);
+  *sum = stored;
+  return rc;
+}
+
+static int note_opt_steps(stage_t *s, int64_t n, const char *path) {
+  if (n < 0) return bad(s, "%s: negative optimizer step count", path);
+  if (s->opt_steps >= 0 && s->opt_steps != n)
+    return bad(s, "%s: optimizer step count %lld, another file says %lld", path, (long long)n,
+               (long long)s->opt_steps);
+  s->opt_steps = n;
+  return 0;
+}
+
+/* One shard file of a sharded checkpoint; bytes and sum from the index. */
+static int read_shard(stage_t *s, const char *path, long step, uint64_t bytes, uint64_t sum) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
+  struct stat stt;
+  sh_header_t h;
+  int rc = 0;
+  piece_t *pc = NULL;
+  uint64_t *table = NULL;
+  if (fstat(fd, &stt) != 0 || (uint64_t)stt.st_size != bytes) {
+    rc = bad(s, "%s: %lld bytes, the index says %llu", path, (long long)stt.st_size,
+             (unsigned long long)bytes);
+  } else if (pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h || h.magic != SH_MAGIC ||
+             h.version != DC_VERSION || h.header != sizeof h || h.step != step ||
+             memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != s->c->np ||
+             h.nranges > MAX_RANGES) {
+    rc = bad(s, "%s: not a shard of this checkpoint and model", path);
+  } else if (h.of != s->c->of) {
+    rc = bad(s, "%s: written with an optimizer of %d state floats per parameter, this run's "
+             "has %d (AdamW 2, SGD 1)", path, h.of, s->c->of);
+  }
+  if (rc == 0) {
+    table = calloc(2 * h.nranges + 1, sizeof *table);
+    pc = calloc(h.nranges + 1, sizeof *pc);
+    if (!table || !pc) rc = bad(s, "out of memory");
+    else if (pread(fd, table, sizeof *table * 2 * h.nranges, sizeof h) !=
+             (ssize_t)(sizeof *table * 2 * h.nranges))
+      rc = bad(s, "%s: short range table", path);
+  }
+  uint64_t pos = sizeof h + sizeof *table * 2 * h.nranges;
+  for (uint64_t i = 0; rc == 0 && i < h.nranges; i++) {
+    uint64_t off = table[2 * i], cnt = table[2 * i + 1];
+    if (off > s->c->np || cnt > s->c->np - off) {
+      rc = bad(s, "%s: range %llu (+%llu floats) is outside the model's %zu", path,
+               (unsigned long long)off, (unsigned long long)cnt, s->c->np);
+      break;
+    }
+    pc[i] = (piece_t){off, cnt, pos, pos + 4 * cnt, h.of > 1 ? pos + 8 * cnt : 0};
+    pos += 4 * cnt * (1 + (uint64_t)h.of);
+  }
+  if (rc == 0 && pos + 8 != bytes) rc = bad(s, "%s: its ranges do not add up to its size", path);
+  if (rc == 0) rc = note_opt_steps(s, h.opt_steps, path);
+  uint64_t stored;
+  if (rc == 0) rc = read_pieces(s, path, fd, bytes, pc, (int)h.nranges, &stored);
+  if (rc == 0 && stored != sum) rc = bad(s, "%s: not the file the index names", path);
+  free(table);
+  free(pc);
+  close(fd);
+  return rc;
+}
+
+static int read_sharded(stage_t *s, const char *dir, long step) {
+  char path[4200];
+  snprintf(path, sizeof path, "%s/ckpt-%09ld/index.bin", dir, step);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
+  struct stat stt;
+  ix_header_t h;
+  unsigned char *buf = NULL;
+  int rc = 0;
+  if (fstat(fd, &stt) != 0 || stt.st_size < (off_t)(sizeof h + 8) ||
+      stt.st_size > (off_t)(sizeof h + 16 * (uint64_t)MAX_WORLD + MAX_EXTRA + 8)) {
+    rc = bad(s, "%s: implausible size", path);
+  } else if (!(buf = malloc((size_t)stt.st_size)) ||
+             pread(fd, buf, (size_t)stt.st_size, 0) != (ssize_t)stt.st_size) {
+    rc = bad(s, "%s: cannot read it", path);
+  }
+  close(fd);
+  if (rc == 0) {
+    memcpy(&h, buf, sizeof h);
+    uint64_t stored;
+    memcpy(&stored, buf + stt.st_size - 8, 8);
+    if (chorus__fnv(FNV0, buf, (size_t)stt.st_size - 8) != stored)
+      rc = bad(s, "%s: checksum mismatch", path);
+    else if (h.magic != IX_MAGIC || h.version != DC_VERSION || h.header != sizeof h ||
+             h.step != step || h.world < 1 || h.world > MAX_WORLD || h.extrabytes > MAX_EXTRA ||
+             (uint64_t)stt.st_size != sizeof h + 16 * (uint64_t)h.world + h.extrabytes + 8)
+      rc = bad(s, "%s: not an index of this form", path);
+    else if (memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != s->c->np)
+      rc = bad(s, "%s: written for another model shape", path);
+    else if (h.of != s->c->of)
+      rc = bad(s, "%s: written with an optimizer of %d state floats per parameter, this run's "
+               "has %d (AdamW 2, SGD 1)", path, h.of, s->c->of);
+  }
+  if (rc == 0) {
+    s->world = (int)h.world;
+    s->stage = (int)h.stage;
+    s->extra_len = h.extrabytes;
+    s->extra = malloc(h.extrabytes + 1);
+    if (!s->extra) rc = bad(s, "out of memory");
+    else memcpy(s->extra, buf + sizeof h + 16 * (size_t)h.world, h.extrabytes);
+  }
+  for (uint32_t r = 0; rc == 0 && r < h.world; r++) {
+    uint64_t fb, fs;
+    memcpy(&fb, buf + sizeof h + 16 * (size_t)r, 8);
+    memcpy(&fs, buf + sizeof h + 16 * (size_t)r + 8, 8);
+    snprintf(path, sizeof path, "%s/ckpt-%09ld/shard-%05u-of-%05u.bin", dir, step, r, h.world);
+    rc = read_shard(s, path, step, fb, fs);
+  }
+  free(buf);
+  return rc;
+}
+
+/* A checkpoint of chorus_ckpt_save's single-file format (or an export). */
+static int read_single(stage_t *s, const char *dir, long step) {
+  char path[4200];
+  snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, step);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
+  struct stat stt;
+  ck_header_t h;
+  int rc = 0;
+  const uint64_t np = s->c->np, opt = 8 + 4 * (uint64_t)s->c->of * np;
+  if (fstat(fd, &stt) != 0 || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
+      h.magic != CK_MAGIC || h.version != CK_VERSION || h.header != sizeof h || h.step != step)
+    rc = bad(s, "%s: not a checkpoint", path);
+  else if (memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != np)
+    rc = bad(s, "%s: written for another model shape", path);
+  else if (h.optbytes != opt)
+    rc = bad(s, "%s: its optimizer state is %llu bytes, this run's optimizer needs %llu",
+             path, (unsigned long long)h.optbytes, (unsigned long long)opt);
+  else if (h.extrabytes > MAX_EXTRA ||
+           (uint64_t)stt.st_size != sizeof h + 4 * np + opt + h.extrabytes + 8)
+    rc = bad(s, "%s: its size does not match its header (torn?)", path);
+  int64_t steps = 0;
+  if (rc == 0 && pread(fd, &steps, 8, (off_t)(sizeof h + 4 * np)) != 8)
+    rc = bad(s, "%s: short read", path);
+  if (rc == 0) rc = note_opt_steps(s, steps, path);
+  if (rc == 0) {
+    s->world = 0;
+    s->stage = 0;
+    s->extra_len = h.extrabytes;
+    s->extra = malloc(h.extrabytes + 1);
+    if (!s->extra ||
+        pread(fd, s->extra, h.extrabytes, (off_t)(sizeof h + 4 * np + opt)) !=
+            (ssize_t)h.extrabytes)
+      rc = bad(s, "%s: cannot read its extra bytes", path);
+  }
+  const uint64_t fpar = sizeof h, fm = fpar + 4 * np + 8;
+  piece_t pc = {0, np, fpar, fm, s->c->of > 1 ? fm + 4 * np : 0};
+  uint64_t stored;
+  if (rc == 0) rc = read_pieces(s, path, fd, (uint64_t)stt.st_size, &pc, 1, &stored);
+  close(fd);
+  return rc;
+}
+
+static void stage_free(stage_t *s) {
+  free(s->sp);
+  free(s->par);
+  free(s->par_at);
+  free(s->blob);
+  free(s->extra);
+}
+
+/* Fresh staging buffers for one attempt. */
+static int stage_init(stage_t *s, const ctx_t *c) {
+  memset(s, 0, sizeof *s);
+  s->c = c;
+  s->opt_steps = -1;
+  s->sp = my_spans(c, 0, &s->nsp);
+  s->par_at = calloc((size_t)s->nsp + 1, sizeof *s->par_at);
+  size_t total = 0;
+  for (int i = 0; s->sp && s->par_at && i < s->nsp; i++) s->par_at[i] = total, total += s->sp[i].count;
+  s->par = malloc(total * sizeof(float) + 1);
+  s->blob = calloc(1, chorus_optim_state_size(chorus_trainer_optim(c->t)));
+  if (!s->sp || !s->par_at || !s->par || !s->blob) return bad(s, "out of memory");
+  return 0;
+}
+
+chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *step,
+                                    void *extra, size_t extra_cap, size_t *extra_len,
+                                    chorus_ckpt_info_t *info) {
+  if (!t || !dir || !step)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
+  *step = -1;
+  if (extra_len) *extra_len = 0;
+  ctx_t c;
+  ctx_init(&c, t);
+  int nc = 0;
+  cand_t *cs = list_cands(dir, &nc); /* rank 0's list is the one followed */
+  chorus_result_t st = CHORUS_OK;
+  char last_why[512] = "";
+  for (int i = 0;; i++) {
+    /* Rank 0 names the next candidate: step * 2 + sharded, or -1. */
+    int64_t pick = c.rank == 0 ? (i < nc ? 2 * (int64_t)cs[i].step + cs[i].dir : -1) : 0;
+    if (c.comm && c.size > 1 &&
+        (st = chorus_broadcast(c.comm, &pick, 1, CHORUS_INT64, 0, NULL)) != CHORUS_OK) {
+      st = coll_fail(&c, st, "choosing the checkpoint");
+      break;
+    }
+    if (pick < 0) break; /* none usable: start fresh */
+    const long cstep = (long)(pick / 2);
+    stage_t s;
+    int ok = stage_init(&s, &c) == 0 &&
+             ((pick & 1) ? read_sharded(&s, dir, cstep) : read_single(&s, dir, cstep)) == 0;
+    uint64_t want = 0;
+    for (int k = 0; ok && k < s.nsp; k++) want += 4 * s.sp[k].count;
+    if (ok && s.covered != want)
+      ok = bad(&s, "the files cover %llu of the %llu parameter bytes this rank needs",
+               (unsigned long long)s.covered, (unsigned long long)want) == 0;
+    if (!ok) {
+      snprintf(last_why, sizeof last_why, "%s", s.why);
+      fprintf(stderr, "chorus_trainer_load: rank %d: %s/ckpt-%09ld%s is unusable: %s\n", c.rank,
+              dir, cstep, (pick & 1) ? "" : ".bin", s.why);
+    }
+    if ((st = agree(&c, &ok)) != CHORUS_OK) {
+      stage_free(&s);
+      break;
+    }
+    if (!ok) {
+      stage_free(&s);
+      continue; /* the previous one */
+    }
+    /* Every rank has all it needs: now change the state. */
+    for (int k = 0; k < s.nsp; k++)
+      memcpy(s.sp[k].par, s.par + s.par_at[k], s.sp[k].count * sizeof(float));
+    memcpy(s.blob, &s.opt_steps, sizeof s.opt_steps);
+    st = chorus_optim_state_load(chorus_trainer_optim(t), s.blob,
+                                 chorus_optim_state_size(chorus_trainer_optim(t)));
+    if (st == CHORUS_OK) st = chorus_trainer_weights_changed(t);
+    if (st == CHORUS_OK) {
+      *step = cstep;
+      size_t nx = s.extra_len < extra_cap ? (size_t)s.extra_len : extra_cap;
+      if (nx) memcpy(extra, s.extra, nx);
+      if (extra_len) *extra_len = (size_t)s.extra_len;
+      if (info) *info = (chorus_ckpt_info_t){s.world, s.stage, (pick & 1) != 0};
+    }
+    stage_free(&s);
+    break;
+  }
+  free(cs);
+  (void)last_why;
+  return st;
+}
+
+/* -------------------------------------------------------------- export */
+
+chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, long step,
+                                      const void *extra, size_t extra_len) {
+  if (!t || !path || step < 0 || (extra_len && !extra))
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_export: bad arguments");
+  ctx_t c;
+  ctx_init(&c, t);
+  chorus_gpt_t *m = chorus_trainer_model(t);
+  chorus_fsdp_t *f = chorus_trainer_fsdp(t);
+  const size_t blob_bytes = chorus_optim_state_size(chorus_trainer_optim(t));
+  unsigned char *blob = malloc(blob_bytes);
+  const int nu = chorus_gpt_num_units(m);
+  size_t biggest = 0;
+  for (int i = 0; i < nu; i++) {
+    size_t sl = (chorus_gpt_unit(m, i)->size + (size_t)c.size - 1) / (size_t)c.size;
+    biggest = sl > biggest ? sl : biggest;
+  }
+  float *unit = c.rank == 0 && f ? malloc((size_t)c.size * biggest * sizeof(float) + 1) : NULL;
+  int ok = blob && (c.rank != 0 || !f || unit);
+  char tmp[4200], why[4400] = "out of memory";
+  int fd = -1;
+  uint64_t h = FNV0;
+  /* Nobody may enter the gathers without its buffers. */
+  int ready = ok;
+  chorus_result_t st = agree(&c, &ready);
+  if (st != CHORUS_OK || !ready) {
+    free(blob), free(unit);
+    return st != CHORUS_OK ? st
+                           : fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_export: rank %d: out of "
+                                  "memory (here or on another rank)", c.rank);
+  }
+  if (ok) chorus_optim_state_save(chorus_trainer_optim(t), blob);
+  if (ok && c.rank == 0) {
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ck_header_t hd = {CK_MAGIC, CK_VERSION, sizeof hd, step, {0}, 0, c.np,
+                      8 + 4 * (uint64_t)c.of * c.np, extra_len};
+    memcpy(hd.shape, c.shape, sizeof hd.shape);
+    if (fd < 0 || chorus__ckpt_write_all(fd, &hd, sizeof hd, &h) != 0) {
+      ok = 0;
+      snprintf(why, sizeof why, "writing %s: %s", tmp, strerror(errno));
+    }
+  }
+  /* Parameters, the step count, m, v: each array unit by unit. */
+  const float *mom = (const float *)(blob + sizeof(int64_t));
+  for (int a = 0; a < 1 + c.of && st == CHORUS_OK; a++) {
+    if (a == 1 && c.rank == 0 && ok && chorus__ckpt_write_all(fd, blob, 8, &h) != 0) ok = 0;
+    for (int i = 0; i < nu && st == CHORUS_OK; i++) {
+      const chorus_gpt_unit_t *u = chorus_gpt_unit(m, i);
+      const float *src;
+      if (f) {
+        float *p, *g;
+        size_t n, so;
+        chorus_fsdp_slice(f, i, &p, &g, &n, &so);
+        src = a == 0 ? p : mom + (size_t)(a - 1) * c.nstate + so;
+        /* Everyone sends, whatever happened on rank 0: the gathers must match. */
+        st = chorus_gather(c.comm, src, unit, n, CHORUS_FLOAT32, 0, NULL);
+        src = unit;
+      } else {
+        src = a == 0 ? chorus_trainer_master(t) + u->offset
+                     : mom + (size_t)(a - 1) * c.nstate + u->offset;
+      }
+      if (st == CHORUS_OK && c.rank == 0 && ok &&
+          chorus__ckpt_write_all(fd, src, u->size * sizeof(float), &h) != 0) {
+        ok = 0;
+        snprintf(why, sizeof why, "writing %s: %s", tmp, strerror(errno));
+      }
+    }
+  }
+  if (st != CHORUS_OK) {
+    if (fd >= 0) close(fd), unlink(tmp);
+    free(blob), free(unit);
+    return coll_fail(&c, st, "gathering the state for the export");
+  }
+  if (c.rank == 0 && ok) {
+    uint64_t dummy = FNV0, sum;
+    if ((extra_len && chorus__ckpt_write_all(fd, extra, extra_len, &h) != 0) ||
+        (sum = h, chorus__ckpt_write_all(fd, &sum, sizeof sum, &dummy) != 0) || fsync(fd) != 0 ||
+        close(fd) != 0 || (fd = -1, rename(tmp, path) != 0)) {
+      ok = 0;
+      snprintf(why, sizeof why, "writing %s: %s", path, strerror(errno));
+    }
+    fd = -1;
+  }
+  if (fd >= 0) close(fd);
+  if (!ok && c.rank == 0) unlink(tmp);
+  free(blob), free(unit);
+  if ((st = agree(&c, &ok)) != CHORUS_OK) return st;
+  return ok ? CHORUS_OK
+            : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_export: rank %d: %s", c.rank,
+                   c.rank == 0 ? why : "rank 0 could not write the file (see its output)");
+}
