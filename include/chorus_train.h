@@ -319,7 +319,8 @@ CHORUS_API void chorus_fsdp_set_sync(chorus_fsdp_t *f, int sync);
  * backward passes so far: the shard's gradients are then final. */
 CHORUS_API chorus_result_t chorus_fsdp_wait(chorus_fsdp_t *f);
 /* The shard, slice by slice (one per unit): parameters to update (fp32
- * master values), their averaged gradients, n floats, and where the
+ * master values; write them only after chorus_fsdp_wait, which leaves no
+ * gather reading them), their averaged gradients, n floats, and where the
  * slice's optimizer state starts (an optimizer made for shard_size floats:
  * chorus_optim_update(o, state_off, params, grads, n, lr)). */
 CHORUS_API size_t chorus_fsdp_shard_size(const chorus_fsdp_t *f);
@@ -424,7 +425,9 @@ typedef struct chorus_step_info {
 /* Makes the model (seed: chorus_gpt_create's weights; every rank the same),
  * its sharding and its optimizer.  With a mem_cap the plan is checked
  * first: over the cap, CHORUS_ERR_NO_MEMORY and a message that itemises it,
- * before the model's state exists.  comm NULL (shard 0 only): no DDP until
+ * before training (under DDP before any state exists; sharded, after the
+ * shards -- 4 + 4 floats a parameter over N -- are made, since the plan
+ * comes from them).  comm NULL (shard 0 only): no DDP until
  * set_comm.  Shards 1-3 are collectives of comm. */
 CHORUS_API chorus_result_t chorus_trainer_create(chorus_comm_t comm,
                                                  const chorus_gpt_config_t *model, int max_batch,
@@ -458,7 +461,9 @@ CHORUS_API void chorus_trainer_begin_step(chorus_trainer_t *t);
 /* Forward and backward of one micro-batch (B x T tokens and targets),
  * its loss weighted by weight (1/K for K micro-batches) and the loss
  * scale; last: the step's last micro-batch (DDP and stage 1 reduce only
- * then).  tokens NULL: this rank is out of data and only takes part. */
+ * then).  tokens NULL: this rank is out of data and only takes part.  A
+ * failure of this rank's own (bad input, no memory) aborts the
+ * communicator, so the other ranks fail at once rather than time out. */
 CHORUS_API chorus_result_t chorus_trainer_micro_step(chorus_trainer_t *t, const int *tokens,
                                                      const int *targets, int B, int T,
                                                      float weight, int last, float *loss);

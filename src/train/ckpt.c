@@ -1,11 +1,8 @@
 /*
- * ckpt.c - atomic checkpoints of model, optimizer and caller state.
- *
- * File layout (little-endian, as the machine writes it):
- *   u64 magic "chorusck", u32 version, u32 header bytes,
- *   i64 step, 5 x i32 model shape (vocab ctx layers heads channels), i32 pad,
- *   u64 params (floats), u64 optimizer bytes, u64 extra bytes,
- *   then the three payloads, then u64 FNV-1a of everything before it.
+ * ckpt.c - atomic single-file checkpoints of model, optimizer and caller
+ * state, for a program of one process (the file layout is in ckpt.h; the
+ * checkpoints of a data-parallel run, written by every rank, are in
+ * dist_ckpt.c, which reads these files too).
  */
 #include <dirent.h>
 #include <errno.h>
@@ -43,33 +40,50 @@ void chorus__ckpt_shape(const chorus_gpt_t *m, int32_t s[5]) {
   s[0] = c->vocab, s[1] = c->ctx, s[2] = c->layers, s[3] = c->heads, s[4] = c->channels;
 }
 
-/* Steps of the checkpoint files in dir, newest first (*n of them). */
-static long *list_steps(const char *dir, int *n) {
+/* Checkpoints in dir, newest first; a step with both forms lists the
+ * sharded one first. */
+chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n) {
   *n = 0;
   DIR *d = opendir(dir);
   if (!d) return NULL;
-  long *v = NULL;
+  chorus__ckpt_cand_t *v = NULL;
   int cap = 0;
   for (struct dirent *e; (e = readdir(d));) {
     long step;
-    char tail[8];
-    if (sscanf(e->d_name, "ckpt-%ld.%7s", &step, tail) != 2 || strcmp(tail, "bin") || step < 0)
-      continue;
+    int used = 0;
+    if (sscanf(e->d_name, "ckpt-%ld%n", &step, &used) != 1 || step < 0 || used < 14) continue;
+    const char *tail = e->d_name + used;
+    int isdir = !*tail;
+    if (!isdir && strcmp(tail, ".bin")) continue;
     if (*n == cap) {
       cap = cap ? 2 * cap : 16;
-      long *nv = realloc(v, sizeof(long) * (size_t)cap);
+      chorus__ckpt_cand_t *nv = realloc(v, sizeof *v * (size_t)cap);
       if (!nv) break;
       v = nv;
     }
-    v[(*n)++] = step;
+    v[(*n)++] = (chorus__ckpt_cand_t){step, isdir};
   }
   closedir(d);
-  for (int i = 1; i < *n; i++) /* insertion sort, descending */
-    for (int j = i; j > 0 && v[j] > v[j - 1]; j--) {
-      long t = v[j];
+  for (int i = 1; i < *n; i++)
+    for (int j = i; j > 0 && (v[j].step > v[j - 1].step ||
+                              (v[j].step == v[j - 1].step && v[j].dir > v[j - 1].dir));
+         j--) {
+      chorus__ckpt_cand_t t = v[j];
       v[j] = v[j - 1];
       v[j - 1] = t;
     }
+  return v;
+}
+
+/* Steps of the single-file checkpoints in dir, newest first (*n of them). */
+static long *list_steps(const char *dir, int *n) {
+  int nc;
+  chorus__ckpt_cand_t *c = chorus__ckpt_list(dir, &nc);
+  long *v = malloc(sizeof(long) * (size_t)(nc + 1));
+  *n = 0;
+  for (int i = 0; v && i < nc; i++)
+    if (!c[i].dir) v[(*n)++] = c[i].step;
+  free(c);
   return v;
 }
 

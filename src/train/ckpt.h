@@ -40,4 +40,13 @@ static inline uint64_t chorus__fnv(uint64_t h, const void *p, size_t n) {
 int chorus__ckpt_write_all(int fd, const void *p, size_t n, uint64_t *h);
 void chorus__ckpt_shape(const chorus_gpt_t *m, int32_t s[5]);
 
+/* The checkpoints in a directory: ckpt-<step>/ (sharded, dist_ckpt.c) and
+ * ckpt-<step>.bin (one file), newest first, a step's sharded one before
+ * its single file.  *n of them; NULL when none (or dir is missing). */
+typedef struct {
+  long step;
+  int dir; /* 1: ckpt-N/, 0: ckpt-N.bin */
+} chorus__ckpt_cand_t;
+chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n);
+
 #endif

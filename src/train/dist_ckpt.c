@@ -44,7 +44,6 @@ chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
 #define SH_MAGIC 0x6873737572686f63ull /* "chorussh" */
 #define IX_MAGIC 0x7869737572686f63ull /* "chorusix" */
 #define DC_VERSION 1u
-#define MAX_RANGES (1u << 24)
 #define MAX_WORLD (1u << 20)
 #define MAX_EXTRA (1u << 30)
 
@@ -86,6 +85,7 @@ typedef struct {
   chorus_trainer_t *t;
   chorus_comm_t comm;
   int rank, size, stage, of;
+  uint32_t nunits;
   size_t np, nstate; /* floats of the layout; of the optimizer state */
   int32_t shape[5];
 } ctx_t;
@@ -103,6 +103,7 @@ static void ctx_init(ctx_t *c, chorus_trainer_t *t) {
   size_t blob = chorus_optim_state_size(chorus_trainer_optim(t));
   c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (c->nstate ? c->nstate : 1)));
   chorus__ckpt_shape(m, c->shape);
+  c->nunits = (uint32_t)chorus_gpt_num_units(m);
 }
 
 /* This rank's spans: its slices (sharded), or for DDP everything when
@@ -187,47 +188,7 @@ static int write_file(const char *tmp, const char *final, const chunk_t *ch, int
 
 /* ------------------------------------------------------------- listing */
 
-typedef struct {
-  long step;
-  int dir; /* 1: ckpt-N/ (sharded), 0: ckpt-N.bin (single file) */
-} cand_t;
-
-/* Checkpoints in dir, newest first; a step with both forms lists the
- * sharded one first. */
-static cand_t *list_cands(const char *dir, int *n) {
-  *n = 0;
-  DIR *d = opendir(dir);
-  if (!d) return NULL;
-  cand_t *v = NULL;
-  int cap = 0;
-  for (struct dirent *e; (e = readdir(d));) {
-    long step;
-    int used = 0;
-    if (sscanf(e->d_name, "ckpt-%ld%n", &step, &used) != 1 || step < 0 || used != 14) continue;
-    const char *tail = e->d_name + used;
-    int isdir = !*tail;
-    if (!isdir && strcmp(tail, ".bin")) continue;
-    if (*n == cap) {
-      cap = cap ? 2 * cap : 16;
-      cand_t *nv = realloc(v, sizeof *v * (size_t)cap);
-      if (!nv) break;
-      v = nv;
-    }
-    v[(*n)++] = (cand_t){step, isdir};
-  }
-  closedir(d);
-  for (int i = 1; i < *n; i++)
-    for (int j = i; j > 0 && (v[j].step > v[j - 1].step ||
-                              (v[j].step == v[j - 1].step && v[j].dir > v[j - 1].dir));
-         j--) {
-      cand_t t = v[j];
-      v[j] = v[j - 1];
-      v[j - 1] = t;
-    }
-  return v;
-}
-
-static void remove_ckpt(const char *dir, const cand_t *c) {
+static void remove_ckpt(const char *dir, const chorus__ckpt_cand_t *c) {
   char path[4096];
   if (!c->dir) {
     snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, c->step);
@@ -319,8 +280,16 @@ chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long s
     }
   }
   free(sp), free(blob), free(table), free(ch);
+  /* Rank 0's table of every file, made before the agreement so that its
+   * failure is part of it (the gather below must not be skipped alone). */
+  uint64_t *all = c.rank == 0 ? calloc(2 * (size_t)c.size, sizeof *all) : NULL;
+  if (c.rank == 0 && !all && ok) {
+    ok = 0;
+    snprintf(why, sizeof why, "out of memory");
+  }
   if (!ok) fprintf(stderr, "chorus_trainer_save: rank %d: %s\n", c.rank, why);
   chorus_result_t st = agree(&c, &ok);
+  if (st != CHORUS_OK || !ok) free(all);
   if (st != CHORUS_OK) return st;
   if (!ok)
     return fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: checkpoint %s not written: %s",
@@ -328,8 +297,6 @@ chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long s
                 "output)");
   /* Rank 0 learns every file's size and checksum, and writes the index. */
   uint64_t mine[2] = {fbytes, fsum};
-  uint64_t *all = c.rank == 0 ? calloc(2 * (size_t)c.size, sizeof *all) : NULL;
-  if (c.rank == 0 && !all) ok = 0;
   if (c.comm && c.size > 1) {
     st = chorus_gather(c.comm, mine, all, 2, CHORUS_INT64, 0, NULL);
     if (st != CHORUS_OK) {
@@ -357,7 +324,7 @@ chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long s
       /* Keep the newest `keep` complete checkpoints; anything older goes,
        * incomplete ones (a crash while writing) included. */
       int nc;
-      cand_t *cs = list_cands(dir, &nc);
+      chorus__ckpt_cand_t *cs = chorus__ckpt_list(dir, &nc);
       int complete = 0;
       for (int i = 0; i < nc; i++) {
         int whole = !cs[i].dir || index_exists(dir, cs[i].step);
@@ -394,8 +361,39 @@ typedef struct {
   unsigned char *extra; /* the caller's bytes */
   uint64_t extra_len;
   int world, stage;     /* who wrote it */
+  uint64_t *seen;       /* every range of every file: offset, count */
+  size_t nseen, capseen;
   char why[512];
 } stage_t;
+
+static int bad(stage_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Notes a range a file holds; the ranges of one checkpoint must not
+ * overlap (checked once all are read), so that the bytes staged, counted,
+ * are the bytes needed, each once. */
+static int note_range(stage_t *s, uint64_t off, uint64_t cnt) {
+  if (s->nseen == s->capseen) {
+    size_t cap = s->capseen ? 2 * s->capseen : 64;
+    uint64_t *n = realloc(s->seen, 2 * cap * sizeof *n);
+    if (!n) return -1;
+    s->seen = n, s->capseen = cap;
+  }
+  s->seen[2 * s->nseen] = off, s->seen[2 * s->nseen + 1] = cnt;
+  s->nseen++;
+  return 0;
+}
+static int cmp_range(const void *a, const void *b) {
+  const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+static int ranges_disjoint(stage_t *s) {
+  qsort(s->seen, s->nseen, 2 * sizeof *s->seen, cmp_range);
+  for (size_t i = 1; i < s->nseen; i++)
+    if (s->seen[2 * (i - 1)] + s->seen[2 * (i - 1) + 1] > s->seen[2 * i])
+      return bad(s, "the checkpoint's files hold overlapping ranges (at float %llu): not one "
+                 "this runtime wrote", (unsigned long long)s->seen[2 * i]);
+  return 0;
+}
 
 static int bad(stage_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int bad(stage_t *s, const char *fmt, ...) {
@@ -478,11 +476,12 @@ static int note_opt_steps(stage_t *s, int64_t n, const char *path) {
 }
 
 /* One shard file of a sharded checkpoint; bytes and sum from the index. */
-static int read_shard(stage_t *s, const char *path, long step, uint64_t bytes, uint64_t sum) {
+static int read_shard(stage_t *s, const char *path, long step, uint32_t rank, uint32_t world,
+                      uint64_t bytes, uint64_t sum) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
-  struct stat stt;
-  sh_header_t h;
+  struct stat stt = {0};
+  sh_header_t h = {0};
   int rc = 0;
   piece_t *pc = NULL;
   uint64_t *table = NULL;
@@ -492,7 +491,8 @@ static int read_shard(stage_t *s, const char *path, long step, uint64_t bytes, u
   } else if (pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h || h.magic != SH_MAGIC ||
              h.version != DC_VERSION || h.header != sizeof h || h.step != step ||
              memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != s->c->np ||
-             h.nranges > MAX_RANGES) {
+             h.nranges > s->c->nunits || h.world != world || h.rank != rank ||
+             sizeof h + 16 * h.nranges + 8 > bytes) {
     rc = bad(s, "%s: not a shard of this checkpoint and model", path);
   } else if (h.of != s->c->of) {
     rc = bad(s, "%s: written with an optimizer of %d state floats per parameter, this run's "
@@ -509,7 +509,7 @@ static int read_shard(stage_t *s, const char *path, long step, uint64_t bytes, u
   uint64_t pos = sizeof h + sizeof *table * 2 * h.nranges;
   for (uint64_t i = 0; rc == 0 && i < h.nranges; i++) {
     uint64_t off = table[2 * i], cnt = table[2 * i + 1];
-    if (off > s->c->np || cnt > s->c->np - off) {
+    if (cnt == 0 || off > s->c->np || cnt > s->c->np - off || note_range(s, off, cnt) != 0) {
       rc = bad(s, "%s: range %llu (+%llu floats) is outside the model's %zu", path,
                (unsigned long long)off, (unsigned long long)cnt, s->c->np);
       break;
@@ -533,8 +533,8 @@ static int read_sharded(stage_t *s, const char *dir, long step) {
   snprintf(path, sizeof path, "%s/ckpt-%09ld/index.bin", dir, step);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
-  struct stat stt;
-  ix_header_t h;
+  struct stat stt = {0};
+  ix_header_t h = {0};
   unsigned char *buf = NULL;
   int rc = 0;
   if (fstat(fd, &stt) != 0 || stt.st_size < (off_t)(sizeof h + 8) ||
@@ -574,8 +574,9 @@ static int read_sharded(stage_t *s, const char *dir, long step) {
     memcpy(&fb, buf + sizeof h + 16 * (size_t)r, 8);
     memcpy(&fs, buf + sizeof h + 16 * (size_t)r + 8, 8);
     snprintf(path, sizeof path, "%s/ckpt-%09ld/shard-%05u-of-%05u.bin", dir, step, r, h.world);
-    rc = read_shard(s, path, step, fb, fs);
+    rc = read_shard(s, path, step, r, h.world, fb, fs);
   }
+  if (rc == 0) rc = ranges_disjoint(s);
   free(buf);
   return rc;
 }
@@ -586,8 +587,8 @@ static int read_single(stage_t *s, const char *dir, long step) {
   snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, step);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
-  struct stat stt;
-  ck_header_t h;
+  struct stat stt = {0};
+  ck_header_t h = {0};
   int rc = 0;
   const uint64_t np = s->c->np, opt = 8 + 4 * (uint64_t)s->c->of * np;
   if (fstat(fd, &stt) != 0 || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
@@ -629,6 +630,7 @@ static void stage_free(stage_t *s) {
   free(s->par_at);
   free(s->blob);
   free(s->extra);
+  free(s->seen);
 }
 
 /* Fresh staging buffers for one attempt. */
@@ -656,7 +658,7 @@ chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *
   ctx_t c;
   ctx_init(&c, t);
   int nc = 0;
-  cand_t *cs = list_cands(dir, &nc); /* rank 0's list is the one followed */
+  chorus__ckpt_cand_t *cs = chorus__ckpt_list(dir, &nc); /* rank 0's list is the one followed */
   chorus_result_t st = CHORUS_OK;
   char last_why[512] = "";
   for (int i = 0;; i++) {
@@ -690,7 +692,13 @@ chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *
       stage_free(&s);
       continue; /* the previous one */
     }
-    /* Every rank has all it needs: now change the state. */
+    /* Every rank has all it needs: now change the state -- at stage 3
+     * after letting go of gathered units (no gather may still read a
+     * slice while it is overwritten). */
+    if (c.stage == 3 && (st = chorus_trainer_weights_changed(t)) != CHORUS_OK) {
+      stage_free(&s);
+      break;
+    }
     for (int k = 0; k < s.nsp; k++)
       memcpy(s.sp[k].par, s.par + s.par_at[k], s.sp[k].count * sizeof(float));
     memcpy(s.blob, &s.opt_steps, sizeof s.opt_steps);
@@ -759,7 +767,10 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
   /* Parameters, the step count, m, v: each array unit by unit. */
   const float *mom = (const float *)(blob + sizeof(int64_t));
   for (int a = 0; a < 1 + c.of && st == CHORUS_OK; a++) {
-    if (a == 1 && c.rank == 0 && ok && chorus__ckpt_write_all(fd, blob, 8, &h) != 0) ok = 0;
+    if (a == 1 && c.rank == 0 && ok && chorus__ckpt_write_all(fd, blob, 8, &h) != 0) {
+      ok = 0;
+      snprintf(why, sizeof why, "writing %s: %s", tmp, strerror(errno));
+    }
     for (int i = 0; i < nu && st == CHORUS_OK; i++) {
       const chorus_gpt_unit_t *u = chorus_gpt_unit(m, i);
       const float *src;

@@ -133,12 +133,19 @@ static void work_free(chorus_fsdp_t *f, void *p, size_t bytes) {
   f->work_bytes -= bytes;
 }
 
+/* Records the first failure.  One of this rank's own (out of memory)
+ * aborts the communicator: the other ranks are about to wait in a
+ * collective this rank will not join, and must fail at once, not time out. */
 static chorus_result_t set_error(chorus_fsdp_t *f, chorus_result_t st, const char *what,
                                  int unit) {
   if (f->error == CHORUS_OK) {
     f->error = st;
+    const int local = chorus_comm_status(f->comm) == CHORUS_OK;
     snprintf(f->why, sizeof f->why, "rank %d: %s of unit %d: %s: %s", f->rank, what, unit,
-             chorus_result_name(st), chorus_comm_last_error(f->comm));
+             chorus_result_name(st),
+             local ? "this rank's own failure; the communicator is aborted"
+                   : chorus_comm_last_error(f->comm));
+    if (local) chorus_comm_abort(f->comm);
   }
   return fail(f->error, "chorus_fsdp: %s", f->why);
 }
@@ -378,6 +385,10 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
       st = prefetch(f, i);
       for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) st = gather_wait(f, use->needs[k]);
     }
+    /* A unit still being reduced from an earlier backward (two backward
+     * passes without a wait between them) is finished first. */
+    for (int k = 0; bwd && k < use->nneeds && st == CHORUS_OK; k++)
+      if (f->u[use->needs[k]].gstate == G_REDUCING) st = reduce_finish(f, use->needs[k]);
     if (bwd && f->cfg.stage >= 2)
       for (int k = 0; k < use->nneeds && st == CHORUS_OK; k++) {
         unit_t *u = &f->u[use->needs[k]];
@@ -440,18 +451,27 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
     return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: the model holds its own parameters; "
                 "make it with chorus_gpt_create_ex(..., CHORUS_GPT_EXTERNAL, ...) so that the "
                 "runtime places them");
-  /* Every rank must start from the same weights: the same seed. */
-  const int64_t s_hi = (int64_t)(seed >> 32), s_lo = (int64_t)(seed & 0xffffffffu);
-  int64_t mine[4] = {s_hi, -s_hi, s_lo, -s_lo}, agreed[4]; /* max and -min of both halves */
+  /* Every rank must start from the same weights (the same seed) and walk
+   * the same schedule (the same configuration and model): otherwise their
+   * collectives would differ.  Max and -min of each value in one call. */
+  const int64_t vals[8] = {(int64_t)(seed >> 32), (int64_t)(seed & 0xffffffffu), c.stage,
+                           c.prefetch, (int64_t)c.param_dtype * 64 + (int64_t)c.reduce_dtype,
+                           c.overlap, (int64_t)chorus_gpt_num_params(model),
+                           chorus_gpt_num_units(model)};
+  int64_t mine[16], agreed[16];
+  for (int i = 0; i < 8; i++) mine[2 * i] = vals[i], mine[2 * i + 1] = -vals[i];
   chorus_result_t st =
-      chorus_all_reduce(comm, mine, agreed, 4, CHORUS_INT64, CHORUS_MAX, NULL);
+      chorus_all_reduce(comm, mine, agreed, 16, CHORUS_INT64, CHORUS_MAX, NULL);
   if (st != CHORUS_OK)
     return fail(st, "chorus_fsdp_create: rank %d: agreeing on the seed: %s",
                 chorus_comm_rank(comm), chorus_comm_last_error(comm));
   if (memcmp(agreed, mine, sizeof mine))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: rank %d: the ranks were given "
-                "different seeds (this one %llu): every rank must initialise the same model",
-                chorus_comm_rank(comm), (unsigned long long)seed);
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: rank %d: the ranks differ in %s "
+                "(this one: seed %llu, stage %d, prefetch %d, overlap %d, %zu parameters): "
+                "every rank must make the same model and sharding", chorus_comm_rank(comm),
+                memcmp(agreed, mine, 4 * sizeof *mine) ? "the seed" : "the configuration",
+                (unsigned long long)seed, c.stage, c.prefetch, c.overlap,
+                chorus_gpt_num_params(model));
   chorus_fsdp_t *f = calloc(1, sizeof *f);
   if (!f) return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
   f->comm = comm;
@@ -460,6 +480,7 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
   f->rank = chorus_comm_rank(comm);
   f->size = chorus_comm_size(comm);
   f->nu = chorus_gpt_num_units(model);
+  if (f->cfg.prefetch > 2 * f->nu) f->cfg.prefetch = 2 * f->nu; /* the whole schedule */
   f->sync = 1;
   f->u = calloc((size_t)f->nu, sizeof *f->u);
   f->nsched = 2 * f->nu;
@@ -537,7 +558,9 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
   /* The most the working buffers can hold at once (for --mem-cap): walk
    * the schedule as the hook would. */
   {
-    const int K = c.stage == 3 ? c.prefetch : 0;
+    const int K = c.stage == 3 ? f->cfg.prefetch : 0;
+    unsigned char *seen = calloc(f->nu > 0 ? (size_t)f->nu : 1, 1);
+    if (!seen) goto oom;
     size_t biggest = 0;
     for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;
     size_t pb = 0;
@@ -545,13 +568,12 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
       const size_t per = N * (sizeof(float) + (c.param_dtype == CHORUS_BFLOAT16 ? 2 : 0)) + 2;
       for (int i = 0; i < f->nsched; i++) {
         size_t sum = 0;
-        int seen[64] = {0}, nseen = 0;
+        memset(seen, 0, (size_t)f->nu);
         for (int j = i; j <= i + K + 1 && j < f->nsched; j++)
           for (int k = 0; k < f->sched[j].nneeds; k++) {
-            int v = f->sched[j].needs[k], dup = 0;
-            for (int q = 0; q < nseen; q++) dup |= seen[q] == v;
-            if (dup || nseen == 64) continue;
-            seen[nseen++] = v;
+            int v = f->sched[j].needs[k];
+            if (seen[v]) continue;
+            seen[v] = 1;
             sum += f->u[v].s * per;
           }
         if (sum > pb) pb = sum;
@@ -563,16 +585,23 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
     if (c.stage >= 2) {
       const size_t half = c.reduce_dtype == CHORUS_BFLOAT16;
       const size_t per = N * (sizeof(float) + 2 * half) + (half ? 2 : 4);
-      gb = (f->u[0].s + (MAX_REDUCING + 1) * biggest) * per;
+      /* Without overlap every unit's gradient waits for chorus_fsdp_wait. */
+      gb = c.overlap ? (f->u[0].s + (MAX_REDUCING + 1) * biggest) * per : f->shard * per;
     }
+    /* Stages 1-2 with bf16 parameters: sync_params's bf16 copies, all at once. */
+    if (c.stage <= 2 && c.param_dtype == CHORUS_BFLOAT16) pb = 2 * (f->flat + f->shard);
+    free(seen);
     f->work_bound = pb + gb;
   }
   chorus_gpt_set_unit_hook(model, on_event, f);
   *out = f;
   return CHORUS_OK;
 oom:
+  /* The others went on after the agreement: fail them at once. */
   chorus_fsdp_destroy(f);
-  return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
+  chorus_comm_abort(comm);
+  return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: rank %d: out of memory (the "
+              "communicator is aborted)", chorus_comm_rank(comm));
 }
 
 void chorus_fsdp_destroy(chorus_fsdp_t *f) {
@@ -700,7 +729,7 @@ chorus_result_t chorus_fsdp_full_params(chorus_fsdp_t *f, float *dst, int root) 
   size_t biggest = 0;
   for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;
   float *tmp = me ? malloc((size_t)f->size * biggest * sizeof(float) + 1) : NULL;
-  if (me && !tmp) return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_full_params: out of memory");
+  if (me && !tmp) return set_error(f, CHORUS_ERR_NO_MEMORY, "gathering the full parameters", 0);
   chorus_result_t st = CHORUS_OK;
   for (int v = 0; v < f->nu && st == CHORUS_OK; v++) {
     const unit_t *u = &f->u[v];

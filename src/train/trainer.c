@@ -234,9 +234,28 @@ chorus_result_t chorus_trainer_join(chorus_trainer_t *t, int have_data, int *act
   return CHORUS_OK;
 }
 
+/* A pass failed on this rank alone (bad input, no memory) while the
+ * communicator is fine: the other ranks are in, or about to enter, this
+ * step's collectives; aborting fails them at once instead of at the
+ * timeout.  Returns st. */
+static chorus_result_t pass_failed(chorus_trainer_t *t, chorus_result_t st) {
+  if (t->comm && chorus_comm_size(t->comm) > 1 && chorus_comm_status(t->comm) == CHORUS_OK)
+    chorus_comm_abort(t->comm);
+  return st;
+}
+
+static chorus_result_t micro_step(chorus_trainer_t *t, const int *tokens, const int *targets,
+                                  int B, int T, float weight, int last, float *loss);
+
 chorus_result_t chorus_trainer_micro_step(chorus_trainer_t *t, const int *tokens,
                                           const int *targets, int B, int T, float weight,
                                           int last, float *loss) {
+  chorus_result_t st = micro_step(t, tokens, targets, B, T, weight, last, loss);
+  return st == CHORUS_OK ? st : pass_failed(t, st);
+}
+
+static chorus_result_t micro_step(chorus_trainer_t *t, const int *tokens, const int *targets,
+                                  int B, int T, float weight, int last, float *loss) {
   chorus_result_t st;
   if (loss) *loss = 0;
   if (!tokens) {

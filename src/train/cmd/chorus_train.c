@@ -358,7 +358,7 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
                           "\"rank %d\",\"clock_offset_us\":%.3f,\"clock_uncertainty_us\":%.3f}},"
                           "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,"
                           "\"args\":{\"name\":\"compute\"}},{\"name\":\"thread_name\",\"ph\":\"M\","
-                          "\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"all_reduce (buckets)\"}}",
+                          "\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"collectives\"}}",
                           g_rank, g_rank, (double)off / 1e3, (double)unc / 1e3, g_rank, g_rank);
   for (size_t i = 0; i < tr->n && len < cap; i++) {
     const event_t *e = &tr->ev[i];
