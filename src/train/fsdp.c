@@ -46,6 +46,16 @@ chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 #define fail chorus__train_fail
 
+/* Rounds src (n floats) to bfloat16 and back into dst (may be src). */
+void chorus__round_bf16(float *dst, const float *src, size_t n) {
+  uint16_t h[1024];
+  for (size_t i = 0; i < n; i += 1024) {
+    size_t k = n - i < 1024 ? n - i : 1024;
+    chorus_convert(h, CHORUS_BFLOAT16, src + i, CHORUS_FLOAT32, k);
+    chorus_convert(dst + i, CHORUS_FLOAT32, h, CHORUS_BFLOAT16, k);
+  }
+}
+
 enum { MAX_REDUCING = 1, MAX_EVENTS = 4096 };
 enum { P_FREE, P_GATHERING, P_READY };
 enum { G_NONE, G_HELD, G_REDUCING };
@@ -63,7 +73,6 @@ typedef struct {
   uint16_t *phalf;    /* bf16: N * s, what the all_gather fills */
   uint16_t *psend;    /* bf16: s, this rank's slice rounded */
   chorus_work_t pwork;
-  int64_t pt0;        /* when the gather was issued */
   /* Gradient (stages 2 and 3: a working copy; stage 1: the flat buffer). */
   int gstate;
   float *gbuf;        /* N * s floats */
@@ -72,13 +81,11 @@ typedef struct {
   chorus_work_t gwork;
   long gseq;          /* order its reduction started in */
   int reduced;        /* stage 1: its all_reduce of this step started */
-  int bwd_first, bwd_last; /* schedule positions of its backward uses */
+  int bwd_last;       /* schedule position of its last backward use */
 } unit_t;
 
 typedef struct {
-  int unit;
-  int needs[2], nneeds;
-  int backward;
+  int needs[2], nneeds; /* the unit, and unit 0 for the last unit (the head) */
 } use_t;
 
 struct chorus_fsdp {
@@ -93,7 +100,7 @@ struct chorus_fsdp {
   float *pshard;             /* master slices: stage 3, or bf16 parameters */
   float *gshard;             /* stages 2-3: the shard's gradients */
   use_t *sched;              /* forward then backward uses */
-  int nsched, pos, train;
+  int nsched, train;
   int sync;
   long gseq_next;
   int reducing;              /* reductions in flight */
@@ -150,6 +157,30 @@ static chorus_result_t set_error(chorus_fsdp_t *f, chorus_result_t st, const cha
   return fail(f->error, "chorus_fsdp: %s", f->why);
 }
 
+/* Binds unit v where its parameters and gradients live now: gathered
+ * (stage 3) or the flat buffers (stages 1-2); a held working gradient or
+ * the flat one (stage 1). */
+static void rebind(chorus_fsdp_t *f, int v) {
+  const unit_t *u = &f->u[v];
+  chorus_gpt_bind_unit(f->model, v,
+                       u->pstate == P_READY ? u->pbuf : f->pflat ? f->pflat + u->foff : NULL,
+                       u->gbuf ? u->gbuf : f->gflat ? f->gflat + u->foff : NULL);
+}
+
+/* Waits for *w, adds its run time to the step's and its event to the
+ * trace, frees it.  Its result. */
+static chorus_result_t finish_work(chorus_fsdp_t *f, chorus_work_t *w, int kind, int unit,
+                                   size_t bytes) {
+  chorus_result_t st = chorus_work_wait(*w, -1);
+  int64_t t0, t1;
+  chorus_work_timestamps(*w, &t0, &t1);
+  f->comm_s += chorus_work_duration(*w);
+  note_event(f, kind, unit, t0, t1, bytes);
+  chorus_work_free(*w);
+  *w = NULL;
+  return st;
+}
+
 static chorus_dtype_t reduce_half(const chorus_fsdp_t *f) {
   return f->cfg.reduce_dtype == CHORUS_BFLOAT16 ? CHORUS_BFLOAT16 : CHORUS_FLOAT32;
 }
@@ -175,7 +206,6 @@ static chorus_result_t gather_start(chorus_fsdp_t *f, int v) {
   }
   if (st != CHORUS_OK) return set_error(f, st, "all_gather of the parameters", v);
   u->pstate = P_GATHERING;
-  u->pt0 = now_ns();
   return CHORUS_OK;
 }
 
@@ -187,14 +217,8 @@ static chorus_result_t gather_wait(chorus_fsdp_t *f, int v) {
   }
   if (u->pstate == P_GATHERING) {
     int64_t w0 = now_ns();
-    chorus_result_t st = chorus_work_wait(u->pwork, -1);
+    chorus_result_t st = finish_work(f, &u->pwork, CHORUS_FSDP_GATHER, v, u->s * f->size * 4);
     f->exposed_s += (double)(now_ns() - w0) / 1e9;
-    int64_t t0, t1;
-    chorus_work_timestamps(u->pwork, &t0, &t1);
-    f->comm_s += chorus_work_duration(u->pwork);
-    note_event(f, CHORUS_FSDP_GATHER, v, t0, t1, u->s * f->size * 4);
-    chorus_work_free(u->pwork);
-    u->pwork = NULL;
     if (st != CHORUS_OK) return set_error(f, st, "all_gather of the parameters", v);
     if (u->phalf) {
       const size_t full = (size_t)f->size * u->s;
@@ -205,7 +229,8 @@ static chorus_result_t gather_wait(chorus_fsdp_t *f, int v) {
     }
     u->pstate = P_READY;
   }
-  return chorus_gpt_bind_unit(f->model, v, u->pbuf, f->u[v].gbuf ? f->u[v].gbuf : NULL);
+  rebind(f, v);
+  return CHORUS_OK;
 }
 
 static void gather_drop(chorus_fsdp_t *f, int v) {
@@ -222,30 +247,26 @@ static void gather_drop(chorus_fsdp_t *f, int v) {
   u->pbuf = NULL;
   u->phalf = u->psend = NULL;
   u->pstate = P_FREE;
-  chorus_gpt_bind_unit(f->model, v, NULL, u->gbuf);
+  rebind(f, v);
 }
 
 /* ---------------------------------------------------------- reductions */
 
 static chorus_result_t reduce_finish(chorus_fsdp_t *f, int v) {
   unit_t *u = &f->u[v];
-  chorus_result_t st = chorus_work_wait(u->gwork, -1);
-  int64_t t0, t1;
-  chorus_work_timestamps(u->gwork, &t0, &t1);
-  f->comm_s += chorus_work_duration(u->gwork);
-  chorus_work_free(u->gwork);
-  u->gwork = NULL;
-  f->reducing--;
   const int half = reduce_half(f) == CHORUS_BFLOAT16;
+  const size_t full = (size_t)f->size * u->s;
+  chorus_result_t st =
+      f->cfg.stage == 1
+          ? finish_work(f, &u->gwork, CHORUS_FSDP_ALL_REDUCE, v, u->count * (half ? 2 : 4))
+          : finish_work(f, &u->gwork, CHORUS_FSDP_REDUCE_SCATTER, v, full * (half ? 2 : 4));
+  f->reducing--;
   if (f->cfg.stage == 1) {
-    note_event(f, CHORUS_FSDP_ALL_REDUCE, v, t0, t1, u->count * (half ? 2 : 4));
     if (st == CHORUS_OK && half)
       chorus_convert(f->gflat + u->foff, CHORUS_FLOAT32, u->ghalf, CHORUS_BFLOAT16, u->count);
     u->gstate = G_NONE;
     return st == CHORUS_OK ? CHORUS_OK : set_error(f, st, "gradient all_reduce", v);
   }
-  const size_t full = (size_t)f->size * u->s;
-  note_event(f, CHORUS_FSDP_REDUCE_SCATTER, v, t0, t1, full * (half ? 2 : 4));
   if (st == CHORUS_OK) {
     float *g = f->gshard + u->soff;
     if (half) {
@@ -268,8 +289,7 @@ static chorus_result_t reduce_finish(chorus_fsdp_t *f, int v) {
   u->ghalf = NULL;
   u->rsout = NULL;
   u->gstate = G_NONE;
-  chorus_gpt_bind_unit(f->model, v, u->pstate == P_READY ? u->pbuf : f->pflat ? f->pflat + u->foff
-                                                                              : NULL, NULL);
+  rebind(f, v);
   return st == CHORUS_OK ? CHORUS_OK : set_error(f, st, "gradient reduce_scatter", v);
 }
 
@@ -365,7 +385,6 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
   const int begin = ev == CHORUS_GPT_FORWARD_BEGIN || ev == CHORUS_GPT_BACKWARD_BEGIN;
   const int i = bwd ? f->nu + (f->nu - 1 - unit) : unit;
   const use_t *use = &f->sched[i];
-  f->pos = i;
   chorus_result_t st = CHORUS_OK;
   int64_t t = now_ns();
   if (ev == CHORUS_GPT_FORWARD_BEGIN && unit == 0) {
@@ -399,9 +418,7 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
           break;
         }
         u->gstate = G_HELD;
-        st = chorus_gpt_bind_unit(f->model, use->needs[k],
-                                  u->pstate == P_READY ? u->pbuf
-                                  : f->pflat ? f->pflat + u->foff : NULL, u->gbuf);
+        rebind(f, use->needs[k]);
       }
     if (st == CHORUS_OK && f->cfg.stage >= 2) st = reduce_poll(f);
     if (st == CHORUS_OK) note_event(f, bwd ? CHORUS_FSDP_BACKWARD : CHORUS_FSDP_FORWARD, unit,
@@ -502,18 +519,12 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
   /* The schedule: forward 0..U-1, backward U-1..0; the last unit needs 0. */
   for (int i = 0; i < f->nsched; i++) {
     use_t *use = &f->sched[i];
-    use->backward = i >= f->nu;
-    use->unit = use->backward ? 2 * f->nu - 1 - i : i;
-    use->needs[use->nneeds++] = use->unit;
-    if (use->unit == f->nu - 1) use->needs[use->nneeds++] = 0;
+    const int unit = i >= f->nu ? 2 * f->nu - 1 - i : i;
+    use->needs[use->nneeds++] = unit;
+    if (unit == f->nu - 1) use->needs[use->nneeds++] = 0;
   }
-  for (int v = 0; v < f->nu; v++) f->u[v].bwd_first = f->u[v].bwd_last = -1;
   for (int i = f->nu; i < f->nsched; i++)
-    for (int k = 0; k < f->sched[i].nneeds; k++) {
-      unit_t *u = &f->u[f->sched[i].needs[k]];
-      if (u->bwd_first < 0) u->bwd_first = i;
-      u->bwd_last = i;
-    }
+    for (int k = 0; k < f->sched[i].nneeds; k++) f->u[f->sched[i].needs[k]].bwd_last = i;
   /* Storage, and the initial values of what this rank keeps. */
   const int master = c.stage == 3 || c.param_dtype == CHORUS_BFLOAT16;
   if (c.stage <= 2) {
@@ -544,17 +555,9 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
     }
   }
   if (c.stage <= 2 && c.param_dtype == CHORUS_BFLOAT16) /* compute on rounded values */
-    for (int v = 0; v < f->nu; v++) {
-      float *p = f->pflat + f->u[v].foff;
-      for (size_t i = 0; i < f->u[v].count; i++) {
-        uint16_t h;
-        chorus_convert(&h, CHORUS_BFLOAT16, &p[i], CHORUS_FLOAT32, 1);
-        chorus_convert(&p[i], CHORUS_FLOAT32, &h, CHORUS_BFLOAT16, 1);
-      }
-    }
-  for (int v = 0; v < f->nu; v++)
-    chorus_gpt_bind_unit(model, v, f->pflat ? f->pflat + f->u[v].foff : NULL,
-                         f->gflat ? f->gflat + f->u[v].foff : NULL);
+    for (int v = 0; v < f->nu; v++)
+      chorus__round_bf16(f->pflat + f->u[v].foff, f->pflat + f->u[v].foff, f->u[v].count);
+  for (int v = 0; v < f->nu; v++) rebind(f, v);
   /* The most the working buffers can hold at once (for --mem-cap): walk
    * the schedule as the hook would. */
   {
@@ -678,8 +681,7 @@ chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f) {
    * once (fp32: in place in the flat buffer). */
   const int half = f->cfg.param_dtype == CHORUS_BFLOAT16;
   chorus_result_t st = CHORUS_OK;
-  int started = 0;
-  for (int v = 0; v < f->nu && st == CHORUS_OK; v++, started++) {
+  for (int v = 0; v < f->nu && st == CHORUS_OK; v++) {
     unit_t *u = &f->u[v];
     float *full = f->pflat + u->foff;
     if (!half) {
@@ -702,13 +704,8 @@ chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f) {
   for (int v = 0; v < f->nu; v++) {
     unit_t *u = &f->u[v];
     if (u->pwork) {
-      chorus_result_t w = chorus_work_wait(u->pwork, -1);
-      int64_t t0, t1;
-      chorus_work_timestamps(u->pwork, &t0, &t1);
-      f->comm_s += chorus_work_duration(u->pwork);
-      note_event(f, CHORUS_FSDP_GATHER, v, t0, t1, (size_t)f->size * u->s * (half ? 2 : 4));
-      chorus_work_free(u->pwork);
-      u->pwork = NULL;
+      chorus_result_t w = finish_work(f, &u->pwork, CHORUS_FSDP_GATHER, v,
+                                      (size_t)f->size * u->s * (half ? 2 : 4));
       if (w != CHORUS_OK && first == CHORUS_OK) first = w, bad = v;
       if (w == CHORUS_OK && half)
         chorus_convert(f->pflat + u->foff, CHORUS_FLOAT32, u->phalf, CHORUS_BFLOAT16, u->count);
@@ -717,7 +714,6 @@ chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f) {
     work_free(f, u->psend, u->s * 2);
     u->phalf = u->psend = NULL;
   }
-  (void)started;
   return first == CHORUS_OK ? CHORUS_OK
                             : set_error(f, first, "all_gather of the updated parameters",
                                         bad < 0 ? 0 : bad);

@@ -41,15 +41,8 @@ void chorus_trainer_pass_times(const chorus_trainer_t *t, int64_t ns[3]) {
   memcpy(ns, t->pass_ns, sizeof t->pass_ns);
 }
 
-/* Rounds src (n floats) to bfloat16 into dst, in fp32. */
-static void round_bf16(float *dst, const float *src, size_t n) {
-  uint16_t h[1024];
-  for (size_t i = 0; i < n; i += 1024) {
-    size_t k = n - i < 1024 ? n - i : 1024;
-    chorus_convert(h, CHORUS_BFLOAT16, src + i, CHORUS_FLOAT32, k);
-    chorus_convert(dst + i, CHORUS_FLOAT32, h, CHORUS_BFLOAT16, k);
-  }
-}
+/* fsdp.c's: rounds src (n floats) to bfloat16 and back into dst. */
+void chorus__round_bf16(float *dst, const float *src, size_t n);
 
 static size_t optim_floats(const chorus_optim_config_t *o) {
   return o->kind == CHORUS_OPTIM_ADAMW ? 2 : 1;
@@ -109,7 +102,7 @@ chorus_result_t chorus_trainer_create(chorus_comm_t comm, const chorus_gpt_confi
         goto out;
       }
       memcpy(t->master, chorus_gpt_params(t->m), t->np * sizeof(float));
-      round_bf16(chorus_gpt_params(t->m), t->master, t->np);
+      chorus__round_bf16(chorus_gpt_params(t->m), t->master, t->np);
     }
     if ((st = chorus_optim_create(&cfg->optim, t->np, &t->opt)) != CHORUS_OK) {
       fail(st, "chorus_trainer_create: cannot make the optimizer (out of memory?)");
@@ -182,7 +175,7 @@ int chorus_trainer_shard(const chorus_trainer_t *t) { return t->cfg.shard; }
 
 chorus_result_t chorus_trainer_weights_changed(chorus_trainer_t *t) {
   if (t->fsdp) return chorus_fsdp_sync_params(t->fsdp);
-  if (t->master) round_bf16(chorus_gpt_params(t->m), t->master, t->np);
+  if (t->master) chorus__round_bf16(chorus_gpt_params(t->m), t->master, t->np);
   return CHORUS_OK;
 }
 chorus_optim_t *chorus_trainer_optim(chorus_trainer_t *t) { return t->opt; }
@@ -197,7 +190,7 @@ chorus_result_t chorus_trainer_load_weights(chorus_trainer_t *t, const float *sr
                 "its shard");
   float *dst = chorus_trainer_master(t);
   if (dst != src) memcpy(dst, src, t->np * sizeof(float));
-  if (t->master) round_bf16(chorus_gpt_params(t->m), t->master, t->np);
+  if (t->master) chorus__round_bf16(chorus_gpt_params(t->m), t->master, t->np);
   return CHORUS_OK;
 }
 
@@ -386,7 +379,7 @@ chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float lr,
       if (t->cfg.clip > 0) chorus_grad_clip(g, k, inf.grad_norm, t->cfg.clip);
       chorus_optim_update(t->opt, so, p, g, k, lr);
     }
-    if (t->master) round_bf16(chorus_gpt_params(t->m), t->master, t->np);
+    if (t->master) chorus__round_bf16(chorus_gpt_params(t->m), t->master, t->np);
     if (t->fsdp && (st = chorus_fsdp_sync_params(t->fsdp)) != CHORUS_OK) return st;
   }
   if (t->fsdp) {
