@@ -523,6 +523,113 @@ CHORUS_API chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float
  * collective when sharded. */
 CHORUS_API chorus_result_t chorus_trainer_full_params(chorus_trainer_t *t, float *dst, int root);
 
+/* ---------------------------------------------- asynchronous data parallel
+ *
+ * A parameter server (chorus-train --mode async).  World ranks 0 .. S-1
+ * serve, the others work.  Server s holds the floats [lo_s, hi_s) of the
+ * layout (an even split), their optimizer state and a version: the number
+ * of updates applied.  A worker computes a gradient on the parameters it
+ * last received, pushes each server its slice, and gets back that server's
+ * parameters once its gradient went into an update.  Every (server, worker)
+ * pair talks over a communicator of its own, so a worker that dies, hangs
+ * past the timeout or sends a malformed message fails only its pairs: the
+ * server drops it and goes on with the others.  A server that dies fails
+ * every worker (its parameters are gone): the job stops, and a restart
+ * resumes from the servers' last checkpoint.
+ *
+ * Staleness.  A gradient computed on version u and applied at version v
+ * has staleness v - u.  Gradients are added up as they arrive; an update
+ * averages what has arrived (each weighted 1, or 1 / (1 + staleness) with
+ * staleness_weight), clips it by its norm over the server's range, and
+ * takes one optimizer step.  The server applies it as soon as no worker
+ * still computing would be more than max_staleness versions behind after
+ * it; a worker that pushed waits for the update its gradient is in, so a
+ * fast worker runs at most max_staleness versions ahead of the slowest.
+ * max_staleness 0 is synchronous (every update averages one gradient of
+ * each live worker: DDP's step); large values are fully asynchronous (an
+ * update per gradient).  A gradient claiming a version staler than that,
+ * or a newer one than exists, is refused, as is one of the wrong size or
+ * with inf/NaN; the server says why in the reply.
+ *
+ * The run's length is a budget of gradients, steps * workers, DDP's tokens
+ * for --steps steps on as many ranks: the learning rate follows
+ * chorus_lr_at(applied / workers, ...) and a worker is told to stop once
+ * the budget is applied, however many steps it did itself. */
+typedef struct chorus_ps chorus_ps_t;
+
+typedef struct chorus_ps_config {
+  int servers;           /* ranks 0 .. servers - 1 serve; >= 1 and < world size */
+  int max_staleness;     /* >= 0 */
+  int staleness_weight;  /* 1: gradients weighted 1 / (1 + staleness) */
+  chorus_optim_config_t optim;
+  float clip;            /* max norm of an update over a server's range; 0: none */
+  float lr, min_lr;      /* peak and final learning rate */
+  long warmup, steps;    /* in steps of all workers (the budget: steps * workers gradients) */
+  const char *ckpt_dir;  /* servers save every ckpt_every steps and at the end; NULL: never */
+  int ckpt_every, keep;
+  int log_every;         /* server 0 reports progress every log_every steps (0: never) */
+  /* Servers report here (progress, dropped workers, refused gradients,
+   * checkpoints), from their threads, one line at a time; NULL: stderr. */
+  void (*log)(void *arg, const char *line);
+  void *log_arg;
+} chorus_ps_config_t;
+
+enum { CHORUS_PS_HIST = 17 }; /* staleness 0 .. 15, and 16 or more */
+
+typedef struct chorus_ps_stats {
+  long applied;            /* gradients applied (this server) */
+  long updates;            /* optimizer steps: the version */
+  long refused;            /* gradients refused (stale, non-finite, past the budget excluded) */
+  int dropped;             /* workers dropped (died, hung, malformed) */
+  double tokens;           /* tokens of the applied gradients */
+  double seconds;          /* from the first worker's arrival to the last update */
+  long hist[CHORUS_PS_HIST]; /* staleness of the applied gradients */
+  double loss_sum;         /* of the applied gradients' losses; loss_n of them */
+  long loss_n;
+  double tail_loss;        /* mean loss of the last tenth of the budget's gradients (NaN: none) */
+  long resumed_step;       /* the checkpoint's step the run resumed from; 0: fresh */
+} chorus_ps_stats_t;
+
+/* Every rank of world calls it with the same arguments (it makes the
+ * pairs' communicators).  seed gives chorus_gpt_create's weights. */
+CHORUS_API chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t *model,
+                                            uint64_t seed, const chorus_ps_config_t *cfg,
+                                            chorus_ps_t **out);
+CHORUS_API void chorus_ps_destroy(chorus_ps_t *ps);
+/* This rank's worker index (0 .. workers - 1), or -1 on a server. */
+CHORUS_API int chorus_ps_worker(const chorus_ps_t *ps);
+CHORUS_API int chorus_ps_workers(const chorus_ps_t *ps);
+
+/* A server: resumes from cfg->ckpt_dir's newest checkpoint (any mode and
+ * world wrote it), then serves until the budget is applied and every worker
+ * was told, or no worker is left; saves the final checkpoint.  Collective
+ * over the servers.  Fails when another server died. */
+CHORUS_API chorus_result_t chorus_ps_serve(chorus_ps_t *ps);
+CHORUS_API void chorus_ps_get_stats(const chorus_ps_t *ps, chorus_ps_stats_t *out);
+/* After serve: server 0 receives the whole parameters into dst (num
+ * params floats); collective over the servers. */
+CHORUS_API chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst);
+
+/* A worker: the current parameters into params (num params floats) and the
+ * step this worker starts at (its own steps done before a resume). */
+CHORUS_API chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step);
+typedef struct chorus_ps_reply {
+  int stop;          /* the budget is applied: stop */
+  int unused;        /* the budget was full before this gradient came: not applied */
+  int refused;       /* some server refused this gradient (why says why); params are fresh */
+  long staleness;    /* the largest of the servers' */
+  long version;      /* server 0's version of the parameters now in params */
+  char why[320];
+} chorus_ps_reply_t;
+/* Pushes grads (num params floats; its loss and tokens for the servers'
+ * accounting) and receives the parameters after the update it went into. */
+CHORUS_API chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss,
+                                          uint32_t tokens, float *params,
+                                          chorus_ps_reply_t *reply);
+/* Testing: the next push claims a version staler than allowed (1), or
+ * sends one float too many (2). */
+CHORUS_API void chorus_ps_inject(chorus_ps_t *ps, int fault);
+
 /* ---------------------------------------------------------------- sampler
  *
  * torch.utils.data.DistributedSampler, index for index: each epoch a

@@ -49,4 +49,18 @@ typedef struct {
 } chorus__ckpt_cand_t;
 chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n);
 
+/* chorus_trainer_save / _load for a rank that holds one range of the
+ * layout, the floats [lo, lo + n), in par, with opt's state over those n
+ * floats (a parameter server, ps.c).  Collective over comm (NULL: alone),
+ * whose ranks' ranges must not overlap; a load fills the range from any
+ * checkpoint whatever wrote it.  The files are those of chorus_trainer_save
+ * (the index records stage 0). */
+chorus_result_t chorus__ckpt_save_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                                        float *par, size_t lo, size_t n, const char *dir,
+                                        long step, const void *extra, size_t extra_len, int keep);
+chorus_result_t chorus__ckpt_load_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                                        float *par, size_t lo, size_t n, const char *dir,
+                                        long *step, void *extra, size_t extra_cap,
+                                        size_t *extra_len, chorus_ckpt_info_t *info);
+
 #endif

@@ -82,7 +82,11 @@ typedef struct {
 } piece_t;
 
 typedef struct {
-  chorus_trainer_t *t;
+  chorus_trainer_t *t; /* NULL: one range, below */
+  chorus_gpt_t *m;     /* the model (shape and units) */
+  chorus_optim_t *opt;
+  float *rpar;         /* without a trainer: the floats [rlo, rlo + nstate) */
+  size_t rlo;
   chorus_comm_t comm;
   int rank, size, stage, of;
   uint32_t nunits;
@@ -93,15 +97,38 @@ typedef struct {
 static void ctx_init(ctx_t *c, chorus_trainer_t *t) {
   chorus_gpt_t *m = chorus_trainer_model(t);
   chorus_fsdp_t *f = chorus_trainer_fsdp(t);
+  memset(c, 0, sizeof *c);
   c->t = t;
+  c->m = m;
+  c->opt = chorus_trainer_optim(t);
   c->comm = chorus_trainer_comm(t);
   c->rank = c->comm ? chorus_comm_rank(c->comm) : 0;
   c->size = c->comm ? chorus_comm_size(c->comm) : 1;
   c->stage = chorus_trainer_shard(t);
   c->np = chorus_gpt_num_params(m);
   c->nstate = f ? chorus_fsdp_shard_size(f) : c->np;
-  size_t blob = chorus_optim_state_size(chorus_trainer_optim(t));
+  size_t blob = chorus_optim_state_size(c->opt);
   c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (c->nstate ? c->nstate : 1)));
+  chorus__ckpt_shape(m, c->shape);
+  c->nunits = (uint32_t)chorus_gpt_num_units(m);
+}
+
+/* A rank that holds the floats [lo, lo + n) of the layout (a parameter
+ * server's range, chorus_ps_*): par, and opt over n floats. */
+static void ctx_init_range(ctx_t *c, chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                           float *par, size_t lo, size_t n) {
+  memset(c, 0, sizeof *c);
+  c->m = m;
+  c->opt = opt;
+  c->rpar = par;
+  c->rlo = lo;
+  c->comm = comm;
+  c->rank = comm ? chorus_comm_rank(comm) : 0;
+  c->size = comm ? chorus_comm_size(comm) : 1;
+  c->np = chorus_gpt_num_params(m);
+  c->nstate = n;
+  size_t blob = chorus_optim_state_size(opt);
+  c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (n ? n : 1)));
   chorus__ckpt_shape(m, c->shape);
   c->nunits = (uint32_t)chorus_gpt_num_units(m);
 }
@@ -109,12 +136,16 @@ static void ctx_init(ctx_t *c, chorus_trainer_t *t) {
 /* This rank's spans: its slices (sharded), or for DDP everything when
  * loading and a 1/N share of every unit when saving.  *n of them. */
 static span_t *my_spans(const ctx_t *c, int saving, int *n) {
-  chorus_gpt_t *m = chorus_trainer_model(c->t);
-  chorus_fsdp_t *f = chorus_trainer_fsdp(c->t);
+  chorus_gpt_t *m = c->m;
   const int nu = chorus_gpt_num_units(m);
   span_t *s = calloc((size_t)nu + 1, sizeof *s);
   *n = 0;
   if (!s) return NULL;
+  if (!c->t) {
+    if (c->nstate) s[(*n)++] = (span_t){c->rlo, c->nstate, c->rpar, 0};
+    return s;
+  }
+  chorus_fsdp_t *f = chorus_trainer_fsdp(c->t);
   float *master = chorus_trainer_master(c->t);
   if (!f && !saving) {
     s[(*n)++] = (span_t){0, c->np, master, 0};
@@ -232,17 +263,14 @@ static chorus_result_t agree(const ctx_t *c, int *ok) {
   return CHORUS_OK;
 }
 
-chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
-                                    const void *extra, size_t extra_len, int keep) {
-  if (!t || !dir || step < 0 || keep < 1 || (extra_len && !extra) || extra_len > MAX_EXTRA)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
-  ctx_t c;
-  ctx_init(&c, t);
+static chorus_result_t save(const ctx_t *cp, const char *dir, long step, const void *extra,
+                            size_t extra_len, int keep) {
+  const ctx_t c = *cp;
   char sdir[4096], tmp[4200], final[4200], why[4400] = "";
   snprintf(sdir, sizeof sdir, "%s/ckpt-%09ld", dir, step);
   int n = 0, ok = 1;
   span_t *sp = my_spans(&c, 1, &n);
-  const size_t blob_bytes = chorus_optim_state_size(chorus_trainer_optim(t));
+  const size_t blob_bytes = chorus_optim_state_size(c.opt);
   unsigned char *blob = malloc(blob_bytes);
   uint64_t *table = calloc(2 * (size_t)n + 1, sizeof *table);
   chunk_t *ch = calloc(2 + 3 * (size_t)n, sizeof *ch);
@@ -256,7 +284,7 @@ chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long s
     snprintf(why, sizeof why, "mkdir %s: %s", sdir, strerror(errno));
   }
   if (ok) {
-    chorus_optim_state_save(chorus_trainer_optim(t), blob);
+    chorus_optim_state_save(c.opt, blob);
     int64_t opt_steps;
     memcpy(&opt_steps, blob, sizeof opt_steps);
     sh_header_t h = {SH_MAGIC, DC_VERSION, sizeof h, step, {0}, c.of, opt_steps,
@@ -344,6 +372,27 @@ chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long s
   return ok ? CHORUS_OK
             : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: the index of %s was not "
                    "written (see rank 0's output)", c.rank, sdir);
+}
+
+chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
+                                    const void *extra, size_t extra_len, int keep) {
+  if (!t || !dir || step < 0 || keep < 1 || (extra_len && !extra) || extra_len > MAX_EXTRA)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
+  ctx_t c;
+  ctx_init(&c, t);
+  return save(&c, dir, step, extra, extra_len, keep);
+}
+
+chorus_result_t chorus__ckpt_save_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                                        float *par, size_t lo, size_t n, const char *dir,
+                                        long step, const void *extra, size_t extra_len, int keep) {
+  if (!m || !opt || !dir || step < 0 || keep < 1 || (extra_len && !extra) ||
+      extra_len > MAX_EXTRA || lo > chorus_gpt_num_params(m) ||
+      n > chorus_gpt_num_params(m) - lo)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
+  ctx_t c;
+  ctx_init_range(&c, comm, m, opt, par, lo, n);
+  return save(&c, dir, step, extra, extra_len, keep);
 }
 
 /* ---------------------------------------------------------------- load */
@@ -643,20 +692,17 @@ static int stage_init(stage_t *s, const ctx_t *c) {
   size_t total = 0;
   for (int i = 0; s->sp && s->par_at && i < s->nsp; i++) s->par_at[i] = total, total += s->sp[i].count;
   s->par = malloc(total * sizeof(float) + 1);
-  s->blob = calloc(1, chorus_optim_state_size(chorus_trainer_optim(c->t)));
+  s->blob = calloc(1, chorus_optim_state_size(c->opt));
   if (!s->sp || !s->par_at || !s->par || !s->blob) return bad(s, "out of memory");
   return 0;
 }
 
-chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *step,
-                                    void *extra, size_t extra_cap, size_t *extra_len,
-                                    chorus_ckpt_info_t *info) {
-  if (!t || !dir || !step)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
+static chorus_result_t load(const ctx_t *cp, const char *dir, long *step, void *extra,
+                            size_t extra_cap, size_t *extra_len, chorus_ckpt_info_t *info) {
+  const ctx_t c = *cp;
+  chorus_trainer_t *t = c.t;
   *step = -1;
   if (extra_len) *extra_len = 0;
-  ctx_t c;
-  ctx_init(&c, t);
   int nc = 0;
   chorus__ckpt_cand_t *cs = chorus__ckpt_list(dir, &nc); /* rank 0's list is the one followed */
   chorus_result_t st = CHORUS_OK;
@@ -695,16 +741,15 @@ chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *
     /* Every rank has all it needs: now change the state -- at stage 3
      * after letting go of gathered units (no gather may still read a
      * slice while it is overwritten). */
-    if (c.stage == 3 && (st = chorus_trainer_weights_changed(t)) != CHORUS_OK) {
+    if (t && c.stage == 3 && (st = chorus_trainer_weights_changed(t)) != CHORUS_OK) {
       stage_free(&s);
       break;
     }
     for (int k = 0; k < s.nsp; k++)
       memcpy(s.sp[k].par, s.par + s.par_at[k], s.sp[k].count * sizeof(float));
     memcpy(s.blob, &s.opt_steps, sizeof s.opt_steps);
-    st = chorus_optim_state_load(chorus_trainer_optim(t), s.blob,
-                                 chorus_optim_state_size(chorus_trainer_optim(t)));
-    if (st == CHORUS_OK) st = chorus_trainer_weights_changed(t);
+    st = chorus_optim_state_load(c.opt, s.blob, chorus_optim_state_size(c.opt));
+    if (st == CHORUS_OK && t) st = chorus_trainer_weights_changed(t);
     if (st == CHORUS_OK) {
       *step = cstep;
       size_t nx = s.extra_len < extra_cap ? (size_t)s.extra_len : extra_cap;
@@ -718,6 +763,28 @@ chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *
   free(cs);
   (void)last_why;
   return st;
+}
+
+chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *step,
+                                    void *extra, size_t extra_cap, size_t *extra_len,
+                                    chorus_ckpt_info_t *info) {
+  if (!t || !dir || !step)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
+  ctx_t c;
+  ctx_init(&c, t);
+  return load(&c, dir, step, extra, extra_cap, extra_len, info);
+}
+
+chorus_result_t chorus__ckpt_load_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                                        float *par, size_t lo, size_t n, const char *dir,
+                                        long *step, void *extra, size_t extra_cap,
+                                        size_t *extra_len, chorus_ckpt_info_t *info) {
+  if (!m || !opt || !dir || !step || lo > chorus_gpt_num_params(m) ||
+      n > chorus_gpt_num_params(m) - lo)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
+  ctx_t c;
+  ctx_init_range(&c, comm, m, opt, par, lo, n);
+  return load(&c, dir, step, extra, extra_cap, extra_len, info);
 }
 
 /* -------------------------------------------------------------- export */

@@ -52,6 +52,11 @@ typedef struct {
   int prefetch;    /* stage 3: gathers ahead */
   chorus_dtype_t param_dtype;
   size_t mem_cap;  /* bytes per rank; 0: none */
+  int async;       /* --mode async: parameter servers and workers */
+  int servers, max_staleness, staleness_weight;
+  int slow_rank;   /* testing: --slowdown RANK:FACTOR */
+  double slow_factor;
+  int bad_rank, bad_kind, bad_step; /* testing: --bad-push RANK:stale|size:STEP */
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer. */
@@ -132,7 +137,20 @@ static void usage(FILE *f) {
           "                       format: rank 0 gathers it unit by unit); any stage and\n"
           "                       world resumes from it as DIR/ckpt-<step>.bin\n"
           "  --mem-cap BYTES[K|M|G]  refuse to start when a rank's planned memory (state,\n"
-          "                       gathered units, activations) would pass it\n");
+          "                       gathered units, activations) would pass it\n"
+          "  --mode sync|async    sync: data parallel (DDP or --shard); async: ranks\n"
+          "                       0..--servers-1 hold the parameters and the optimizer\n"
+          "                       (split by range), the others push gradients and pull\n"
+          "                       parameters each at its own pace (sync)\n"
+          "  --servers N          async: parameter servers (1)\n"
+          "  --max-staleness S    async: no gradient is applied more than S updates after\n"
+          "                       the parameters it was computed on were handed out; 0 is\n"
+          "                       synchronous (16)\n"
+          "  --staleness-weight none|inverse  async: inverse weights a gradient by\n"
+          "                       1 / (1 + its staleness) (none)\n"
+          "  --slowdown R:F       testing: rank R computes F times slower (it sleeps)\n"
+          "  --bad-push R:stale|size:N  testing: worker rank R pushes, at its step N, a\n"
+          "                       gradient claiming a too-old version, or one float too many\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -152,7 +170,9 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"uneven", 1, 0, 'U'},     {"dump-all", 0, 0, 'A'},    {"loss-scale", 1, 0, 'Q'},
       {"inject-inf", 1, 0, 'I'}, {"trace-clock", 1, 0, 'G'}, {"clock-skew-ms", 1, 0, 'z'},
       {"shard", 1, 0, 1000},     {"prefetch", 1, 0, 1001},   {"param-dtype", 1, 0, 1002},
-      {"mem-cap", 1, 0, 1003},   {"export", 1, 0, 1004},
+      {"mem-cap", 1, 0, 1003},   {"export", 1, 0, 1004},     {"mode", 1, 0, 1005},
+      {"servers", 1, 0, 1006},   {"max-staleness", 1, 0, 1007},
+      {"staleness-weight", 1, 0, 1008}, {"slowdown", 1, 0, 1009}, {"bad-push", 1, 0, 1010},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -229,6 +249,31 @@ static int parse(int argc, char **argv, opts_t *o) {
         else return -1;
         break;
       case 1004: o->export_path = optarg; break;
+      case 1005:
+        if (!strcmp(optarg, "async")) o->async = 1;
+        else if (!strcmp(optarg, "sync")) o->async = 0;
+        else return -1;
+        break;
+      case 1006: o->servers = atoi(optarg); break;
+      case 1007: o->max_staleness = atoi(optarg); break;
+      case 1008:
+        if (!strcmp(optarg, "inverse")) o->staleness_weight = 1;
+        else if (!strcmp(optarg, "none")) o->staleness_weight = 0;
+        else return -1;
+        break;
+      case 1009:
+        if (sscanf(optarg, "%d:%lf", &o->slow_rank, &o->slow_factor) != 2 ||
+            !(o->slow_factor >= 1.0))
+          return -1;
+        break;
+      case 1010: {
+        char kind[16];
+        if (sscanf(optarg, "%d:%15[a-z]:%d", &o->bad_rank, kind, &o->bad_step) != 3) return -1;
+        if (!strcmp(kind, "stale")) o->bad_kind = 1;
+        else if (!strcmp(kind, "size")) o->bad_kind = 2;
+        else return -1;
+        break;
+      }
       case 1003: {
         char *end;
         double v = strtod(optarg, &end);
@@ -245,7 +290,8 @@ static int parse(int argc, char **argv, opts_t *o) {
   }
   if (optind != argc || o->batch < 1 || o->steps < 0 || o->accum < 1 || o->model.ctx < 2 ||
       o->val_every < 0 || o->val_batches < 1 || o->warmup < 0 || o->log_every < 1 ||
-      o->shard < 0 || o->shard > 3 || o->prefetch < 0)
+      o->shard < 0 || o->shard > 3 || o->prefetch < 0 || o->servers < 1 ||
+      o->max_staleness < 0)
     return -1;
   return 0;
 }
@@ -254,6 +300,13 @@ static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void sleep_s(double s) {
+  if (!(s > 0)) return;
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
 }
 
 /* A 64-bit mixer (splitmix64) for sampling generated text. */
@@ -736,6 +789,9 @@ static int train_step(run_t *r, long step) {
     tb += (double)(ns[2] - ns[1]) / 1e9;
     loss_sum += loss;
   }
+  if (g_rank == o->slow_rank) { /* --slowdown: a slower machine */
+    sleep_s((o->slow_factor - 1.0) * (tf + tb));
+  }
   double w0 = now_s();
   int64_t nw0 = now_ns();
   float lr = chorus_lr_at(step, o->warmup, o->steps, o->lr, o->lr * o->min_lr_frac);
@@ -978,6 +1034,262 @@ static int admit_joiners(run_t *r, long *step) {
   return 1;
 }
 
+/* ------------------------------------------------------------ --mode async */
+
+static void ps_log(void *arg, const char *line) {
+  (void)arg;
+  printf("%s\n", line);
+  fflush(stdout);
+}
+
+/* The validation loss DDP's validate() reports on `world` ranks (the same
+ * samples), computed here alone. */
+static float validate_alone(chorus_gpt_t *m, const chorus_text_t *text, const opts_t *o,
+                            int world, int *tok, int *tgt) {
+  size_t n = chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx);
+  size_t *idx = malloc(sizeof(size_t) * (size_t)o->batch);
+  if (n == 0 || !idx) {
+    free(idx);
+    return NAN;
+  }
+  double sum = 0;
+  for (int r = 0; r < world; r++)
+    for (int v = 0; v < o->val_batches; v++) {
+      for (int b = 0; b < o->batch; b++)
+        idx[b] = ((size_t)(v * o->batch + b) * (size_t)world + (size_t)r) % n;
+      chorus_text_batch(text, CHORUS_SPLIT_VAL, o->model.ctx, idx, o->batch, tok, tgt);
+      float loss = 0;
+      chorus_gpt_forward(m, tok, tgt, o->batch, o->model.ctx, &loss);
+      sum += loss;
+    }
+  free(idx);
+  return (float)(sum / ((double)world * o->val_batches));
+}
+
+/* A server: serves until the budget is applied; server 0 then reports,
+ * validates, samples and dumps the final weights. */
+static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps,
+                        chorus_text_t *text) {
+  const int W = chorus_ps_workers(ps);
+  chorus_result_t st = chorus_ps_serve(ps);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+    return 1;
+  }
+  chorus_ps_stats_t s;
+  chorus_ps_get_stats(ps, &s);
+  if (g_rank == 0) {
+    long total = 0, mx = 0;
+    double mean = 0;
+    for (int i = 0; i < CHORUS_PS_HIST; i++) {
+      total += s.hist[i];
+      mean += (double)i * s.hist[i];
+      if (s.hist[i]) mx = i;
+    }
+    char hist[512];
+    size_t len = 0;
+    hist[0] = '\0';
+    for (int i = 0; i < CHORUS_PS_HIST && total; i++)
+      if (s.hist[i] && len < sizeof hist)
+        len += (size_t)snprintf(hist + len, sizeof hist - len, "%s%d%s: %.1f%%", len ? ", " : "",
+                                i, i == CHORUS_PS_HIST - 1 ? "+" : "",
+                                100.0 * s.hist[i] / total);
+    const double tok = s.tokens;
+    printf("summary: async, %d server(s), %d worker(s), --max-staleness %d: %.0f tokens in "
+           "%.2f s = %.0f tok/s; %ld update(s) of %ld gradient(s) (%ld refused, %d worker(s) "
+           "dropped)\n", g_size - W, W, o->max_staleness, tok, s.seconds,
+           s.seconds > 0 ? tok / s.seconds : 0.0, s.updates, s.applied, s.refused, s.dropped);
+    printf("staleness: %s; mean %.2f, max %ld%s\n", total ? hist : "none",
+           total ? mean / total : 0.0, mx, mx == CHORUS_PS_HIST - 1 ? " or more" : "");
+    printf("training loss: %.4f (mean of all %ld gradients), %.4f (the last tenth)\n",
+           s.loss_n ? s.loss_sum / s.loss_n : NAN, s.loss_n, s.tail_loss);
+    fflush(stdout);
+  }
+  /* Server 0 puts the whole model together for the last words. */
+  const int want = o->val_every || o->sample > 0 || o->dump;
+  chorus_gpt_t *m = NULL;
+  if (g_rank == 0 && want &&
+      chorus_gpt_create(&o->model, o->batch > 1 ? o->batch : 1, o->seed, &m) != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank 0: %s\n", chorus_train_last_error());
+    m = NULL;
+  }
+  int rc = 0;
+  if (want) {
+    float *dst = m ? chorus_gpt_params(m) : NULL;
+    float dummy = 0;
+    st = chorus_ps_full_params(ps, g_rank == 0 ? (dst ? dst : &dummy) : NULL);
+    if (st != CHORUS_OK || (g_rank == 0 && !m)) {
+      if (st != CHORUS_OK) fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank,
+                                   chorus_train_last_error());
+      rc = 1;
+    }
+  }
+  if (g_rank == 0 && m && rc == 0) {
+    const size_t np = chorus_gpt_num_params(m);
+    int *tok = malloc(sizeof(int) * (size_t)o->batch * o->model.ctx);
+    int *tgt = malloc(sizeof(int) * (size_t)o->batch * o->model.ctx);
+    if (o->val_every && tok && tgt)
+      printf("validation loss %.4f (final weights; the samples DDP on %d ranks validates on)\n",
+             validate_alone(m, text, o, W, tok, tgt), W);
+    free(tok), free(tgt);
+    if (o->sample > 0) sample_text(m, o, o->sample);
+    if (o->dump) {
+      FILE *f = fopen(o->dump, "wb");
+      if (!f || fwrite(chorus_gpt_params(m), sizeof(float), np, f) != np || fclose(f) != 0) {
+        fprintf(stderr, "chorus-train: cannot write %s: %s\n", o->dump, strerror(errno));
+        rc = 1;
+      }
+    }
+  }
+  chorus_gpt_destroy(m);
+  (void)comm;
+  return rc;
+}
+
+/* A worker: computes gradients on its share of the data and pushes them
+ * until a server says the budget is applied. */
+static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
+  const int W = chorus_ps_workers(ps), me = chorus_ps_worker(ps);
+  const int T = o->model.ctx, B = o->batch;
+  chorus_gpt_t *m = NULL;
+  chorus_sampler_t *sp = NULL;
+  size_t nsamples = chorus_text_samples(text, CHORUS_SPLIT_TRAIN, T);
+  if (chorus_gpt_create(&o->model, B, o->seed, &m) != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+    return 1;
+  }
+  if (nsamples < (size_t)W || chorus_sampler_create(nsamples, W, me, 1, o->seed, 0, &sp) !=
+      CHORUS_OK) {
+    fprintf(stderr, "chorus-train: %s is too short for sequences of %d on %d workers\n", o->data,
+            T, W);
+    chorus_gpt_destroy(m);
+    return 1;
+  }
+  int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);
+  size_t *idx = malloc(sizeof(size_t) * (size_t)B);
+  float *params = chorus_gpt_params(m), *grads = chorus_gpt_grads(m);
+  long step = 0;
+  chorus_result_t st = tok && tgt && idx ? chorus_ps_pull(ps, params, &step) : CHORUS_ERR_NO_MEMORY;
+  int rc = 0;
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+    rc = 1;
+  }
+  /* A resumed worker goes on in its data where it was. */
+  for (long i = 0; rc == 0 && i < step * o->accum * B; i++) chorus_sampler_next(sp);
+  const char *rcount = getenv("CHORUS_RESTART_COUNT");
+  const int first_generation = !rcount || !strcmp(rcount, "0");
+  const double slow = g_rank == o->slow_rank ? o->slow_factor : 1.0;
+  long steps = 0, refused = 0, smax = 0;
+  double ssum = 0, t_comp = 0, t_wait = 0, loss_sum = 0;
+  const double t_start = now_s();
+  for (; rc == 0; step++) {
+    if (step == o->kill_at && g_rank == o->kill_rank && first_generation) {
+      fprintf(stderr, "chorus-train: rank %d kills itself at step %ld (--kill-at) at wall clock "
+              "%lld ms\n", g_rank, step, (long long)wall_ms());
+      raise(SIGKILL);
+    }
+    if (step == o->bad_step && g_rank == o->bad_rank) chorus_ps_inject(ps, o->bad_kind);
+    const double t0 = now_s();
+    chorus_gpt_zero_grad(m);
+    float loss = 0;
+    for (int a = 0; a < o->accum && st == CHORUS_OK; a++) {
+      for (int b = 0; b < B; b++) idx[b] = chorus_sampler_next(sp);
+      chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
+      float l = 0;
+      st = chorus_gpt_forward(m, tok, tgt, B, T, &l);
+      if (st == CHORUS_OK) st = chorus_gpt_backward(m, 1.0f / (float)o->accum, NULL, NULL);
+      loss += l / (float)o->accum;
+    }
+    if (st != CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: forward/backward: %s\n", g_rank,
+              chorus_train_last_error());
+      rc = 1;
+      break;
+    }
+    const double t1 = now_s();
+    sleep_s((slow - 1.0) * (t1 - t0)); /* --slowdown: a slower machine */
+    const double t2 = now_s();
+    chorus_ps_reply_t rep;
+    st = chorus_ps_push(ps, grads, loss, (uint32_t)(B * T * o->accum), params, &rep);
+    const double t3 = now_s();
+    if (st != CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+      rc = 1;
+      break;
+    }
+    t_comp += t2 - t0, t_wait += t3 - t2;
+    if (rep.refused) {
+      refused++;
+      fprintf(stderr, "chorus-train: rank %d (worker %d): %s; going on from the fresh "
+              "parameters\n", g_rank, me, rep.why);
+    } else if (!rep.unused) {
+      steps++;
+      loss_sum += loss;
+      ssum += (double)rep.staleness;
+      if (rep.staleness > smax) smax = rep.staleness;
+    }
+    if (rep.stop) break;
+  }
+  const double dt = now_s() - t_start;
+  if (rc == 0)
+    printf("worker %d (rank %d): %ld step(s) applied, %.0f tok/s, compute %.1f ms/step%s, "
+           "push and pull %.1f ms/step, staleness mean %.2f max %ld, %ld refused, mean loss "
+           "%.4f\n", me, g_rank, steps, dt > 0 ? (double)steps * B * T * o->accum / dt : 0.0,
+           steps ? 1e3 * t_comp / (double)(steps + refused) : 0.0,
+           slow > 1 ? " (slowed down)" : "", steps ? 1e3 * t_wait / (double)(steps + refused) : 0.0,
+           steps ? ssum / (double)steps : 0.0, smax, refused,
+           steps ? loss_sum / (double)steps : NAN);
+  fflush(stdout);
+  free(tok), free(tgt), free(idx);
+  chorus_sampler_destroy(sp);
+  chorus_gpt_destroy(m);
+  return rc;
+}
+
+/* --mode async: servers and workers instead of one data-parallel group. */
+static int run_async(const opts_t *o, chorus_comm_t comm, chorus_text_t *text) {
+  chorus_ps_config_t pc = {.servers = o->servers,
+                           .max_staleness = o->max_staleness,
+                           .staleness_weight = o->staleness_weight,
+                           .optim = CHORUS_OPTIM_ADAMW_DEFAULT,
+                           .clip = o->clip,
+                           .lr = o->lr,
+                           .min_lr = o->lr * o->min_lr_frac,
+                           .warmup = o->warmup,
+                           .steps = o->steps,
+                           .ckpt_dir = o->ckpt_dir,
+                           .ckpt_every = o->ckpt_every,
+                           .keep = o->keep,
+                           .log_every = o->log_every,
+                           .log = ps_log};
+  pc.optim.kind = o->optim;
+  pc.optim.momentum = o->momentum;
+  pc.optim.weight_decay = o->weight_decay;
+  if (o->servers >= g_size) {
+    fprintf(stderr, "chorus-train: --mode async needs more ranks than --servers (%d): at least "
+            "one worker\n", o->servers);
+    return 2;
+  }
+  chorus_ps_t *ps = NULL;
+  chorus_result_t st = chorus_ps_create(comm, &o->model, o->seed, &pc, &ps);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+    return 1;
+  }
+  const int W = chorus_ps_workers(ps);
+  say("chorus-train: asynchronous data parallel: %d server(s), %d worker(s), --max-staleness "
+      "%d%s; model %d layers, %d heads, %d channels, context %d; batch %d x %d per worker, "
+      "%d micro-step(s); a budget of %d steps x %d workers = %ld gradients%s\n",
+      o->servers, W, o->max_staleness, o->staleness_weight ? ", stale gradients weighted "
+      "1 / (1 + staleness)" : "", o->model.layers, o->model.heads, o->model.channels,
+      o->model.ctx, o->batch, o->model.ctx, o->accum, o->steps, W, (long)o->steps * W,
+      o->slow_rank >= 0 ? "; --slowdown" : "");
+  int rc = chorus_ps_worker(ps) < 0 ? async_server(o, comm, ps, text) : async_worker(o, ps, text);
+  chorus_ps_destroy(ps);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   opts_t o = {.data = "data/tinyshakespeare.txt",
               .model = CHORUS_GPT_CONFIG_DEFAULT,
@@ -987,11 +1299,30 @@ int main(int argc, char **argv) {
               .bucket_mb = 25.0, .hook = CHORUS_DDP_HOOK_NONE, .optim = CHORUS_OPTIM_ADAMW,
               .momentum = 0.9f, .seed = 1337, .keep = 3, .stop_after = -1, .kill_at = -1,
               .kill_rank = 1, .skip_rank = -1, .uneven_rank = -1, .loss_scale = -1,
-              .inject_inf = -1, .elastic = -1, .prefetch = 1, .param_dtype = CHORUS_FLOAT32};
+              .inject_inf = -1, .elastic = -1, .prefetch = 1, .param_dtype = CHORUS_FLOAT32,
+              .servers = 1, .max_staleness = 16, .slow_rank = -1, .slow_factor = 1.0,
+              .bad_rank = -1, .bad_step = -1};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
   }
+  if (o.async && (o.shard || o.hook != CHORUS_DDP_HOOK_NONE || o.loss_scale > 0 ||
+                  o.uneven_rank >= 0 || o.skip_rank >= 0 || o.trace || o.export_path ||
+                  o.stop_after >= 0 || o.param_dtype != CHORUS_FLOAT32 || o.mem_cap ||
+                  o.elastic > 0 || o.inject_inf >= 0)) {
+    fprintf(stderr, "chorus-train: --mode async trains fp32 parameters on servers; it does not "
+            "take --shard, --hook, --loss-scale, --uneven, --skip-layer, --trace, --export, "
+            "--stop-after, --param-dtype, --mem-cap, --inject-inf or --elastic (a dead worker "
+            "is dropped and the others go on by design; run chorusrun --elastic inplace so "
+            "that it lets them)\n");
+    return 2;
+  }
+  if (!o.async && (o.servers != 1 || o.bad_rank >= 0 || o.staleness_weight)) {
+    fprintf(stderr, "chorus-train: --servers, --staleness-weight and --bad-push need --mode "
+            "async\n");
+    return 2;
+  }
+  if (o.elastic < 0 && o.async) o.elastic = 0;
   if (o.elastic < 0) { /* chorusrun --elastic tells its workers */
     const char *e = getenv("CHORUS_ELASTIC");
     o.elastic = e && !strcmp(e, "inplace");
@@ -1040,6 +1371,12 @@ int main(int argc, char **argv) {
     chorus_comm_abort(r.comm);
     chorus_comm_destroy(r.comm);
     return 1;
+  }
+  if (o.async) {
+    int rc = run_async(&o, r.comm, r.text);
+    chorus_text_free(r.text);
+    chorus_comm_destroy(r.comm);
+    return rc;
   }
   chorus_trainer_config_t tc = {.shard = o.shard,
                                 .ddp = CHORUS_DDP_CONFIG_DEFAULT,
