@@ -83,6 +83,7 @@ struct chorus_ps {
   chorus_gpt_t *shape;  /* no storage: the layout, for init and checkpoints */
   /* worker */
   int64_t *ver;
+  long wstep; /* the worker's step: start + pushes */
   int fault;
   /* server */
   pthread_mutex_t mu;
@@ -418,6 +419,9 @@ static void drop(slot_t *sl, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(why, sizeof why, fmt, ap);
   va_end(ap);
+  /* The transport speaks of a group that fails as one; this pair does. */
+  char *cut = strstr(why, "; every other rank fails too");
+  if (cut) memmove(cut, cut + 28, strlen(cut + 28) + 1);
   pthread_mutex_lock(&ps->mu);
   const int was = sl->state;
   if (was != W_GONE) ps->st.dropped++;
@@ -751,16 +755,24 @@ chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst) {
 
 /* -------------------------------------------------------------- worker */
 
+/* A pair with a server failed: the server died, hung, or aborted. */
+static chorus_result_t server_gone(chorus_ps_t *ps, int s, chorus_result_t st) {
+  char why[600];
+  snprintf(why, sizeof why, "%s", chorus_comm_last_error(ps->pair[s]));
+  char *cut = strstr(why, "; every other rank fails too");
+  if (cut) *cut = '\0';
+  return fail(st, "async: worker %d (rank %d): server %d (rank %d) is gone or failed: %s; the "
+              "parameters it held are lost, so the job fails (a restart resumes from the "
+              "servers' last checkpoint)", ps->me, ps->rank, s, s, why);
+}
+
 /* Receives server s's answer: its parameters into params (its range). */
 static chorus_result_t answer(chorus_ps_t *ps, int s, float *params, chorus_ps_reply_t *rep,
                               long *start) {
   chorus_comm_t c = ps->pair[s];
   msg_t h;
   chorus_result_t st = chorus_recv(c, &h, sizeof h, CHORUS_UINT8, 0, TAG_HDR, NULL);
-  if (st != CHORUS_OK)
-    return fail(st, "async: worker %d (rank %d): server %d is gone or failed: %s; the "
-                "parameters it held are lost, the job fails (a restart resumes from the "
-                "servers' last checkpoint)", ps->me, ps->rank, s, chorus_comm_last_error(c));
+  if (st != CHORUS_OK) return server_gone(ps, s, st);
   h.text[sizeof h.text - 1] = '\0';
   const int known = h.kind == M_PARAMS || h.kind == M_REFUSED || h.kind == M_STOP ||
                     h.kind == M_FATAL;
@@ -812,9 +824,7 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
     h.magic = PS_MAGIC;
     h.kind = M_HELLO;
     st = chorus_send(ps->pair[s], &h, sizeof h, CHORUS_UINT8, 0, TAG_HDR, NULL);
-    if (st != CHORUS_OK)
-      return fail(st, "async: worker %d: server %d is gone or failed: %s", ps->me, s,
-                  chorus_comm_last_error(ps->pair[s]));
+    if (st != CHORUS_OK) return server_gone(ps, s, st);
   }
   for (int s = 0; s < ps->nserv && st == CHORUS_OK; s++) {
     chorus_ps_reply_t rep;
@@ -825,6 +835,7 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
                   ps->me);
   }
   if (start_step) *start_step = start;
+  ps->wstep = start;
   return st;
 }
 
@@ -851,6 +862,7 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
     h[s].count = ps->cnt[s];
     h[s].loss = loss;
     h[s].tokens = tokens;
+    h[s].step = ps->wstep;
     const float *src = grads + ps->lo[s];
     if (fault == 1) h[s].version = ps->ver[s] - ps->cfg.max_staleness - 1;
     if (fault == 2 && s == 0) {
@@ -861,9 +873,7 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
     st = chorus_send(ps->pair[s], &h[s], sizeof h[s], CHORUS_UINT8, 0, TAG_HDR, &wk[2 * s]);
     if (st == CHORUS_OK)
       st = chorus_send(ps->pair[s], src, h[s].count, CHORUS_FLOAT32, 0, TAG_DATA, &wk[2 * s + 1]);
-    if (st != CHORUS_OK)
-      fail(st, "async: worker %d: pushing to server %d: %s", ps->me, s,
-           chorus_comm_last_error(ps->pair[s]));
+    if (st != CHORUS_OK) server_gone(ps, s, st);
   }
   int *stopped = calloc((size_t)ps->nserv, sizeof *stopped);
   for (int s = 0; s < ps->nserv && st == CHORUS_OK; s++) {
@@ -891,5 +901,6 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
     chorus_work_free(wk[i]);
   }
   free(wk), free(h), free(extra);
+  ps->wstep++;
   return st;
 }

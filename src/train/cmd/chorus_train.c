@@ -1462,6 +1462,7 @@ int main(int argc, char **argv) {
   r.steps_done = start;
   const char *rc = getenv("CHORUS_RESTART_COUNT");
   r.first_generation = !rc || !strcmp(rc, "0");
+  const double loop_t0 = now_s();
   for (long step = start; step < o.steps;) {
     if (o.elastic) snap_take(&r, step);
     /* After a grow, every rank (the newcomers too) looks again. */
@@ -1482,6 +1483,12 @@ int main(int argc, char **argv) {
       r.failed_ns = 0;
     }
     step++;
+  }
+  if (r.steps_done > start) {
+    const double secs = now_s() - loop_t0;
+    const double toks = (double)(r.steps_done - start) * g_size * B * T * o.accum;
+    say("trained %.0f tokens in %.2f s = %.0f tok/s (the whole loop, first steps included)\n",
+        toks, secs, secs > 0 ? toks / secs : 0.0);
   }
   if (r.timed) {
     double step_s = r.sum_step / r.timed;

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# chorus-train --mode async (parameter servers, bounded staleness):
+#   1. --max-staleness 0 with one server, and with two (ranges split), gives
+#      DDP's weights on as many ranks (float tolerance: the server adds the
+#      gradients in arrival order); unbounded staleness does not (the
+#      check can fail);
+#   2. one worker 4x slower (--slowdown): async trains more tokens per
+#      second than DDP on the same 4 ranks, and its validation loss is
+#      below 3.25 after the budget (3 workers x 40 steps x 512 tokens; 5.5
+#      at the start) and within 5 % of DDP's on 3 ranks after as many;
+#   3. a worker SIGKILLed mid-run is dropped; the others fill the budget
+#      and the run reports its final loss; nothing hangs;
+#   4. a gradient claiming a version staler than --max-staleness is
+#      refused (the worker goes on from fresh parameters); one of the wrong
+#      size is refused and its worker dropped; the server serves the others;
+#   5. a server SIGKILLed mid-run fails every worker fast, saying so;
+#   6. two servers checkpoint their ranges; a run resumed from the first
+#      checkpoint ends at the uninterrupted run's weights; DDP resumes from
+#      it too; --mode async refuses flags it does not support.
+#   async_train.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA SANITIZER
+# Every run is bounded by timeout; the EXIT trap kills what is left.
+set -u
+run=$1 train=$2 cmp=$3 data=$4 sanitizer=${5:-}
+tmp=$(mktemp -d /tmp/chorus-async.XXXXXX)
+# A private copy, so that pkill -f "$tmp/" finds exactly our processes.
+cp "$train" "$tmp/chorus-train" && train=$tmp/chorus-train || exit 1
+trap 'pkill -9 -f "$tmp/" 2>/dev/null; rm -rf "$tmp"' EXIT
+fails=0
+model=(--layers 2 --heads 4 --channels 64 --ctx 64 --batch 8 --warmup 5 --sample 0
+       --log-every 10 --threads 1 --data "$data")
+train_run() { # NAME RANKS [chorusrun args --] [chorus-train args...]: must succeed
+  local name=$1 n=$2
+  shift 2
+  local pre=()
+  while (($#)) && [[ $1 != -- ]]; do pre+=("$1"); shift; done
+  if (($#)); then shift; else set -- "${pre[@]}"; pre=(); fi
+  if ! timeout 240 "$run" --standalone -n "$n" "${pre[@]}" -- "$train" "${model[@]}" "$@" \
+      >"$tmp/$name.log" 2>&1; then
+    echo "FAIL $name: the run failed"; tail -n 8 "$tmp/$name.log" | cut -c1-300
+    fails=$((fails + 1))
+  fi
+}
+ok() { echo "ok   $1"; }
+bad() { echo "FAIL $1"; fails=$((fails + 1)); }
+has() { # WHAT LOG PATTERN
+  if grep -q -- "$3" "$tmp/$2.log"; then ok "$1"; else bad "$1"; tail -n 6 "$tmp/$2.log" | cut -c1-300; fi
+}
+same() { # WHAT A B TOL
+  if "$cmp" "$tmp/$2" "$tmp/$3" "$4"; then ok "$1"; else bad "$1"; fi
+}
+num() { sed -n "s/$2/\1/p" "$tmp/$1.log" | tail -n 1; }
+
+# 1. Synchronous = DDP.
+train_run ddp 3 --steps 20 --dump "$tmp/ddp"
+train_run s0 4 --mode async --max-staleness 0 --steps 20 --dump "$tmp/s0"
+has "S=0: every gradient had staleness 0" s0 "staleness: 0: 100.0%; mean 0.00, max 0$"
+same "S=0, one server, 3 workers = DDP on 3 ranks" ddp s0 1e-4
+a=$(num ddp '.*validation loss [0-9.]* -> \([0-9.]*\)$') b=$(num s0 '.*validation loss \([0-9.]*\) (final.*')
+[ -n "$a" ] && [ "$a" = "$b" ] && ok "and the same validation loss ($b)" || bad "validation loss: DDP '$a', async '$b'"
+train_run ddpc 3 --steps 20 --clip 0 --dump "$tmp/ddpc"
+train_run s0b 5 --mode async --servers 2 --max-staleness 0 --steps 20 --clip 0 --dump "$tmp/s0b"
+same "S=0, two servers (ranges), 3 workers = DDP" ddpc s0b 1e-4
+train_run s16 4 --mode async --max-staleness 16 --steps 20 --dump "$tmp/s16"
+if "$cmp" "$tmp/ddp" "$tmp/s16" 1e-4 >/dev/null; then bad "unbounded staleness differs from DDP"
+else ok "unbounded staleness differs from DDP (so the check above can fail)"; fi
+
+# 2. One worker 4x slower.
+slow=(--steps 40 --slowdown 3:4)
+train_run dslow 4 "${slow[@]}"
+train_run aslow 4 --mode async "${slow[@]}"
+has "the slow worker's gradients are stale, and the distribution is reported" aslow \
+  "staleness: 0: .*max [1-9]"
+d=$(num dslow '^.*trained [0-9]* tokens in [0-9.]* s = \([0-9]*\) tok\/s.*')
+x=$(num aslow '^.*summary: async.* = \([0-9]*\) tok\/s.*')
+v=$(num aslow '.*validation loss \([0-9.]*\) (final.*')
+if [ -n "$sanitizer" ]; then
+  echo "skip async vs DDP speed: a $sanitizer build's timings say nothing (async $x, DDP $d tok/s)"
+elif [ -n "$d" ] && [ -n "$x" ] && [ "$x" -gt "$d" ]; then
+  ok "async $x tok/s > DDP $d tok/s on the same 4 ranks, one worker 4x slower"
+else bad "async '$x' tok/s vs DDP '$d'"; fi
+train_run d40 3 --steps 40
+w=$(num d40 '.*validation loss [0-9.]* -> \([0-9.]*\)$')
+if [ -n "$v" ] && [ -n "$w" ] && awk -v v="$v" -v w="$w" 'BEGIN { exit !(v < 3.25 && v <= 1.05 * w) }'; then
+  ok "async validation loss $v < 3.25 after 61440 tokens, within 5 % of DDP's $w on 3 ranks"
+else bad "async validation loss '$v' (want < 3.25 and within 5 % of DDP's '$w')"; fi
+
+# 3. A worker SIGKILLed at its step 10.
+train_run kill 4 --elastic inplace -- --mode async --steps 40 --kill-at 10 --kill-rank 2
+has "the dead worker is dropped" kill "dropped worker 1 (rank 2): .*exited"
+has "the others fill the budget" kill "summary: async.*120 update(s) of 120 gradient(s) (0 refused, 1 worker(s) dropped)"
+has "and the final loss is reported" kill "validation loss [0-9.]* (final"
+
+# 4. Bad pushes.
+train_run stale 4 --elastic inplace -- --mode async --steps 30 --max-staleness 2 --bad-push 2:stale:8
+has "a too-old gradient is refused, saying why" stale \
+  "server 0 refused the gradient of step 8: it was computed on version [0-9]*, 3 versions old, and --max-staleness is 2"
+has "its worker hears why and goes on" stale "rank 2 (worker 1): server 0 refused the gradient of step 8.*going on"
+has "the server keeps serving" stale "summary: async.*(1 refused, 0 worker(s) dropped)"
+train_run size 4 --elastic inplace -- --mode async --steps 30 --bad-push 2:size:5
+has "a gradient of the wrong size is refused and its worker dropped" size \
+  "dropped worker 1 (rank 2): refused: a gradient of [0-9]* floats, but server 0 holds"
+has "the worker says why" size "worker 1 (rank 2): server 0 refused it: a gradient of"
+has "the server keeps serving the others" size "summary: async.*(0 refused, 1 worker(s) dropped)"
+
+# 5. The server dies: every worker fails, fast, naming it.
+timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" "${model[@]}" --mode async \
+  --steps 100000 >"$tmp/skill.log" 2>&1 &
+job=$!
+for _ in $(seq 300); do grep -q "async step" "$tmp/skill.log" && break; sleep 0.1; done
+victim=
+for p in $(pgrep -f "$tmp/chorus-train"); do
+  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=0" && victim=$p
+done
+t0=$(date +%s%N)
+[ -n "$victim" ] && kill -9 "$victim"
+wait "$job"
+rc=$? ms=$((($(date +%s%N) - t0) / 1000000))
+if [ -n "$victim" ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$ms" -lt 30000 ]; then
+  ok "the server's death fails the job (exit $rc) in $ms ms"
+else bad "server killed ('$victim'): exit $rc after $ms ms"; fi
+has "every worker names the dead server" skill "server 0 (rank 0) is gone or failed: .*the job fails"
+
+# 6. Checkpoints of two servers, and a resume.
+ck=(--mode async --servers 2 --max-staleness 0 --steps 20 --clip 0 --checkpoint-every 10)
+train_run c1 5 "${ck[@]}" --checkpoint-dir "$tmp/ck1" --dump "$tmp/c1"
+has "two servers write one checkpoint" c1 "checkpoint: .*ckpt-000000010 (2 server file(s) and an index)"
+n=$(ls "$tmp/ck1/ckpt-000000010" 2>/dev/null | grep -c '^shard-0000[01]-of-00002\.bin$')
+[ "$n" -eq 2 ] && [ -s "$tmp/ck1/ckpt-000000010/index.bin" ] && ok "a file per server and an index" ||
+  bad "files: $(ls "$tmp/ck1/ckpt-000000010" 2>&1)"
+mkdir -p "$tmp/ck2" "$tmp/ck3" && cp -r "$tmp/ck1/ckpt-000000010" "$tmp/ck2/" &&
+  cp -r "$tmp/ck1/ckpt-000000010" "$tmp/ck3/"
+train_run c2 5 "${ck[@]}" --checkpoint-dir "$tmp/ck2" --dump "$tmp/c2"
+has "the servers resume from it" c2 "resumed from .*ckpt-000000010 (written by 2 rank(s), asynchronous): 30 of 60"
+same "and end at the uninterrupted run's weights" c1 c2 1e-4
+train_run c3 3 --steps 20 --clip 0 --checkpoint-dir "$tmp/ck3"
+has "DDP resumes from the servers' checkpoint" c3 "checkpoint of step 10: its training state is unreadable; the data order starts over"
+if timeout 60 "$run" --standalone -n 2 -- "$train" "${model[@]}" --mode async --shard 1 \
+    >"$tmp/refuse.log" 2>&1; then bad "--mode async --shard 1 is refused"
+else has "--mode async --shard 1 is refused" refuse "does not take --shard"; fi
+
+[ "$fails" -eq 0 ] && echo "all asynchronous data parallel checks passed" && exit 0
+echo "$fails asynchronous data parallel check(s) FAILED"; exit 1
