@@ -74,7 +74,7 @@ v=$(num aslow '.*validation loss \([0-9.]*\) (final.*')
 if [ -n "$sanitizer" ]; then
   # Timings and DDP's reference losses say nothing about a sanitizer build.
   echo "skip async vs DDP speed and loss: a $sanitizer build (async: $x tok/s, loss $v)"
-  w=9
+  w=
 else
   train_run dslow 4 "${slow[@]}"
   train_run d40 3 --steps 40
@@ -84,9 +84,9 @@ else
     ok "async $x tok/s > DDP $d tok/s on the same 4 ranks, one worker 4x slower"
   else bad "async '$x' tok/s vs DDP '$d'"; fi
 fi
-if [ -n "$v" ] && [ -n "$w" ] && awk -v v="$v" -v w="$w" 'BEGIN { exit !(v < 3.25 && v <= 1.05 * w) }'; then
-  ok "async validation loss $v < 3.25 after 61440 tokens (within 5 % of DDP's $w on 3 ranks)"
-else bad "async validation loss '$v' (want < 3.25 and within 5 % of DDP's '$w')"; fi
+if [ -n "$v" ] && awk -v v="$v" -v w="${w:-0}" 'BEGIN { exit !(v < 3.25 && (w == 0 || v <= 1.05 * w)) }'; then
+  ok "async validation loss $v < 3.25 after 61440 tokens${w:+, within 5 % of DDP's $w on 3 ranks}"
+else bad "async validation loss '$v' (want < 3.25${w:+ and within 5 % of DDP's $w})"; fi
 
 # 3. A worker SIGKILLed at its step 10.
 train_run kill 4 --elastic inplace -- --mode async --steps 40 --kill-at 10 --kill-rank 2
