@@ -718,9 +718,7 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
   if (ps->failed)
     return fail(CHORUS_ERR_REMOTE, "async: server %d: another server failed, and its parameters "
                 "with it: %s (resume from the last checkpoint)", ps->me, why);
-  if (ps->applied < ps->budget)
-    say(ps, "async: server %d: every worker is gone with %ld of %ld gradients applied",
-        ps->me, ps->applied, ps->budget);
+  const int short_of_budget = ps->applied < ps->budget;
   /* The final checkpoint, at a step every server reached. */
   int64_t step = ps->applied / ps->nwork;
   if (ps->nserv > 1 &&
@@ -733,6 +731,10 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
     st = ck_write(ps, (long)step);
     ps->ck_busy = 0;
   }
+  if (st == CHORUS_OK && short_of_budget)
+    st = fail(CHORUS_ERR_REMOTE, "async: server %d: every worker is gone with %ld of the budget's "
+              "%ld gradients applied%s", ps->me, ps->applied, ps->budget,
+              ps->cfg.ckpt_dir ? " (a restart resumes from the checkpoint just written)" : "");
   return st;
 }
 
