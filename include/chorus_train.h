@@ -626,8 +626,8 @@ typedef struct chorus_ps_reply {
 CHORUS_API chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss,
                                           uint32_t tokens, float *params,
                                           chorus_ps_reply_t *reply);
-/* Testing: the next push claims a version staler than allowed (1), or
- * sends one float too many (2). */
+/* Testing: the next push claims a version staler than allowed (1), sends
+ * one float too many (2), or a NaN in server 0's slice (3). */
 CHORUS_API void chorus_ps_inject(chorus_ps_t *ps, int fault);
 
 /* ---------------------------------------------------------------- sampler

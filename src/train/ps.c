@@ -851,8 +851,8 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
   float *extra = NULL;
   const int fault = ps->fault;
   ps->fault = 0;
-  if (fault == 2) extra = calloc(ps->cnt[0] + 1, sizeof(float));
-  if (!wk || !h || (fault == 2 && !extra)) {
+  if (fault == 2 || fault == 3) extra = calloc(ps->cnt[0] + 1, sizeof(float));
+  if (!wk || !h || ((fault == 2 || fault == 3) && !extra)) {
     free(wk), free(h), free(extra);
     return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_push: out of memory");
   }
@@ -867,9 +867,10 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
     h[s].step = ps->wstep;
     const float *src = grads + ps->lo[s];
     if (fault == 1) h[s].version = ps->ver[s] - ps->cfg.max_staleness - 1;
-    if (fault == 2 && s == 0) {
+    if ((fault == 2 || fault == 3) && s == 0) {
       memcpy(extra, src, ps->cnt[0] * sizeof(float));
-      h[s].count = ps->cnt[0] + 1;
+      if (fault == 2) h[s].count = ps->cnt[0] + 1;
+      else extra[0] = NAN;
       src = extra;
     }
     st = chorus_send(ps->pair[s], &h[s], sizeof h[s], CHORUS_UINT8, 0, TAG_HDR, &wk[2 * s]);

@@ -10,9 +10,11 @@
 #      at the start) and within 5 % of DDP's on 3 ranks after as many;
 #   3. a worker SIGKILLed mid-run is dropped; the others fill the budget
 #      and the run reports its final loss; nothing hangs;
-#   4. a gradient claiming a version staler than --max-staleness is
-#      refused (the worker goes on from fresh parameters); one of the wrong
-#      size is refused and its worker dropped; the server serves the others;
+#      a worker stopped (SIGSTOP) is dropped once it is declared dead;
+#   4. a gradient claiming a version staler than --max-staleness, or
+#      holding NaN, is refused (the worker goes on from fresh parameters);
+#      one of the wrong size is refused and its worker dropped; the server
+#      serves the others;
 #   5. a server SIGKILLed mid-run fails every worker fast, saying so;
 #   6. two servers checkpoint their ranges; a run resumed from the first
 #      checkpoint ends at the uninterrupted run's weights; DDP resumes from
@@ -84,15 +86,34 @@ else
     ok "async $x tok/s > DDP $d tok/s on the same 4 ranks, one worker 4x slower"
   else bad "async '$x' tok/s vs DDP '$d'"; fi
 fi
+ref=
+[ -n "$w" ] && ref=" and within 5 % of DDP on 3 ranks ($w)"
 if [ -n "$v" ] && awk -v v="$v" -v w="${w:-0}" 'BEGIN { exit !(v < 3.25 && (w == 0 || v <= 1.05 * w)) }'; then
-  ok "async validation loss $v < 3.25 after 61440 tokens${w:+, within 5 % of DDP's $w on 3 ranks}"
-else bad "async validation loss '$v' (want < 3.25${w:+ and within 5 % of DDP's $w})"; fi
+  ok "async validation loss $v < 3.25 after 61440 tokens$ref"
+else bad "async validation loss '$v' (want < 3.25$ref)"; fi
 
 # 3. A worker SIGKILLed at its step 10.
 train_run kill 4 --elastic inplace -- --mode async --steps 40 --kill-at 10 --kill-rank 2
 has "the dead worker is dropped" kill "dropped worker 1 (rank 2): .*exited"
-has "the others fill the budget" kill "summary: async.*120 update(s) of 120 gradient(s) (0 refused, 1 worker(s) dropped)"
+has "the others fill the budget" kill "summary: async.*[0-9]* update(s) of 120 gradient(s) (0 refused, 1 worker(s) dropped)"
 has "and the final loss is reported" kill "validation loss [0-9.]* (final"
+
+# 3b. A worker that stops answering (SIGSTOP) is declared dead after
+# CHORUS_PEER_TIMEOUT_MS and dropped; the others finish.
+CHORUS_PEER_TIMEOUT_MS=2000 timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" \
+  "${model[@]}" --mode async --steps 60 >"$tmp/stop.log" 2>&1 &
+job=$!
+for _ in $(seq 600); do grep -q "async step" "$tmp/stop.log" && break; sleep 0.1; done
+stopped=
+for p in $(pgrep -f "$tmp/chorus-train"); do
+  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=2" && stopped=$p
+done
+[ -n "$stopped" ] && kill -STOP "$stopped"
+for _ in $(seq 900); do grep -q "summary: async" "$tmp/stop.log" && break; sleep 0.1; done
+[ -n "$stopped" ] && kill -9 "$stopped"
+wait "$job"
+has "a stopped worker is dropped" stop "dropped worker 1 (rank 2): .*\(silent\|not responding\|timed out\|gone\)"
+has "and the others finish without it" stop "summary: async.*(0 refused, 1 worker(s) dropped)"
 
 # 4. Bad pushes.
 train_run stale 4 --elastic inplace -- --mode async --steps 30 --max-staleness 2 --bad-push 2:stale:8
@@ -100,6 +121,9 @@ has "a too-old gradient is refused, saying why" stale \
   "server 0 refused the gradient of step 8: it was computed on version [0-9]*, [3-9] versions old, and --max-staleness is 2"
 has "its worker hears why and goes on" stale "rank 2 (worker 1): server 0 refused the gradient of step 8.*going on"
 has "the server keeps serving" stale "summary: async.*(1 refused, 0 worker(s) dropped)"
+train_run nan 4 --elastic inplace -- --mode async --steps 30 --bad-push 2:nan:6
+has "a gradient holding NaN is refused, saying why" nan "server 0 refused the gradient of step 6: it holds inf or NaN"
+has "and the run goes on" nan "summary: async.*(1 refused, 0 worker(s) dropped)"
 train_run size 4 --elastic inplace -- --mode async --steps 30 --bad-push 2:size:5
 has "a gradient of the wrong size is refused and its worker dropped" size \
   "dropped worker 1 (rank 2): refused: a gradient of [0-9]* floats, but server 0 holds"

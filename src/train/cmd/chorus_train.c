@@ -56,7 +56,7 @@ typedef struct {
   int servers, max_staleness, staleness_weight;
   int slow_rank;   /* testing: --slowdown RANK:FACTOR */
   double slow_factor;
-  int bad_rank, bad_kind, bad_step; /* testing: --bad-push RANK:stale|size:STEP */
+  int bad_rank, bad_kind, bad_step; /* testing: --bad-push RANK:stale|size|nan:STEP */
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer. */
@@ -149,8 +149,9 @@ static void usage(FILE *f) {
           "  --staleness-weight none|inverse  async: inverse weights a gradient by\n"
           "                       1 / (1 + its staleness) (none)\n"
           "  --slowdown R:F       testing: rank R computes F times slower (it sleeps)\n"
-          "  --bad-push R:stale|size:N  testing: worker rank R pushes, at its step N, a\n"
-          "                       gradient claiming a too-old version, or one float too many\n");
+          "  --bad-push R:stale|size|nan:N  testing: worker rank R pushes, at its step N,\n"
+          "                       a gradient claiming a too-old version, one float too\n"
+          "                       many, or a NaN\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -271,6 +272,7 @@ static int parse(int argc, char **argv, opts_t *o) {
         if (sscanf(optarg, "%d:%15[a-z]:%d", &o->bad_rank, kind, &o->bad_step) != 3) return -1;
         if (!strcmp(kind, "stale")) o->bad_kind = 1;
         else if (!strcmp(kind, "size")) o->bad_kind = 2;
+        else if (!strcmp(kind, "nan")) o->bad_kind = 3;
         else return -1;
         break;
       }
