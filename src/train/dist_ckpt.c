@@ -567,9 +567,16 @@ static int read_shard(stage_t *s, const char *path, long step, uint32_t rank, ui
     pos += 4 * cnt * (1 + (uint64_t)h.of);
   }
   if (rc == 0 && pos + 8 != bytes) rc = bad(s, "%s: its ranges do not add up to its size", path);
-  if (rc == 0) rc = note_opt_steps(s, h.opt_steps, path);
+  /* A trainer's ranks step their optimizers together: every file must say
+   * the same.  Parameter servers step theirs apart (chorus_ps_*): a range
+   * takes the count of the files it comes from (the largest of them). */
+  if (rc == 0 && s->c->t) rc = note_opt_steps(s, h.opt_steps, path);
+  if (rc == 0 && h.opt_steps < 0) rc = bad(s, "%s: negative optimizer step count", path);
+  const uint64_t before = s->covered;
   uint64_t stored;
   if (rc == 0) rc = read_pieces(s, path, fd, bytes, pc, (int)h.nranges, &stored);
+  if (rc == 0 && !s->c->t && s->covered > before && h.opt_steps > s->opt_steps)
+    s->opt_steps = h.opt_steps;
   if (rc == 0 && stored != sum) rc = bad(s, "%s: not the file the index names", path);
   free(table);
   free(pc);

@@ -91,7 +91,7 @@ struct chorus_ps {
   int sync_ok;
   float *par, *acc;
   chorus_optim_t *opt;
-  int acc_k, hellos, running, failed;
+  int acc_k, hellos, running, failed, byes;
   int64_t version;
   long applied, budget, log_next;
   double log_loss, log_tok, log_stale;
@@ -104,8 +104,10 @@ struct chorus_ps {
   long tail_n;
   /* checkpoint thread */
   pthread_t ck_th;
-  int ck_started, ck_busy, ck_quit;
-  long ck_step, ck_pending, ck_last;
+  int ck_started, ck_quit;
+  long ck_crossed, ck_done; /* checkpoint steps passed by the updates; written (or tried) */
+  long ck_last;             /* the last step written */
+  int ck_count;             /* checkpoints tried: every server tries the same ones */
   float *ck_par;
   unsigned char *ck_blob;
   size_t ck_blob_len;
@@ -252,10 +254,15 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
                 "%zu floats", ps->me, n);
   }
   pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&ps->cv, &ca);
-  pthread_condattr_destroy(&ca);
+  int bad = pthread_condattr_init(&ca) != 0;
+  bad = bad || pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) != 0 ||
+        pthread_cond_init(&ps->cv, &ca) != 0;
+  if (!bad) pthread_condattr_destroy(&ca);
+  if (bad) {
+    pthread_mutex_destroy(&ps->mu);
+    chorus_ps_destroy(ps);
+    return fail(CHORUS_ERR_SYSTEM, "chorus_ps_create: cannot make a condition variable");
+  }
   ps->sync_ok = 1;
   chorus_gpt_init_range(ps->shape, seed, ps->lo[ps->me], n, ps->par);
   ps->budget = cfg->steps * ps->nwork;
@@ -288,31 +295,34 @@ static int64_t deadline(const chorus_ps_t *ps, const slot_t *sl) {
 }
 
 /* The snapshot a checkpoint writes, taken under the lock. */
-static void ck_snapshot(chorus_ps_t *ps, long step) {
+static void ck_snapshot(chorus_ps_t *ps) {
   memcpy(ps->ck_par, ps->par, ps->cnt[ps->me] * sizeof(float));
   chorus_optim_state_save(ps->opt, ps->ck_blob);
   ps->ck_x = (ck_extra_t){CK_EXTRA_MAGIC, ps->applied, ps->version, ps->nwork, 0};
   for (int w = 0; w < ps->nwork; w++) ps->ck_pushes[w] = ps->slots[w].pushes;
-  ps->ck_step = step;
-  ps->ck_busy = 1;
 }
 
-/* Writes one checkpoint from the snapshot (no lock held). */
+/* Writes one checkpoint from the snapshot (no lock held); collective over
+ * the servers, which write the same steps in the same order. */
 static chorus_result_t ck_write(chorus_ps_t *ps, long step) {
   const size_t xlen = sizeof(ck_extra_t) + sizeof(int64_t) * (size_t)ps->nwork;
   unsigned char *x = malloc(xlen);
   chorus_result_t st = x ? chorus_optim_state_load(ps->ck_opt, ps->ck_blob, ps->ck_blob_len)
                          : CHORUS_ERR_NO_MEMORY;
+  ps->ck_count++;
   if (st == CHORUS_OK) {
     memcpy(x, &ps->ck_x, sizeof ps->ck_x);
     for (int w = 0; w < ps->nwork; w++) {
       int64_t p = ps->ck_pushes[w];
       memcpy(x + sizeof ps->ck_x + sizeof p * (size_t)w, &p, sizeof p);
     }
-    st = chorus__ckpt_save_range(ps->servers, ps->shape, ps->ck_opt, ps->ck_par,
-                                 ps->lo[ps->me], ps->cnt[ps->me], ps->cfg.ckpt_dir, step, x, xlen,
-                                 ps->cfg.keep);
   }
+  /* Everyone enters the save (a local failure is part of its agreement). */
+  chorus_result_t sv = chorus__ckpt_save_range(ps->servers, ps->shape, ps->ck_opt, ps->ck_par,
+                                               ps->lo[ps->me], ps->cnt[ps->me], ps->cfg.ckpt_dir,
+                                               step, x ? x : (void *)&ps->ck_x,
+                                               x ? xlen : sizeof ps->ck_x, ps->cfg.keep);
+  if (st == CHORUS_OK) st = sv;
   free(x);
   if (st != CHORUS_OK)
     say(ps, "async: server %d: checkpoint of step %ld not written: %s", ps->me, step,
@@ -323,24 +333,23 @@ static chorus_result_t ck_write(chorus_ps_t *ps, long step) {
   return st;
 }
 
+/* Writes every checkpoint step the updates pass, in order and none
+ * skipped, so that every server makes the same collective calls; a
+ * snapshot is taken when its turn comes (the state then, at or after the
+ * step). */
 static void *ck_main(void *arg) {
   chorus_ps_t *ps = arg;
   pthread_mutex_lock(&ps->mu);
   for (;;) {
-    while (!ps->ck_busy && !ps->ck_quit) pthread_cond_wait(&ps->cv, &ps->mu);
-    if (!ps->ck_busy) break;
-    long step = ps->ck_step;
+    while (ps->ck_done >= ps->ck_crossed && !ps->ck_quit) pthread_cond_wait(&ps->cv, &ps->mu);
+    if (ps->ck_done >= ps->ck_crossed) break;
+    const long step = (ps->ck_done + 1) * ps->cfg.ckpt_every;
+    ck_snapshot(ps);
     pthread_mutex_unlock(&ps->mu);
     chorus_result_t st = ck_write(ps, step);
     pthread_mutex_lock(&ps->mu);
+    ps->ck_done++;
     if (st == CHORUS_OK) ps->ck_last = step;
-    ps->ck_busy = 0;
-    if (ps->ck_pending > step) { /* a threshold passed while writing */
-      long next = ps->ck_pending;
-      ps->ck_pending = 0;
-      ck_snapshot(ps, next);
-    }
-    pthread_cond_broadcast(&ps->cv);
   }
   pthread_mutex_unlock(&ps->mu);
   return NULL;
@@ -383,11 +392,8 @@ static void apply(chorus_ps_t *ps) {
     while (ps->log_next <= step) ps->log_next += c->log_every;
   }
   if (c->ckpt_dir && c->ckpt_every > 0 && step / c->ckpt_every > before / c->ckpt_every &&
-      step < c->steps) {
-    const long at = step / c->ckpt_every * c->ckpt_every;
-    if (ps->ck_busy) ps->ck_pending = at;
-    else ck_snapshot(ps, at);
-  }
+      step < c->steps)
+    ps->ck_crossed = step / c->ckpt_every; /* ck_main writes it */
   pthread_cond_broadcast(&ps->cv);
 }
 
@@ -489,10 +495,24 @@ static void *serve_worker(void *arg) {
       drop(sl, "%s", chorus_comm_last_error(sl->comm));
       break;
     }
-    if (h.magic == PS_MAGIC && h.kind == M_BYE) break;
+    if (h.magic == PS_MAGIC && h.kind == M_BYE) {
+      /* Another server's budget is full: so is this one's, near enough. */
+      pthread_mutex_lock(&ps->mu);
+      ps->byes++;
+      pthread_mutex_unlock(&ps->mu);
+      break;
+    }
     if (h.magic != PS_MAGIC || (h.kind != M_HELLO && h.kind != M_PUSH)) {
       fatal(sl, "a message that is neither a hello nor a push (magic %#x, kind %u)", h.magic,
             h.kind);
+      break;
+    }
+    if (h.kind == M_HELLO && sl->state != W_NEW) {
+      fatal(sl, "a second hello");
+      break;
+    }
+    if (h.kind == M_PUSH && sl->state != W_COMPUTING) {
+      fatal(sl, "a push before its hello");
       break;
     }
     if (h.kind == M_HELLO) {
@@ -531,11 +551,11 @@ static void *serve_worker(void *arg) {
     }
     const double sq = chorus_grad_sumsq(sl->g, n);
     pthread_mutex_lock(&ps->mu);
-    const int64_t v = ps->version;
-    if (h.version < 0 || h.version > v) {
+    const int64_t v = ps->version, u = sl->u;
+    if (h.version < 0 || h.version > u) {
       pthread_mutex_unlock(&ps->mu);
-      fatal(sl, "a gradient of version %lld, but server %d is at version %lld", (long long)h.version,
-            ps->me, (long long)v);
+      fatal(sl, "a gradient claiming version %lld, but server %d handed it version %lld",
+            (long long)h.version, ps->me, (long long)u);
       break;
     }
     const int64_t tau = v - h.version;
@@ -554,6 +574,7 @@ static void *serve_worker(void *arg) {
       ps->st.refused++;
       hand_out(sl, &r, M_REFUSED);
       r.staleness = tau;
+      maybe_apply(ps); /* it computes on the newest version now */
       pthread_mutex_unlock(&ps->mu);
       say(ps, "async: %s (worker %d)", r.text, sl->w);
       if ((st = send_msg(sl, &r, sl->out)) != CHORUS_OK) {
@@ -591,13 +612,29 @@ static void *serve_worker(void *arg) {
     ps->st.tail_loss = ps->tail_n ? ps->tail_sum / (double)ps->tail_n : NAN;
     sl->state = W_WAITING;
     maybe_apply(ps);
-    const int64_t until = deadline(ps, sl);
-    int to = 0;
-    while (ps->version == v && !ps->failed && !to) to = wait_until(ps, until) == ETIMEDOUT;
+    int64_t until = deadline(ps, sl);
+    while (ps->version == v && !ps->failed) {
+      if (wait_until(ps, until) != ETIMEDOUT) continue;
+      /* A whole timeout without the update: the workers still computing
+       * that hold it back have not pushed for that long.  They go. */
+      slot_t *late[64];
+      int nl = 0;
+      for (int w = 0; w < ps->nwork && nl < 64; w++) {
+        slot_t *o = &ps->slots[w];
+        if (o->state == W_COMPUTING && ps->version + 1 - o->u > S) late[nl++] = o;
+      }
+      pthread_mutex_unlock(&ps->mu);
+      for (int i = 0; i < nl; i++) {
+        drop(late[i], "it held the others' update back for a whole timeout (CHORUS_TIMEOUT) "
+             "without pushing");
+        chorus_comm_abort(late[i]->comm);
+      }
+      pthread_mutex_lock(&ps->mu);
+      until = deadline(ps, sl);
+    }
     if (ps->version == v) {
       pthread_mutex_unlock(&ps->mu);
-      drop(sl, ps->failed ? "the servers failed" : "its gradient waited past the timeout for an "
-           "update (a worker that is still computing holds it back)");
+      drop(sl, "the servers failed");
       break;
     }
     const int stop = ps->applied >= ps->budget;
@@ -666,6 +703,7 @@ static chorus_result_t resume(chorus_ps_t *ps) {
   ps->st.updates = ps->version;
   ps->st.resumed_step = step;
   ps->ck_last = step;
+  if (ps->cfg.ckpt_every > 0) ps->ck_done = ps->ck_crossed = step / ps->cfg.ckpt_every;
   ps->log_next = step + 1;
   if (ps->me == 0)
     say(ps, "resumed from %s/ckpt-%09ld%s (written by %d rank(s)%s): %ld of %ld gradients "
@@ -682,8 +720,10 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
   if (ps->cfg.ckpt_dir && (st = resume(ps)) != CHORUS_OK) return st;
   if (ps->cfg.log_every > 0 && ps->log_next == 0) ps->log_next = ps->cfg.log_every;
   if (ps->cfg.ckpt_dir) {
-    if (pthread_create(&ps->ck_th, NULL, ck_main, ps) != 0)
+    if (pthread_create(&ps->ck_th, NULL, ck_main, ps) != 0) {
+      chorus_comm_abort(ps->servers); /* the other servers must not wait for this one */
       return fail(CHORUS_ERR_SYSTEM, "chorus_ps_serve: cannot start a thread: %s", strerror(errno));
+    }
     ps->ck_started = 1;
   }
   pthread_mutex_lock(&ps->mu);
@@ -718,19 +758,27 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
   if (ps->failed)
     return fail(CHORUS_ERR_REMOTE, "async: server %d: another server failed, and its parameters "
                 "with it: %s (resume from the last checkpoint)", ps->me, why);
-  const int short_of_budget = ps->applied < ps->budget;
-  /* The final checkpoint, at a step every server reached. */
-  int64_t step = ps->applied / ps->nwork;
+  const int short_of_budget = ps->applied < ps->budget && ps->byes == 0;
+  /* The final checkpoint, at a step every server reached, if every server
+   * made the same checkpoint calls so far (updates that counted different
+   * gradients -- one refused a slice another took -- can part them). */
+  int64_t agree[3] = {ps->applied / ps->nwork, ps->ck_count, -(int64_t)ps->ck_count};
   if (ps->nserv > 1 &&
-      (st = chorus_all_reduce(ps->servers, &step, &step, 1, CHORUS_INT64, CHORUS_MIN, NULL)) !=
+      (st = chorus_all_reduce(ps->servers, agree, agree, 3, CHORUS_INT64, CHORUS_MIN, NULL)) !=
           CHORUS_OK)
     return fail(st, "async: server %d: agreeing on the final step: %s", ps->me,
                 chorus_comm_last_error(ps->servers));
-  if (ps->cfg.ckpt_dir && step > ps->ck_last) {
-    ck_snapshot(ps, (long)step);
-    st = ck_write(ps, (long)step);
-    ps->ck_busy = 0;
+  const long step = (long)agree[0];
+  const long written = ps->cfg.ckpt_every > 0 ? ps->ck_done * ps->cfg.ckpt_every : 0;
+  if (agree[1] != -agree[2]) {
+    say(ps, "async: server %d: the servers made %lld to %lld checkpoints (their updates counted "
+        "different gradients); no final checkpoint", ps->me, (long long)agree[1],
+        (long long)-agree[2]);
+  } else if (ps->cfg.ckpt_dir && step > written && step > ps->st.resumed_step) {
+    ck_snapshot(ps);
+    st = ck_write(ps, step);
   }
+  if (st == CHORUS_OK && short_of_budget && ps->nserv > 1) chorus_comm_abort(ps->servers);
   if (st == CHORUS_OK && short_of_budget)
     st = fail(CHORUS_ERR_REMOTE, "async: server %d: every worker is gone with %ld of the budget's "
               "%ld gradients applied%s", ps->me, ps->applied, ps->budget,
@@ -739,8 +787,11 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
 }
 
 chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst) {
-  if (!ps || !ps->server || (ps->me == 0 && !dst))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_full_params: bad arguments");
+  if (!ps || !ps->server) return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_full_params: bad arguments");
+  if (ps->me == 0 && !dst) {
+    chorus_comm_abort(ps->servers); /* the others must not wait for it */
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_full_params: server 0 has no buffer");
+  }
   if (ps->me == 0) memcpy(dst + ps->lo[0], ps->par, ps->cnt[0] * sizeof(float));
   chorus_result_t st = CHORUS_OK;
   for (int s = 1; s < ps->nserv && st == CHORUS_OK; s++) {
@@ -756,6 +807,11 @@ chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst) {
 }
 
 /* -------------------------------------------------------------- worker */
+
+/* A worker that fails tells every server at once (they drop it). */
+static void abort_pairs(chorus_ps_t *ps) {
+  for (int s = 0; s < ps->nserv; s++) chorus_comm_abort(ps->pair[s]);
+}
 
 /* A pair with a server failed: the server died, hung, or aborted. */
 static chorus_result_t server_gone(chorus_ps_t *ps, int s, chorus_result_t st) {
@@ -776,19 +832,21 @@ static chorus_result_t answer(chorus_ps_t *ps, int s, float *params, chorus_ps_r
   chorus_result_t st = chorus_recv(c, &h, sizeof h, CHORUS_UINT8, 0, TAG_HDR, NULL);
   if (st != CHORUS_OK) return server_gone(ps, s, st);
   h.text[sizeof h.text - 1] = '\0';
-  const int known = h.kind == M_PARAMS || h.kind == M_REFUSED || h.kind == M_STOP ||
-                    h.kind == M_FATAL;
-  if (h.magic != PS_MAGIC || !known || h.version < 0 ||
-      ((h.kind == M_PARAMS || h.kind == M_REFUSED) && h.count != ps->cnt[s])) {
-    chorus_comm_abort(c);
-    return fail(CHORUS_ERR_PROTOCOL, "async: worker %d: server %d sent a malformed answer (kind "
-                "%u, %llu floats where %zu were expected)", ps->me, s, h.kind,
-                (unsigned long long)h.count, ps->cnt[s]);
-  }
-  if (h.kind == M_FATAL) {
+  const int known = h.kind == M_PARAMS || h.kind == M_REFUSED || h.kind == M_STOP;
+  if (h.magic == PS_MAGIC && h.kind == M_FATAL) {
     chorus_comm_abort(c);
     return fail(CHORUS_ERR_INVALID_ARG, "async: worker %d (rank %d): server %d refused it: %s",
                 ps->me, ps->rank, s, h.text);
+  }
+  const int data = h.kind == M_PARAMS || h.kind == M_REFUSED;
+  if (h.magic != PS_MAGIC || !known || h.version < ps->ver[s] || h.staleness < 0 ||
+      h.count != (data ? ps->cnt[s] : 0) || (!start && h.step != 0 && h.step != 1) ||
+      (start && (h.step < 0 || h.step > ps->cfg.steps))) {
+    chorus_comm_abort(c);
+    return fail(CHORUS_ERR_PROTOCOL, "async: worker %d: server %d sent a malformed answer (kind "
+                "%u, version %lld after %lld, %llu floats where %zu were expected, step %lld)",
+                ps->me, s, h.kind, (long long)h.version, (long long)ps->ver[s],
+                (unsigned long long)h.count, data ? ps->cnt[s] : (size_t)0, (long long)h.step);
   }
   if (h.kind == M_STOP) {
     if (rep) {
@@ -826,16 +884,20 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
     h.magic = PS_MAGIC;
     h.kind = M_HELLO;
     st = chorus_send(ps->pair[s], &h, sizeof h, CHORUS_UINT8, 0, TAG_HDR, NULL);
-    if (st != CHORUS_OK) return server_gone(ps, s, st);
+    if (st != CHORUS_OK) {
+      server_gone(ps, s, st);
+      abort_pairs(ps);
+      return st;
+    }
   }
   for (int s = 0; s < ps->nserv && st == CHORUS_OK; s++) {
     chorus_ps_reply_t rep;
     memset(&rep, 0, sizeof rep);
     st = answer(ps, s, params, &rep, &start);
     if (st == CHORUS_OK && rep.stop)
-      return fail(CHORUS_ERR_INVALID_ARG, "async: worker %d: the budget is already applied",
-                  ps->me);
+      st = fail(CHORUS_ERR_INVALID_ARG, "async: worker %d: the budget is already applied", ps->me);
   }
+  if (st != CHORUS_OK) abort_pairs(ps);
   if (start_step) *start_step = start;
   ps->wstep = start;
   return st;
@@ -904,6 +966,8 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
     chorus_work_free(wk[i]);
   }
   free(wk), free(h), free(extra);
+  /* The other servers learn at once that this worker is out. */
+  if (st != CHORUS_OK) abort_pairs(ps);
   ps->wstep++;
   return st;
 }

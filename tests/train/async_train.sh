@@ -17,8 +17,10 @@
 #      serves the others;
 #   5. a server SIGKILLed mid-run fails every worker fast, saying so;
 #   6. two servers checkpoint their ranges; a run resumed from the first
-#      checkpoint ends at the uninterrupted run's weights; DDP resumes from
-#      it too; --mode async refuses flags it does not support.
+#      checkpoint ends at the uninterrupted run's weights (S = 0); two
+#      asynchronous servers write every checkpoint and resume; DDP resumes
+#      from the servers' checkpoint too; --mode async refuses flags it does
+#      not support.
 #   async_train.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA SANITIZER
 # Every run is bounded by timeout; the EXIT trap kills what is left.
 set -u
@@ -160,6 +162,16 @@ mkdir -p "$tmp/ck2" "$tmp/ck3" && cp -r "$tmp/ck1/ckpt-000000010" "$tmp/ck2/" &&
 train_run c2 5 "${ck[@]}" --checkpoint-dir "$tmp/ck2" --dump "$tmp/c2"
 has "the servers resume from it" c2 "resumed from .*ckpt-000000010 (written by 2 rank(s), asynchronous): 30 of 60"
 same "and end at the uninterrupted run's weights" c1 c2 1e-4
+# Asynchronous servers update apart (their optimizers' step counts
+# differ): their checkpoints still load, and every threshold is written.
+aas=(--mode async --servers 2 --steps 20 --checkpoint-every 5)
+train_run c4 5 "${aas[@]}" --checkpoint-dir "$tmp/ck4" --keep 5
+has "asynchronous servers write every checkpoint" c4 "checkpoint: .*ckpt-000000015 (2 server"
+has "and the final one" c4 "checkpoint: .*ckpt-000000020 (2 server"
+mkdir -p "$tmp/ck5" && cp -r "$tmp/ck4/ckpt-000000010" "$tmp/ck5/"
+train_run c5 5 "${aas[@]}" --checkpoint-dir "$tmp/ck5"
+has "and resume from one" c5 "resumed from .*ckpt-000000010 (written by 2 rank(s), asynchronous)"
+has "to the end" c5 "checkpoint: .*ckpt-000000020 (2 server"
 train_run c3 3 --steps 20 --clip 0 --checkpoint-dir "$tmp/ck3"
 has "DDP resumes from the servers' checkpoint" c3 "checkpoint of step 10: its training state is unreadable; the data order starts over"
 if timeout 60 "$run" --standalone -n 2 -- "$train" "${model[@]}" --mode async --shard 1 \

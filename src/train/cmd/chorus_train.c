@@ -1117,9 +1117,9 @@ static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps,
   }
   int rc = 0;
   if (want) {
-    float *dst = m ? chorus_gpt_params(m) : NULL;
-    float dummy = 0;
-    st = chorus_ps_full_params(ps, g_rank == 0 ? (dst ? dst : &dummy) : NULL);
+    /* Server 0 without a model passes no buffer: the call then fails on
+     * every server at once. */
+    st = chorus_ps_full_params(ps, m ? chorus_gpt_params(m) : NULL);
     if (st != CHORUS_OK || (g_rank == 0 && !m)) {
       if (st != CHORUS_OK) fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank,
                                    chorus_train_last_error());
