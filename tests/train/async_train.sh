@@ -53,6 +53,16 @@ same() { # WHAT A B TOL
   if "$cmp" "$tmp/$2" "$tmp/$3" "$4"; then ok "$1"; else bad "$1"; fi
 }
 num() { sed -n "s/$2/\1/p" "$tmp/$1.log" | tail -n 1; }
+wait_log() { # LOG PATTERN: up to 60 s for the pattern in LOG
+  for _ in $(seq 600); do grep -q -- "$2" "$tmp/$1.log" && return 0; sleep 0.1; done
+  return 1
+}
+rank_pid() { # RANK: the pid of our chorus-train process of that rank
+  local p
+  for p in $(pgrep -f "$tmp/chorus-train"); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return; }
+  done
+}
 
 # 1. Synchronous = DDP.
 train_run ddp 3 --steps 20 --dump "$tmp/ddp"
@@ -105,13 +115,10 @@ has "and the final loss is reported" kill "validation loss [0-9.]* (final"
 CHORUS_PEER_TIMEOUT_MS=2000 timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" \
   "${model[@]}" --mode async --steps 60 >"$tmp/stop.log" 2>&1 &
 job=$!
-for _ in $(seq 600); do grep -q "async step" "$tmp/stop.log" && break; sleep 0.1; done
-stopped=
-for p in $(pgrep -f "$tmp/chorus-train"); do
-  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=2" && stopped=$p
-done
+wait_log stop "async step"
+stopped=$(rank_pid 2)
 [ -n "$stopped" ] && kill -STOP "$stopped"
-for _ in $(seq 900); do grep -q "summary: async" "$tmp/stop.log" && break; sleep 0.1; done
+wait_log stop "summary: async"
 [ -n "$stopped" ] && kill -9 "$stopped"
 wait "$job"
 has "a stopped worker is dropped" stop "dropped worker 1 (rank 2): .*\(silent\|not responding\|timed out\|gone\)"
@@ -136,11 +143,8 @@ has "the server keeps serving the others" size "summary: async.*(0 refused, 1 wo
 timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" "${model[@]}" --mode async \
   --steps 100000 >"$tmp/skill.log" 2>&1 &
 job=$!
-for _ in $(seq 300); do grep -q "async step" "$tmp/skill.log" && break; sleep 0.1; done
-victim=
-for p in $(pgrep -f "$tmp/chorus-train"); do
-  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=0" && victim=$p
-done
+wait_log skill "async step"
+victim=$(rank_pid 0)
 t0=$(date +%s%N)
 [ -n "$victim" ] && kill -9 "$victim"
 wait "$job"

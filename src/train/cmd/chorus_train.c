@@ -532,26 +532,38 @@ static chorus_result_t init_comm(int join, chorus_comm_t *comm) {
   return chorus_comm_init(&cfg, comm);
 }
 
-/* Mean validation loss over val_batches batches per rank, averaged over
- * ranks (every rank evaluates different samples), into *avg. */
-static chorus_result_t validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *text,
-                                const opts_t *o, int *tok, int *tgt, float *avg) {
-  *avg = NAN;
+/* Rank `rank` of a world of `world`'s mean validation loss over
+ * val_batches batches (every rank evaluates different samples); NaN
+ * without validation data or memory. */
+static float val_loss_as(chorus_gpt_t *m, const chorus_text_t *text, const opts_t *o, int world,
+                         int rank, int *tok, int *tgt) {
   size_t n = chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx);
-  if (n == 0) return CHORUS_OK;
   size_t *idx = malloc(sizeof(size_t) * (size_t)o->batch);
-  if (!idx) return CHORUS_ERR_NO_MEMORY;
+  if (n == 0 || !idx) {
+    free(idx);
+    return NAN;
+  }
   double sum = 0;
   for (int v = 0; v < o->val_batches; v++) {
     for (int b = 0; b < o->batch; b++)
-      idx[b] = ((size_t)(v * o->batch + b) * (size_t)g_size + (size_t)g_rank) % n;
+      idx[b] = ((size_t)(v * o->batch + b) * (size_t)world + (size_t)rank) % n;
     chorus_text_batch(text, CHORUS_SPLIT_VAL, o->model.ctx, idx, o->batch, tok, tgt);
     float loss = 0;
     chorus_gpt_forward(m, tok, tgt, o->batch, o->model.ctx, &loss);
     sum += loss;
   }
   free(idx);
-  float mine = (float)(sum / o->val_batches);
+  return (float)(sum / o->val_batches);
+}
+
+/* The ranks' mean validation loss, averaged over ranks, into *avg. */
+static chorus_result_t validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *text,
+                                const opts_t *o, int *tok, int *tgt, float *avg) {
+  *avg = NAN;
+  if (chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx) == 0) return CHORUS_OK;
+  /* Every rank joins the average, also with a NaN (no memory, or a model
+   * that diverged). */
+  float mine = val_loss_as(m, text, o, g_size, g_rank, tok, tgt);
   return chorus_all_reduce(comm, &mine, avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
 }
 
@@ -1048,24 +1060,9 @@ static void ps_log(void *arg, const char *line) {
  * samples), computed here alone. */
 static float validate_alone(chorus_gpt_t *m, const chorus_text_t *text, const opts_t *o,
                             int world, int *tok, int *tgt) {
-  size_t n = chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx);
-  size_t *idx = malloc(sizeof(size_t) * (size_t)o->batch);
-  if (n == 0 || !idx) {
-    free(idx);
-    return NAN;
-  }
   double sum = 0;
-  for (int r = 0; r < world; r++)
-    for (int v = 0; v < o->val_batches; v++) {
-      for (int b = 0; b < o->batch; b++)
-        idx[b] = ((size_t)(v * o->batch + b) * (size_t)world + (size_t)r) % n;
-      chorus_text_batch(text, CHORUS_SPLIT_VAL, o->model.ctx, idx, o->batch, tok, tgt);
-      float loss = 0;
-      chorus_gpt_forward(m, tok, tgt, o->batch, o->model.ctx, &loss);
-      sum += loss;
-    }
-  free(idx);
-  return (float)(sum / ((double)world * o->val_batches));
+  for (int r = 0; r < world; r++) sum += val_loss_as(m, text, o, world, r, tok, tgt);
+  return (float)(sum / world);
 }
 
 /* A server: serves until the budget is applied; server 0 then reports,
