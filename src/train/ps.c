@@ -507,11 +507,15 @@ static void *serve_worker(void *arg) {
             h.kind);
       break;
     }
-    if (h.kind == M_HELLO && sl->state != W_NEW) {
+    pthread_mutex_lock(&ps->mu);
+    const int state = sl->state; /* another thread may have dropped it */
+    pthread_mutex_unlock(&ps->mu);
+    if (state == W_GONE) break;
+    if (h.kind == M_HELLO && state != W_NEW) {
       fatal(sl, "a second hello");
       break;
     }
-    if (h.kind == M_PUSH && sl->state != W_COMPUTING) {
+    if (h.kind == M_PUSH && state != W_COMPUTING) {
       fatal(sl, "a push before its hello");
       break;
     }
