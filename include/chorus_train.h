@@ -626,6 +626,15 @@ typedef struct chorus_ps_reply {
 CHORUS_API chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss,
                                           uint32_t tokens, float *params,
                                           chorus_ps_reply_t *reply);
+/* During the backward of a push's last micro-step: the floats [final_from,
+ * num params) of grads are final (backward completes the layout from its
+ * end), so the servers whose ranges lie there get their slices now, while
+ * backward goes on; chorus_ps_push then sends the rest.  grads must stay
+ * as they are until chorus_ps_push returns.  Loss and tokens as for that
+ * call.  Returns the first failed send's error (chorus_ps_push reports it
+ * too). */
+CHORUS_API chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *grads, float loss,
+                                                uint32_t tokens, size_t final_from);
 /* Testing: the next push claims a version staler than allowed (1), sends
  * one float too many (2), or a NaN in server 0's slice (3). */
 CHORUS_API void chorus_ps_inject(chorus_ps_t *ps, int fault);

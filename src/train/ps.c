@@ -85,6 +85,11 @@ struct chorus_ps {
   int64_t *ver;
   long wstep; /* the worker's step: start + pushes */
   int fault;
+  /* the push under way: its messages, which servers have theirs */
+  chorus_work_t *wk;
+  msg_t *hd;
+  int *sent;
+  chorus_result_t early_st; /* a send of chorus_ps_push_early that failed */
   /* server */
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -147,6 +152,7 @@ void chorus_ps_destroy(chorus_ps_t *ps) {
   free(ps->slots);
   free(ps->pair);
   free(ps->lo), free(ps->cnt), free(ps->ver);
+  free(ps->wk), free(ps->hd), free(ps->sent);
   free(ps->par), free(ps->acc), free(ps->start_step);
   free(ps->ck_par), free(ps->ck_blob), free(ps->ck_pushes);
   chorus_optim_destroy(ps->opt);
@@ -217,7 +223,10 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
   }
   if (!ps->server) {
     ps->ver = calloc((size_t)ps->nserv, sizeof *ps->ver);
-    if (!ps->ver) {
+    ps->wk = calloc(2 * (size_t)ps->nserv, sizeof *ps->wk);
+    ps->hd = calloc((size_t)ps->nserv, sizeof *ps->hd);
+    ps->sent = calloc((size_t)ps->nserv, sizeof *ps->sent);
+    if (!ps->ver || !ps->wk || !ps->hd || !ps->sent) {
       chorus_ps_destroy(ps);
       return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
     }
@@ -907,53 +916,75 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
   return st;
 }
 
+/* Sends server s its slice (src: count floats) asynchronously. */
+static chorus_result_t send_slice(chorus_ps_t *ps, int s, const float *src, uint64_t count,
+                                  int64_t version, float loss, uint32_t tokens) {
+  msg_t *h = &ps->hd[s];
+  memset(h, 0, sizeof *h);
+  h->magic = PS_MAGIC;
+  h->kind = M_PUSH;
+  h->version = version;
+  h->count = count;
+  h->loss = loss;
+  h->tokens = tokens;
+  h->step = ps->wstep;
+  ps->sent[s] = 1;
+  chorus_result_t st =
+      chorus_send(ps->pair[s], h, sizeof *h, CHORUS_UINT8, 0, TAG_HDR, &ps->wk[2 * s]);
+  if (st == CHORUS_OK)
+    st = chorus_send(ps->pair[s], src, count, CHORUS_FLOAT32, 0, TAG_DATA, &ps->wk[2 * s + 1]);
+  if (st != CHORUS_OK) server_gone(ps, s, st);
+  return st;
+}
+
+chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *grads, float loss,
+                                     uint32_t tokens, size_t final_from) {
+  if (!ps || ps->server || !grads)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_push_early: not a worker, or no buffer");
+  if (ps->fault || ps->early_st != CHORUS_OK) return ps->early_st; /* testing faults: all at once */
+  for (int s = 0; s < ps->nserv && ps->early_st == CHORUS_OK; s++)
+    if (!ps->sent[s] && ps->lo[s] >= final_from)
+      ps->early_st = send_slice(ps, s, grads + ps->lo[s], ps->cnt[s], ps->ver[s], loss, tokens);
+  return ps->early_st;
+}
+
 chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, uint32_t tokens,
                                float *params, chorus_ps_reply_t *rep) {
   if (!ps || ps->server || !grads || !params || !rep)
     return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_push: not a worker, or no buffer");
   memset(rep, 0, sizeof *rep);
-  chorus_work_t *wk = calloc(2 * (size_t)ps->nserv, sizeof *wk);
-  msg_t *h = calloc((size_t)ps->nserv, sizeof *h);
   float *extra = NULL;
   const int fault = ps->fault;
   ps->fault = 0;
   if (fault == 2 || fault == 3) extra = calloc(ps->cnt[0] + 1, sizeof(float));
-  if (!wk || !h || ((fault == 2 || fault == 3) && !extra)) {
-    free(wk), free(h), free(extra);
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_push: out of memory");
-  }
-  chorus_result_t st = CHORUS_OK;
+  int *stopped = calloc((size_t)ps->nserv, sizeof *stopped);
+  chorus_result_t st = ps->early_st;
+  if (st == CHORUS_OK && (!stopped || ((fault == 2 || fault == 3) && !extra)))
+    st = fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_push: out of memory");
+  /* The slices not sent early (chorus_ps_push_early) go now. */
   for (int s = 0; s < ps->nserv && st == CHORUS_OK; s++) {
-    h[s].magic = PS_MAGIC;
-    h[s].kind = M_PUSH;
-    h[s].version = ps->ver[s];
-    h[s].count = ps->cnt[s];
-    h[s].loss = loss;
-    h[s].tokens = tokens;
-    h[s].step = ps->wstep;
+    if (ps->sent[s]) continue;
     const float *src = grads + ps->lo[s];
-    if (fault == 1) h[s].version = ps->ver[s] - ps->cfg.max_staleness - 1;
+    uint64_t count = ps->cnt[s];
+    int64_t version = ps->ver[s];
+    if (fault == 1) version = ps->ver[s] - ps->cfg.max_staleness - 1;
     if ((fault == 2 || fault == 3) && s == 0) {
       memcpy(extra, src, ps->cnt[0] * sizeof(float));
-      if (fault == 2) h[s].count = ps->cnt[0] + 1;
+      if (fault == 2) count = ps->cnt[0] + 1;
       else extra[0] = NAN;
       src = extra;
     }
-    st = chorus_send(ps->pair[s], &h[s], sizeof h[s], CHORUS_UINT8, 0, TAG_HDR, &wk[2 * s]);
-    if (st == CHORUS_OK)
-      st = chorus_send(ps->pair[s], src, h[s].count, CHORUS_FLOAT32, 0, TAG_DATA, &wk[2 * s + 1]);
-    if (st != CHORUS_OK) server_gone(ps, s, st);
+    st = send_slice(ps, s, src, count, version, loss, tokens);
   }
-  int *stopped = calloc((size_t)ps->nserv, sizeof *stopped);
   for (int s = 0; s < ps->nserv && st == CHORUS_OK; s++) {
     const int before = rep->stop;
     rep->stop = 0;
     st = answer(ps, s, params, rep, NULL);
-    if (stopped) stopped[s] = rep->stop;
+    stopped[s] = rep->stop;
     rep->stop |= before;
   }
   /* Servers whose budget was not full yet learn that this worker leaves. */
-  for (int s = 0; s < ps->nserv && st == CHORUS_OK && rep->stop && stopped; s++) {
+  for (int s = 0; s < ps->nserv && st == CHORUS_OK && rep->stop; s++) {
     if (stopped[s]) continue;
     msg_t bye;
     memset(&bye, 0, sizeof bye);
@@ -964,12 +995,15 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
   free(stopped);
   for (int i = 0; i < 2 * ps->nserv; i++) {
     /* A server that stopped or refused this worker may never take the data. */
-    if (wk[i] && (st != CHORUS_OK || rep->stop) && chorus_work_wait(wk[i], 2000) ==
-        CHORUS_INPROGRESS)
+    if (ps->wk[i] && (st != CHORUS_OK || rep->stop) &&
+        chorus_work_wait(ps->wk[i], 2000) == CHORUS_INPROGRESS)
       chorus_comm_abort(ps->pair[i / 2]);
-    chorus_work_free(wk[i]);
+    chorus_work_free(ps->wk[i]);
+    ps->wk[i] = NULL;
   }
-  free(wk), free(h), free(extra);
+  for (int s = 0; s < ps->nserv; s++) ps->sent[s] = 0;
+  ps->early_st = CHORUS_OK;
+  free(extra);
   /* The other servers learn at once that this worker is out. */
   if (st != CHORUS_OK) abort_pairs(ps);
   ps->wstep++;

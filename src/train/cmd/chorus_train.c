@@ -1145,6 +1145,29 @@ static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps,
   return rc;
 }
 
+/* A worker's backward: which tensors are final, and from where on the
+ * layout is (its tail completes first: backward runs from the head). */
+typedef struct {
+  chorus_ps_t *ps;
+  chorus_gpt_t *m;
+  const float *grads;
+  float loss;
+  uint32_t tokens;
+  unsigned char *done;
+  int ntensors, front; /* tensors front .. ntensors - 1 are final */
+} ready_t;
+
+static void push_ready(void *arg, int i) {
+  ready_t *r = arg;
+  if (i < 0 || i >= r->ntensors) return;
+  r->done[i] = 1;
+  int f = r->front;
+  while (f > 0 && r->done[f - 1]) f--;
+  if (f == r->front) return;
+  r->front = f;
+  chorus_ps_push_early(r->ps, r->grads, r->loss, r->tokens, chorus_gpt_tensor(r->m, f)->offset);
+}
+
 /* A worker: computes gradients on its share of the data and pushes them
  * until a server says the budget is applied. */
 static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
@@ -1167,8 +1190,11 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
   int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);
   size_t *idx = malloc(sizeof(size_t) * (size_t)B);
   float *params = chorus_gpt_params(m), *grads = chorus_gpt_grads(m);
+  const int nt = chorus_gpt_num_tensors(m);
+  unsigned char *done = calloc((size_t)nt + 1, 1);
   long step = 0;
-  chorus_result_t st = tok && tgt && idx ? chorus_ps_pull(ps, params, &step) : CHORUS_ERR_NO_MEMORY;
+  chorus_result_t st = tok && tgt && idx && done ? chorus_ps_pull(ps, params, &step)
+                                                 : CHORUS_ERR_NO_MEMORY;
   int rc = 0;
   if (st != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
@@ -1197,8 +1223,14 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
       chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
       float l = 0;
       st = chorus_gpt_forward(m, tok, tgt, B, T, &l);
-      if (st == CHORUS_OK) st = chorus_gpt_backward(m, 1.0f / (float)o->accum, NULL, NULL);
       loss += l / (float)o->accum;
+      /* The last micro-step's backward hands the servers their slices as
+       * they become final. */
+      const int last = a == o->accum - 1;
+      ready_t rd = {ps, m, grads, loss, (uint32_t)(B * T * o->accum), done, nt, nt};
+      if (last) memset(done, 0, (size_t)nt);
+      if (st == CHORUS_OK)
+        st = chorus_gpt_backward(m, 1.0f / (float)o->accum, last ? push_ready : NULL, &rd);
     }
     if (st != CHORUS_OK) {
       fprintf(stderr, "chorus-train: rank %d: forward/backward: %s\n", g_rank,
@@ -1240,7 +1272,7 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
            steps ? ssum / (double)steps : 0.0, smax, refused,
            steps ? loss_sum / (double)steps : NAN);
   fflush(stdout);
-  free(tok), free(tgt), free(idx);
+  free(tok), free(tgt), free(idx), free(done);
   chorus_sampler_destroy(sp);
   chorus_gpt_destroy(m);
   return rc;
