@@ -29,7 +29,10 @@ for i in 0 1 2; do
   PID[i]=$!
 done
 for i in 0 1 2; do wait "${PID[i]}"; RC[i]=$?; done
+# Rank 0 prints the report; chorusrun numbers the nodes in arrival order,
+# so it is on whichever host came first.
 OUT=$TMP/h0.out
+for i in 0 1 2; do grep -q "^\[rank0\]:" "$TMP/h$i.out" && { OUT=$TMP/h$i.out; break; }; done
 ok() { echo "ok   $*"; }
 fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
 
