@@ -94,25 +94,6 @@ typedef struct {
   int32_t shape[5];
 } ctx_t;
 
-static void ctx_init(ctx_t *c, chorus_trainer_t *t) {
-  chorus_gpt_t *m = chorus_trainer_model(t);
-  chorus_fsdp_t *f = chorus_trainer_fsdp(t);
-  memset(c, 0, sizeof *c);
-  c->t = t;
-  c->m = m;
-  c->opt = chorus_trainer_optim(t);
-  c->comm = chorus_trainer_comm(t);
-  c->rank = c->comm ? chorus_comm_rank(c->comm) : 0;
-  c->size = c->comm ? chorus_comm_size(c->comm) : 1;
-  c->stage = chorus_trainer_shard(t);
-  c->np = chorus_gpt_num_params(m);
-  c->nstate = f ? chorus_fsdp_shard_size(f) : c->np;
-  size_t blob = chorus_optim_state_size(c->opt);
-  c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (c->nstate ? c->nstate : 1)));
-  chorus__ckpt_shape(m, c->shape);
-  c->nunits = (uint32_t)chorus_gpt_num_units(m);
-}
-
 /* A rank that holds the floats [lo, lo + n) of the layout (a parameter
  * server's range, chorus_ps_*): par, and opt over n floats. */
 static void ctx_init_range(ctx_t *c, chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
@@ -131,6 +112,17 @@ static void ctx_init_range(ctx_t *c, chorus_comm_t comm, chorus_gpt_t *m, chorus
   c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (n ? n : 1)));
   chorus__ckpt_shape(m, c->shape);
   c->nunits = (uint32_t)chorus_gpt_num_units(m);
+}
+
+/* A trainer's rank: its optimizer state covers its shard (sharded) or the
+ * whole layout (DDP); where its ranges are, my_spans says. */
+static void ctx_init(ctx_t *c, chorus_trainer_t *t) {
+  chorus_fsdp_t *f = chorus_trainer_fsdp(t);
+  chorus_gpt_t *m = chorus_trainer_model(t);
+  ctx_init_range(c, chorus_trainer_comm(t), m, chorus_trainer_optim(t), NULL, 0,
+                 f ? chorus_fsdp_shard_size(f) : chorus_gpt_num_params(m));
+  c->t = t;
+  c->stage = chorus_trainer_shard(t);
 }
 
 /* This rank's spans: its slices (sharded), or for DDP everything when

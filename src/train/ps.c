@@ -275,7 +275,6 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
   ps->sync_ok = 1;
   chorus_gpt_init_range(ps->shape, seed, ps->lo[ps->me], n, ps->par);
   ps->budget = cfg->steps * ps->nwork;
-  ps->st.tail_loss = NAN;
   *out = ps;
   return CHORUS_OK;
 }
@@ -285,7 +284,12 @@ void chorus_ps_inject(chorus_ps_t *ps, int fault) {
 }
 
 void chorus_ps_get_stats(const chorus_ps_t *ps, chorus_ps_stats_t *out) {
-  if (ps && out) *out = ps->st;
+  if (!ps || !out) return;
+  *out = ps->st;
+  out->applied = ps->applied;
+  out->updates = ps->version;
+  out->seconds = ps->t_last > ps->t_first ? (double)(ps->t_last - ps->t_first) / 1e9 : 0.0;
+  out->tail_loss = ps->tail_n ? ps->tail_sum / (double)ps->tail_n : NAN;
 }
 
 /* -------------------------------------------------------------- server */
@@ -297,9 +301,9 @@ static int wait_until(chorus_ps_t *ps, int64_t until) {
   return pthread_cond_timedwait(&ps->cv, &ps->mu, &ts);
 }
 
-static int64_t deadline(const chorus_ps_t *ps, const slot_t *sl) {
+/* Now plus the pair's timeout. */
+static int64_t deadline(const slot_t *sl) {
   int ms = chorus_comm_timeout_ms(sl->comm);
-  (void)ps;
   return now_ns() + (int64_t)(ms > 0 ? ms : 300000) * 1000000;
 }
 
@@ -384,10 +388,7 @@ static void apply(chorus_ps_t *ps) {
   ps->applied += ps->acc_k;
   ps->acc_k = 0;
   ps->version++;
-  ps->st.applied = ps->applied;
-  ps->st.updates = ps->version;
   ps->t_last = now_ns();
-  ps->st.seconds = (double)(ps->t_last - ps->t_first) / 1e9;
   const long step = ps->applied / ps->nwork;
   if (ps->me == 0 && c->log_every > 0 && step >= ps->log_next && ps->log_n) {
     const double dt = (double)(ps->t_last - ps->t_log) / 1e9;
@@ -426,6 +427,14 @@ static void gone(slot_t *sl) {
   pthread_cond_broadcast(&ps->cv);
 }
 
+/* The transport speaks of a group that fails as one; a pair does not:
+ * its words to that effect go from a message. */
+static void pair_words(char *why) {
+  static const char group[] = "; every other rank fails too";
+  char *cut = strstr(why, group);
+  if (cut) memmove(cut, cut + sizeof group - 1, strlen(cut + sizeof group - 1) + 1);
+}
+
 static void drop(slot_t *sl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void drop(slot_t *sl, const char *fmt, ...) {
   chorus_ps_t *ps = sl->ps;
@@ -434,9 +443,7 @@ static void drop(slot_t *sl, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(why, sizeof why, fmt, ap);
   va_end(ap);
-  /* The transport speaks of a group that fails as one; this pair does. */
-  char *cut = strstr(why, "; every other rank fails too");
-  if (cut) memmove(cut, cut + 28, strlen(cut + 28) + 1);
+  pair_words(why);
   pthread_mutex_lock(&ps->mu);
   const int was = sl->state;
   if (was != W_GONE) ps->st.dropped++;
@@ -535,7 +542,7 @@ static void *serve_worker(void *arg) {
       if (ps->t_first == 0) ps->t_first = ps->t_log = now_ns();
       ps->hellos++;
       pthread_cond_broadcast(&ps->cv);
-      const int64_t until = deadline(ps, sl);
+      const int64_t until = deadline(sl);
       int to = 0;
       for (;;) {
         int left = 0;
@@ -622,10 +629,9 @@ static void *serve_worker(void *arg) {
     ps->log_loss += h.loss, ps->log_tok += h.tokens, ps->log_stale += (double)tau, ps->log_n++;
     if (tau > ps->log_smax) ps->log_smax = (long)tau;
     if ((ps->applied + ps->acc_k) * 10 > ps->budget * 9) ps->tail_sum += h.loss, ps->tail_n++;
-    ps->st.tail_loss = ps->tail_n ? ps->tail_sum / (double)ps->tail_n : NAN;
     sl->state = W_WAITING;
     maybe_apply(ps);
-    int64_t until = deadline(ps, sl);
+    int64_t until = deadline(sl);
     while (ps->version == v && !ps->failed) {
       if (wait_until(ps, until) != ETIMEDOUT) continue;
       /* A whole timeout without the update: the workers still computing
@@ -643,7 +649,7 @@ static void *serve_worker(void *arg) {
         chorus_comm_abort(late[i]->comm);
       }
       pthread_mutex_lock(&ps->mu);
-      until = deadline(ps, sl);
+      until = deadline(sl);
     }
     if (ps->version == v) {
       pthread_mutex_unlock(&ps->mu);
@@ -712,8 +718,6 @@ static chorus_result_t resume(chorus_ps_t *ps) {
     for (int w = 0; w < ps->nwork; w++) ps->start_step[w] = ps->slots[w].pushes = step;
   }
   if (ps->applied > ps->budget) ps->applied = ps->budget;
-  ps->st.applied = ps->applied;
-  ps->st.updates = ps->version;
   ps->st.resumed_step = step;
   ps->ck_last = step;
   if (ps->cfg.ckpt_every > 0) ps->ck_done = ps->ck_crossed = step / ps->cfg.ckpt_every;
@@ -830,8 +834,7 @@ static void abort_pairs(chorus_ps_t *ps) {
 static chorus_result_t server_gone(chorus_ps_t *ps, int s, chorus_result_t st) {
   char why[600];
   snprintf(why, sizeof why, "%s", chorus_comm_last_error(ps->pair[s]));
-  char *cut = strstr(why, "; every other rank fails too");
-  if (cut) *cut = '\0';
+  pair_words(why);
   return fail(st, "async: worker %d (rank %d): server %d (rank %d) is gone or failed: %s; the "
               "parameters it held are lost, so the job fails (a restart resumes from the "
               "servers' last checkpoint)", ps->me, ps->rank, s, s, why);
