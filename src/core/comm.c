@@ -22,6 +22,7 @@
 #include "util/clock.h"
 #include "util/env.h"
 #include "util/crypto.h"
+#include "util/exit.h"
 #include "util/net.h"
 #include "util/secret.h"
 #include "util/util.h"
@@ -536,6 +537,14 @@ chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
   comm->stopping = 1;
   pthread_cond_broadcast(&comm->cond);
   pthread_mutex_unlock(&comm->lock);
+  if (chorus__exiting()) {
+    /* A destroy from an atexit handler that runs after ours: the world
+     * failed and its threads stopped (util/exit.h); the worker finishes
+     * its queue (every call fails at once), and what OpenSSL or UCX may
+     * have torn down already is not touched: the process frees it. */
+    if (comm->worker_started) chorus__join_within(comm->worker, 2000);
+    return CHORUS_OK;
+  }
   if (comm->worker_started) pthread_join(comm->worker, NULL);
   chorus__shm_detach(comm->shm);
   chorus__ep_destroy(comm->ep);

@@ -100,6 +100,7 @@
 #include <unistd.h>
 
 #include "util/env.h"
+#include "util/exit.h"
 #include "util/net.h"
 #include "util/secret.h"
 #include "util/util.h"
@@ -266,6 +267,8 @@ struct chorus_store_server {
   chorus__ratelimit_t reject_log; /* strangers: handshakes, refused connections */
   chorus__ratelimit_t limit_log;  /* limits hit by authenticated clients */
   int stopping;
+  chorus__exit_hook_t exit_hook; /* stops the thread if the process exits first */
+  int thread_joined;
 };
 
 /* Results of one request or handshake frame. */
@@ -1473,6 +1476,17 @@ static void *server_main(void *arg) {
 
 /* --------------------------------------------------------------- public */
 
+/* The process exits with the server running (util/exit.h): its thread
+ * stops (a handshake's HMAC must not race OpenSSL's cleanup); the rest
+ * goes with the process.  Clients see their connections close. */
+static void server_on_exit(void *arg) {
+  chorus_store_server_t *srv = arg;
+  uint64_t one = 1;
+  while (write(srv->stop_fd, &one, sizeof one) < 0 && errno == EINTR) {
+  }
+  if (chorus__join_within(srv->thread, 1000) == 0) srv->thread_joined = 1;
+}
+
 static void server_free(chorus_store_server_t *srv) {
   table_free(srv);
   addrs_free(srv);
@@ -1594,6 +1608,11 @@ chorus_result_t chorus__store_server_start_key(const char *host, int port,
     what = "pthread_create";
     goto fail;
   }
+  if (chorus__exit_hook_add(&srv->exit_hook, server_on_exit, srv) < 0) {
+    server_on_exit(srv); /* the process is exiting already */
+    if (srv->thread_joined) server_free(srv);
+    return CHORUS_ERR_ABORTED;
+  }
   CHORUS_INFO(CHORUS__SUB_STORE, "%s: listening", srv->name);
   CHORUS_DEBUG(CHORUS__SUB_STORE,
                "%s: limits: idle %lld ms, frame %lld ms, buffers %zu bytes, data %zu bytes, "
@@ -1617,6 +1636,9 @@ int chorus_store_server_port(const chorus_store_server_t *server) {
 
 void chorus_store_server_stop(chorus_store_server_t *server) {
   if (!server) return;
+  /* Past the exit handler, which stopped the thread: nothing else is
+   * safe to do (OpenSSL may be gone), the process's end frees it. */
+  if (chorus__exit_hook_remove(&server->exit_hook)) return;
   uint64_t one = 1;
   while (write(server->stop_fd, &one, sizeof one) < 0 && errno == EINTR) {
   }

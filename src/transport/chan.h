@@ -55,6 +55,7 @@
 #include "transport/transport.h"
 #include "transport/wire.h"
 #include "util/crypto.h"
+#include "util/exit.h"
 #include "util/log.h"
 
 /* Every live peer hears from us at least this often (a PING when nothing
@@ -212,6 +213,12 @@ struct chorus__tp {
   pthread_t thread;
   int thread_started;
   int stopping; /* atomic */
+  /* The process is exiting with this world alive (util/exit.h): 1 while
+   * the exit hook lets the ABORTs it queued go out, 2 once the progress
+   * thread stopped (no channel may be called any more: OpenSSL and UCX
+   * are being torn down). */
+  int exiting;
+  chorus__exit_hook_t exit_hook;
   pthread_mutex_t lock;
   pthread_cond_t cond;
   chorus__ep_t *eps;

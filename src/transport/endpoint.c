@@ -174,7 +174,7 @@ void chorus__txq_free(chorus__txq_t *q) {
 /* tag: for T_ABORT the code the sender failed with (abort_code), else -1. */
 static void send_control(chorus__tp_t *tp, peer_t *c, int type, uint64_t ep_id,
                          const char *text, int32_t tag) {
-  if (c->dead || !c->chan) return;
+  if (c->dead || !c->chan || tp->exiting == 2) return;
   txitem_t *it = calloc(1, sizeof *it);
   if (!it) return;
   size_t len = text ? strlen(text) : 0;
@@ -895,6 +895,7 @@ static void on_payload_done(chorus__tp_t *tp, rx_t *rx) {
 
 chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *members, int n,
                                   int me, chorus__ep_t **out) {
+  if (__atomic_load_n(&tp->exiting, __ATOMIC_ACQUIRE)) return CHORUS_ERR_ABORTED;
   chorus__ep_t *ep = calloc(1, sizeof *ep);
   if (!ep) return CHORUS_ERR_NO_MEMORY;
   ep->members = malloc(sizeof(int) * (size_t)n);
@@ -956,6 +957,12 @@ void chorus__ep_destroy(chorus__ep_t *ep) {
   if (!ep) return;
   chorus__tp_t *tp = ep->tp;
   pthread_mutex_lock(&tp->lock);
+  if (tp->exiting) {
+    /* The channels are closed for good (tp_on_exit): the endpoint stays
+     * listed and allocated, as its world does, until the process ends. */
+    pthread_mutex_unlock(&tp->lock);
+    return;
+  }
   detach_requests(tp, ep);
   for (chorus__ep_t **pp = &tp->eps; *pp; pp = &(*pp)->next) {
     if (*pp == ep) {
@@ -1277,6 +1284,51 @@ static void *progress_main(void *arg) {
 
 /* ---------------------------------------------------------- lifecycle */
 
+/* How long an exiting process gives the ABORTs it queued to leave, and
+ * its progress thread to stop. */
+#define EXIT_FLUSH_MS 200
+#define EXIT_JOIN_MS 1000
+
+/* The process exits with this world alive (util/exit.h): every endpoint
+ * fails and tells its peers why, the ABORTs get EXIT_FLUSH_MS to leave
+ * (dialling a peer never talked to included), then the progress thread
+ * stops and no channel is called again. */
+static void tp_on_exit(void *arg) {
+  chorus__tp_t *tp = arg;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += 1;
+  /* Only a signal handler that called exit() while this thread held the
+   * lock keeps it: then nothing can be stopped safely. */
+  if (pthread_mutex_timedlock(&tp->lock, &ts) != 0) return;
+  __atomic_store_n(&tp->exiting, 1, __ATOMIC_RELEASE);
+  for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next)
+    ep_fail_locked(ep, CHORUS_ERR_ABORTED, 1,
+                   "chorus rank %d/%d: its process is exiting with the communicator alive "
+                   "(main returned, or exit() was called, before chorus_comm_destroy)",
+                   ep->me, ep->n);
+  int64_t until = chorus__now_ns() + (int64_t)EXIT_FLUSH_MS * 1000000;
+  while (tp->thread_started && chorus__now_ns() < until) {
+    int waiting = 0;
+    for (int r = 0; r < tp->size && !waiting; r++) {
+      peer_t *c = &tp->peers[r];
+      if (r != tp->rank && c->chan && !c->dead && c->chan->ops->pending(c->chan, c, NULL))
+        waiting = 1;
+    }
+    if (!waiting) break;
+    struct timespec step = chorus__deadline_timespec(chorus__now_ns() + 5000000);
+    pthread_cond_timedwait(&tp->cond, &tp->lock, &step);
+  }
+  __atomic_store_n(&tp->stopping, 1, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&tp->lock);
+  chorus__tp_kick(tp);
+  if (tp->thread_started && chorus__join_within(tp->thread, EXIT_JOIN_MS) == 0)
+    tp->thread_started = 0;
+  pthread_mutex_lock(&tp->lock);
+  __atomic_store_n(&tp->exiting, 2, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&tp->lock);
+}
+
 chorus__tp_t *chorus__tp_alloc(int rank, int size, const chorus__key_t *key, uint64_t world) {
   chorus__tp_t *tp = calloc(1, sizeof *tp);
   if (!tp) return NULL;
@@ -1377,6 +1429,14 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
     goto fail;
   }
   tp->thread_started = 1;
+  if (chorus__exit_hook_add(&tp->exit_hook, tp_on_exit, tp) < 0) {
+    snprintf(errmsg, errcap, "the process is exiting");
+    __atomic_store_n(&tp->stopping, 1, __ATOMIC_RELEASE);
+    chorus__tp_kick(tp);
+    pthread_join(tp->thread, NULL);
+    st = CHORUS_ERR_ABORTED;
+    goto fail;
+  }
   *out = tp;
   return CHORUS_OK;
 fail:
@@ -1386,6 +1446,10 @@ fail:
 
 void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   if (!tp) return;
+  /* Past the exit handler (a destroy from a later atexit handler): the
+   * hook stopped what ran; OpenSSL or UCX may be gone, so nothing is
+   * closed or freed -- the process's end does that. */
+  if (chorus__exit_hook_remove(&tp->exit_hook)) return;
   pthread_mutex_lock(&tp->lock);
   tp->bye_sent = 1;
   resume_all(tp); /* leaving: held-back messages are read and dropped */

@@ -597,7 +597,7 @@ static void ucx_rx_pause(chorus__chan_t *base, chorus__rx_t *rx, int on) {
 static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
   ucx_link_t *l = arg;
   (void)ep;
-  defer_fail(l, 0, "its UCX endpoint failed (%s)", ucs_status_string(status));
+  defer_fail(l, 0, "became unreachable (its UCX endpoint failed: %s)", ucs_status_string(status));
 }
 
 static int ensure_ep(ucx_link_t *l) {
@@ -1165,6 +1165,15 @@ chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
   if (!ch->links || !ch->addrs) goto fail;
   for (int r = 0; r < cfg->size; r++) {
     chorus__peer_t *p = &tp->peers[r];
+    /* Peers are named by what they published ("host port"): those of
+     * this host as over TCP ("rank 1 (10.0.0.7:4000)"), the others by
+     * their host ("rank 3 (ucx:10.0.0.8)": no TCP listener is used). */
+    const char *a = cfg->addrs ? cfg->addrs[r] : NULL, *sp = a ? strchr(a, ' ') : NULL;
+    int hl = sp && sp > a ? (int)CHORUS__MIN((size_t)(sp - a), 63) : 0;
+    if (r != cfg->rank && hl && p->chan)
+      snprintf(p->addr, sizeof p->addr, "%.*s:%s", hl, a, sp + 1);
+    else if (r != cfg->rank && hl)
+      snprintf(p->addr, sizeof p->addr, "ucx:%.*s", hl, a);
     if (r == cfg->rank || p->chan) continue;
     if (!cfg->ucx_addrs || !cfg->ucx_addrs[r] ||
         unhex(cfg->ucx_addrs[r], &ch->addrs[r]) < 0) {
