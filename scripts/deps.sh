@@ -68,26 +68,26 @@ fi
 sudo=""
 [[ $(id -u) -ne 0 ]] && sudo="sudo"
 if ((${#need[@]} + ${#fuzz_need[@]} + ${#cluster_need[@]} + ${#torch_need[@]})); then
-  $sudo apt-get update -qq || echo "deps: apt-get update failed" >&2
+  $sudo apt-get -o DPkg::Lock::Timeout=600 update -qq || echo "deps: apt-get update failed" >&2
 fi
 if ((${#need[@]})); then
   echo "deps: installing ${need[*]}"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${need[@]}" >/dev/null
 fi
 if ((${#fuzz_need[@]})); then
   echo "deps: installing ${fuzz_need[*]} (fuzzers)"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${fuzz_need[@]}" >/dev/null ||
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${fuzz_need[@]}" >/dev/null ||
     echo "deps: could not install ${fuzz_need[*]}: the fuzzers will be skipped" >&2
 fi
 if ((${#cluster_need[@]})); then
   echo "deps: installing ${cluster_need[*]} (real launchers for the release tests)"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
     -o DPkg::Lock::Timeout=600 "${cluster_need[@]}" >/dev/null ||
     echo "deps: could not install ${cluster_need[*]}: the tests that need them will skip" >&2
 fi
 if ((${#torch_need[@]})); then
   echo "deps: installing ${torch_need[*]} (the PyTorch backend and its tests)"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
     -o DPkg::Lock::Timeout=600 "${torch_need[@]}" >/dev/null ||
     echo "deps: could not install ${torch_need[*]}: the torch tests will skip" >&2
 fi

@@ -14,6 +14,7 @@
  * behind.
  */
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -578,13 +579,28 @@ static void trial_rank(int rank, int n) {
   }
 }
 
-/* Names in /dev/shm that start with "chorus-", as one string. */
+/* This run's names in /dev/shm ("chorus-<our job id>-..."), sorted, as one
+ * string: other jobs on the machine come and go, and are not ours to judge. */
+static char g_job[32];
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
 static void shm_names(char *buf, size_t cap) {
-  FILE *p = popen("ls /dev/shm 2>/dev/null | grep '^chorus-' | sort | tr '\\n' ' '", "r");
+  char prefix[64], *names[64];
+  int n = 0;
+  snprintf(prefix, sizeof prefix, "chorus-%s-", g_job);
   buf[0] = '\0';
-  if (!p) return;
-  if (!fgets(buf, (int)cap, p)) buf[0] = '\0';
-  pclose(p);
+  DIR *d = opendir("/dev/shm");
+  struct dirent *e;
+  while (d && (e = readdir(d)) && n < 64)
+    if (!strncmp(e->d_name, prefix, strlen(prefix))) names[n++] = strdup(e->d_name);
+  if (d) closedir(d);
+  qsort(names, (size_t)n, sizeof *names, cmp_str);
+  for (int i = 0; i < n; i++) {
+    size_t used = strlen(buf);
+    if (names[i]) snprintf(buf + used, cap - used, "%s ", names[i]);
+    free(names[i]);
+  }
 }
 
 TEST(random_faults) {
@@ -751,6 +767,10 @@ TEST(stranger_on_data_port) {
 
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
+  /* This run's job id, before anything reads the environment (it salts
+   * the key, and names the shared memory random_faults checks). */
+  snprintf(g_job, sizeof g_job, "faults%d", (int)getpid());
+  setenv("CHORUS_JOB_ID", g_job, 1);
   atexit(kill_all);
   atexit(stop_store);
   g_port = start_store();

@@ -222,8 +222,10 @@ JOB
   # agent hosts the store (both fake nodes are this machine: 127.0.0.1).
   if [[ -n $CHORUSRUN ]]; then
     head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
+    # A port the kernel says is free, not one derived from the pid.
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     run 120 env CHORUS_JOB_SECRET_FILE="$TMP/key" "${srun[@]}" -N 2 --ntasks-per-node=1 \
-      "$CHORUSRUN" --nnodes 2 -n 2 --no-prefix --rdzv-endpoint 127.0.0.1:$((29300 + $$ % 500)) \
+      "$CHORUSRUN" --nnodes 2 -n 2 --no-prefix --rdzv-endpoint "127.0.0.1:$port" \
       --rdzv-id "slurm$$" "$CHECK"
     expect_world "srun -N 2 chorusrun --nnodes 2 -n 2" 4
   fi

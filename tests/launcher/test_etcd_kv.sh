@@ -2,7 +2,7 @@
 # test_etcd_kv.sh TEST_KV_ETCD FIXTURES_DIR
 #
 # The launcher's etcd client (src/launcher/kv_etcd.c) against a real etcd
-# (tests/fixtures/etcd.sh, client ports 24890+ unless CHORUS_ETCD_KV_PORT
+# (tests/fixtures/etcd.sh on free random ports unless CHORUS_ETCD_KV_PORT
 # says otherwise, state under a mktemp dir):
 #   offline   the test alone: fake servers (garbage, huge, endless and
 #             malformed replies, silence, failover), no etcd needed
@@ -35,7 +35,7 @@ fi
 BIN=$1 FIXTURES=$2
 ETCD=$FIXTURES/etcd.sh
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-etcd-kv.XXXXXX") || exit 1
-export CHORUS_ETCD_DIR=$TMP/etcd CHORUS_ETCD_PORT=${CHORUS_ETCD_KV_PORT:-24890}
+export CHORUS_ETCD_DIR=$TMP/etcd CHORUS_ETCD_PORT=${CHORUS_ETCD_KV_PORT:-}
 unset CHORUS_ETCD_ADDR # loopback: the test checks the local address it reports
 FAILS=0
 

@@ -191,7 +191,10 @@ int main(void) {
   /* No configured secret: rank 0 makes one, the service carries it. */
   unsetenv("CHORUS_JOB_SECRET");
   unsetenv("CHORUS_JOB_SECRET_FILE");
-  snprintf(g_dir, sizeof g_dir, "/tmp/chorus-test-kv-%s", port);
+  /* Named by chorusrun's job id (random per run): a directory a killed run
+   * left behind is never this run's. */
+  const char *job = getenv("CHORUS_JOB_ID");
+  snprintf(g_dir, sizeof g_dir, "/tmp/chorus-test-kv-%s", job && *job ? job : port);
   mkdir(g_dir, 0700);
   RUN(two_worlds_fresh_secret);
   RUN(world_of_one_needs_no_service);

@@ -281,7 +281,7 @@ def test_groups(rank, size):
 
 class Evil:
     def __reduce__(self):
-        return (os.system, ("touch /tmp/chorus-pickle-ran-%s" % os.environ.get("MASTER_PORT"),))
+        return (os.system, ("touch /tmp/chorus-pickle-ran-%s" % os.environ.get("CHORUS_JOB_ID"),))
 
 
 def test_objects(rank, size):
@@ -319,7 +319,9 @@ def test_objects(rank, size):
         check(lst2 == list(range(size)), "the group works after a refused object")
     # A pickle sent by one rank that opted in must not be unpickled by the
     # others; the marker file proves nothing ran.
-    marker = "/tmp/chorus-pickle-ran-%s" % os.environ.get("MASTER_PORT")
+    # Named by the job id (chorusrun's, random per run): a marker a killed
+    # run left behind is never this run's.
+    marker = "/tmp/chorus-pickle-ran-%s" % os.environ.get("CHORUS_JOB_ID")
     if size > 1:
         if rank == 0:
             chorus.allow_unsafe_pickle(True)
