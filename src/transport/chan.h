@@ -185,6 +185,10 @@ typedef struct chorus__chan_ops {
   void (*polling)(chorus__chan_t *ch, int on);
   /* Frees everything, after the progress thread stopped. */
   void (*destroy)(chorus__chan_t *ch);
+  /* The process is exiting with the channel open (util/exit.h), the
+   * progress thread stopped: stop whatever threads the channel's library
+   * runs, freeing nothing the process's end would.  May be NULL. */
+  void (*on_exit)(chorus__chan_t *ch);
 } chorus__chan_ops_t;
 
 struct chorus__chan {

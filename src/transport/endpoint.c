@@ -199,6 +199,7 @@ static void send_control(chorus__tp_t *tp, peer_t *c, int type, uint64_t ep_id,
  * callers may free them: the channels drop or copy its sends (cancel),
  * payloads being received into its receives are discarded. */
 static void detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
+  if (tp->exiting == 2) return; /* the channels are closed for good (tp_on_exit) */
   for (int r = 0; r < tp->size; r++) {
     peer_t *c = &tp->peers[r];
     if (r == tp->rank || !c->chan) continue;
@@ -1326,6 +1327,10 @@ static void tp_on_exit(void *arg) {
     tp->thread_started = 0;
   pthread_mutex_lock(&tp->lock);
   __atomic_store_n(&tp->exiting, 2, __ATOMIC_RELEASE);
+  if (!tp->thread_started) {
+    if (tp->net && tp->net->ops->on_exit) tp->net->ops->on_exit(tp->net);
+    if (tp->local && tp->local->ops->on_exit) tp->local->ops->on_exit(tp->local);
+  }
   pthread_mutex_unlock(&tp->lock);
 }
 

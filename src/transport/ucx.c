@@ -1012,6 +1012,26 @@ static void ucx_destroy(chorus__chan_t *base) {
   free(ch);
 }
 
+/* The process exits with the channel open (endpoint.c's tp_on_exit, after
+ * the progress thread stopped): the worker and the context go now, which
+ * stops UCX's own async thread.  Left running, that thread races UCX's
+ * library destructors at exit (a lock destroyed while it holds it).  The
+ * channel's structures stay for the process's end; nothing calls the
+ * channel again. */
+static void ucx_on_exit(chorus__chan_t *base) {
+  ucx_chan_t *ch = (ucx_chan_t *)base;
+  if (ch->efd >= 0) chorus__tp_unwatch(base->tp, ch->efd);
+  ch->efd = -1;
+  if (ch->worker) ucp_worker_destroy(ch->worker); /* and its endpoints */
+  if (ch->ctx) ucp_cleanup(ch->ctx);
+  ch->worker = NULL;
+  ch->ctx = NULL;
+  for (int r = 0; ch->links && r < base->tp->size; r++) {
+    ch->links[r].ep = NULL;
+    ch->links[r].closed = 1;
+  }
+}
+
 static const chorus__chan_ops_t ucx_ops = {
     .name = "ucx",
     .send = ucx_send,
@@ -1024,6 +1044,7 @@ static const chorus__chan_ops_t ucx_ops = {
     .poll = ucx_poll,
     .idle = ucx_idle,
     .destroy = ucx_destroy,
+    .on_exit = ucx_on_exit,
 };
 
 /* ---------------------------------------------------------------- set-up */

@@ -68,10 +68,18 @@ static void *exiter(void *arg) {
   exit(0);
 }
 
+static double slack(void);
+
 static int rank_main(int rank, int n, int port, const char *prefix, int variant,
                      uint64_t seed) {
+  /* Every rank of the trial has started (the driver says so on stdin):
+   * the short timeouts below then bound joining, not starting processes. */
+  char go;
+  if (read(0, &go, 1) != 1) return 5;
   /* Timeouts: the timeout variant's are short and differ between ranks. */
-  int timeout_ms = variant == V_TIMEOUT ? 300 + (int)((seed >> (8 * rank)) % 400) : 20000;
+  int timeout_ms = variant == V_TIMEOUT
+                       ? (int)((300 + (int)((seed >> (8 * rank)) % 400)) * slack())
+                       : 20000;
   chorus_config_t cfg = child_config(rank, n, port, prefix, SECRET, timeout_ms);
   chorus_comm_t comm = NULL;
   chorus_result_t st = chorus_comm_init(&cfg, &comm);
@@ -136,7 +144,7 @@ static int rank_main(int rank, int n, int port, const char *prefix, int variant,
 
 static pid_t g_store_pid;
 static pid_t g_pids[MAXR];
-static int g_fds[MAXR];
+static int g_fds[MAXR], g_go[MAXR];
 static char g_job[32];
 
 static void cleanup(void) {
@@ -163,15 +171,20 @@ static const channel_t channels[] = {
 /* Starts rank r of n as a fresh process of this program. */
 static void start_rank(const char *self, int r, int n, int port, const char *prefix,
                        const channel_t *ch, int variant, uint64_t seed) {
-  int p[2];
-  if (pipe(p) < 0) _exit(1);
+  int p[2], in[2];
+  if (pipe(p) < 0 || pipe(in) < 0) _exit(1);
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid == 0) {
     child_die_with_parent(parent);
     close(p[0]);
+    close(in[1]);
     dup2(p[1], 1);
+    dup2(in[0], 0);
     close(p[1]);
+    close(in[0]);
+    for (int k = 0; k < MAXR; k++)
+      if (g_go[k] > 0) close(g_go[k]);
     /* What a process that never destroys leaves allocated is the point of
      * the test, not a leak to report (ASan builds). */
     const char *asan = getenv("ASAN_OPTIONS");
@@ -196,8 +209,10 @@ static void start_rank(const char *self, int r, int n, int port, const char *pre
     _exit(127);
   }
   close(p[1]);
+  close(in[0]);
   g_pids[r] = pid;
   g_fds[r] = p[0];
+  g_go[r] = in[1];
 }
 
 typedef struct {
@@ -250,25 +265,27 @@ static void gather(out_t *out, int n, double deadline) {
   }
 }
 
-/* The line'th line ("<status> <ms> <text>") of a rank's output. */
+/* The line'th report ("<status> <ms> <text>") of a rank's output; other
+ * lines (UCX logs to stdout) are skipped. */
 static int line_of(const out_t *o, int line, int *status, double *ms, const char **text,
                    char *scratch, size_t cap) {
-  const char *p = o->buf;
-  for (int i = 0; i < line && p; i++) {
-    p = strchr(p, '\n');
-    if (p) p++;
+  int seen = 0;
+  for (const char *p = o->buf; p && *p;) {
+    const char *e = strchr(p, '\n');
+    size_t len = e ? (size_t)(e - p) : strlen(p);
+    if (len >= cap) len = cap - 1;
+    memcpy(scratch, p, len);
+    scratch[len] = '\0';
+    p = e ? e + 1 : NULL;
+    char c;
+    if (sscanf(scratch, "%d %lf %c", status, ms, &c) < 2 || scratch[0] == '[') continue;
+    if (seen++ < line) continue;
+    const char *t = strchr(scratch, ' ');
+    t = t ? strchr(t + 1, ' ') : NULL;
+    *text = t ? t + 1 : "";
+    return 1;
   }
-  if (!p || !*p) return 0;
-  const char *e = strchr(p, '\n');
-  size_t len = e ? (size_t)(e - p) : strlen(p);
-  if (len >= cap) len = cap - 1;
-  memcpy(scratch, p, len);
-  scratch[len] = '\0';
-  if (sscanf(scratch, "%d %lf", status, ms) != 2) return 0;
-  const char *t = strchr(scratch, ' ');
-  t = t ? strchr(t + 1, ' ') : NULL;
-  *text = t ? t + 1 : "";
-  return 1;
+  return 0;
 }
 
 /* Names in /dev/shm of this driver's job. */
@@ -311,6 +328,11 @@ static int trial(const char *self, int port, int id, const channel_t *ch, int va
   snprintf(prefix, sizeof prefix, "t%d/", id);
   double t0 = child_now_ms();
   for (int r = 0; r < n; r++) start_rank(self, r, n, port, prefix, ch, variant, seed);
+  for (int r = 0; r < n; r++) {
+    (void)!write(g_go[r], "g", 1);
+    close(g_go[r]);
+    g_go[r] = 0;
+  }
   out_t out[MAXR];
   memset(out, 0, sizeof out);
   const double k = slack();

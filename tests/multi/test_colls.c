@@ -374,8 +374,9 @@ static void matrix(chorus_comm_t comm, chorus_coll_t coll) {
       }
     }
     if (g_big) {
-      /* ~4 MiB, not a multiple of the group size. */
-      size_t big = (4u << 20) / 4 + 3;
+      /* ~4 MiB, not a multiple of the group size (--quick: 1.25 MiB, still
+       * above the 1 MiB a message goes in pieces from). */
+      size_t big = (g_quick ? (5u << 18) : (4u << 20)) / 4 + 3;
       chorus_dtype_t dts[2] = {CHORUS_FLOAT32, CHORUS_INT32};
       for (int k = 0; k < 2; k++) {
         int root = g_size - 1;

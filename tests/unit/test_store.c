@@ -24,6 +24,7 @@
 #include "store_raw.h"
 #include "store/store.h"
 #include "store/store_proto.h"
+#include "util/env.h"
 #include "util/net.h"
 #include "util/util.h"
 
@@ -81,7 +82,8 @@ static int raw_connect(int port) {
  * verdict byte (0 ok) or -1. */
 static int raw_auth(int fd, const char *secret) {
   chorus__key_t key;
-  if (chorus__job_key(secret ? secret : TEST_SECRET, "", &key) < 0) return -1;
+  /* Salted with the job id as the library salts it (CHORUS_JOB_ID). */
+  if (chorus__job_key(secret ? secret : TEST_SECRET, chorus__env()->JOB_ID, &key) < 0) return -1;
   return store_raw_auth(fd, &key);
 }
 

@@ -35,6 +35,7 @@
 #include "store_raw.h"
 #include "store/store.h"
 #include "store/store_proto.h"
+#include "util/env.h"
 #include "util/net.h"
 #include "util/util.h"
 
@@ -178,7 +179,8 @@ static int read_hello(int fd, uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], int ms
  * byte (0 ok) or -1. */
 static int raw_auth(int fd) {
   chorus__key_t key;
-  if (chorus__job_key(SECRET, "", &key) < 0) return -1;
+  /* Salted with the job id as the library salts it (CHORUS_JOB_ID). */
+  if (chorus__job_key(SECRET, chorus__env()->JOB_ID, &key) < 0) return -1;
   return store_raw_auth(fd, &key);
 }
 
