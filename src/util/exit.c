@@ -19,7 +19,12 @@ static pid_t g_exiting_pid; /* atomic: the process whose handler ran */
 static void on_exit_handler(void) {
   pid_t me = getpid();
   __atomic_store_n(&g_exiting_pid, me, __ATOMIC_SEQ_CST);
-  pthread_mutex_lock(&g_lock);
+  /* Bounded: a child forked while another thread of its parent held the
+   * lock inherits it held, and must still be able to exit. */
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += 1;
+  if (pthread_mutex_timedlock(&g_lock, &ts) != 0) return;
   for (chorus__exit_hook_t *h = g_hooks; h; h = h->next)
     if (h->pid == me) h->fn(h->arg);
   pthread_mutex_unlock(&g_lock);
