@@ -1479,11 +1479,15 @@ static void *server_main(void *arg) {
 /* The process exits with the server running (util/exit.h): its thread
  * stops (a handshake's HMAC must not race OpenSSL's cleanup); the rest
  * goes with the process.  Clients see their connections close. */
-static void server_on_exit(void *arg) {
-  chorus_store_server_t *srv = arg;
+static void ring_stop(chorus_store_server_t *srv) {
   uint64_t one = 1;
   while (write(srv->stop_fd, &one, sizeof one) < 0 && errno == EINTR) {
   }
+}
+
+static void server_on_exit(void *arg) {
+  chorus_store_server_t *srv = arg;
+  ring_stop(srv);
   if (chorus__join_within(srv->thread, 1000) == 0) srv->thread_joined = 1;
 }
 
@@ -1639,9 +1643,7 @@ void chorus_store_server_stop(chorus_store_server_t *server) {
   /* Past the exit handler, which stopped the thread: nothing else is
    * safe to do (OpenSSL may be gone), the process's end frees it. */
   if (chorus__exit_hook_remove(&server->exit_hook)) return;
-  uint64_t one = 1;
-  while (write(server->stop_fd, &one, sizeof one) < 0 && errno == EINTR) {
-  }
+  ring_stop(server);
   pthread_join(server->thread, NULL);
   CHORUS_INFO(CHORUS__SUB_STORE, "%s: stopped", server->name);
   server_free(server);

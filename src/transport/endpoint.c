@@ -1296,12 +1296,9 @@ static void *progress_main(void *arg) {
  * stops and no channel is called again. */
 static void tp_on_exit(void *arg) {
   chorus__tp_t *tp = arg;
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_sec += 1;
   /* Only a signal handler that called exit() while this thread held the
    * lock keeps it: then nothing can be stopped safely. */
-  if (pthread_mutex_timedlock(&tp->lock, &ts) != 0) return;
+  if (chorus__lock_within(&tp->lock, 1000) != 0) return;
   __atomic_store_n(&tp->exiting, 1, __ATOMIC_RELEASE);
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next)
     ep_fail_locked(ep, CHORUS_ERR_ABORTED, 1,

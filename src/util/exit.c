@@ -16,15 +16,25 @@ static chorus__exit_hook_t *g_hooks;
 static int g_registered;
 static pid_t g_exiting_pid; /* atomic: the process whose handler ran */
 
+/* CLOCK_REALTIME ms from now: what pthread's timed lock and join take. */
+static struct timespec realtime_in(int ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += ms / 1000;
+  ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  return ts;
+}
+
 static void on_exit_handler(void) {
   pid_t me = getpid();
   __atomic_store_n(&g_exiting_pid, me, __ATOMIC_SEQ_CST);
   /* Bounded: a child forked while another thread of its parent held the
    * lock inherits it held, and must still be able to exit. */
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_sec += 1;
-  if (pthread_mutex_timedlock(&g_lock, &ts) != 0) return;
+  if (chorus__lock_within(&g_lock, 1000) != 0) return;
   for (chorus__exit_hook_t *h = g_hooks; h; h = h->next)
     if (h->pid == me) h->fn(h->arg);
   pthread_mutex_unlock(&g_lock);
@@ -73,13 +83,11 @@ int chorus__exit_hook_remove(chorus__exit_hook_t *h) {
 }
 
 int chorus__join_within(pthread_t t, int ms) {
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_sec += ms / 1000;
-  ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-  if (ts.tv_nsec >= 1000000000L) {
-    ts.tv_sec++;
-    ts.tv_nsec -= 1000000000L;
-  }
+  struct timespec ts = realtime_in(ms);
   return pthread_timedjoin_np(t, NULL, &ts);
+}
+
+int chorus__lock_within(pthread_mutex_t *m, int ms) {
+  struct timespec ts = realtime_in(ms);
+  return pthread_mutex_timedlock(m, &ts);
 }

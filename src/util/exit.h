@@ -52,4 +52,7 @@ int chorus__exiting(void);
 /* pthread_join bounded by ms milliseconds: 0 when joined. */
 int chorus__join_within(pthread_t t, int ms);
 
+/* pthread_mutex_lock bounded by ms milliseconds: 0 when locked. */
+int chorus__lock_within(pthread_mutex_t *m, int ms);
+
 #endif
