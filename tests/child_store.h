@@ -6,7 +6,11 @@
 #ifndef CHORUS_TEST_CHILD_STORE_H
 #define CHORUS_TEST_CHILD_STORE_H
 
+#include <dirent.h>
 #include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <time.h>
 #include <sys/types.h>
@@ -110,6 +114,47 @@ static inline void child_store_stop(pid_t *pid) {
     waitpid(*pid, NULL, 0);
     *pid = 0;
   }
+}
+
+/* The slack of slow builds (CHORUS_TEST_SLACK, the sanitizer passes'
+ * timeout multiplier), at least 1: timing bounds are multiplied by it. */
+static inline double child_slack(void) {
+  const char *v = getenv("CHORUS_TEST_SLACK");
+  double k = v ? atof(v) : 1.0;
+  return k >= 1.0 ? k : 1.0;
+}
+
+static inline int child_cmp_str(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The names in /dev/shm of job (its segments are "chorus-<job>-..."),
+ * sorted, space-separated, into buf; with unlink_them, also removes them.
+ * Other jobs on the machine are not the test's to judge.  Returns how
+ * many there were (at most 64 are listed). */
+static inline int child_job_shm(const char *job, char *buf, size_t cap, int unlink_them) {
+  char prefix[64], *names[64];
+  int n = 0;
+  snprintf(prefix, sizeof prefix, "chorus-%s-", job);
+  buf[0] = '\0';
+  DIR *d = opendir("/dev/shm");
+  struct dirent *e;
+  while (d && (e = readdir(d)) && n < 64)
+    if (!strncmp(e->d_name, prefix, strlen(prefix))) names[n++] = strdup(e->d_name);
+  if (d) closedir(d);
+  qsort(names, (size_t)n, sizeof *names, child_cmp_str);
+  for (int i = 0; i < n; i++) {
+    if (!names[i]) continue;
+    size_t used = strlen(buf);
+    snprintf(buf + used, cap - used, "%s ", names[i]);
+    if (unlink_them) {
+      char path[320];
+      snprintf(path, sizeof path, "/dev/shm/%s", names[i]);
+      unlink(path);
+    }
+    free(names[i]);
+  }
+  return n;
 }
 
 #endif

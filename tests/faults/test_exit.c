@@ -40,7 +40,6 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <dirent.h>
 
 #include "chorus.h"
 #include "child_store.h"
@@ -69,7 +68,6 @@ static void *exiter(void *arg) {
   exit(0);
 }
 
-static double slack(void);
 
 static int rank_main(int rank, int n, int port, const char *prefix, int variant,
                      uint64_t seed) {
@@ -82,7 +80,7 @@ static int rank_main(int rank, int n, int port, const char *prefix, int variant,
    * They also bound joining, which takes longer than half a second on a
    * busy machine: 1.5-2.2 s, times the slack of slow builds. */
   int timeout_ms = variant == V_TIMEOUT
-                       ? (int)((1500 + (int)((seed >> (8 * rank)) % 700)) * slack())
+                       ? (int)((1500 + (int)((seed >> (8 * rank)) % 700)) * child_slack())
                        : 20000;
   chorus_config_t cfg = child_config(rank, n, port, prefix, SECRET, timeout_ms);
   chorus_comm_t comm = NULL;
@@ -298,30 +296,6 @@ static int line_of(const out_t *o, int line, int *status, double *ms, const char
   return 0;
 }
 
-/* Names in /dev/shm of this driver's job. */
-static int own_shm_names(char *buf, size_t cap) {
-  char prefix[64];
-  snprintf(prefix, sizeof prefix, "chorus-%s-", g_job);
-  buf[0] = '\0';
-  DIR *d = opendir("/dev/shm");
-  if (!d) return 0;
-  int count = 0;
-  struct dirent *e;
-  while ((e = readdir(d))) {
-    if (strncmp(e->d_name, prefix, strlen(prefix))) continue;
-    count++;
-    size_t used = strlen(buf);
-    snprintf(buf + used, cap - used, "%s ", e->d_name);
-  }
-  closedir(d);
-  return count;
-}
-
-static double slack(void) {
-  const char *v = getenv("CHORUS_TEST_SLACK");
-  double k = v ? atof(v) : 1.0;
-  return k >= 1.0 ? k : 1.0;
-}
 
 static const char *describe(int status, char *buf, size_t cap) {
   if (WIFEXITED(status)) snprintf(buf, cap, "exit status %d", WEXITSTATUS(status));
@@ -345,7 +319,7 @@ static int trial(const char *self, int port, int id, const channel_t *ch, int va
   }
   out_t out[MAXR];
   memset(out, 0, sizeof out);
-  const double k = slack();
+  const double k = child_slack();
   /* Start-up (scrypt, init) plus the longest timeout, plus the way out. */
   gather(out, n, t0 + (15000 + 3000) * k);
   int hung = 0;
@@ -400,7 +374,7 @@ static int trial(const char *self, int port, int id, const channel_t *ch, int va
       if (out[r].reaped && out[r].exited_at - left_at > 3000 * k)
         WHY(" rank %d went on %.0f ms after rank %d left;", r, out[r].exited_at - left_at, leaver);
   char names[1024];
-  if (own_shm_names(names, sizeof names)) WHY(" /dev/shm names left: %s;", names);
+  if (child_job_shm(g_job, names, sizeof names, 0)) WHY(" /dev/shm names left: %s;", names);
   int ok = why[0] == '\0';
   printf("  %-13s %-7s seed %-20llu %d ranks%s: %s%s\n", ch->name, variant_names[variant],
          (unsigned long long)seed, n, (seed & 1) ? ", connected" : "", ok ? "ok" : "FAILED",
@@ -409,17 +383,7 @@ static int trial(const char *self, int port, int id, const channel_t *ch, int va
     printf("    %s\n", why);
     for (int r = 0; r < n; r++) printf("    rank %d said: %s\n", r, out[r].buf);
     /* Names this trial left would fail every later trial too. */
-    char path[300];
-    DIR *d = opendir("/dev/shm");
-    struct dirent *e;
-    char prefix2[64];
-    snprintf(prefix2, sizeof prefix2, "chorus-%s-", g_job);
-    while (d && (e = readdir(d)))
-      if (!strncmp(e->d_name, prefix2, strlen(prefix2))) {
-        snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
-        unlink(path);
-      }
-    if (d) closedir(d);
+    child_job_shm(g_job, names, sizeof names, 1);
   }
   return ok;
 }

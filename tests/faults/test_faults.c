@@ -14,7 +14,6 @@
  * behind.
  */
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -395,14 +394,7 @@ TEST(data_survives_goodbye) {
 
 /* ------------------------------------------- stopped peers, polled */
 
-/* Slack for the timing bounds below in slow builds (the sanitizer passes
- * set CHORUS_TEST_SLACK to their timeout multiplier). */
-static double slack(void) {
-  const char *v = getenv("CHORUS_TEST_SLACK");
-  double k = v ? atof(v) : 1.0;
-  return k >= 1.0 ? k : 1.0;
-}
-
+/* The timing bounds below are multiplied by child_slack() in slow builds. */
 #define POLL_TIMEOUT_MS 2000
 
 /* Reports the failing call, then times chorus_comm_destroy and reports
@@ -466,7 +458,7 @@ static void polled_rank(int rank, int n) {
 TEST(sigstop_polled) {
   static const char *names[] = {"recv polled with test", "recv polled with wait(20 ms)",
                                 "blocking all_reduce", "recv polled in a subgroup"};
-  const double t = POLL_TIMEOUT_MS, k = slack();
+  const double t = POLL_TIMEOUT_MS, k = child_slack();
   for (g_variant = 0; g_variant < 4; g_variant++) {
     int n = 3;
     spawn(n, polled_rank);
@@ -579,36 +571,16 @@ static void trial_rank(int rank, int n) {
   }
 }
 
-/* This run's names in /dev/shm ("chorus-<our job id>-..."), sorted, as one
- * string: other jobs on the machine come and go, and are not ours to judge. */
+/* This run's job id: names its shared memory, which random_faults checks. */
 static char g_job[32];
-static int cmp_str(const void *a, const void *b) {
-  return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-static void shm_names(char *buf, size_t cap) {
-  char prefix[64], *names[64];
-  int n = 0;
-  snprintf(prefix, sizeof prefix, "chorus-%s-", g_job);
-  buf[0] = '\0';
-  DIR *d = opendir("/dev/shm");
-  struct dirent *e;
-  while (d && (e = readdir(d)) && n < 64)
-    if (!strncmp(e->d_name, prefix, strlen(prefix))) names[n++] = strdup(e->d_name);
-  if (d) closedir(d);
-  qsort(names, (size_t)n, sizeof *names, cmp_str);
-  for (int i = 0; i < n; i++) {
-    size_t used = strlen(buf);
-    if (names[i]) snprintf(buf + used, cap - used, "%s ", names[i]);
-    free(names[i]);
-  }
-}
+static void shm_names(char *buf, size_t cap) { child_job_shm(g_job, buf, cap, 0); }
 
 TEST(random_faults) {
   const char *v = getenv("CHORUS_FAULT_TRIALS");
   int trials = v ? atoi(v) : 6;
   v = getenv("CHORUS_FAULT_SEED");
   uint64_t seed = v ? strtoull(v, NULL, 10) : 1;
-  const double t = POLL_TIMEOUT_MS, k = slack();
+  const double t = POLL_TIMEOUT_MS, k = child_slack();
   int failed = 0;
   for (int i = 0; i < trials && !failed; i++) {
     uint64_t s = seed + (uint64_t)i, draw = s * 0x2545f4914f6cdd1dull;
