@@ -189,11 +189,16 @@ typedef struct chorus_config {
   const char *job_secret; /* NULL: CHORUS_JOB_SECRET, CHORUS_JOB_SECRET_FILE,
                              or agreed on one host (docs/security.md) */
   const char *store_prefix; /* NULL: derived from CHORUS_RESTART_COUNT */
+  int init_timeout_ms;  /* bound on chorus_comm_init itself (rendezvous,
+                           connecting, shared-memory set-up), so a job can
+                           fail a silent peer in seconds yet start on a
+                           loaded machine; <= 0: CHORUS_INIT_TIMEOUT, else
+                           the communicator's timeout */
 } chorus_config_t;
 
 #define CHORUS_CONFIG_INITIALIZER                                               \
   {sizeof(chorus_config_t), CHORUS_CONFIG_MAGIC, CHORUS_CONFIG_VERSION, -1, -1, \
-   NULL, -1, -1, 0, -1, -1, NULL, NULL}
+   NULL, -1, -1, 0, -1, -1, NULL, NULL, 0}
 
 /*
  * Creates the world communicator from the environment (torchrun's contract):

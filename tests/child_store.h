@@ -44,6 +44,14 @@ static inline int child_fork_reporting(pid_t *pid, int *rfd) {
   return -1;
 }
 
+/* The slack of slow builds (CHORUS_TEST_SLACK, the sanitizer passes'
+ * timeout multiplier), at least 1: timing bounds are multiplied by it. */
+static inline double child_slack(void) {
+  const char *v = getenv("CHORUS_TEST_SLACK");
+  double k = v ? atof(v) : 1.0;
+  return k >= 1.0 ? k : 1.0;
+}
+
 /* The config of a forked rank joining the store the driver serves on
  * 127.0.0.1:port, under its own key prefix (copied by chorus_comm_init). */
 static inline chorus_config_t child_config(int rank, int n, int port, const char *prefix,
@@ -55,6 +63,9 @@ static inline chorus_config_t child_config(int rank, int n, int port, const char
   cfg.store_port = port;
   cfg.host_store = 0;
   cfg.timeout_ms = timeout_ms;
+  /* Joining is bounded apart from the waits the test times: starting
+   * several ranks on a loaded 2-core machine can take seconds. */
+  cfg.init_timeout_ms = (int)(60000 * child_slack());
   cfg.store_prefix = prefix;
   cfg.job_secret = secret;
   return cfg;
@@ -116,13 +127,6 @@ static inline void child_store_stop(pid_t *pid) {
   }
 }
 
-/* The slack of slow builds (CHORUS_TEST_SLACK, the sanitizer passes'
- * timeout multiplier), at least 1: timing bounds are multiplied by it. */
-static inline double child_slack(void) {
-  const char *v = getenv("CHORUS_TEST_SLACK");
-  double k = v ? atof(v) : 1.0;
-  return k >= 1.0 ? k : 1.0;
-}
 
 static inline int child_cmp_str(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);

@@ -164,6 +164,14 @@ int chorus__env_timeout_ms(void) {
   return (int)((s > 0 && s < 2000000 ? s : 300) * 1000);
 }
 
+int chorus__init_timeout_ms(const chorus_config_t *cfg, int timeout_ms) {
+  /* A caller built against an older header has a shorter struct. */
+  size_t end = offsetof(chorus_config_t, init_timeout_ms) + sizeof cfg->init_timeout_ms;
+  if (cfg && cfg->size >= end && cfg->init_timeout_ms > 0) return cfg->init_timeout_ms;
+  long s = chorus__env()->INIT_TIMEOUT;
+  return s > 0 && s < 2000000 ? (int)(s * 1000) : timeout_ms;
+}
+
 static void copy_str(char *out, size_t cap, const char *s) {
   size_t n = strlen(s);
   if (n >= cap) n = cap - 1;
@@ -241,11 +249,12 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
                                "CHORUS_TUNING_FILE for the built-in choice)", cfg->rank, terr);
   }
   int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : chorus__env_timeout_ms();
+  int init_ms = chorus__init_timeout_ms(cfg, timeout_ms);
   char prefix[256];
   if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
   else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
   int host = cfg->host_store >= 0 ? cfg->host_store : (rank == 0 && !env->STORE_EXTERNAL);
-  int64_t deadline = chorus__deadline_ms(timeout_ms);
+  int64_t deadline = chorus__deadline_ms(init_ms);
   chorus_result_t st = CHORUS_OK;
 
   world_secret_t *ws = calloc(1, sizeof *ws);
@@ -500,7 +509,9 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   }
   for (int r = 0; r < size; r++) world[r] = r;
   chorus_comm_t comm;
-  st = chorus__comm_create(ctx, 1, world, size, rank, timeout_ms, &comm);
+  /* The set-up below still belongs to init: it runs under init's bound,
+   * and the communicator gets its own timeout once it is ready. */
+  st = chorus__comm_create(ctx, 1, world, size, rank, init_ms, &comm);
   free(world);
   if (st != CHORUS_OK) {
     chorus__init_fail(st, "chorus_comm_init: cannot create the communicator");
@@ -517,6 +528,9 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     chorus_comm_destroy(comm);
     return st;
   }
+  comm->timeout_ms = timeout_ms;
+  if (comm->shm) comm->shm->timeout_ms = timeout_ms;
+  chorus__store_set_timeout(ctx->store, timeout_ms);
   chorus__log_set_identity(rank, size);
   CHORUS_INFO(CHORUS__SUB_INIT, "communicator ready: rank %d/%d, store %s, listening on %s",
               rank, size, chorus__store_address(ctx->store), addrs_mine);
@@ -909,7 +923,7 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
                              "is not a port number", getenv("MASTER_PORT"));
   const char *addr = getenv("MASTER_ADDR");
   int one_host = launch_one_host(&L);
-  int64_t deadline = chorus__deadline_ms(chorus__env_timeout_ms());
+  int64_t deadline = chorus__deadline_ms(chorus__init_timeout_ms(NULL, chorus__env_timeout_ms()));
   chorus_store_server_t *server = NULL;
   chorus_result_t st;
   char why[300] = "";
@@ -979,7 +993,7 @@ chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_
                              "[0, %d)", config->rank, config->world_size);
   chorus_config_t cfg = *config;
   int timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : chorus__env_timeout_ms();
-  int64_t deadline = chorus__deadline_ms(timeout_ms);
+  int64_t deadline = chorus__deadline_ms(chorus__init_timeout_ms(&cfg, timeout_ms));
   char host[300] = "127.0.0.1", secret[CHORUS__SECRET_MAX] = "";
   if (cfg.job_secret && *cfg.job_secret) snprintf(secret, sizeof secret, "%s", cfg.job_secret);
   chorus_store_server_t *server = NULL;

@@ -122,6 +122,9 @@ chorus_result_t chorus__world_make(const chorus_config_t *cfg, const chorus__key
 
 /* CHORUS_TIMEOUT in ms (300 s when unset or out of range). */
 int chorus__env_timeout_ms(void);
+/* chorus_comm_init's own bound: cfg's init_timeout_ms, else
+ * CHORUS_INIT_TIMEOUT, else timeout_ms. */
+int chorus__init_timeout_ms(const chorus_config_t *cfg, int timeout_ms);
 
 /* The job key a rank that does not serve cfg's store finds (cfg's secret,
  * the configured one, or the agreement file on one host). */

@@ -75,12 +75,12 @@ static int rank_main(int rank, int n, int port, const char *prefix, int variant,
    * the short timeouts below then bound joining, not starting processes. */
   char go;
   if (read(0, &go, 1) != 1) return 5;
-  /* Timeouts: the timeout variant's differ between ranks, so that one
-   * rank times out, tells the others and leaves while they still wait.
-   * They also bound joining, which takes longer than half a second on a
-   * busy machine: 1.5-2.2 s, times the slack of slow builds. */
+  /* Timeouts: the timeout variant's differ between ranks (0.6-1.3 s,
+   * times the slack of slow builds), so that one rank times out, tells
+   * the others and leaves while they still wait.  Joining has its own,
+   * longer bound (child_config). */
   int timeout_ms = variant == V_TIMEOUT
-                       ? (int)((1500 + (int)((seed >> (8 * rank)) % 700)) * child_slack())
+                       ? (int)((600 + (int)((seed >> (8 * rank)) % 700)) * child_slack())
                        : 20000;
   chorus_config_t cfg = child_config(rank, n, port, prefix, SECRET, timeout_ms);
   chorus_comm_t comm = NULL;
