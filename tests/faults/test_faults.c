@@ -464,8 +464,11 @@ TEST(sigstop_polled) {
     spawn(n, polled_rank);
     rep_t ready[MAXR] = {0};
     int got = collect(0x7, ready, 60000 * child_slack());
+    for (int r = 0; r < got; r++)
+      if (ready[r].status != CHORUS_OK) printf("  rank %d failed to join: %s\n", r, ready[r].msg);
     if (got != n) kill_all();
     ASSERT_EQ(got, n);
+    for (int r = 0; r < n; r++) ASSERT_EQ(ready[r].status, CHORUS_OK);
     usleep(100 * 1000);
     double t_stop = now_ms();
     kill(g_pids[n - 1], SIGSTOP);
@@ -595,8 +598,15 @@ TEST(random_faults) {
     unsigned all = (1u << n) - 1, survivors = all & ~(1u << victim);
     rep_t ready[MAXR] = {0};
     int got = collect(all, ready, 60000 * child_slack());
+    for (int r = 0; r < n; r++)
+      if (ready[r].got && (ready[r].status != CHORUS_OK || strcmp(ready[r].msg, "ready"))) {
+        printf("  trial seed %llu: rank %d failed to join: %s\n", (unsigned long long)s, r,
+               ready[r].msg);
+        got = -1;
+      }
     if (got != n) {
-      printf("  trial seed %llu: only %d of %d ranks got ready\n", (unsigned long long)s, got, n);
+      if (got >= 0)
+        printf("  trial seed %llu: only %d of %d ranks got ready\n", (unsigned long long)s, got, n);
       kill_all();
       failed = 1;
       break;
