@@ -464,8 +464,8 @@ TEST(sigstop_polled) {
     spawn(n, polled_rank);
     rep_t ready[MAXR] = {0};
     int got = collect(0x7, ready, 60000 * child_slack());
-    for (int r = 0; r < got; r++)
-      if (ready[r].status != CHORUS_OK) printf("  rank %d failed to join: %s\n", r, ready[r].msg);
+    for (int r = 0; r < n; r++)
+      if (ready[r].got && ready[r].status != CHORUS_OK) printf("  rank %d failed to join: %s\n", r, ready[r].msg);
     if (got != n) kill_all();
     ASSERT_EQ(got, n);
     for (int r = 0; r < n; r++) ASSERT_EQ(ready[r].status, CHORUS_OK);
