@@ -28,8 +28,9 @@ class ToyModel(nn.Module):
         return self.net2(self.relu(self.net1(x)))
 
 
-def main():
-    dist.init_process_group(BACKEND)
+def run(ckpt_dir):
+    """The training loop, in a process group that exists already; the
+    checkpoint goes to ckpt_dir."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 10), torch.randn(64, 5))
@@ -39,7 +40,6 @@ def main():
     opt = optim.SGD(ddp.parameters(), lr=0.01)
     sampler = DistributedSampler(data, shuffle=True, seed=7)
     loader = DataLoader(data, batch_size=4, sampler=sampler)
-    ckpt_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()
     path = os.path.join(ckpt_dir, "ddp_tutorial_%s_%s.pt" % (BACKEND, os.environ.get(
         "MASTER_PORT", "x")))
     for epoch in range(4):
@@ -63,6 +63,11 @@ def main():
                 os.remove(path)
     s = sum(p.double().sum().item() for p in model.parameters())
     out("weights checksum %.4f" % s)
+
+
+def main():
+    dist.init_process_group(BACKEND)
+    run(sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir())
     finish()
 
 

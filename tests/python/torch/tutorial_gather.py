@@ -7,8 +7,8 @@ import torch.distributed as dist
 from common import BACKEND, finish, out
 
 
-def main():
-    dist.init_process_group(BACKEND)
+def run():
+    """The examples, in a process group that exists already."""
     rank, size = dist.get_rank(), dist.get_world_size()
     # all_gather, the docs' example
     tensor_list = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
@@ -34,6 +34,11 @@ def main():
         out("reduce_scatter", o.tolist())
     else:
         out("reduce_scatter", [float(sum(r + rank for r in range(size)))] * 2)
+
+
+def main():
+    dist.init_process_group(BACKEND)
+    run()
     finish()
 
 

@@ -5,8 +5,8 @@ import torch.distributed as dist
 from common import BACKEND, finish, out
 
 
-def main():
-    dist.init_process_group(BACKEND)
+def run():
+    """The examples, in a process group that exists already."""
     rank, size = dist.get_rank(), dist.get_world_size()
     gather_objects = ["foo", 12, {1: 2}, (3, "x")]
     output = [None for _ in gather_objects][:size] + [None] * max(0, size - len(gather_objects))
@@ -21,6 +21,11 @@ def main():
     gl = [None] * size if rank == 1 else None
     dist.gather_object({"rank": rank}, gl, dst=1)
     out("gather_object", gl if rank == 1 else "(not dst)")
+
+
+def main():
+    dist.init_process_group(BACKEND)
+    run()
     finish()
 
 

@@ -65,14 +65,19 @@ def collectives(rank, size):
     out("barrier passed")
 
 
-def main():
-    dist.init_process_group(BACKEND)
+def run():
+    """The tutorial's steps, in a process group that exists already."""
     rank, size = dist.get_rank(), dist.get_world_size()
     out("backend-independent world", size)
     p2p_blocking(rank)
     p2p_nonblocking(rank)
     all_reduce(rank)
     collectives(rank, size)
+
+
+def main():
+    dist.init_process_group(BACKEND)
+    run()
     finish()
 
 
