@@ -6,6 +6,8 @@ answer or raise on every rank, within the timeout, killing nobody.
   gather      gather with a gather_list entry of the wrong size on dst
   allgather   all_gather where ranks pass tensors of different sizes
 
+argv[1]: one case or several, comma-separated, in one process group (a
+case that expects an error must come last: the error fails the group).
 Run with TEST_BACKEND=chorus; prints "ok <case>" per case and exits 0 when
 every rank saw what it should.
 """
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from common import BACKEND, out
 
-CASE = sys.argv[1]
+CASES = sys.argv[1].split(",")
 
 
 def expect_error(fn, what):
@@ -35,11 +37,9 @@ def expect_error(fn, what):
     return False
 
 
-def main():
-    dist.init_process_group(BACKEND)
-    rank, size = dist.get_rank(), dist.get_world_size()
+def run(case, rank, size):
     ok = True
-    if CASE == "noncontig":
+    if case == "noncontig":
         base = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (rank + 1)
         view = base[:, ::2]                       # strided columns
         dist.all_reduce(view)
@@ -54,19 +54,30 @@ def main():
         b.fill_(rank)
         dist.all_reduce(b, op=dist.ReduceOp.MAX)
         ok &= torch.equal(b, torch.full((3,), float(size - 1)))
-    elif CASE == "gather":
+    elif case == "gather":
         gl = None
         if rank == 0:
             gl = [torch.zeros(4) for _ in range(size)]
             gl[1] = torch.zeros(5)                # wrong size on dst
         ok &= expect_error(lambda: dist.gather(torch.ones(4), gather_list=gl, dst=0),
                            "gather_list of mismatched sizes")
-    elif CASE == "allgather":
+    elif case == "allgather":
         n = 4 + rank                              # globally different sizes
         tl = [torch.zeros(n) for _ in range(size)]
         ok &= expect_error(lambda: dist.all_gather(tl, torch.ones(n)),
                            "all_gather of different sizes")
-    out(("ok " if ok else "FAIL ") + CASE)
+    else:
+        ok = False
+    out(("ok " if ok else "FAIL ") + case)
+    return ok
+
+
+def main():
+    dist.init_process_group(BACKEND)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ok = True
+    for case in CASES:
+        ok &= run(case, rank, size)
     try:
         dist.destroy_process_group()
     except RuntimeError:
