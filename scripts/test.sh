@@ -80,10 +80,11 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
   # TSan looks for races between threads; the tests whose time goes to
   # bulk copies through one path (large point-to-point messages, the
   # 4 MiB collective matrices over single copy, small chunks, emulated
-  # hosts) are ASan's, as TSan runs them 5-15 times slower.  --full runs
-  # them under TSan too.
+  # hosts) are ASan's, as TSan runs them 5-15 times slower; so are the
+  # unit tests of code that starts no thread (wire formats, reductions,
+  # patterns, crypto, host lists).  --full runs them under TSan too.
   tsan_skip='^launcher\.'
-  ((full)) || tsan_skip='^(launcher\.|multi\.(p2p_(shm|tcp|streams|hosts|ucx)|colls_(big|shm_cma|shm_chunk16k|hosts_blocked))\.)'
+  ((full)) || tsan_skip='^(launcher\.|multi\.(p2p_(shm|tcp|streams|hosts|ucx)|colls_(big|shm_cma|shm_chunk16k|hosts_blocked))\.|unit\.test_(crypto|hostlist|patterns|reduce|ucx_choice|wire)$)'
   echo "== tests (TSan: ${select[*]}, not: $tsan_skip)"
   t0=$SECONDS
   # UCX's memory hooks (libucm patches mmap and friends when the UCX tests

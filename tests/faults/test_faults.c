@@ -502,9 +502,9 @@ TEST(sigstop_polled) {
  * error) naming the victim, within 2 s of a SIGKILL or T + 0.5 s of a
  * SIGSTOP (T = POLL_TIMEOUT_MS), be out of chorus_comm_destroy within
  * T + 1 s, and exit by itself; no /dev/shm name may be left.
- * CHORUS_FAULT_TRIALS sets the number of trials (CI runs a few; the
- * release check in tests/README.md runs 200), CHORUS_FAULT_SEED the first
- * seed. */
+ * CHORUS_FAULT_TRIALS sets the number of trials (6 by default, 2 in the
+ * sanitizer passes; the release check in README.md runs 200),
+ * CHORUS_FAULT_SEED the first seed. */
 static uint64_t g_trial_seed;
 static int g_trial_tcp;
 
