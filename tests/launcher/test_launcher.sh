@@ -115,7 +115,9 @@ rc_is() { [ "$RC" -eq "$1" ]; }
 has() { grep -q -- "$2" "$1"; }
 hasx() { grep -qx -- "$2" "$1"; }
 not_has() { ! grep -q -- "$2" "$1"; }
-faster_than() { [ "$ELAPSED_MS" -lt "$1" ]; }
+SLACK=${CHORUS_TEST_SLACK:-1} # the slow builds' multiplier (whole numbers)
+SLACK=${SLACK%%.*}
+faster_than() { [ "$ELAPSED_MS" -lt $(($1 * SLACK)) ]; }
 slower_than() { [ "$ELAPSED_MS" -ge "$1" ]; }
 
 # ------------------------------------------------------------- env contract

@@ -464,9 +464,15 @@ TEST(failover_past_dead_and_wrong) {
   /* A port nobody listens on, then a server answering garbage, then the
    * good one: the open and the calls get through; later calls go straight
    * to the member that answered. */
-  int dead_port = 0, dfd = chorus__net_listen("127.0.0.1", 0, 1, &dead_port);
-  ASSERT_TRUE(dfd >= 0);
-  close(dfd);
+  /* Bound but not listening, and held: refused (RST), and no other
+   * process on the machine can take the port meanwhile. */
+  int dead_port = 0, dfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET};
+  socklen_t sl = sizeof sa;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_TRUE(dfd >= 0 && bind(dfd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+              getsockname(dfd, (struct sockaddr *)&sa, &sl) == 0);
+  dead_port = ntohs(sa.sin_port);
   fake_t *junk = fake_start();
   ASSERT_TRUE(junk != NULL);
   fake_script(junk, ACT_REPLY, "<html>hello</html>\r\n", -1);
@@ -489,6 +495,7 @@ TEST(failover_past_dead_and_wrong) {
   ASSERT_CONTAINS(kv->where, want);
   kv->ops->close(kv);
   fake_stop(junk);
+  close(dfd);
 }
 
 /* ------------------------------------------------------ offline: the bad */
