@@ -302,8 +302,9 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   }
   ctx->store_port = port;
   for (;;) {
-    st = chorus__store_connect_key(cfg->store_host, port, &ws->key, chorus__ms_left(deadline),
-                                   &ctx->store);
+    /* At least 1 ms: a timeout of 0 would mean the client's default. */
+    st = chorus__store_connect_key(cfg->store_host, port, &ws->key,
+                                   CHORUS__MAX(1, chorus__ms_left(deadline)), &ctx->store);
     if (st == CHORUS_OK || !chorus__store_connect_denied() || chorus__ms_left(deadline) == 0)
       break;
     /* Refused: the agreement file we read may have been stale. */
@@ -329,6 +330,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   } else {
     void *val = NULL;
     size_t len = 0;
+    chorus__store_set_timeout(ctx->store, CHORUS__MAX(1, chorus__ms_left(deadline)));
     st = chorus_store_get(ctx->store, key, &val, &len);
     if (st == CHORUS_OK) {
       snprintf(idbuf, sizeof idbuf, "%.*s", (int)CHORUS__MIN(len, 32), (char *)val);
@@ -410,7 +412,8 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   if (mine) {
     snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s%s|%s", addrs_mine, my_nonce,
              ucx_hex ? (ucx_kind == 'U' ? "U" : "A") : "-", ucx_hex ? ucx_hex : "", ident);
-    st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, &addrs, err, sizeof err);
+    st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, deadline, &addrs,
+                                err, sizeof err);
   }
   free(mine);
   free(ucx_hex);
@@ -886,8 +889,8 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
   for (char *s2 = NULL, *a = strtok_r(list, "+", &s2); a; a = strtok_r(NULL, "+", &s2)) {
     if (tried++ == 16) break;
     chorus_store_t *probe = NULL;
-    if (chorus__store_connect_key(a, (int)port, &key, CHORUS__MIN(2000, chorus__ms_left(deadline)),
-                                  &probe) == CHORUS_OK) {
+    int ms = CHORUS__MAX(1, CHORUS__MIN(2000, chorus__ms_left(deadline)));
+    if (chorus__store_connect_key(a, (int)port, &key, ms, &probe) == CHORUS_OK) {
       chorus_store_close(probe);
       chorus__wipe(&key, sizeof key);
       snprintf(host, host_cap, "%s", a);

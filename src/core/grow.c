@@ -283,7 +283,7 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
   chorus_result_t st = chorus__world_key(&cfg, timeout_ms, &probe.key);
   if (st != CHORUS_OK) return st; /* chorus_last_init_error says why */
   st = chorus__store_connect_key(probe.store_host, probe.store_port, &probe.key,
-                                 chorus__ms_left(deadline), &s);
+                                 CHORUS__MAX(1, chorus__ms_left(deadline)), &s);
   if (st != CHORUS_OK) {
     chorus__wipe(&probe.key, sizeof probe.key);
     return chorus__init_fail(st, "chorus_comm_join: cannot use the job's store at %s:%d: %s",

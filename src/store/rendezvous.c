@@ -10,6 +10,8 @@
 #include <string.h>
 
 #include "store/store.h"
+#include "util/clock.h"
+#include "util/util.h"
 
 void chorus__rdzv_free(char **values, int size) {
   if (!values) return;
@@ -19,9 +21,11 @@ void chorus__rdzv_free(char **values, int size) {
 
 chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix,
                                        const char *name, int rank, int size, const char *value,
-                                       char ***out, char *errmsg, size_t cap) {
+                                       int64_t deadline, char ***out, char *errmsg, size_t cap) {
   char key[512];
   snprintf(key, sizeof key, "%s%s/%d", prefix, name, rank);
+  /* A timeout of 0 would mean the client's default: at least 1 ms. */
+  chorus__store_set_timeout(store, CHORUS__MAX(1, chorus__ms_left(deadline)));
   chorus_result_t st = chorus_store_set(store, key, value, strlen(value));
   if (st != CHORUS_OK) {
     snprintf(errmsg, cap, "%s", chorus_store_last_error(store));
@@ -33,6 +37,7 @@ chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix
     void *val = NULL;
     size_t len = 0;
     snprintf(key, sizeof key, "%s%s/%d", prefix, name, r);
+    chorus__store_set_timeout(store, CHORUS__MAX(1, chorus__ms_left(deadline)));
     st = chorus_store_get(store, key, &val, &len);
     if (st != CHORUS_OK) {
       snprintf(errmsg, cap, "rank %d never published '%s' (%s)", r, key,

@@ -27,6 +27,7 @@
 #include "transport/wire.h"
 #include "util/clock.h"
 #include "util/env.h"
+#include "util/net.h"
 #include "util/util.h"
 
 /* Short names for wire.h's header constants. */
@@ -1402,6 +1403,14 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
     snprintf(errmsg, errcap, "eventfd: %s", strerror(errno));
     st = CHORUS_ERR_SYSTEM;
     goto fail;
+  }
+  /* Every peer is named by the address it published ("rank 1
+   * (10.0.0.7:4000)"); a channel may name its own peers otherwise. */
+  for (int r = 0; r < cfg->size && cfg->addrs; r++) {
+    char host[64];
+    int port;
+    if (chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) == 0)
+      snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "%s:%d", host, port);
   }
   /* Peers on this host first (shared memory), then TCP or UCX for the
    * rest. */

@@ -1105,19 +1105,6 @@ static int stream_ready(stream_t *s, int fd, int connector) {
 
 /* ------------------------------------------------- dialling (connector) */
 
-/* Splits "host<sep>port" at the last sep: "host port" as published,
- * "host:port" as kept in peer->addr (the host may be an IPv6 address). */
-static int split_addr(const char *s, char sep, char *host, size_t cap, int *port) {
-  const char *at = strrchr(s, sep);
-  if (!at || (size_t)(at - s) >= cap) return -1;
-  memcpy(host, s, (size_t)(at - s));
-  host[at - s] = '\0';
-  long p;
-  if (chorus__parse_long(at + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
-  *port = (int)p;
-  return 0;
-}
-
 static void dial_fail(stream_t *s, const char *what, int err) {
   conn_t *c = s->c;
   char why[200], which[48] = "";
@@ -1162,7 +1149,7 @@ static void dial_start(stream_t *s) {
   s->hs_got = 0;
   char host[64];
   int port;
-  if (split_addr(s->c->peer->addr, ':', host, sizeof host, &port) < 0) {
+  if (chorus__net_split_addr(s->c->peer->addr, ':', host, sizeof host, &port) < 0) {
     dial_fail(s, "the address it published cannot be parsed", 0);
     return;
   }
@@ -1643,9 +1630,8 @@ chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
     int port;
     int mine = tp->peers[r].chan == &t->base;
     ntcp += mine;
-    if (split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) == 0)
-      snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "%s:%d", host, port);
-    else if (mine) {
+    /* Named already (chorus__tp_create); ours must be reachable. */
+    if (mine && chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) < 0) {
       snprintf(errmsg, errcap, "rank %d published an unparsable address '%s'", r, cfg->addrs[r]);
       tcp_abandon(t);
       return CHORUS_ERR_PROTOCOL;

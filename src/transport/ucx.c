@@ -70,6 +70,7 @@
 #include "util/env.h"
 #include "util/clock.h"
 #include "util/le.h"
+#include "util/net.h"
 #include "util/util.h"
 
 /* ---------------------------------------------------------- loading UCX */
@@ -1186,16 +1187,13 @@ chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
   if (!ch->links || !ch->addrs) goto fail;
   for (int r = 0; r < cfg->size; r++) {
     chorus__peer_t *p = &tp->peers[r];
-    /* Peers are named by what they published ("host port"): those of
-     * this host as over TCP ("rank 1 (10.0.0.7:4000)"), the others by
-     * their host ("rank 3 (ucx:10.0.0.8)": no TCP listener is used). */
-    const char *a = cfg->addrs ? cfg->addrs[r] : NULL, *sp = a ? strchr(a, ' ') : NULL;
-    int hl = sp && sp > a ? (int)CHORUS__MIN((size_t)(sp - a), 63) : 0;
-    if (r != cfg->rank && hl && p->chan)
-      snprintf(p->addr, sizeof p->addr, "%.*s:%s", hl, a, sp + 1);
-    else if (r != cfg->rank && hl)
-      snprintf(p->addr, sizeof p->addr, "ucx:%.*s", hl, a);
     if (r == cfg->rank || p->chan) continue;
+    /* Ours are named by their host ("rank 3 (ucx:10.0.0.8)"): their TCP
+     * listener is not used. */
+    char host[64];
+    int port;
+    if (cfg->addrs && chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) == 0)
+      snprintf(p->addr, sizeof p->addr, "ucx:%s", host);
     if (!cfg->ucx_addrs || !cfg->ucx_addrs[r] ||
         unhex(cfg->ucx_addrs[r], &ch->addrs[r]) < 0) {
       snprintf(errmsg, errcap, "rank %d published no UCX address: every rank must set "

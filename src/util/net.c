@@ -21,6 +21,18 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "env.h"
+
+int chorus__net_split_addr(const char *s, char sep, char *host, size_t cap, int *port) {
+  const char *at = s ? strrchr(s, sep) : NULL;
+  if (!at || (size_t)(at - s) >= cap) return -1;
+  memcpy(host, s, (size_t)(at - s));
+  host[at - s] = '\0';
+  long p;
+  if (chorus__parse_long(at + 1, &p) < 0 || p <= 0 || p > 65535) return -1;
+  *port = (int)p;
+  return 0;
+}
 
 int chorus__net_set_nonblock(int fd, int on) {
   int fl = fcntl(fd, F_GETFL);

@@ -65,6 +65,12 @@ int chorus__net_ifname_addr(const char *spec, char *out, size_t cap);
  * when none does).  Returns 1 when found, else 0. */
 int chorus__net_addr_ifname(const char *addr, char *out, size_t cap);
 
+/* Splits "host<sep>port" at the last sep ("host port" as ranks publish it,
+ * "host:port" as peers are named; the host may be an IPv6 address).
+ * Returns 0, or -1 when s is NULL, the host does not fit cap or the port
+ * is not in 1..65535. */
+int chorus__net_split_addr(const char *s, char sep, char *host, size_t cap, int *port);
+
 /* 1 when host is a numeric loopback address (127.0.0.0/8, ::1). */
 int chorus__net_is_loopback(const char *host);
 
