@@ -61,7 +61,7 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
   if ((full)); then select=(-LE cluster); else select=(-L sanitize); fi
   echo "== build (ASan + UBSan)"
   t0=$SECONDS
-  CHORUS_TEST_TIMEOUT_MULTIPLIER=3 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \
     -DCHORUS_SANITIZE=address -DCHORUS_WERROR=ON >/dev/null
   cmake --build build-asan -j"$jobs" >/dev/null
   mark "ASan + UBSan build" "$t0"
@@ -73,7 +73,7 @@ if [[ "${CHORUS_SKIP_SANITIZERS:-0}" != 1 ]]; then
 
   echo "== build (TSan)"
   t0=$SECONDS
-  CHORUS_TEST_TIMEOUT_MULTIPLIER=4 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
     -DCHORUS_SANITIZE=thread -DCHORUS_WERROR=ON >/dev/null
   cmake --build build-tsan -j"$jobs" >/dev/null
   mark "TSan build" "$t0"
