@@ -73,11 +73,18 @@ def run(cmd, timeout, env=None):
         return "timeout", out, time.time() - t0
 
 
+def free_port():
+    """A port the kernel says is free now: not a fixed one another job on
+    the machine may hold."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Runner:
     def __init__(self, a):
         self.a = a
         self.log = open(os.path.join(a.out, "compare.log"), "w")
-        self.port = 29600
 
     def note(self, msg):
         line = "[%s] %s" % (datetime.datetime.now().strftime("%H:%M:%S"), msg)
@@ -114,8 +121,7 @@ class Runner:
             w, it = ITERS[size]
             specs.append((coll, size, w, it))
         if lib == "gloo":
-            self.port += 1
-            cmd = [self.a.python, self.a.gloo, str(n), str(self.port)] + ["%s:%d:%d:%d" % s for s in specs]
+            cmd = [self.a.python, self.a.gloo, str(n), str(free_port())] + ["%s:%d:%d:%d" % s for s in specs]
             per_coll = [cmd]
         else:
             exe = self.a.mpi_exe[lib]

@@ -14,6 +14,7 @@ Uses Debian's python3-torch; nothing is downloaded.
 import argparse
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -130,10 +131,14 @@ def main():
     p.add_argument("--channels", type=int, default=128)
     p.add_argument("--ctx", type=int, default=128)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: one free now)")
     p.add_argument("--data", default="data/tinyshakespeare.txt")
     a = p.parse_args()
     out = "/tmp/train_torch.%d.out" % os.getpid()
+    if not a.port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            a.port = s.getsockname()[1]
     mp.spawn(worker, args=(a, a.port, out), nprocs=a.ranks, join=True)
     med, mean, nparams, loss = open(out).read().split()
     os.unlink(out)
