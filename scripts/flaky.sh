@@ -77,7 +77,7 @@ start_load() {
   fi
 }
 
-declare -A fails first
+declare -A fails=() first=() # initialised: set -u refuses ${#fails[@]} of a declared-only array
 for ((r = 1; r <= rounds; r++)); do
   ((load)) && start_load
   log=$out/round$r.log
@@ -99,7 +99,7 @@ for ((r = 1; r <= rounds; r++)); do
 done
 
 if ((${#fails[@]} == 0)); then
-  echo "flaky.sh: no test failed in $rounds rounds${load:+ under load}"
+  echo "flaky.sh: no test failed in $rounds rounds$( ((load)) && echo " under load")"
   exit 0
 fi
 echo "flaky.sh: tests that failed at least once in $rounds rounds:"
