@@ -789,7 +789,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       at::Tensor flat = pack(in, tensors[0].options());
       TensorPairs copies;
       unpackInto(flat, tensors, copies);
-      return issue(OpType::ALLREDUCE_COALESCED, "chorus:all_reduce_coalesced", &tensors, tensors,
+      return issue(OpType::ALLREDUCE_COALESCED, "chorus:all_reduce", &tensors, tensors,
                    {flat}, std::move(copies), true, [&](chorus_work_t* w) {
                      return chorus_all_reduce(comm(), flat.data_ptr(), flat.data_ptr(),
                                               nelem(flat), dt, op, w);
@@ -940,7 +940,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       at::Tensor recv = at::empty({static_cast<int64_t>(count * size_)}, inputs[0].options());
       TensorPairs copies;
       unpackInto(recv, flatOuts, copies);
-      return issue(OpType::ALLGATHER_COALESCED, "chorus:all_gather_coalesced", &inputs, flatOuts,
+      return issue(OpType::ALLGATHER_COALESCED, "chorus:all_gather", &inputs, flatOuts,
                    {send, recv}, std::move(copies), true, [&](chorus_work_t* w) {
                      return chorus_all_gather(comm(), send.data_ptr(), recv.data_ptr(), count, dt,
                                               w);
@@ -1144,7 +1144,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       splits(fn, "input", input, inSplits, sc, sd);
       splits(fn, "output", output, outSplits, rc, rd);
       if (overlaps(send, recv)) send = send.clone();
-      return issue(OpType::ALLTOALL_BASE, "chorus:all_to_allv", &ins, {output}, {send, recv},
+      return issue(OpType::ALLTOALL_BASE, "chorus:all_to_all", &ins, {output}, {send, recv},
                    std::move(copies), true, [&](chorus_work_t* w) {
                      return chorus_all_to_allv(comm(), send.data_ptr(), sc.data(), sd.data(),
                                                recv.data_ptr(), rc.data(), rd.data(), dt, w);
@@ -1191,7 +1191,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
         recv = at::empty({static_cast<int64_t>(ro)}, inputs[0].options());
         unpackInto(recv, outputs, copies);
       }
-      return issue(OpType::ALLTOALL, "chorus:all_to_allv", &inputs, outputs, {send, recv},
+      return issue(OpType::ALLTOALL, "chorus:all_to_all", &inputs, outputs, {send, recv},
                    std::move(copies), true, [&](chorus_work_t* w) {
                      return chorus_all_to_allv(comm(), send.data_ptr(), sc.data(), sd.data(),
                                                recv.data_ptr(), rc.data(), rd.data(), dt, w);

@@ -1,4 +1,5 @@
-"""The tutorial scripts of this folder one after another in one process
+"""The tutorial scripts of this folder (and the profiler's view of the
+collectives, tutorial_profiler.py) one after another in one process
 group: what each prints, in one launch instead of four (each launch costs
 every rank a torch import).  argv[1]: the DDP tutorial's checkpoint
 directory."""
@@ -10,6 +11,7 @@ import tutorial_ddp
 import tutorial_gather
 import tutorial_objects
 import tutorial_p2p_collectives
+import tutorial_profiler
 from common import BACKEND, finish
 
 
@@ -19,6 +21,7 @@ def main():
     tutorial_gather.run()
     tutorial_objects.run()
     tutorial_ddp.run(sys.argv[1])
+    tutorial_profiler.run()
     finish()
 
 
