@@ -302,9 +302,8 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   }
   ctx->store_port = port;
   for (;;) {
-    /* At least 1 ms: a timeout of 0 would mean the client's default. */
     st = chorus__store_connect_key(cfg->store_host, port, &ws->key,
-                                   CHORUS__MAX(1, chorus__ms_left(deadline)), &ctx->store);
+                                   chorus__ms_left_bound(deadline), &ctx->store);
     if (st == CHORUS_OK || !chorus__store_connect_denied() || chorus__ms_left(deadline) == 0)
       break;
     /* Refused: the agreement file we read may have been stale. */
@@ -330,7 +329,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   } else {
     void *val = NULL;
     size_t len = 0;
-    chorus__store_set_timeout(ctx->store, CHORUS__MAX(1, chorus__ms_left(deadline)));
+    chorus__store_set_timeout(ctx->store, chorus__ms_left_bound(deadline));
     st = chorus_store_get(ctx->store, key, &val, &len);
     if (st == CHORUS_OK) {
       snprintf(idbuf, sizeof idbuf, "%.*s", (int)CHORUS__MIN(len, 32), (char *)val);
@@ -889,7 +888,7 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
   for (char *s2 = NULL, *a = strtok_r(list, "+", &s2); a; a = strtok_r(NULL, "+", &s2)) {
     if (tried++ == 16) break;
     chorus_store_t *probe = NULL;
-    int ms = CHORUS__MAX(1, CHORUS__MIN(2000, chorus__ms_left(deadline)));
+    int ms = CHORUS__MIN(2000, chorus__ms_left_bound(deadline));
     if (chorus__store_connect_key(a, (int)port, &key, ms, &probe) == CHORUS_OK) {
       chorus_store_close(probe);
       chorus__wipe(&key, sizeof key);

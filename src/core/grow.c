@@ -81,7 +81,7 @@ chorus_result_t chorus_comm_joiners(chorus_comm_t comm, int *count) {
 
 /* Bounds the next store call by the deadline. */
 static void store_deadline(chorus_store_t *s, int64_t deadline) {
-  chorus__store_set_timeout(s, CHORUS__MAX(1, chorus__ms_left(deadline)));
+  chorus__store_set_timeout(s, chorus__ms_left_bound(deadline));
 }
 
 /* Rank 0 of the members: claims the waiting joiners and grants them ranks,
@@ -283,7 +283,7 @@ chorus_result_t chorus_comm_join(const chorus_config_t *config, chorus_comm_t *o
   chorus_result_t st = chorus__world_key(&cfg, timeout_ms, &probe.key);
   if (st != CHORUS_OK) return st; /* chorus_last_init_error says why */
   st = chorus__store_connect_key(probe.store_host, probe.store_port, &probe.key,
-                                 CHORUS__MAX(1, chorus__ms_left(deadline)), &s);
+                                 chorus__ms_left_bound(deadline), &s);
   if (st != CHORUS_OK) {
     chorus__wipe(&probe.key, sizeof probe.key);
     return chorus__init_fail(st, "chorus_comm_join: cannot use the job's store at %s:%d: %s",

@@ -93,7 +93,7 @@ static chorus_result_t shrink_round(chorus_comm_t comm, int64_t deadline, chorus
     goto done;
   }
   /* Every store call below ends by the deadline, whatever the store does. */
-  chorus__store_set_timeout(ctx->store, CHORUS__MAX(1, chorus__ms_left(deadline)));
+  chorus__store_set_timeout(ctx->store, chorus__ms_left_bound(deadline));
 
   /* 1. Register. */
   snprintf(key, sizeof key, "%salive/%d", prefix, comm->rank);

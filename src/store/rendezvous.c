@@ -11,7 +11,6 @@
 
 #include "store/store.h"
 #include "util/clock.h"
-#include "util/util.h"
 
 void chorus__rdzv_free(char **values, int size) {
   if (!values) return;
@@ -24,8 +23,7 @@ chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix
                                        int64_t deadline, char ***out, char *errmsg, size_t cap) {
   char key[512];
   snprintf(key, sizeof key, "%s%s/%d", prefix, name, rank);
-  /* A timeout of 0 would mean the client's default: at least 1 ms. */
-  chorus__store_set_timeout(store, CHORUS__MAX(1, chorus__ms_left(deadline)));
+  chorus__store_set_timeout(store, chorus__ms_left_bound(deadline));
   chorus_result_t st = chorus_store_set(store, key, value, strlen(value));
   if (st != CHORUS_OK) {
     snprintf(errmsg, cap, "%s", chorus_store_last_error(store));
@@ -37,7 +35,7 @@ chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix
     void *val = NULL;
     size_t len = 0;
     snprintf(key, sizeof key, "%s%s/%d", prefix, name, r);
-    chorus__store_set_timeout(store, CHORUS__MAX(1, chorus__ms_left(deadline)));
+    chorus__store_set_timeout(store, chorus__ms_left_bound(deadline));
     st = chorus_store_get(store, key, &val, &len);
     if (st != CHORUS_OK) {
       snprintf(errmsg, cap, "rank %d never published '%s' (%s)", r, key,

@@ -41,6 +41,14 @@ static inline int chorus__ms_left(int64_t deadline) {
   return ms > 0x3fffffff ? 0x3fffffff : (int)ms;
 }
 
+/* chorus__ms_left, but at least 1: for a timeout handed to a callee that
+ * reads 0 as "its default" (the store client: 300 s) -- a spent deadline
+ * must end the call, not restart it. */
+static inline int chorus__ms_left_bound(int64_t deadline) {
+  int ms = chorus__ms_left(deadline);
+  return ms > 0 ? ms : 1;
+}
+
 /* The deadline as an absolute CLOCK_MONOTONIC timespec, for
  * pthread_cond_timedwait on a condvar created with chorus__cond_init_monotonic
  * (no deadline: an hour from now; callers loop). */
