@@ -38,6 +38,14 @@ def finish():
     dist.destroy_process_group()
 
 
+def standalone(run, *args):
+    """A tutorial script's main: run(*args) in a process group of its own,
+    then finish().  tutorials.py runs several scripts' run() in one."""
+    dist.init_process_group(BACKEND)
+    run(*args)
+    finish()
+
+
 class Net(torch.nn.Module):
     """The small MLP fsdp.py and zero_sharded.py train."""
 

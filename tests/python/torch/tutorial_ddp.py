@@ -14,7 +14,7 @@ import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from common import BACKEND, finish, out
+from common import BACKEND, out, standalone
 
 
 class ToyModel(nn.Module):
@@ -65,11 +65,5 @@ def run(ckpt_dir):
     out("weights checksum %.4f" % s)
 
 
-def main():
-    dist.init_process_group(BACKEND)
-    run(sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir())
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    standalone(run, sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir())

@@ -4,7 +4,7 @@ neither Gloo nor chorus reduces complex)."""
 import torch
 import torch.distributed as dist
 
-from common import BACKEND, finish, out
+from common import BACKEND, out, standalone
 
 
 def run():
@@ -36,11 +36,5 @@ def run():
         out("reduce_scatter", [float(sum(r + rank for r in range(size)))] * 2)
 
 
-def main():
-    dist.init_process_group(BACKEND)
-    run()
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    standalone(run)

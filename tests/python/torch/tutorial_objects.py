@@ -2,7 +2,7 @@
 examples."""
 import torch.distributed as dist
 
-from common import BACKEND, finish, out
+from common import out, standalone
 
 
 def run():
@@ -23,11 +23,5 @@ def run():
     out("gather_object", gl if rank == 1 else "(not dst)")
 
 
-def main():
-    dist.init_process_group(BACKEND)
-    run()
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    standalone(run)

@@ -4,7 +4,7 @@ processes.  Unchanged but for the backend."""
 import torch
 import torch.distributed as dist
 
-from common import BACKEND, finish, out
+from common import out, standalone
 
 
 def p2p_blocking(rank):
@@ -75,11 +75,5 @@ def run():
     collectives(rank, size)
 
 
-def main():
-    dist.init_process_group(BACKEND)
-    run()
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    standalone(run)

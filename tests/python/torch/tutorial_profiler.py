@@ -5,7 +5,7 @@ Prints the names with the backend replaced by "<backend>"."""
 import torch
 import torch.distributed as dist
 
-from common import BACKEND, finish, out
+from common import out, standalone
 
 
 def run():
@@ -29,11 +29,5 @@ def run():
     out("profiled", rank, names)
 
 
-def main():
-    dist.init_process_group(BACKEND)
-    run()
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    standalone(run)

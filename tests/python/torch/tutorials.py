@@ -5,25 +5,21 @@ every rank a torch import).  argv[1]: the DDP tutorial's checkpoint
 directory."""
 import sys
 
-import torch.distributed as dist
-
 import tutorial_ddp
 import tutorial_gather
 import tutorial_objects
 import tutorial_p2p_collectives
 import tutorial_profiler
-from common import BACKEND, finish
+from common import standalone
 
 
-def main():
-    dist.init_process_group(BACKEND)
+def run(ckpt_dir):
     tutorial_p2p_collectives.run()
     tutorial_gather.run()
     tutorial_objects.run()
-    tutorial_ddp.run(sys.argv[1])
+    tutorial_ddp.run(ckpt_dir)
     tutorial_profiler.run()
-    finish()
 
 
 if __name__ == "__main__":
-    main()
+    standalone(run, sys.argv[1])
