@@ -404,6 +404,11 @@ CHORUS_API chorus_result_t chorus_work_test(chorus_work_t work);
 /* Reason for the operation's failure ("" if none). Valid until freed. */
 CHORUS_API const char *chorus_work_error(chorus_work_t work);
 
+/* The rank a completed recv got its message from (for CHORUS_ANY_SOURCE,
+ * the sender it matched); -1 while it is pending, when it failed, and for
+ * every other operation. */
+CHORUS_API int chorus_work_source(chorus_work_t work);
+
 /* Seconds the operation ran (from the moment it started executing, not
  * when it was queued, to its completion) -- torch's Work.get_duration; 0
  * while it has not finished.  For send/recv: from posting to completion. */
@@ -539,7 +544,12 @@ CHORUS_API chorus_result_t chorus_all_to_allv(
 CHORUS_API chorus_result_t chorus_barrier(chorus_comm_t comm, chorus_work_t *work);
 
 /* Tagged point-to-point.  A send matches the first recv posted by `peer`
- * with the same tag (tag >= 0), in order.  count must be equal on both ends. */
+ * with the same tag (tag >= 0), in order.  count must be equal on both ends.
+ * A recv whose peer is CHORUS_ANY_SOURCE takes the first message with its
+ * tag from any rank (the one that arrived first); receives match in the
+ * order they were posted, whatever their peer.  chorus_work_source tells
+ * which rank sent it (so such a recv is usually posted with a work handle). */
+#define CHORUS_ANY_SOURCE (-1)
 CHORUS_API chorus_result_t chorus_send(chorus_comm_t comm, const void *buf,
                                        size_t count, chorus_dtype_t dtype,
                                        int peer, int tag, chorus_work_t *work);

@@ -97,9 +97,14 @@ struct LibraryError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// "CHORUS_ERR_...: what happened".  A timeout also says so in torch's
+// words ("Timed out waiting", as Gloo says it), which torch's own tests
+// and users' log scrapers look for; chorus's message follows, naming the
+// call, the ranks waited for and what to do.
 static std::string resultText(chorus_result_t rc, const char* msg) {
   std::string s = chorus_result_name(rc);
   s += ": ";
+  if (rc == CHORUS_ERR_TIMEOUT) s += "Timed out waiting for other ranks: ";
   s += (msg && *msg) ? msg : chorus_strerror(rc);
   return s;
 }
@@ -442,10 +447,20 @@ class ChorusWork : public c10d::Work {
   void abort() override { chorus_comm_abort(comm_->comm); }
 
   int sourceRank() const override {
+    if (srcRank_ == kFromAnyRank) {
+      int src = chorus_work_source(h_);
+      if (src < 0)
+        fail("chorus recv: sourceRank() of a receive from any source is known once it has "
+             "completed successfully: wait() first");
+      return src;
+    }
     if (srcRank_ < 0)
       fail("sourceRank() may only be called on work objects that correspond to a recv");
     return srcRank_;
   }
+
+  // srcRank of a receive from any source: sourceRank() asks the library.
+  static constexpr int kFromAnyRank = -2;
 
   std::vector<at::Tensor> result() override { return outputs_; }
 
@@ -733,6 +748,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       static const char* fn = "allreduce";
       at::AutoDispatchBelowAutograd guard;
       if (tensors.empty()) fail("chorus allreduce: no tensor given");
+      if (tensors[0].is_sparse()) return sparseAllreduce(tensors, opts);
       for (size_t i = 0; i < tensors.size(); i++) {
         checkTensor(fn, tensors[i], "the tensor");
         if (i) checkSameTypeAndSizes(fn, tensors[0], tensors[i], c10::str("tensor ", i), "tensor 0");
@@ -1217,26 +1233,126 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
                                       int tag) override {
+    return receive(tensors, srcRank, tag);
+  }
+
+  // dist.recv / irecv without src: the first message with the tag from any
+  // rank, matched in the order receives were posted (chorus_recv with
+  // CHORUS_ANY_SOURCE); Work.source_rank() names the sender.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override {
+    return receive(tensors, CHORUS_ANY_SOURCE, tag);
+  }
+
+  // all_reduce of a sparse COO tensor (SUM), as Gloo does it: every rank's
+  // coalesced indices and values go to every rank (one variable-size
+  // all-gather: a header -- dtype, dims, sizes, nnz -- then the indices,
+  // then the values), which sums them by coalescing and writes the result
+  // into the tensor.  Blocking: the Work it returns has completed.  What
+  // arrives is checked (lengths, and the header against this rank's own);
+  // every rank sees the same bytes, so a mismatch fails every rank alike.
+  c10::intrusive_ptr<ChorusWork> sparseAllreduce(std::vector<at::Tensor>& tensors,
+                                                const c10d::AllreduceOptions& opts) {
+    if (tensors.size() != 1)
+      fail(c10::str("chorus allreduce: sparse tensors: one tensor per rank, not ",
+                    tensors.size()));
+    at::Tensor& t = tensors[0];
+    if (!t.device().is_cpu())
+      fail(c10::str("chorus allreduce: the sparse tensor is on ", t.device().str(),
+                    "; chorus reduces CPU tensors"));
+    if (opts.reduceOp.op_ != ReduceOp::SUM)
+      fail(c10::str("chorus allreduce: sparse tensors are reduced with ReduceOp.SUM only (as "
+                    "with Gloo), not ReduceOp.", redOpName(opts.reduceOp.op_)));
+    at::Tensor in = t.coalesce();
+    at::Tensor idx = in._indices().contiguous();
+    at::Tensor val = in._values().contiguous();
+    const int64_t sdim = in.sparse_dim(), ndim = in.dim();
+    int64_t denseNumel = 1;
+    for (int64_t d = sdim; d < ndim; d++) denseNumel *= in.size(d);
+    const int64_t esize = static_cast<int64_t>(val.element_size());
+    std::vector<int64_t> head = {kSparseMagic, static_cast<int64_t>(val.scalar_type()), sdim,
+                                 ndim};
+    for (int64_t d = 0; d < ndim; d++) head.push_back(in.size(d));
+    head.push_back(in._nnz());
+    const size_t hbytes = head.size() * sizeof(int64_t);
+    std::vector<uint8_t> mine(hbytes + idx.nbytes() + val.nbytes());
+    memcpy(mine.data(), head.data(), hbytes);
+    if (idx.nbytes()) memcpy(mine.data() + hbytes, idx.data_ptr(), idx.nbytes());
+    if (val.nbytes()) memcpy(mine.data() + hbytes + idx.nbytes(), val.data_ptr(), val.nbytes());
+
+    auto w = c10::make_intrusive<ChorusWork>(rank_, OpType::ALLREDUCE, "chorus:all_reduce",
+                                             &tensors, comm_, completer_, tensors,
+                                             std::vector<at::Tensor>{}, TensorPairs{}, -1);
+    void* all = nullptr;
+    std::vector<size_t> lens(size_);
+    chorus_result_t rc;
+    {
+      std::lock_guard<std::mutex> g(comm_->issueMu);
+      GilRelease nogil;
+      rc = chorus_all_gather_bytes(comm(), mine.data(), mine.size(), &all, lens.data());
+      if (rc == CHORUS_OK) seq_++;
+    }
+    if (rc != CHORUS_OK) throw LibraryError(resultText(rc, chorus_comm_last_error(comm())));
+    std::unique_ptr<void, void (*)(void*)> hold(all, chorus_free);
+    std::vector<at::Tensor> idxs, vals;
+    const uint8_t* at = static_cast<const uint8_t*>(all);
+    for (int r = 0; r < size_; at += lens[r], r++) {
+      std::vector<int64_t> theirs(head.size());
+      if (lens[r] < hbytes) sparseMismatch(r, c10::str("sent ", lens[r], " bytes"));
+      memcpy(theirs.data(), at, hbytes);
+      if (!std::equal(head.begin(), head.end() - 1, theirs.begin()))
+        sparseMismatch(r, "has another dtype, sparse dimension or size");
+      int64_t nnz = theirs.back();
+      uint64_t per = static_cast<uint64_t>(sdim) * 8 + static_cast<uint64_t>(denseNumel * esize);
+      if (nnz < 0 || (per && static_cast<uint64_t>(nnz) > (lens[r] - hbytes) / per) ||
+          hbytes + static_cast<uint64_t>(nnz) * per != lens[r])
+        sparseMismatch(r, c10::str("sent ", lens[r], " bytes for ", nnz, " entries"));
+      std::vector<int64_t> vshape = {nnz};
+      for (int64_t d = sdim; d < ndim; d++) vshape.push_back(in.size(d));
+      idxs.push_back(at::empty({sdim, nnz}, idx.options()));
+      vals.push_back(at::empty(vshape, val.options()));
+      if (nnz) {
+        memcpy(idxs.back().data_ptr(), at + hbytes, idxs.back().nbytes());
+        memcpy(vals.back().data_ptr(), at + hbytes + idxs.back().nbytes(), vals.back().nbytes());
+      }
+    }
+    at::Tensor sum =
+        at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0), in.sizes(), in.options())
+            .coalesce();
+    t.copy_(sum);
+    w->complete(CHORUS_OK);
+    return w;
+  }
+
+  [[noreturn]] void sparseMismatch(int r, const std::string& what) const {
+    fail(c10::str("chorus allreduce: sparse tensors differ between the ranks: rank ", r, " ",
+                  what, "; every rank must pass a tensor of the same dtype, sparse dimension "
+                  "and size"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int srcRank,
+                                         int tag) {
     static const char* fn = "recv";
+    bool any = srcRank == CHORUS_ANY_SOURCE;
     at::AutoDispatchBelowAutograd guard;
     checkSingle(fn, tensors.size(), "tensor");
-    checkPeer(fn, srcRank, tag);
+    if (any && size_ < 2)
+      fail("chorus recv: receiving from any source in a group of one rank: no rank can send");
+    if (!any) checkPeer(fn, srcRank, tag);
+    else if (tag < 0)
+      fail(c10::str("chorus recv: tag ", tag, " is negative; chorus tags are >= 0"));
     const at::Tensor& t = tensors[0];
     checkTensor(fn, t, "the tensor");
     chorus_dtype_t dt = dtypeOf(fn, t, false);
     TensorPairs copies;
     at::Tensor buf = outputBuffer(fn, t, copies, false);
-    return issue(OpType::RECV, "chorus:recv", &tensors, tensors, {buf}, std::move(copies),
-                 false,
+    return issue(any ? OpType::RECVANYSOURCE : OpType::RECV,
+                 any ? "chorus:recvAnySource" : "chorus:recv", &tensors, tensors, {buf},
+                 std::move(copies), false,
                  [&](chorus_work_t* w) {
                    return chorus_recv(comm(), buf.data_ptr(), nelem(buf), dt, srcRank, tag, w);
                  },
-                 srcRank);
-  }
-
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
-    fail("chorus recv: receiving from any source is not supported by chorus: give recv a "
-         "source rank (src=...)");
+                 any ? ChorusWork::kFromAnyRank : srcRank);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
@@ -1244,15 +1360,24 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
                  [&](chorus_work_t* w) { return chorus_barrier(comm(), w); });
   }
 
-  // Gloo's algorithm over tagged point-to-point messages: every rank
-  // reports to rank 0, which waits for the reports until the timeout, then
-  // sends every rank the verdict (which ranks failed), failed or not, so
-  // that every message posted has its match and the next monitored barrier
-  // starts clean.  A late rank gets the verdict when it arrives.
+  // Gloo's protocol and messages over tagged point-to-point messages: every
+  // rank reports to rank 0 and waits for its answer; only rank 0 applies
+  // the barrier's timeout (the others wait as long as the group's timeout
+  // allows, so that rank 0, not they, names the rank that failed).  Unlike
+  // Gloo, rank 0 answers every rank, failed or not, with the verdict (which
+  // ranks failed), so the ranks that did arrive fail at once with rank 0's
+  // finding instead of at their own timeout, and every message posted has
+  // its match.  A late rank gets the verdict when it arrives.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
     at::AutoDispatchBelowAutograd guard;
+    auto start = std::chrono::steady_clock::now();
     int64_t tmo = opts.timeout == c10d::kUnsetTimeout ? timeoutMs_ : opts.timeout.count();
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(tmo);
+    auto deadline = start + std::chrono::milliseconds(rank_ == 0 ? tmo : timeoutMs_);
+    auto elapsed = [&]() {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(
+                 std::chrono::steady_clock::now() - start)
+          .count();
+    };
     auto left = [&]() {
       auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                     deadline - std::chrono::steady_clock::now())
@@ -1274,14 +1399,14 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       chorus_result_t rc = chorus_work_wait(*w->handle(), left());
       if (rc == CHORUS_INPROGRESS) {
         w->getFuture();
-        return "timed out";
+        return "it did not arrive in time";
       }
       w->complete(rc);
       return rc == CHORUS_OK ? "" : resultText(rc, chorus_work_error(*w->handle()));
     };
-    auto names = [](const std::vector<std::string>& v) {
+    auto join = [](const std::vector<int>& v) {
       std::string list;
-      for (auto& f : v) list += (list.empty() ? "" : ", ") + f;
+      for (int r : v) list += (list.empty() ? "" : ", ") + std::to_string(r);
       return list;
     };
     if (rank_ != 0) {
@@ -1291,28 +1416,38 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       std::string why = waitFor(s);
       if (why.empty()) why = waitFor(r);
       else r->getFuture();
-      if (!why.empty())
-        fail(c10::str("[Rank ", rank_, "]: chorus monitoredBarrier: rank 0 did not release this "
-                      "rank within ", tmo, " ms (", why, "); rank 0 names the ranks that "
-                      "did not arrive"));
-      std::vector<std::string> failed;
-      for (int q = 1; q < size_; q++)
-        if (verdict[q].item<uint8_t>()) failed.push_back(std::to_string(q));
+      if (why == "it did not arrive in time")
+        why = c10::str("rank 0 did not answer within the group's timeout of ", timeoutMs_,
+                       " ms; is rank 0 in monitored_barrier too?");
+      std::vector<int> failed;
+      for (int q = 1; q < size_ && why.empty(); q++)
+        if (verdict[q].item<uint8_t>()) failed.push_back(q);
       if (!failed.empty())
-        fail(c10::str("[Rank ", rank_, "]: chorus monitoredBarrier: rank 0 reports that ",
-                      failed.size() == 1 ? "rank " : "ranks ", names(failed),
-                      " failed to pass monitoredBarrier in ", tmo, " ms"));
+        why = c10::str("rank 0 reports that ", failed.size() == 1 ? "rank " : "ranks ",
+                       join(failed), " failed to pass monitoredBarrier in ", tmo, " ms");
+      if (!why.empty())
+        fail(c10::str("[Rank ", rank_, "]: Rank ", rank_, " successfully reached "
+                      "monitoredBarrier, but received errors while waiting for send/recv from "
+                      "rank 0: ", why, ". Rank 0's error names the rank that failed."));
       return;
     }
     std::vector<c10::intrusive_ptr<ChorusWork>> recvs;
     for (int r = 1; r < size_; r++) recvs.push_back(post(false, r, at::zeros({1}, at::kByte)));
+    // Out of time before looking at anyone (timeout 0, or rank 0 came late
+    // to its own deadline): rank 0 is the one that timed out, as Gloo says.
+    bool lateFromStart = left() == 0;
     at::Tensor verdict = at::zeros({size_}, at::kByte);
-    std::vector<std::string> failed;
+    std::vector<int> failed, passed;
+    std::string firstWhy;
     for (int r = 1; r < size_; r++) {
       std::string why = waitFor(recvs[r - 1]);
-      if (why.empty()) continue;
+      if (why.empty()) {
+        passed.push_back(r);
+        continue;
+      }
       verdict[r] = 1;
-      failed.push_back(c10::str(r, " (", why, ")"));
+      failed.push_back(r);
+      if (firstWhy.empty()) firstWhy = why;
       if (!waitAllRanks) {
         for (int q = r + 1; q < size_; q++) recvs[q - 1]->getFuture();
         break;
@@ -1320,19 +1455,29 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     }
     std::vector<c10::intrusive_ptr<ChorusWork>> sends;
     for (int r = 1; r < size_; r++) sends.push_back(post(true, r, verdict));
-    std::vector<std::string> unsent;
+    std::vector<int> unsent;
+    std::string unsentWhy;
     for (int r = 1; r < size_; r++) {
       std::string why = waitFor(sends[r - 1]);
-      if (!why.empty()) unsent.push_back(c10::str(r, " (", why, ")"));
+      if (why.empty() || verdict[r].item<uint8_t>()) continue;
+      unsent.push_back(r);
+      if (unsentWhy.empty()) unsentWhy = why;
     }
+    if (!failed.empty() && lateFromStart && !waitAllRanks)
+      fail(c10::str("[Rank 0]: Rank 0 timed out in monitoredBarrier after ", elapsed(),
+                    " ms (timeout ", tmo, " ms): no time was left to wait for rank ",
+                    failed[0], "; ranks that had arrived: ",
+                    passed.empty() ? "none" : join(passed)));
     if (!failed.empty())
-      fail(c10::str("[Rank 0]: chorus monitoredBarrier: ", failed.size() == 1 ? "rank " : "ranks ",
-                    names(failed), " failed to pass monitoredBarrier in ", tmo, " ms",
-                    waitAllRanks ? "" : " (the first rank that failed; wait_all_ranks=True "
-                                        "names all)"));
+      fail(c10::str("[Rank 0]: ", waitAllRanks ? "Ranks " : "Rank ", join(failed),
+                    " failed to pass monitoredBarrier in ", tmo, " ms (",
+                    failed.size() == 1 ? "" : "the first: ", firstWhy, ")",
+                    waitAllRanks ? "" : "; wait_all_ranks=True waits for and names every rank "
+                                        "that fails"));
     if (!unsent.empty())
-      fail(c10::str("[Rank 0]: chorus monitoredBarrier: releasing ", unsent.size() == 1 ? "rank " : "ranks ",
-                    names(unsent), " failed"));
+      fail(c10::str("[Rank 0]: monitoredBarrier: every rank arrived, but releasing ",
+                    unsent.size() == 1 ? "rank " : "ranks ", join(unsent), " failed (",
+                    unsentWhy, ")"));
   }
 
   void setSequenceNumberForGroup() override {}  // 0 on every rank at creation
@@ -1343,6 +1488,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
 
  private:
   static constexpr int kMonitoredBarrierTag = INT_MAX - 1;
+  static constexpr int64_t kSparseMagic = 0x63686f7275735350;  // "chorusSP"
 
   // Runs a collective's preparation and issue.  When it throws (an
   // argument this rank got wrong, or the library refused the call), this

@@ -12,6 +12,12 @@ Under chorusrun, MASTER_ADDR:MASTER_PORT is chorus's own authenticated store
 that store instead (``ChorusStore``), its keys under ``torch/<restart>/``.
 Elsewhere ``env://`` is torch's own.
 
+``dist.monitored_barrier`` works on chorus groups: importing this module
+replaces torch's function (which refuses every backend but Gloo) with one
+that sends chorus groups to their own monitored barrier -- Gloo's
+semantics and messages -- and every other group to torch's function as
+before.  Without ``timeout`` a chorus group waits for its own timeout.
+
 Timeouts: init_process_group's ``timeout`` bounds every wait of the group;
 left at torch's default (30 minutes) it yields to CHORUS_TIMEOUT when that is
 set.
@@ -99,6 +105,32 @@ def _env_rendezvous_handler(url, timeout=timedelta(minutes=30), **kwargs):
 if _torch_env_handler is not None:
     _env_rendezvous_handler._chorus_orig = _torch_env_handler
     _rendezvous._rendezvous_handlers["env"] = _env_rendezvous_handler
+
+
+# torch.distributed.monitored_barrier: torch 1.13's Python refuses every
+# backend but Gloo before it reaches the group.  For a chorus group it calls
+# the group's own monitored_barrier (ProcessGroupChorus.monitoredBarrier:
+# Gloo's protocol, semantics and messages); for every other group, and for
+# a rank outside the group, torch's function runs unchanged.
+_c10d = dist.distributed_c10d
+_torch_monitored_barrier = getattr(_c10d.monitored_barrier, "_chorus_orig",
+                                   _c10d.monitored_barrier)
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    if not _c10d._rank_not_in_group(group):
+        pg = group if group is not None else _c10d._get_default_group()
+        if isinstance(pg, ProcessGroupChorus):
+            if timeout is None:  # the group's own timeout (Gloo: 30 minutes)
+                return pg.monitored_barrier(wait_all_ranks=wait_all_ranks)
+            return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+
+
+monitored_barrier.__doc__ = _torch_monitored_barrier.__doc__
+monitored_barrier._chorus_orig = _torch_monitored_barrier
+_c10d.monitored_barrier = monitored_barrier
+dist.monitored_barrier = monitored_barrier
 
 
 def fix_fsdp_import():

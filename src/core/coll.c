@@ -319,6 +319,14 @@ chorus_result_t chorus_work_test(chorus_work_t w) {
   return st;
 }
 
+int chorus_work_source(chorus_work_t w) {
+  if (!w || !w->p2p || w->req.type != CHORUS__REQ_RECV) return -1;
+  pthread_mutex_lock(&w->comm->lock);
+  int src = w->state == CHORUS__WORK_DONE && w->result == CHORUS_OK ? w->req.peer : -1;
+  pthread_mutex_unlock(&w->comm->lock);
+  return src;
+}
+
 double chorus_work_duration(chorus_work_t w) {
   if (!w) return 0;
   pthread_mutex_lock(&w->comm->lock);
@@ -686,14 +694,18 @@ static chorus_result_t p2p(chorus_comm_t comm, chorus_coll_t coll, const void *s
                            size_t count, chorus_dtype_t dtype, int peer, int tag,
                            chorus_work_t *work) {
   START(coll);
-  if (peer < 0 || peer >= comm->size || peer == comm->rank)
-    return bad(comm, name, "peer %d is not another rank of this group of %d", peer, comm->size);
+  int any = coll == CHORUS_COLL_RECV && peer == CHORUS_ANY_SOURCE;
+  if (!any && (peer < 0 || peer >= comm->size || peer == comm->rank))
+    return bad(comm, name, "peer %d is not another rank of this group of %d%s", peer, comm->size,
+               coll == CHORUS_COLL_RECV ? " (CHORUS_ANY_SOURCE: from any rank)" : "");
+  if (any && comm->size < 2)
+    return bad(comm, name, "receiving from any source in a group of one rank: no rank can send");
   if (tag < 0) return bad(comm, name, "tag %d is negative", tag);
   NEED_BUF(coll == CHORUS_COLL_SEND ? sbuf : rbuf, "buf");
   MAKE(w, coll, sbuf, rbuf, CHORUS_OP_COUNT, -1);
   w->p2p = 1;
   w->req.type = coll == CHORUS_COLL_SEND ? CHORUS__REQ_SEND : CHORUS__REQ_RECV;
-  w->req.peer = peer;
+  w->req.peer = any ? CHORUS__ANY_PEER : peer;
   w->req.kind = CHORUS__KIND_P2P;
   w->req.tag = tag;
   w->req.buf = coll == CHORUS_COLL_SEND ? (void *)sbuf : rbuf;

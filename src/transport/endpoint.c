@@ -337,6 +337,26 @@ static int linked(peer_t *c) {
   return link_state(c, &since) == CHORUS__LINK_READY;
 }
 
+/* Whether every other member left (said goodbye or is gone): nothing can
+ * come any more for a receive from any source. */
+static int others_gone(const chorus__ep_t *ep) {
+  for (int g = 0; g < ep->n; g++) {
+    const peer_t *p = &ep->tp->peers[ep->members[g]];
+    if (g != ep->me && !p->dead && !p->bye_received) return 0;
+  }
+  return 1;
+}
+
+/* Whether a pending request moves on the shared-memory channel (for a
+ * receive from any source: every other member is on it). */
+static int req_on_local(const chorus__ep_t *ep, const chorus__req_t *r) {
+  const chorus__tp_t *tp = ep->tp;
+  if (r->peer != CHORUS__ANY_PEER) return tp->peers[ep->members[r->peer]].chan == tp->local;
+  for (int g = 0; g < ep->n; g++)
+    if (g != ep->me && tp->peers[ep->members[g]].chan != tp->local) return 0;
+  return 1;
+}
+
 /* Fails ep because peer c left (said goodbye, or its connection is gone)
  * while ep still needs it; need says how ("waits for its data"). */
 static void fail_peer_left(chorus__ep_t *ep, peer_t *c, const char *need) {
@@ -489,7 +509,7 @@ void chorus__tp_peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus
     if (g < 0 || ep->status != CHORUS_OK) continue;
     int pending = c->chan && c->chan->ops->pending(c->chan, c, ep);
     for (chorus__req_t *r = ep->recvs; r; r = r->next)
-      if (r->peer == g) pending = 1;
+      if (r->peer == g || r->peer == CHORUS__ANY_PEER) pending = 1;
     if (clean && !pending) continue;
     if (clean) {
       fail_peer_left(ep, c, "still exchanges data with it");
@@ -579,7 +599,7 @@ void chorus__tp_rx_detach(peer_t *p, rx_t *rx) {
 /* ---------------------------------------------------------- receiving */
 
 static int req_matches(const chorus__req_t *r, const hdr_t *h, int src_group) {
-  if (r->peer != src_group || r->kind != h->kind) return 0;
+  if ((r->peer != src_group && r->peer != CHORUS__ANY_PEER) || r->kind != h->kind) return 0;
   if (h->kind == CHORUS__KIND_COLL) return r->seq == h->seq && r->step == h->step;
   return r->tag == h->tag;
 }
@@ -734,6 +754,7 @@ static int route_data(chorus__tp_t *tp, rx_t *rx) {
       if (!req_matches(r, h, g)) continue;
       *pp = r->next;
       if (check_length(ep, r, h, c->rank) < 0) return 1;
+      r->peer = g; /* an any-source receive learns its sender */
       rx->req = r;
       rx->dst = r->buf;
       return 1;
@@ -804,7 +825,7 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
         int g = ep->w2g[c->rank];
         if (g < 0 || ep->status != CHORUS_OK) continue;
         for (chorus__req_t *r = ep->recvs; r; r = r->next) {
-          if (r->peer != g) continue;
+          if (r->peer == CHORUS__ANY_PEER ? !others_gone(ep) : r->peer != g) continue;
           fail_peer_left(ep, c, "waits for its data");
           break;
         }
@@ -1026,14 +1047,17 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   req->done = 0;
   req->ep = ep;
   req->next = NULL;
-  if (req->peer < 0 || req->peer >= ep->n || req->peer == ep->me) return CHORUS_ERR_INTERNAL;
-  int world = ep->members[req->peer];
-  peer_t *c = &tp->peers[world];
+  int any = req->peer == CHORUS__ANY_PEER;
+  if (any ? req->type != CHORUS__REQ_RECV || req->kind != CHORUS__KIND_P2P
+          : req->peer < 0 || req->peer >= ep->n || req->peer == ep->me)
+    return CHORUS_ERR_INTERNAL;
+  int world = any ? -1 : ep->members[req->peer];
+  peer_t *c = any ? NULL : &tp->peers[world];
   pthread_mutex_lock(&tp->lock);
   req->seq = req->kind == CHORUS__KIND_COLL ? ep->cur_seq : 0;
   chorus_result_t st = ep->status;
   if (st != CHORUS_OK) goto out;
-  if (req->type == CHORUS__REQ_SEND && (c->dead || c->bye_received)) {
+  if (req->type == CHORUS__REQ_SEND && (c->dead || c->bye_received)) { /* (never any) */
     fail_peer_left(ep, c, "needs to send to it");
     st = ep->status;
     goto out;
@@ -1057,11 +1081,13 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
     st = ep->status;
     goto out;
   }
-  /* Receive: look for a message that already arrived. */
+  /* Receive: look for a message that already arrived (from any member:
+   * the one that arrived first). */
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
-    if (u->h.type != T_DATA || u->h.ep_id != ep->id || u->src != world || u->req) continue;
-    if (!req_matches(req, &u->h, req->peer)) continue;
-    if (check_length(ep, req, &u->h, world) < 0) {
+    if (u->h.type != T_DATA || u->h.ep_id != ep->id || u->req) continue;
+    if (any ? ep->w2g[u->src] < 0 : u->src != world) continue;
+    if (!req_matches(req, &u->h, ep->w2g[u->src])) continue;
+    if (check_length(ep, req, &u->h, u->src) < 0) {
       st = ep->status;
       goto out;
     }
@@ -1069,6 +1095,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
       st = ep->status;
       goto out;
     }
+    req->peer = ep->w2g[u->src];
     if (u->complete) {
       if (u->h.len) memcpy(req->buf, u->buf, u->h.len);
       req->done = 1;
@@ -1080,7 +1107,14 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
     goto out;
   }
   /* Nothing buffered: a peer that is gone will never send it. */
-  if (c->dead || c->bye_received) {
+  if (any && others_gone(ep)) {
+    ep_fail_locked(ep, CHORUS_ERR_REMOTE, 1, "chorus rank %d/%d: every other rank left (destroyed "
+                   "its communicator or is gone), but this rank waits for a message from any "
+                   "of them", ep->me, ep->n);
+    st = ep->status;
+    goto out;
+  }
+  if (!any && (c->dead || c->bye_received)) {
     fail_peer_left(ep, c, "waits for its data");
     st = ep->status;
     goto out;
@@ -1088,7 +1122,8 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   chorus__req_t **pp = &ep->recvs;
   while (*pp) pp = &(*pp)->next;
   *pp = req;
-  resume_peer(tp, c); /* its held-back message may be this one */
+  if (any) resume_all(tp); /* a held-back message may be this one */
+  else resume_peer(tp, c);
 out:
   pthread_mutex_unlock(&tp->lock);
   return st;
@@ -1135,8 +1170,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
      * polling would keep from the CPU. */
     int on_local = local != NULL;
     for (int i = 0; on_local && i < n; i++)
-      if (reqs[i] && !reqs[i]->done && tp->peers[ep->members[reqs[i]->peer]].chan != local)
-        on_local = 0;
+      if (reqs[i] && !reqs[i]->done && !req_on_local(ep, reqs[i])) on_local = 0;
     if (on_local) {
       /* Shared memory: move bytes on this thread before blocking, until
        * nothing moved for SPIN_NS (or the deadline came), announced so the
@@ -1178,7 +1212,8 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
       for (int i = 0; i < n && off < sizeof who; i++) {
         if (!reqs[i] || reqs[i]->done) continue;
         char rd[64];
-        chorus__ep_rank_desc(ep, reqs[i]->peer, rd, sizeof rd);
+        if (reqs[i]->peer == CHORUS__ANY_PEER) snprintf(rd, sizeof rd, "any rank");
+        else chorus__ep_rank_desc(ep, reqs[i]->peer, rd, sizeof rd);
         off += (size_t)snprintf(who + off, sizeof who - off, "%s%s %s", off ? ", " : "",
                                 reqs[i]->type == CHORUS__REQ_SEND ? "sending to" : "receiving from",
                                 rd);

@@ -59,6 +59,11 @@ typedef void (*chorus__fp_format_fn)(const chorus__fp_t *fp, char *buf, size_t c
 int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b);
 
 enum { CHORUS__REQ_SEND = 1, CHORUS__REQ_RECV = 2 };
+/* The peer of a point-to-point receive that takes its message from any
+ * member: the first message with its tag that arrives (or already did),
+ * from whichever member; receives match in the order they were posted,
+ * whatever their peer.  Once matched, the request's peer is the sender. */
+#define CHORUS__ANY_PEER (-1)
 enum { CHORUS__KIND_COLL = 1, CHORUS__KIND_P2P = 2 };
 
 /* One posted send or receive.  Owned by the caller (usually on its stack);
@@ -66,7 +71,7 @@ enum { CHORUS__KIND_COLL = 1, CHORUS__KIND_P2P = 2 };
  * failed, requests are inert and may be discarded. */
 typedef struct chorus__req {
   int type;         /* CHORUS__REQ_SEND / RECV */
-  int peer;         /* rank in the endpoint's group */
+  int peer;         /* rank in the endpoint's group, or CHORUS__ANY_PEER */
   int kind;         /* CHORUS__KIND_COLL / P2P */
   uint32_t step;    /* collective step number, or 0 */
   int32_t tag;      /* p2p tag, or -1 */

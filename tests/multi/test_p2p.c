@@ -2,7 +2,8 @@
  * test_p2p.c - point-to-point between the ranks of one host: which channel
  * carries it, that every peer is reached that way, and that a sender far
  * ahead of a slow receiver cannot make the receiver hold more than its
- * budget.  Run by chorusrun with N >= 2 ranks on one host.
+ * budget, and receives from any source.  Run by chorusrun with N >= 2 ranks
+ * on one host.
  *
  *   test_p2p --expect-link PREFIX   every peer's link (chorus_comm_link)
  *                                   must start with PREFIX ("shm", "tcp",
@@ -209,6 +210,105 @@ TEST(every_pair_exchanges) {
          g_rank, n, sockets);
   ASSERT_EQ(n, g_size - 1);
   ASSERT_EQ(sockets, (g_size - 1) * (1 + 2 * k));
+}
+
+/* Receives from any source (CHORUS_ANY_SOURCE): rank 0 takes K messages
+ * from every other rank, half of its receives posted before the messages
+ * come and half after they arrived (buffered; at 16 B), at 16 B and at
+ * 2 MiB (in pieces where the link cuts large messages).  Each message is taken once,
+ * chorus_work_source names its sender, and one sender's messages come in
+ * the order it sent them.  Then the posting order between a receive from
+ * any source and one from rank 1, both ways. */
+enum { ANY_K = 4 };
+static void any_source_round(size_t n, int tag) {
+  int others = g_size - 1, total = others * ANY_K, small = n < 4096;
+  if (g_rank != 0) {
+    unsigned char *out = malloc(n);
+    ASSERT_TRUE(out != NULL);
+    ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+    for (int k = 0; k < ANY_K; k++) {
+      memset(out, k, n);
+      out[0] = (unsigned char)g_rank;
+      ASSERT_EQ(chorus_send(g_comm, out, n, CHORUS_UINT8, 0, tag, NULL), CHORUS_OK);
+    }
+    if (small) ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+    free(out);
+    return;
+  }
+  unsigned char *in = calloc((size_t)total, n);
+  chorus_work_t *w = calloc((size_t)total, sizeof *w);
+  int *next = calloc((size_t)g_size, sizeof *next);
+  ASSERT_TRUE(in && w && next);
+  int early = total / 2;
+  for (int i = 0; i < early; i++)
+    ASSERT_EQ(chorus_recv(g_comm, in + (size_t)i * n, n, CHORUS_UINT8, CHORUS_ANY_SOURCE, tag,
+                          &w[i]), CHORUS_OK);
+  ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+  /* Small ones: every message sent (buffered here) before the rest are
+   * posted.  Large ones would exceed CHORUS_RECV_BUFFER_MAX: posted now. */
+  if (small) ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+  for (int i = early; i < total; i++)
+    ASSERT_EQ(chorus_recv(g_comm, in + (size_t)i * n, n, CHORUS_UINT8, CHORUS_ANY_SOURCE, tag,
+                          &w[i]), CHORUS_OK);
+  for (int i = 0; i < total; i++) {
+    ASSERT_EQ(chorus_work_wait(w[i], -1), CHORUS_OK);
+    unsigned char *m = in + (size_t)i * n;
+    int src = chorus_work_source(w[i]);
+    ASSERT_TRUE(src >= 1 && src < g_size);
+    ASSERT_EQ((int)m[0], src);
+    /* One sender's messages in its order: the k-th carries k. */
+    ASSERT_EQ((int)m[n - 1], next[src]);
+    next[src]++;
+    chorus_work_free(w[i]);
+  }
+  for (int r = 1; r < g_size; r++) ASSERT_EQ(next[r], ANY_K);
+  printf("rank 0: %d messages of %zu B from any source, each sender's in order\n", total, n);
+  free(in);
+  free(w);
+  free(next);
+}
+
+TEST(any_source) {
+  any_source_round(16, 20);
+  any_source_round(2 << 20, 21);
+  if (g_rank > 1) return;
+  /* Posting order decides, whatever the receive's peer. */
+  for (int any_first = 1; any_first >= 0; any_first--) {
+    int tag = 22 + any_first;
+    int64_t a = 0, b = 0;
+    if (g_rank == 1) {
+      int64_t va = 111, vb = 222;
+      ASSERT_EQ(chorus_recv(g_comm, &a, 1, CHORUS_INT64, 0, tag, NULL), CHORUS_OK); /* go */
+      ASSERT_EQ(chorus_send(g_comm, &va, 1, CHORUS_INT64, 0, tag, NULL), CHORUS_OK);
+      ASSERT_EQ(chorus_send(g_comm, &vb, 1, CHORUS_INT64, 0, tag, NULL), CHORUS_OK);
+      continue;
+    }
+    chorus_work_t wa, wb;
+    ASSERT_EQ(chorus_recv(g_comm, &a, 1, CHORUS_INT64, any_first ? CHORUS_ANY_SOURCE : 1, tag,
+                          &wa), CHORUS_OK);
+    ASSERT_EQ(chorus_recv(g_comm, &b, 1, CHORUS_INT64, any_first ? 1 : CHORUS_ANY_SOURCE, tag,
+                          &wb), CHORUS_OK);
+    ASSERT_EQ(chorus_send(g_comm, &a, 1, CHORUS_INT64, 1, tag, NULL), CHORUS_OK);
+    ASSERT_EQ(chorus_work_wait(wa, -1), CHORUS_OK);
+    ASSERT_EQ(chorus_work_wait(wb, -1), CHORUS_OK);
+    ASSERT_EQ(a, 111);
+    ASSERT_EQ(b, 222);
+    ASSERT_EQ(chorus_work_source(wa), 1);
+    ASSERT_EQ(chorus_work_source(wb), 1);
+    chorus_work_free(wa);
+    chorus_work_free(wb);
+  }
+  /* A blocking one, and the wrong uses. */
+  int64_t v = 7;
+  if (g_rank == 1) ASSERT_EQ(chorus_send(g_comm, &v, 1, CHORUS_INT64, 0, 30, NULL), CHORUS_OK);
+  else {
+    v = 0;
+    ASSERT_EQ(chorus_recv(g_comm, &v, 1, CHORUS_INT64, CHORUS_ANY_SOURCE, 30, NULL), CHORUS_OK);
+    ASSERT_EQ(v, 7);
+    ASSERT_EQ(chorus_send(g_comm, &v, 1, CHORUS_INT64, CHORUS_ANY_SOURCE, 30, NULL),
+              CHORUS_ERR_INVALID_ARG);
+    ASSERT_EQ(chorus_work_source(NULL), -1);
+  }
 }
 
 /* Rank 1 sends burst messages of msg bytes at once while rank 0 sleeps;
@@ -434,6 +534,7 @@ int main(int argc, char **argv) {
   RUN(ring_connects_neighbours_only);
   RUN(links_use_the_expected_channel);
   RUN(every_pair_exchanges);
+  RUN(any_source);
   if (!g_quick) {
     RUN(sender_far_ahead_stays_bounded);
     RUN(small_overtakes_large);

@@ -1,0 +1,280 @@
+"""PyTorch's own test suite for process groups, run on chorus (or Gloo).
+
+    dist_suite.py [--backend chorus|gloo] [--world-size N] [--shard K/N]
+                  [--start fork|spawn] [--json FILE] [-k SUBSTRING]...
+
+Debian's python3-torch ships the suite as
+torch/testing/_internal/distributed/distributed_test.py
+(DistributedTest._DistTestBase); PyTorch drives it with
+test/distributed/test_distributed_spawn.py and the variables BACKEND,
+WORLD_SIZE and TEMP_DIR.  This driver does the same for chorus, with every
+place where the suite branches on the backend's name answering for chorus
+as it answers for Gloo (chorus is a CPU backend that claims Gloo's
+features): the comparisons BACKEND == "gloo" / != "gloo" and the
+require_backend({"gloo", ...}) decorators are rewritten in the suite's
+syntax tree before it is compiled, and "chorus" joins Gloo in the feature
+sets (DistTestCases) and the profiling allow-lists.  Nothing else of the
+suite changes; each rewrite is counted and printed.
+
+Each test starts WORLD_SIZE processes and a process group of its own.
+--start fork (the default) forks them from this process, which has already
+imported torch; --start spawn starts fresh interpreters as PyTorch's CI
+does (about 2.5 CPU-seconds of imports per process).
+
+Exit status: 0 when every test passed or was skipped by the suite itself,
+1 when one failed.  A test that fails on chorus for a reason that is not
+chorus's goes into EXCLUDED below, with that reason.
+"""
+import argparse
+import ast
+import json
+import logging
+import os
+import sys
+import tempfile
+import textwrap
+import time
+import types
+import unittest
+
+SUITE = "torch.testing._internal.distributed.distributed_test"
+
+# Tests left out on purpose: name -> why.  Empty: every test Gloo runs here,
+# chorus runs.
+EXCLUDED = {}
+
+
+def _install_expecttest():
+    """The suite's harness (common_utils) derives its TestCase from
+    expecttest's, a small pip package Debian does not ship.  Where it is
+    missing, this module gives the two names the harness uses, with
+    expecttest's meaning: ACCEPT (rewrite expected strings in place, never
+    done here) and TestCase.assertExpectedInline (actual == dedented expected)."""
+    try:
+        import expecttest  # noqa: F401
+        return
+    except ImportError:
+        pass
+    mod = types.ModuleType("expecttest")
+    mod.ACCEPT = False
+
+    class TestCase(unittest.TestCase):
+        longMessage = True
+
+        def assertExpectedInline(self, actual, expect, skip=0):
+            self.assertEqual(textwrap.dedent(expect).strip("\n"), actual.strip("\n"))
+
+        def assertExpectedRaisesInline(self, exc_type, callable, expect, *args, **kwargs):
+            try:
+                callable(*args, **kwargs)
+            except exc_type as e:
+                self.assertExpectedInline(str(e), expect)
+                return
+            self.fail("Did not raise when expected to")
+
+    mod.TestCase = TestCase
+    sys.modules["expecttest"] = mod
+
+
+class _AsGloo(ast.NodeTransformer):
+    """BACKEND == "gloo"  ->  BACKEND in ("gloo", NAME)   (and != -> not in);
+    require_backend({"gloo", ...})  ->  require_backend({"gloo", NAME, ...})."""
+
+    def __init__(self, name):
+        self.name = name
+        self.compares = 0
+        self.decorators = 0
+
+    @staticmethod
+    def _is_backend(node):
+        return isinstance(node, ast.Name) and node.id == "BACKEND"
+
+    @staticmethod
+    def _is_gloo(node):
+        return isinstance(node, ast.Constant) and node.value == "gloo"
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            return node
+        left, right = node.left, node.comparators[0]
+        if self._is_gloo(left) and self._is_backend(right):
+            left, right = right, left
+        if not (self._is_backend(left) and self._is_gloo(right)):
+            return node
+        self.compares += 1
+        op = ast.In() if isinstance(node.ops[0], ast.Eq) else ast.NotIn()
+        both = ast.Tuple(elts=[ast.Constant("gloo"), ast.Constant(self.name)], ctx=ast.Load())
+        return ast.copy_location(ast.Compare(left=left, ops=[op], comparators=[both]), node)
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if (isinstance(node.func, ast.Name) and node.func.id == "require_backend"
+                and node.args and isinstance(node.args[0], ast.Set)
+                and any(self._is_gloo(e) for e in node.args[0].elts)):
+            node.args[0].elts.append(ast.Constant(self.name))
+            self.decorators += 1
+        return node
+
+
+def load_suite(backend):
+    """Imports the suite with chorus answering as Gloo (see the docstring)."""
+    _install_expecttest()
+    import torch  # noqa: F401
+    import chorus.torch  # registers "chorus"
+    # DDP (any backend) imports torch.distributed._shard, which Python 3.11
+    # refuses with torch 1.13 unless this runs first.
+    chorus.torch.fix_fsdp_import()
+    from torch.testing._internal import common_distributed
+    if backend != "gloo":
+        for feature in common_distributed.DistTestCases.backend_feature.values():
+            if "gloo" in feature:
+                feature.add(backend)
+        for ops in common_distributed.DistTestCases.skip_collective.values():
+            if "gloo" in ops:
+                ops.add(backend)
+    import importlib.util
+    spec = importlib.util.find_spec(SUITE)
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read(), spec.origin)
+    rewrite = _AsGloo(backend)
+    if backend != "gloo":
+        tree = ast.fix_missing_locations(rewrite.visit(tree))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[SUITE] = module
+    exec(compile(tree, spec.origin, "exec"), module.__dict__)
+    if backend != "gloo":
+        for allow in ("PROFILING_SUPPORTED_BACKENDS", "CUDA_PROFILING_SUPPORTED_BACKENDS",
+                      "SEND_RECV_PROFILING_SUPPORTED_BACKENDS"):
+            getattr(module, allow).append(backend)
+    return module, rewrite
+
+
+def _environment(argv):
+    """BACKEND, WORLD_SIZE and TEMP_DIR must be set before the suite is
+    imported, here and in every spawned child (which re-imports this file)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default=os.environ.get("BACKEND", "chorus"))
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
+    p.add_argument("--shard", default="1/1", help="K/N: every N-th test from the K-th")
+    p.add_argument("--start", choices=("fork", "spawn"), default="fork")
+    p.add_argument("--json", help="write {test: [status, seconds, detail]} here")
+    p.add_argument("-k", action="append", default=[], help="only tests whose name contains this")
+    p.add_argument("--list", action="store_true", help="print the selected tests and exit")
+    args = p.parse_args(argv)
+    os.environ["BACKEND"] = args.backend
+    os.environ["WORLD_SIZE"] = str(args.world_size)
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = _environment(sys.argv[1:])
+    _temp = tempfile.TemporaryDirectory(prefix="chorus-dist-suite-")
+    os.environ["TEMP_DIR"] = _temp.name
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+# Spawned children import this file as __mp_main__ with the parent's
+# environment: they rebuild the same classes.
+_suite, _rewrite = load_suite(os.environ["BACKEND"])
+
+
+class TestDistBackendWithSpawn(_suite.TestDistBackend, _suite.DistributedTest._DistTestBase):
+    START = "fork"
+
+    def setUp(self):
+        super().setUp()
+        import torch.multiprocessing
+        self._start_processes(torch.multiprocessing.get_context(self.START).Process)
+
+
+class _Recorder(unittest.TextTestResult):
+    """One line per test as it ends, and a record for --json."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.record = {}
+
+    def startTest(self, test):
+        self._t0 = time.monotonic()
+        unittest.TestResult.startTest(self, test)
+
+    def _done(self, test, status, detail=""):
+        name = test.id().split(".")[-1]
+        secs = time.monotonic() - self._t0
+        self.record[name] = [status, round(secs, 2), detail]
+        line = "%-5s %-70s %6.1f s" % (status, name, secs)
+        if status == "SKIP":
+            line += "  (%s)" % detail.splitlines()[0][:80] if detail else ""
+        print(line, flush=True)
+
+    def addSuccess(self, test):
+        unittest.TestResult.addSuccess(self, test)
+        self._done(test, "PASS")
+
+    def addFailure(self, test, err):
+        unittest.TestResult.addFailure(self, test, err)
+        self._done(test, "FAIL", self.failures[-1][1])
+
+    def addError(self, test, err):
+        unittest.TestResult.addError(self, test, err)
+        self._done(test, "FAIL", self.errors[-1][1])
+
+    def addSkip(self, test, reason):
+        unittest.TestResult.addSkip(self, test, reason)
+        self._done(test, "SKIP", reason)
+
+    def addExpectedFailure(self, test, err):
+        unittest.TestResult.addExpectedFailure(self, test, err)
+        self._done(test, "XFAIL")
+
+    def addUnexpectedSuccess(self, test):
+        unittest.TestResult.addUnexpectedSuccess(self, test)
+        self._done(test, "FAIL", "unexpected success")
+
+
+def main(args):
+    TestDistBackendWithSpawn.START = args.start
+    names = sorted(n for n in unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn))
+    if args.k:
+        names = [n for n in names if any(k in n for k in args.k)]
+    k, n = (int(x) for x in args.shard.split("/"))
+    if not 1 <= k <= n:
+        sys.exit("dist_suite: --shard K/N needs 1 <= K <= N")
+    names = names[k - 1::n]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    for name, why in EXCLUDED.items():
+        if hasattr(TestDistBackendWithSpawn, name):
+            setattr(TestDistBackendWithSpawn, name, unittest.skip("excluded: " + why)(
+                getattr(TestDistBackendWithSpawn, name)))
+    print("dist_suite: %s, world size %s, %d tests (shard %s), %s; rewritten for %s: "
+          "%d comparisons with \"gloo\", %d require_backend sets" % (
+              args.backend, os.environ["WORLD_SIZE"], len(names), args.shard, args.start,
+              args.backend, _rewrite.compares, _rewrite.decorators), flush=True)
+    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    t0 = time.monotonic()
+    runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=0, stream=open(os.devnull, "w"))
+    result = runner.run(suite)
+    counts = {}
+    for status, _, _ in result.record.values():
+        counts[status] = counts.get(status, 0) + 1
+    for name, (status, _, detail) in sorted(result.record.items()):
+        if status == "FAIL":
+            print("\n==== FAIL %s\n%s" % (name, detail))
+    print("dist_suite: %s ws %s: %s in %.0f s" % (
+        args.backend, os.environ["WORLD_SIZE"],
+        ", ".join("%d %s" % (c, s.lower()) for s, c in sorted(counts.items())),
+        time.monotonic() - t0), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.record, f, indent=1, sort_keys=True)
+    return 1 if counts.get("FAIL") else 0
+
+
+if __name__ == "__main__":
+    # The harness logs every process start and store barrier at INFO.
+    logging.disable(logging.INFO)
+    rc = main(ARGS)
+    _temp.cleanup()
+    sys.exit(rc)
