@@ -17,7 +17,9 @@
 #                            installed by its fixture (tests/fixtures/).
 #   scripts/deps.sh --torch  also PyTorch from Debian (python3-torch,
 #                            libtorch-dev, pybind11-dev, g++) for the torch
-#                            backend, and pip + setuptools for the
+#                            backend, python3-torchvision for the DDP tests
+#                            of PyTorch's own suite (dist_suite.py), and
+#                            pip + setuptools for the
 #                            `pip install ./python` test; optional like the
 #                            fuzzers (the backend's tests skip and say why).
 # Always: python3-dev and python3-numpy, for `import chorus` (python/).
@@ -61,7 +63,8 @@ if ((cluster)); then
 fi
 torch_need=()
 if ((torch)); then
-  for p in python3-torch libtorch-dev pybind11-dev g++ python3-pip python3-setuptools; do
+  for p in python3-torch libtorch-dev pybind11-dev g++ python3-torchvision python3-pip \
+           python3-setuptools; do
     installed "$p" || torch_need+=("$p")
   done
 fi

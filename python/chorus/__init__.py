@@ -609,21 +609,26 @@ def send(tensor, dst, group=None, tag=0, dtype=None):
     g._c.send(tensor, g._local(dst, "dst"), tag, _dtype(dtype), False)
 
 
+_ANY_SOURCE = -1  # chorus.h's CHORUS_ANY_SOURCE
+
+
 def _recv_src(g, src):
-    if src is None:
-        raise NotSupportedError(  # noqa: F405
-            "CHORUS_ERR_NOT_SUPPORTED: recv from any source is not supported by chorus; "
-            "give recv the sender's rank")
-    return g._local(src, "src")
+    return _ANY_SOURCE if src is None else g._local(src, "src")
 
 
 def recv(tensor, src=None, group=None, tag=0, dtype=None):
-    """Receives into tensor from src (a global rank; required); returns src."""
+    """Receives into tensor from src (a global rank), or without src from
+    any rank (the first message with this tag); returns the sender's
+    global rank."""
     g = _group(group)
     if g is None:
         return -1
-    g._c.recv(tensor, _recv_src(g, src), tag, _dtype(dtype), False)
-    return src
+    if src is not None:
+        g._c.recv(tensor, _recv_src(g, src), tag, _dtype(dtype), False)
+        return src
+    w = g._c.recv(tensor, _ANY_SOURCE, tag, _dtype(dtype), True)
+    w.wait()
+    return g.ranks[w.source_rank()]
 
 
 def isend(tensor, dst, group=None, tag=0, dtype=None):

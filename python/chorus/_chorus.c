@@ -149,6 +149,7 @@ struct WorkObject {
   int busy;               /* threads waiting on h */
   char *error;            /* the library's message, once failed */
   double duration;
+  int source; /* a receive's sender (group rank), once done; else -1 */
   buf_t bufs[2];
   buf_t *list; /* all_gather_list outputs */
   Py_ssize_t nlist;
@@ -221,6 +222,7 @@ static void work_settle(WorkObject *w, int timeout_ms) {
     if (st != CHORUS_INPROGRESS && w->result == CHORUS_INPROGRESS) {
       w->result = st;
       w->duration = chorus_work_duration(h);
+      w->source = chorus_work_source(h);
       if (st != CHORUS_OK) {
         const char *m = chorus_work_error(h);
         w->error = strdup(m && *m ? m : chorus_strerror(st));
@@ -482,6 +484,7 @@ static PyObject *call_end(call_t *k, chorus_result_t st, chorus_work_t h) {
   w->busy = 0;
   w->error = NULL;
   w->duration = 0;
+  w->source = -1;
   memcpy(w->bufs, k->bufs, sizeof w->bufs);
   w->list = k->list;
   w->nlist = k->nlist;
@@ -1069,6 +1072,13 @@ static PyObject *Work_duration(WorkObject *w, PyObject *u) {
   return PyFloat_FromDouble(w->result == CHORUS_INPROGRESS ? 0.0 : w->duration);
 }
 
+/* The rank (in the call's group) a completed receive got its message
+ * from -- the sender matched by a receive from any source; -1 otherwise. */
+static PyObject *Work_source_rank(WorkObject *w, PyObject *u) {
+  work_poll(w);
+  return PyLong_FromLong(w->result == CHORUS_OK ? w->source : -1);
+}
+
 static PyMethodDef Work_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Work_wait, METH_FASTCALL,
      "wait(timeout_ms=-1): True, or raises the operation's error"},
@@ -1076,6 +1086,9 @@ static PyMethodDef Work_methods[] = {
     {"is_success", (PyCFunction)Work_is_success, METH_NOARGS, "completed without error"},
     {"exception", (PyCFunction)Work_exception, METH_NOARGS, "the error, or None"},
     {"duration", (PyCFunction)Work_duration, METH_NOARGS, "seconds it ran (0 until done)"},
+    {"source_rank", (PyCFunction)Work_source_rank, METH_NOARGS,
+     "a completed receive's sender, as a rank of the call's group (-1 otherwise)"},
+    {"_source_rank", (PyCFunction)Work_source_rank, METH_NOARGS, "torch's name of source_rank"},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject WorkType = {

@@ -397,7 +397,6 @@ class ChorusWork : public c10d::Work {
         outputs_(std::move(outputs)),
         keep_(std::move(keep)),
         copies_(std::move(copies)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(listOfTensors())),
         srcRank_(srcRank),
         title_(title) {}
 
@@ -475,7 +474,7 @@ class ChorusWork : public c10d::Work {
         complete(chorus_work_wait(h_, -1));
       }
     }
-    return future_;
+    return future();
   }
 
   // The completion thread's part: wait for the outcome and finish.
@@ -510,15 +509,13 @@ class ChorusWork : public c10d::Work {
       std::lock_guard<std::mutex> g(finishMu_);
       error_ = e;  // known before the Future's callbacks run (they may wait())
     }
-    try {
-      if (e)
-        future_->setError(e);
-      else
-        future_->markCompleted(c10::IValue(outputs_));
-    } catch (...) {
-      // A callback of the Future threw: it must not escape the finishing
-      // thread (which may be the completion thread).
+    c10::intrusive_ptr<c10::ivalue::Future> f;
+    {
+      std::lock_guard<std::mutex> g(futureMu_);
+      outcomeKnown_ = true;
+      f = future_;
     }
+    if (f) settle(f, e);  // else future() completes it when asked for
     finish(e);
     return true;
   }
@@ -533,6 +530,44 @@ class ChorusWork : public c10d::Work {
   bool done() {
     std::lock_guard<std::mutex> g(mutex_);
     return completed_;
+  }
+
+  // The Future, made on first use: most calls are waited for and never
+  // asked for one, and making and completing it was a tenth of a small
+  // call's cost.  Asked for after the outcome is known, it is completed
+  // here; before, complete() completes it.  Exactly one of the two does.
+  c10::intrusive_ptr<c10::ivalue::Future> future() {
+    c10::intrusive_ptr<c10::ivalue::Future> f;
+    bool settleHere = false;
+    {
+      std::lock_guard<std::mutex> g(futureMu_);
+      if (!future_) {
+        future_ = c10::make_intrusive<c10::ivalue::Future>(listOfTensors());
+        settleHere = outcomeKnown_;
+      }
+      f = future_;
+    }
+    if (settleHere) {
+      std::exception_ptr e;
+      {
+        std::lock_guard<std::mutex> g(finishMu_);
+        e = error_;
+      }
+      settle(f, e);
+    }
+    return f;
+  }
+
+  void settle(const c10::intrusive_ptr<c10::ivalue::Future>& f, std::exception_ptr e) {
+    try {
+      if (e)
+        f->setError(e);
+      else
+        f->markCompleted(c10::IValue(outputs_));
+    } catch (...) {
+      // A callback of the Future threw: it must not escape the finishing
+      // thread (which may be the completion thread).
+    }
   }
   bool finishing() {
     std::lock_guard<std::mutex> g(finishMu_);
@@ -555,7 +590,9 @@ class ChorusWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;  // the Future's value
   std::vector<at::Tensor> keep_;     // alive until completion
   TensorPairs copies_;               // (caller's tensor, buffer) after success
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex futureMu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // made by future()
+  bool outcomeKnown_ = false;                       // complete() has decided
   int srcRank_;
   const char* title_;
   std::mutex finishMu_;

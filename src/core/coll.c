@@ -130,10 +130,19 @@ static void work_release_locked(struct chorus_work *w) {
   if (!w->on_stack) free(w);
 }
 
+static int executing(chorus_comm_t comm);
+
+/* Wakes the worker when the queue's head is its to start. */
+static void wake_worker_locked(chorus_comm_t comm) {
+  if (comm->q_head && !comm->q_head->lazy_until && !executing(comm))
+    pthread_cond_signal(&comm->wcond);
+}
+
 static void finish_locked(chorus_comm_t comm, struct chorus_work *w) {
   w->state = CHORUS__WORK_DONE;
   if (w->result != CHORUS_OK) memcpy(comm->last_error, w->err, sizeof comm->last_error);
   pthread_cond_broadcast(&comm->cond);
+  wake_worker_locked(comm);
 }
 
 /* comm->executing is written under the lock except at the end of an
@@ -150,6 +159,7 @@ static int executing(chorus_comm_t comm) {
  * entry and exit: the worker's loop and a waiting caller do exactly this. */
 static void run_head_locked(chorus_comm_t comm) {
   struct chorus_work *w = comm->q_head;
+  w->lazy_until = 0;
   comm->q_head = w->next;
   if (!comm->q_head) comm->q_tail = NULL;
   __atomic_store_n(&comm->executing, 1, __ATOMIC_SEQ_CST);
@@ -163,18 +173,60 @@ static void run_head_locked(chorus_comm_t comm) {
   work_release_locked(w); /* the queue's reference */
 }
 
+/* Lazy start.  An asynchronous call on an idle communicator is left to
+ * its caller for a moment instead of waking the worker: a caller that
+ * waits for it at once (torch's dist.all_reduce issues the call, then
+ * waits) runs it on its own thread (chorus_work_wait), and no other thread
+ * wakes -- on a host with as many ranks as cores each wake-up preempts a
+ * rank, and two per call were most of a small call's cost through torch.
+ * The worker starts such a call itself once LAZY_NS passed: it wakes every
+ * LAZY_TICK_NS while calls are being left to their callers (until
+ * LAZY_IDLE_NS after the last), so a call nobody waits for starts within
+ * about a tick.  A call whose caller did not wait (the worker had to start
+ * it, or it was tested, waited with a bound or freed first) makes the next
+ * LAZY_EAGER asynchronous calls go to the worker at once, as a program
+ * that overlaps its calls with work wants.  Blocking calls never wait in
+ * the queue (run inline). */
+#define LAZY_NS 50000
+#define LAZY_TICK_NS 1000000
+#define LAZY_IDLE_NS 20000000
+#define LAZY_EAGER 64
+
+/* The caller will not run w itself: the worker starts it, and the
+ * operations queued before it, now. */
+static void start_now_locked(chorus_comm_t comm, struct chorus_work *w) {
+  if (w->state != CHORUS__WORK_QUEUED) return;
+  for (struct chorus_work *q = comm->q_head; q; q = q->next) {
+    if (q->lazy_until) {
+      q->lazy_until = 0;
+      comm->eager_left = LAZY_EAGER;
+    }
+    if (q == w) break;
+  }
+  wake_worker_locked(comm);
+}
+
 static void *worker_main(void *arg) {
   chorus_comm_t comm = arg;
   pthread_mutex_lock(&comm->lock);
   for (;;) {
-    while (!comm->stopping && (!comm->q_head || executing(comm)))
-      pthread_cond_wait(&comm->cond, &comm->lock);
-    if (!comm->q_head) break; /* stopping and drained */
-    if (executing(comm)) {    /* stopping, but a caller runs one inline */
-      pthread_cond_wait(&comm->cond, &comm->lock);
+    struct chorus_work *h = comm->q_head;
+    if (!h && comm->stopping) break; /* drained */
+    int64_t now = h && h->lazy_until ? chorus__now_ns() : 0;
+    if (h && !executing(comm) && (!h->lazy_until || comm->stopping || h->lazy_until <= now)) {
+      if (h->lazy_until) comm->eager_left = LAZY_EAGER; /* its caller did not wait */
+      h->lazy_until = 0;
+      run_head_locked(comm);
       continue;
     }
-    run_head_locked(comm);
+    now = chorus__now_ns();
+    comm->worker_ticking = !comm->stopping && now - comm->last_lazy_ns < LAZY_IDLE_NS;
+    if (comm->worker_ticking) {
+      struct timespec ts = chorus__deadline_timespec(now + LAZY_TICK_NS);
+      pthread_cond_timedwait(&comm->wcond, &comm->lock, &ts);
+    } else {
+      pthread_cond_wait(&comm->wcond, &comm->lock);
+    }
   }
   pthread_mutex_unlock(&comm->lock);
   return NULL;
@@ -230,17 +282,33 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
   }
   w->refs = 2;
   w->state = CHORUS__WORK_QUEUED;
+  w->lazy_until = 0;
+  if (out && !executing(comm) && !comm->q_head) {
+    if (comm->eager_left > 0) {
+      comm->eager_left--;
+    } else {
+      int64_t now = chorus__now_ns();
+      w->lazy_until = now + LAZY_NS;
+      comm->last_lazy_ns = now;
+      if (!comm->worker_ticking) pthread_cond_signal(&comm->wcond); /* start ticking */
+    }
+  }
   __atomic_fetch_add(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
   if (comm->q_tail) comm->q_tail->next = w;
   else comm->q_head = w;
   comm->q_tail = w;
-  pthread_cond_broadcast(&comm->cond);
+  wake_worker_locked(comm);
   if (out) {
     *out = w;
     pthread_mutex_unlock(&comm->lock);
     return CHORUS_OK;
   }
-  while (w->state != CHORUS__WORK_DONE) pthread_cond_wait(&comm->cond, &comm->lock);
+  /* Blocking behind queued operations: run them and ours here when
+   * nothing runs, as chorus_work_wait does. */
+  while (w->state != CHORUS__WORK_DONE) {
+    if (comm->q_head && !executing(comm)) run_head_locked(comm);
+    else pthread_cond_wait(&comm->cond, &comm->lock);
+  }
   chorus_result_t st = w->result;
   work_release_locked(w);
   pthread_mutex_unlock(&comm->lock);
@@ -291,13 +359,13 @@ chorus_result_t chorus_work_wait(chorus_work_t w, int timeout_ms) {
       /* Ours or one before ours is next in line and nothing runs: this
        * thread runs it, as the worker would (same order, same
        * bookkeeping), instead of waking the worker and then being woken by
-       * it -- two hand-offs, about 10 us, the whole cost of a small async
-       * call waited at once.  Only an unbounded wait may: a bounded one
+       * it (see lazy start).  Only an unbounded wait may: a bounded one
        * must be able to return before the operation ends. */
       run_head_locked(comm);
       continue;
     }
     if (timeout_ms >= 0 && chorus__ms_left(deadline) == 0) break;
+    if (timeout_ms >= 0) start_now_locked(comm, w);
     if (timeout_ms < 0) {
       pthread_cond_wait(&comm->cond, &comm->lock);
     } else {
@@ -314,6 +382,7 @@ chorus_result_t chorus_work_test(chorus_work_t w) {
   if (!w) return CHORUS_ERR_INVALID_ARG;
   if (w->p2p) return p2p_progress(w, 0);
   pthread_mutex_lock(&w->comm->lock);
+  start_now_locked(w->comm, w);
   chorus_result_t st = w->state == CHORUS__WORK_DONE ? w->result : CHORUS_INPROGRESS;
   pthread_mutex_unlock(&w->comm->lock);
   return st;
@@ -363,6 +432,7 @@ void chorus_work_free(chorus_work_t w) {
    * (bounded by the timeout; a failure detaches it). */
   if (w->p2p) p2p_progress(w, -1);
   pthread_mutex_lock(&comm->lock);
+  start_now_locked(comm, w);
   work_release_locked(w);
   pthread_mutex_unlock(&comm->lock);
 }

@@ -176,6 +176,7 @@ chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *
   for (int k = 0; k < CHORUS_COLL_COUNT; k++) comm->forced_algo[k] = -1;
   pthread_mutex_init(&comm->lock, NULL);
   chorus__cond_init_monotonic(&comm->cond);
+  chorus__cond_init_monotonic(&comm->wcond);
   pthread_mutex_lock(&ctx->lock);
   ctx->refs++;
   pthread_mutex_unlock(&ctx->lock);
@@ -536,6 +537,7 @@ chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
   pthread_mutex_lock(&comm->lock);
   comm->stopping = 1;
   pthread_cond_broadcast(&comm->cond);
+  pthread_cond_signal(&comm->wcond);
   pthread_mutex_unlock(&comm->lock);
   if (chorus__exiting()) {
     /* A destroy from an atexit handler that runs after ours: the world
@@ -553,6 +555,7 @@ chorus_result_t chorus_comm_destroy(chorus_comm_t comm) {
   ctx_unref(comm->ctx);
   pthread_mutex_destroy(&comm->lock);
   pthread_cond_destroy(&comm->cond);
+  pthread_cond_destroy(&comm->wcond);
   free(comm->world_ranks);
   free(comm);
   return CHORUS_OK;

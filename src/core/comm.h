@@ -63,6 +63,7 @@ struct chorus_work {
   int refs; /* the caller's handle + the queue */
   int on_stack; /* a blocking call's record on its caller's stack: never freed */
   int64_t t_start, t_end; /* CLOCK_MONOTONIC ns: execution began / ended */
+  int64_t lazy_until;     /* the worker leaves it to its caller until then */
   chorus_result_t result;
   char err[1024];
 };
@@ -88,6 +89,14 @@ struct chorus_comm {
   int stopping;
   pthread_t worker;
   int worker_started;
+  /* The worker sleeps on wcond, woken only when it has work (a queued
+   * operation it may start) or must stop; callers waiting for an
+   * operation's end sleep on cond.  Lazy start (coll.c): */
+  pthread_cond_t wcond;
+  int worker_ticking;   /* the worker wakes every LAZY_TICK_NS, not only on a signal */
+  int64_t last_lazy_ns; /* when an operation was last left to its caller */
+  int eager_left;       /* async calls that go to the worker at once, after one
+                         * that its caller did not wait for */
   char last_error[1024];
   chorus__pool_t pool; /* scratch kept between collectives */
   chorus__shm_t *shm;  /* every member on this host: the group's segment */

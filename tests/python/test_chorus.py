@@ -227,7 +227,26 @@ def test_p2p_async(rank, size):
                 chorus.send(out, dst=rank + 1)
         elif True:
             check(chorus.recv(got, src=rank - 1) == rank - 1, "recv returns src")
-    expect(NotImplementedError, lambda: chorus.recv(got), "recv from any source")
+    # From any source: rank 0 takes one message from every other rank, in
+    # whatever order they come; recv returns the sender, irecv's Work names it.
+    if size > 1:
+        if rank == 0:
+            senders = []
+            for i in range(size - 1):
+                got[:] = -1
+                if i % 2 == 0:
+                    src = chorus.recv(got, tag=11)
+                else:
+                    w = chorus.irecv(got, tag=11)
+                    w.wait()
+                    src = w.source_rank()
+                check(np.all(got == src), "recv from any source: %s from %d" % (got[:2], src))
+                senders.append(src)
+            check(sorted(senders) == list(range(1, size)), "senders %s" % senders)
+        else:
+            chorus.send(np.full(8, rank, np.int32), dst=0, tag=11)
+    else:
+        expect(chorus.InvalidArgumentError, lambda: chorus.recv(got), "recv from any source alone")
     # async collectives: many in flight, waited in reverse order
     arrs = [np.full(1000, rank + i, np.float64) for i in range(6)]
     works = [chorus.all_reduce(a, async_op=True) for a in arrs]

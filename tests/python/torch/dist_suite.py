@@ -167,11 +167,26 @@ def _environment(argv):
     return args
 
 
+def _die_with_parent():
+    """A test's processes end when this driver does (killed by CTest's
+    timeout, say): PR_SET_PDEATHSIG, set in each forked child."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 if __name__ == "__main__":
     ARGS = _environment(sys.argv[1:])
     _temp = tempfile.TemporaryDirectory(prefix="chorus-dist-suite-")
     os.environ["TEMP_DIR"] = _temp.name
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # The harness kills a test's processes after this long (its default:
+    # 300 s; a test here takes seconds).
+    os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
+    os.register_at_fork(after_in_child=_die_with_parent)
 
 # Spawned children import this file as __mp_main__ with the parent's
 # environment: they rebuild the same classes.
