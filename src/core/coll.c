@@ -293,6 +293,9 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
       if (!comm->worker_ticking) pthread_cond_signal(&comm->wcond); /* start ticking */
     }
   }
+  /* A second async call before the first was waited for: the caller
+   * overlaps its calls with work; start the first now. */
+  if (out && comm->q_head && comm->q_head->lazy_until) start_now_locked(comm, comm->q_head);
   __atomic_fetch_add(&comm->nqueued, 1, __ATOMIC_SEQ_CST);
   if (comm->q_tail) comm->q_tail->next = w;
   else comm->q_head = w;

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "chorus.h"
 #include "harness.h"
@@ -47,6 +48,48 @@ TEST(many_outstanding_in_order) {
     for (int i = 0; i < COUNT; i++)
       ASSERT_EQ(bufs[k * COUNT + i], n * (n - 1) / 2 + n * (k + i));
   free(bufs);
+}
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* An async call its caller does not wait for still starts by itself
+ * (lazy start leaves it to the caller only briefly): rank 0 issues one and
+ * then sleeps without entering the library; the other ranks' blocking call
+ * must complete long before rank 0 wakes. */
+TEST(unwaited_async_starts_by_itself) {
+  enum { SLEEP_MS = 1500 };
+  int64_t n = g_size;
+  /* Issue and wait at once (after the earlier tests' unwaited calls, the
+   * first ones go to the worker at once; these bring lazy start back). */
+  for (int i = 0; i < 2000; i++) {
+    int64_t v = 1;
+    chorus_work_t w;
+    CHECK_OK(chorus_all_reduce(g_comm, &v, &v, 1, CHORUS_INT64, CHORUS_SUM, &w));
+    CHECK_OK(chorus_work_wait(w, -1));
+    chorus_work_free(w);
+    ASSERT_EQ(v, n);
+  }
+  int64_t a = g_rank;
+  if (g_rank == 0) {
+    chorus_work_t w;
+    CHECK_OK(chorus_all_reduce(g_comm, &a, &a, 1, CHORUS_INT64, CHORUS_SUM, &w));
+    struct timespec nap = {SLEEP_MS / 1000, (SLEEP_MS % 1000) * 1000000L};
+    nanosleep(&nap, NULL);
+    CHECK_OK(chorus_work_wait(w, -1));
+    chorus_work_free(w);
+  } else {
+    double t0 = now_ms();
+    CHECK_OK(chorus_all_reduce(g_comm, &a, &a, 1, CHORUS_INT64, CHORUS_SUM, NULL));
+    double took = now_ms() - t0;
+    printf("rank %d: rank 0's unwaited call completed after %.1f ms (it waits at %d ms)\n",
+           g_rank, took, SLEEP_MS);
+    ASSERT_TRUE(took < SLEEP_MS / 2);
+  }
+  ASSERT_EQ(a, n * (n - 1) / 2);
 }
 
 TEST(blocking_after_async_keeps_order) {
@@ -284,6 +327,7 @@ int main(void) {
   g_size = chorus_comm_size(g_comm);
   RUN(many_outstanding_in_order);
   RUN(blocking_after_async_keeps_order);
+  RUN(unwaited_async_starts_by_itself);
   RUN(wait_from_another_thread);
   RUN(wait_timeout_then_complete);
   RUN(p2p_tags_out_of_order);
