@@ -10,9 +10,12 @@
  *   - the Work holds every tensor the operation touches (and the contiguous
  *     temporaries it needed) until the operation completes;
  *   - completion ("finishing") happens once: copy the temporaries back into
- *     the caller's tensors, complete the Future, then c10d::Work::finish;
- *   - wait() calls chorus_work_wait on the calling thread (no hand-off);
- *     isCompleted() calls chorus_work_test;
+ *     the caller's tensors, complete the Future (made only when asked for),
+ *     then c10d::Work::finish;
+ *   - wait() calls chorus_work_wait on the calling thread, which runs the
+ *     operation right there when it has not started (the library's lazy
+ *     start: a call waited at once, as dist.all_reduce does, wakes no
+ *     other thread); isCompleted() calls chorus_work_test;
  *   - getFuture() hands the Work to a completion thread of its process group
  *     (started on first use) so the Future completes even if nobody waits
  *     (DDP's reducer only calls getFuture).

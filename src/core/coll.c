@@ -283,7 +283,7 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
   w->refs = 2;
   w->state = CHORUS__WORK_QUEUED;
   w->lazy_until = 0;
-  if (out && !executing(comm) && !comm->q_head) {
+  if (out && !executing(comm) && !comm->q_head && comm->lazy_start) {
     if (comm->eager_left > 0) {
       comm->eager_left--;
     } else {

@@ -173,6 +173,7 @@ chorus_result_t chorus__comm_create(chorus__ctx_t *ctx, uint64_t id, const int *
   comm->local_rank = comm->local_size = -1;
   comm->timeout_ms = timeout_ms;
   comm->debug_checks = chorus__env()->DEBUG_CHECKS;
+  comm->lazy_start = chorus__env()->LAZY_START;
   for (int k = 0; k < CHORUS_COLL_COUNT; k++) comm->forced_algo[k] = -1;
   pthread_mutex_init(&comm->lock, NULL);
   chorus__cond_init_monotonic(&comm->cond);

@@ -77,6 +77,7 @@ struct chorus_comm {
   int local_rank, local_size;
   int timeout_ms;
   int debug_checks;
+  int lazy_start; /* CHORUS_LAZY_START */
   int forced_algo[CHORUS_COLL_COUNT]; /* -1: automatic */
   uint64_t next_seq;
   uint64_t children; /* subgroups created so far (for their ids) */
