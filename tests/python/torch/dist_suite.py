@@ -147,7 +147,42 @@ def load_suite(backend):
         for allow in ("PROFILING_SUPPORTED_BACKENDS", "CUDA_PROFILING_SUPPORTED_BACKENDS",
                       "SEND_RECV_PROFILING_SUPPORTED_BACKENDS"):
             getattr(module, allow).append(backend)
+    module.Barrier.sync = classmethod(_barrier_sync)
     return module, rewrite
+
+
+def _barrier_sync(cls, wait_for=None, timeout=10):
+    """The suite's file barrier between a test's processes (Barrier.sync,
+    twice per test), the same files and meaning, looking every 5 ms instead
+    of every 100 ms: at 0.3 s a test, the harness's own sleeps were a third
+    of the suite's time, on any backend."""
+    import fcntl
+    import torch.distributed as dist
+    if wait_for is None:
+        wait_for = dist.get_world_size()
+    cls.barrier_id += 1
+    where = os.path.join(os.environ["TEMP_DIR"], "barrier")
+    lock = os.path.join(os.environ["TEMP_DIR"], "lockfile")
+    with open(lock, "w") as lf:
+        fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
+        with open(os.path.join(where, str(os.getpid())), "w") as f:
+            f.write(str(cls.barrier_id))
+        fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
+    start = time.time()
+    while True:
+        arrived = 0
+        with open(lock, "w") as lf:
+            fcntl.flock(lf.fileno(), fcntl.LOCK_EX)
+            for name in os.listdir(where):
+                with open(os.path.join(where, name)) as f:
+                    if int(f.read()) >= cls.barrier_id:
+                        arrived += 1
+            fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
+        if arrived == wait_for:
+            return
+        if time.time() - start > timeout:
+            raise RuntimeError("barrier timeout")
+        time.sleep(0.005)
 
 
 def _environment(argv):
