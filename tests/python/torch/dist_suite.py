@@ -223,6 +223,9 @@ if __name__ == "__main__":
     os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
     os.register_at_fork(after_in_child=_die_with_parent)
 
+# The harness logs every process start and store barrier at INFO.
+logging.disable(logging.INFO)
+
 # Spawned children import this file as __mp_main__ with the parent's
 # environment: they rebuild the same classes.
 _suite, _rewrite = load_suite(os.environ["BACKEND"])
@@ -323,8 +326,6 @@ def main(args):
 
 
 if __name__ == "__main__":
-    # The harness logs every process start and store barrier at INFO.
-    logging.disable(logging.INFO)
     rc = main(ARGS)
     _temp.cleanup()
     sys.exit(rc)
