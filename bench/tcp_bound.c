@@ -17,17 +17,20 @@
  *                 received into a PIECE-sized buffer and added (float32)
  *                 into a SIZE-sized destination before the next is read
  *
- * Each side sends on one thread and receives on another (as a rank's
- * progress would), over one connection with chorus's socket buffer sizes
- * (4 MiB).  No chorus code: the bound is the kernel's and the CPU's.
- * Plain C, pthreads: cc -O2 -pthread bench/tcp_bound.c -o tcp_bound
+ * Each side moves both directions on one thread (non-blocking sockets and
+ * poll, as a rank's progress thread does), each direction on a connection
+ * of its own (as chorus's piece connections are), with chorus's socket
+ * buffer sizes (4 MiB).  No chorus code: the bound is the
+ * kernel's and the CPU's.  Plain C: cc -O2 bench/tcp_bound.c -o tcp_bound
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <pthread.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,46 +73,72 @@ static void recv_all(int fd, void *p, size_t n) {
 }
 
 struct side {
-  int fd;
+  int fd;     /* this side's sending connection; also the control one */
+  int rx;     /* the connection it receives on (fd for one way) */
   size_t size, piece;
   int mode;
   float *src, *dst, *buf;
 };
 
-static void *sender(void *arg) {
-  struct side *s = arg;
-  send_all(s->fd, s->src, s->size);
-  return NULL;
+/* Both directions at once on this one thread, as a ring rank's progress
+ * moves them: a non-blocking socket, poll, send what the socket takes,
+ * receive what came -- in reduce mode piece by piece into buf, each piece
+ * added into dst once complete. */
+static void exchange(struct side *s) {
+  size_t sent = 0, got = 0, in_piece = 0;
+  int fl = fcntl(s->fd, F_GETFL), rfl = fcntl(s->rx, F_GETFL);
+  fcntl(s->fd, F_SETFL, fl | O_NONBLOCK);
+  fcntl(s->rx, F_SETFL, rfl | O_NONBLOCK);
+  while (sent < s->size || got < s->size) {
+    struct pollfd p[2] = {{.fd = s->fd, .events = sent < s->size ? POLLOUT : 0},
+                          {.fd = s->rx, .events = got < s->size ? POLLIN : 0}};
+    if (poll(p, 2, -1) < 0) die("poll");
+    while ((p[1].revents & POLLIN) && got < s->size) {
+      ssize_t k;
+      if (s->mode == M_REDUCE) {
+        size_t want = s->size - got < s->piece ? s->size - got : s->piece;
+        k = recv(s->rx, (char *)s->buf + in_piece, want - in_piece, 0);
+        if (k > 0 && (in_piece += (size_t)k) == want) {
+          float *d = s->dst + (got + (size_t)k - in_piece) / sizeof(float);
+          for (size_t i = 0; i < want / sizeof(float); i++) d[i] += s->buf[i];
+          in_piece = 0;
+        }
+      } else {
+        k = recv(s->rx, (char *)s->dst + got, s->size - got, 0);
+      }
+      if (k == 0) die("recv: closed");
+      if (k < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        die("recv");
+      }
+      got += (size_t)k;
+    }
+    while ((p[0].revents & POLLOUT) && sent < s->size) {
+      size_t n = s->size - sent < (1u << 20) ? s->size - sent : (1u << 20);
+      ssize_t k = send(s->fd, (char *)s->src + sent, n, MSG_NOSIGNAL);
+      if (k < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        die("send");
+      }
+      sent += (size_t)k;
+    }
+  }
+  fcntl(s->fd, F_SETFL, fl);
+  fcntl(s->rx, F_SETFL, rfl);
 }
 
-/* Receives size bytes; in reduce mode piece by piece into buf, each added
- * into dst before the next is read. */
-static void receive(struct side *s) {
-  if (s->mode != M_REDUCE) {
-    recv_all(s->fd, s->dst, s->size);
-    return;
-  }
-  for (size_t off = 0; off < s->size; off += s->piece) {
-    size_t n = s->size - off < s->piece ? s->size - off : s->piece;
-    recv_all(s->fd, s->buf, n);
-    float *d = s->dst + off / sizeof(float);
-    for (size_t i = 0; i < n / sizeof(float); i++) d[i] += s->buf[i];
-  }
-}
-
-/* One transfer in the given mode; returns seconds.  sends: whether this
- * side sends (oneway: only the client). */
-static double transfer(struct side *s, int sends, int receives) {
+/* One transfer in the given mode; returns seconds.  One way: the client
+ * sends, the server receives; otherwise both do both. */
+static double transfer(struct side *s, int is_server) {
   char go = 1;
-  /* Start together: the client says go, the server echoes. */
+  int ctl = is_server ? s->rx : s->fd; /* the client's sending connection */
   double t0 = now_s();
-  pthread_t th;
-  if (sends && pthread_create(&th, NULL, sender, s) != 0) die("pthread_create");
-  if (receives) receive(s);
-  if (sends) pthread_join(th, NULL);
+  if (s->mode != M_ONEWAY) exchange(s);
+  else if (is_server) recv_all(ctl, s->dst, s->size);
+  else send_all(ctl, s->src, s->size);
   /* A one-byte acknowledgement: the transfer ended at the far side too. */
-  send_all(s->fd, &go, 1);
-  recv_all(s->fd, &go, 1);
+  send_all(ctl, &go, 1);
+  recv_all(ctl, &go, 1);
   return now_s() - t0;
 }
 
@@ -141,18 +170,19 @@ int main(int argc, char **argv) {
     return 2;
   }
   int is_server = !strcmp(argv[1], "server");
-  int fd;
+  int fd, rx;
   size_t hdr[2] = {64u << 20, 256u << 10};
   if (is_server) {
     int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     set_bufs(l);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[2]))};
-    if (bind(l, (struct sockaddr *)&a, sizeof a) < 0 || listen(l, 1) < 0) die("listen");
-    fd = accept(l, NULL, NULL);
-    if (fd < 0) die("accept");
+    if (bind(l, (struct sockaddr *)&a, sizeof a) < 0 || listen(l, 2) < 0) die("listen");
+    rx = accept(l, NULL, NULL);  /* the client's sending connection */
+    fd = accept(l, NULL, NULL);  /* ours */
+    if (rx < 0 || fd < 0) die("accept");
     close(l);
-    recv_all(fd, hdr, sizeof hdr);
+    recv_all(rx, hdr, sizeof hdr);
   } else {
     if (argc < 4) return 2;
     if (argc > 4) hdr[0] = parse_size(argv[4]);
@@ -170,12 +200,17 @@ int main(int argc, char **argv) {
       }
     }
     if (fd < 0) die("connect");
+    rx = socket(AF_INET, SOCK_STREAM, 0);
+    set_bufs(rx);
+    if (connect(rx, res->ai_addr, res->ai_addrlen) < 0) die("connect");
     freeaddrinfo(res);
     send_all(fd, hdr, sizeof hdr);
   }
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  struct side s = {.fd = fd, .size = hdr[0] & ~(size_t)3, .piece = hdr[1] & ~(size_t)3};
+  setsockopt(rx, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  /* One way: the client's connection carries it (and the acknowledgements). */
+  struct side s = {.fd = fd, .rx = rx, .size = hdr[0] & ~(size_t)3, .piece = hdr[1] & ~(size_t)3};
   if (s.size == 0 || s.piece == 0 || s.size > ((size_t)1 << 32)) {
     fprintf(stderr, "tcp_bound: bad size %zu or piece %zu\n", s.size, s.piece);
     return 2;
@@ -190,12 +225,13 @@ int main(int argc, char **argv) {
     s.mode = mode;
     double t[REPS + 1];
     for (int r = 0; r <= REPS; r++) /* the first one warms up */
-      t[r] = transfer(&s, mode != M_ONEWAY || !is_server, mode != M_ONEWAY || is_server);
+      t[r] = transfer(&s, is_server);
     qsort(t + 1, REPS, sizeof *t, cmp);
     if (!is_server)
       printf("mode=%s size=%zu piece=%zu MBps=%.0f\n", names[mode], s.size, s.piece,
              s.size / t[1 + REPS / 2] / 1e6);
   }
   close(fd);
+  close(rx);
   return 0;
 }
