@@ -1335,11 +1335,11 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     if (rc != CHORUS_OK) throw LibraryError(resultText(rc, chorus_comm_last_error(comm())));
     std::unique_ptr<void, void (*)(void*)> hold(all, chorus_free);
     std::vector<at::Tensor> idxs, vals;
-    const uint8_t* at = static_cast<const uint8_t*>(all);
-    for (int r = 0; r < size_; at += lens[r], r++) {
+    const uint8_t* p = static_cast<const uint8_t*>(all);
+    for (int r = 0; r < size_; p += lens[r], r++) {
       std::vector<int64_t> theirs(head.size());
       if (lens[r] < hbytes) sparseMismatch(r, c10::str("sent ", lens[r], " bytes"));
-      memcpy(theirs.data(), at, hbytes);
+      memcpy(theirs.data(), p, hbytes);
       if (!std::equal(head.begin(), head.end() - 1, theirs.begin()))
         sparseMismatch(r, "has another dtype, sparse dimension or size");
       int64_t nnz = theirs.back();
@@ -1352,8 +1352,8 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       idxs.push_back(at::empty({sdim, nnz}, idx.options()));
       vals.push_back(at::empty(vshape, val.options()));
       if (nnz) {
-        memcpy(idxs.back().data_ptr(), at + hbytes, idxs.back().nbytes());
-        memcpy(vals.back().data_ptr(), at + hbytes + idxs.back().nbytes(), vals.back().nbytes());
+        memcpy(idxs.back().data_ptr(), p + hbytes, idxs.back().nbytes());
+        memcpy(vals.back().data_ptr(), p + hbytes + idxs.back().nbytes(), vals.back().nbytes());
       }
     }
     at::Tensor sum =
@@ -1376,11 +1376,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     bool any = srcRank == CHORUS_ANY_SOURCE;
     at::AutoDispatchBelowAutograd guard;
     checkSingle(fn, tensors.size(), "tensor");
-    if (any && size_ < 2)
-      fail("chorus recv: receiving from any source in a group of one rank: no rank can send");
-    if (!any) checkPeer(fn, srcRank, tag);
-    else if (tag < 0)
-      fail(c10::str("chorus recv: tag ", tag, " is negative; chorus tags are >= 0"));
+    checkPeer(fn, srcRank, tag, true);
     const at::Tensor& t = tensors[0];
     checkTensor(fn, t, "the tensor");
     chorus_dtype_t dt = dtypeOf(fn, t, false);
@@ -1435,11 +1431,12 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     };
     // Waits for w until the deadline: "" on success, else why not.  A
     // pending Work goes to the completion thread (its buffer must live on).
+    static const std::string kLate = "it did not arrive in time";
     auto waitFor = [&](const c10::intrusive_ptr<ChorusWork>& w) -> std::string {
       chorus_result_t rc = chorus_work_wait(*w->handle(), left());
       if (rc == CHORUS_INPROGRESS) {
         w->getFuture();
-        return "it did not arrive in time";
+        return kLate;
       }
       w->complete(rc);
       return rc == CHORUS_OK ? "" : resultText(rc, chorus_work_error(*w->handle()));
@@ -1456,7 +1453,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       std::string why = waitFor(s);
       if (why.empty()) why = waitFor(r);
       else r->getFuture();
-      if (why == "it did not arrive in time")
+      if (why == kLate)
         why = c10::str("rank 0 did not answer within the group's timeout of ", timeoutMs_,
                        " ms; is rank 0 in monitored_barrier too?");
       std::vector<int> failed;
@@ -1592,9 +1589,15 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       fail(c10::str("chorus ", fn, ": root rank ", root, " is not in [0, ", size_, ")"));
   }
 
-  void checkPeer(const char* fn, int peer, int tag) const {
-    if (peer < 0 || peer >= size_)
+  // peer: a rank of the group, or CHORUS_ANY_SOURCE where anyOk (recv).
+  void checkPeer(const char* fn, int peer, int tag, bool anyOk = false) const {
+    if (anyOk && peer == CHORUS_ANY_SOURCE) {
+      if (size_ < 2)
+        fail(c10::str("chorus ", fn, ": receiving from any source in a group of one rank: no "
+                      "rank can send"));
+    } else if (peer < 0 || peer >= size_) {
       fail(c10::str("chorus ", fn, ": peer rank ", peer, " is not in [0, ", size_, ")"));
+    }
     if (tag < 0)
       fail(c10::str("chorus ", fn, ": tag ", tag, " is negative; chorus tags are >= 0"));
   }

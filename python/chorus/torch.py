@@ -52,10 +52,13 @@ if "CHORUS" not in dist.Backend._plugins:
     dist.Backend.register_backend(BACKEND, _torch.create_process_group)
 
 
+def _group(group):
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
 def is_chorus_group(group=None):
     """True when ``group`` (default: the default group) is a chorus group."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return isinstance(pg, ProcessGroupChorus)
+    return isinstance(_group(group), ProcessGroupChorus)
 
 
 def _under_chorusrun():
@@ -118,12 +121,10 @@ _torch_monitored_barrier = getattr(_c10d.monitored_barrier, "_chorus_orig",
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
-    if not _c10d._rank_not_in_group(group):
-        pg = group if group is not None else _c10d._get_default_group()
-        if isinstance(pg, ProcessGroupChorus):
-            if timeout is None:  # the group's own timeout (Gloo: 30 minutes)
-                return pg.monitored_barrier(wait_all_ranks=wait_all_ranks)
-            return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    if not _c10d._rank_not_in_group(group) and is_chorus_group(group):
+        if timeout is None:  # the group's own timeout (Gloo: 30 minutes)
+            return _group(group).monitored_barrier(wait_all_ranks=wait_all_ranks)
+        return _group(group).monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
     return _torch_monitored_barrier(group, timeout, wait_all_ranks)
 
 

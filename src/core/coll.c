@@ -212,14 +212,12 @@ static void *worker_main(void *arg) {
   for (;;) {
     struct chorus_work *h = comm->q_head;
     if (!h && comm->stopping) break; /* drained */
-    int64_t now = h && h->lazy_until ? chorus__now_ns() : 0;
+    int64_t now = chorus__now_ns();
     if (h && !executing(comm) && (!h->lazy_until || comm->stopping || h->lazy_until <= now)) {
       if (h->lazy_until) comm->eager_left = LAZY_EAGER; /* its caller did not wait */
-      h->lazy_until = 0;
-      run_head_locked(comm);
+      run_head_locked(comm); /* clears lazy_until */
       continue;
     }
-    now = chorus__now_ns();
     comm->worker_ticking = !comm->stopping && now - comm->last_lazy_ns < LAZY_IDLE_NS;
     if (comm->worker_ticking) {
       struct timespec ts = chorus__deadline_timespec(now + LAZY_TICK_NS);
@@ -230,6 +228,17 @@ static void *worker_main(void *arg) {
   }
   pthread_mutex_unlock(&comm->lock);
   return NULL;
+}
+
+/* Waits until w is done; whenever nothing executes, this thread runs the
+ * queue's head (ours or one before ours), as the worker would (same order,
+ * same bookkeeping), instead of waking the worker and then being woken by
+ * it (see lazy start).  Only for an unbounded wait. */
+static void run_until_done_locked(chorus_comm_t comm, struct chorus_work *w) {
+  while (w->state != CHORUS__WORK_DONE) {
+    if (comm->q_head && !executing(comm)) run_head_locked(comm);
+    else pthread_cond_wait(&comm->cond, &comm->lock);
+  }
 }
 
 /* Takes ownership of w.  Blocking (out == NULL): runs or waits for it and
@@ -306,12 +315,7 @@ static chorus_result_t submit(chorus_comm_t comm, struct chorus_work *w, chorus_
     pthread_mutex_unlock(&comm->lock);
     return CHORUS_OK;
   }
-  /* Blocking behind queued operations: run them and ours here when
-   * nothing runs, as chorus_work_wait does. */
-  while (w->state != CHORUS__WORK_DONE) {
-    if (comm->q_head && !executing(comm)) run_head_locked(comm);
-    else pthread_cond_wait(&comm->cond, &comm->lock);
-  }
+  run_until_done_locked(comm, w); /* behind queued operations */
   chorus_result_t st = w->result;
   work_release_locked(w);
   pthread_mutex_unlock(&comm->lock);
@@ -357,24 +361,13 @@ chorus_result_t chorus_work_wait(chorus_work_t w, int timeout_ms) {
   chorus_comm_t comm = w->comm;
   int64_t deadline = chorus__deadline_ms(timeout_ms < 0 ? -1 : timeout_ms);
   pthread_mutex_lock(&comm->lock);
-  while (w->state != CHORUS__WORK_DONE) {
-    if (timeout_ms < 0 && comm->q_head && !executing(comm)) {
-      /* Ours or one before ours is next in line and nothing runs: this
-       * thread runs it, as the worker would (same order, same
-       * bookkeeping), instead of waking the worker and then being woken by
-       * it (see lazy start).  Only an unbounded wait may: a bounded one
-       * must be able to return before the operation ends. */
-      run_head_locked(comm);
-      continue;
-    }
-    if (timeout_ms >= 0 && chorus__ms_left(deadline) == 0) break;
-    if (timeout_ms >= 0) start_now_locked(comm, w);
-    if (timeout_ms < 0) {
-      pthread_cond_wait(&comm->cond, &comm->lock);
-    } else {
-      struct timespec ts = chorus__deadline_timespec(deadline);
-      pthread_cond_timedwait(&comm->cond, &comm->lock, &ts);
-    }
+  if (timeout_ms < 0) run_until_done_locked(comm, w);
+  while (w->state != CHORUS__WORK_DONE && chorus__ms_left(deadline) > 0) {
+    /* A bounded wait must be able to return before the operation ends:
+     * the worker runs it. */
+    start_now_locked(comm, w);
+    struct timespec ts = chorus__deadline_timespec(deadline);
+    pthread_cond_timedwait(&comm->cond, &comm->lock, &ts);
   }
   chorus_result_t st = w->state == CHORUS__WORK_DONE ? w->result : CHORUS_INPROGRESS;
   pthread_mutex_unlock(&comm->lock);
