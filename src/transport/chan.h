@@ -27,7 +27,11 @@
  * then stops reading that stream until the endpoint layer resumes it
  * (ops->rx_pause(rx, 0)) and the kernel's (or the ring's) flow control
  * slows the sender.  The channel moves payload bytes to rx->dst (discarding
- * them when it is NULL) and reports them with chorus__tp_rx_bytes().
+ * them when it is NULL) and reports them with chorus__tp_rx_bytes().  It
+ * reads rx->dst again before each chunk: a receive posted while its
+ * message is being buffered takes over the rest of the payload (the bytes
+ * buffered so far are copied, rx->dst moves to the receive's buffer).  A
+ * channel that hands dst to a transfer in flight sets rx->dst_fixed.
  *
  * Messages in pieces (wire.h).  A channel that cuts messages sets
  * rx->pieces_ok on the stream that may carry HEADs; the endpoint layer
@@ -35,7 +39,7 @@
  * length; rx->hbuf still says HEAD), and the channel then moves that
  * message's state into a stream of its own (chorus__tp_rx_move) which its
  * pieces fill at their offsets as they come, reporting each with
- * chorus__tp_rx_bytes; the HEAD's stream goes on with the next header.
+ * chorus__tp_rx_bytes_to; the HEAD's stream goes on with the next header.
  *
  * Failures.  A channel that loses a peer (EOF, error, a protocol violation)
  * calls chorus__tp_peer_failed(); the endpoint layer fails the endpoints
@@ -96,6 +100,7 @@ typedef struct chorus__unexp {
   int src; /* world rank */
   char *buf;
   size_t got;
+  size_t hi;   /* every byte written so far lies below this offset */
   size_t cost; /* charged to the sender's budget (payload + this record) */
   int complete;
   chorus__req_t *req; /* receive waiting for the rest, if any */
@@ -119,6 +124,8 @@ typedef struct chorus__rx {
   int paused;            /* not read: its payload can go nowhere yet */
   int64_t paused_since;
   int pieces_ok;         /* the channel may deliver HEADs here (wire.h: pieces) */
+  int dst_fixed;         /* the channel reads dst once per payload (not per
+                            chunk): it cannot be moved mid-payload */
   struct chorus__rx *next; /* the peer's other streams */
 } chorus__rx_t;
 
@@ -245,6 +252,9 @@ struct chorus__tp {
 void chorus__tp_rx_header(chorus__tp_t *tp, chorus__rx_t *rx);
 /* n payload bytes of rx's message arrived at rx->dst (or were discarded). */
 void chorus__tp_rx_bytes(chorus__tp_t *tp, chorus__rx_t *rx, size_t n);
+/* The same for bytes that did not extend a prefix (a piece): every byte
+ * written so far lies below end. */
+void chorus__tp_rx_bytes_to(chorus__tp_t *tp, chorus__rx_t *rx, size_t n, size_t end);
 /* it's bytes are all out: its request completes; it is freed. */
 void chorus__tp_tx_done(chorus__tp_t *tp, chorus__tx_t *it);
 /* it will never be written (its peer p failed): its endpoint fails; freed. */

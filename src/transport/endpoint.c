@@ -858,10 +858,25 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
   if (rx->left == 0) on_payload_done(tp, rx);
 }
 
-void chorus__tp_rx_bytes(chorus__tp_t *tp, rx_t *rx, size_t n) {
+void chorus__tp_rx_bytes_to(chorus__tp_t *tp, rx_t *rx, size_t n, size_t end) {
   rx->left -= n;
-  if (rx->unexp) rx->unexp->got += n;
+  if (rx->unexp) {
+    rx->unexp->got += n;
+    if (end > rx->unexp->hi) rx->unexp->hi = end;
+  }
   if (rx->left == 0) on_payload_done(tp, rx);
+}
+
+void chorus__tp_rx_bytes(chorus__tp_t *tp, rx_t *rx, size_t n) {
+  chorus__tp_rx_bytes_to(tp, rx, n, (size_t)rx->h.len - (rx->left - n));
+}
+
+/* The stream filling early-message buffer u, if its channel lets the rest
+ * of the payload go elsewhere. */
+static rx_t *unexp_stream(chorus__tp_t *tp, const unexp_t *u) {
+  for (rx_t *rx = tp->peers[u->src].rxs; rx; rx = rx->next)
+    if (rx->unexp == u) return rx->dst_fixed ? NULL : rx;
+  return NULL;
 }
 
 static void on_payload_done(chorus__tp_t *tp, rx_t *rx) {
@@ -1097,13 +1112,31 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
     }
     req->peer = ep->w2g[u->src];
     if (u->complete) {
-      if (u->h.len) memcpy(req->buf, u->buf, u->h.len);
-      req->done = 1;
+      /* Copied without the lock, so the progress thread goes on reading
+       * meanwhile.  Unlinked, u is no one else's; its bytes stay charged
+       * to the sender until it is freed. */
       unlink_unexp(tp, u);
+      pthread_mutex_unlock(&tp->lock);
+      if (u->h.len) memcpy(req->buf, u->buf, u->h.len);
+      pthread_mutex_lock(&tp->lock);
+      req->done = 1;
       free_unexp(tp, u);
-    } else {
-      u->req = req;
+      goto out;
     }
+    rx_t *rx = unexp_stream(tp, u);
+    if (!rx) {
+      u->req = req; /* on_payload_done copies it */
+      goto out;
+    }
+    /* Still arriving (a large message sent before this receive was posted,
+     * the common case for a ring's first step): the part buffered so far
+     * is copied and the rest goes straight to the receive's buffer. */
+    if (u->hi) memcpy(req->buf, u->buf, u->hi);
+    rx->unexp = NULL;
+    rx->req = req;
+    rx->dst = req->buf;
+    unlink_unexp(tp, u);
+    free_unexp(tp, u);
     goto out;
   }
   /* Nothing buffered: a peer that is gone will never send it. */

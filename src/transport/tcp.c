@@ -608,7 +608,7 @@ static void part_bytes(stream_t *s, size_t n) {
   s->part_off += n;
   s->part_left -= n;
   if (!s->part_left) s->part = NULL;
-  chorus__tp_rx_bytes(stream_tp(s), &a->rx, n);
+  chorus__tp_rx_bytes_to(stream_tp(s), &a->rx, n, s->part_off);
   /* Completing it may fail endpoints, whose ABORT may fail the peer: then
    * tcp_close freed every assembly, a too. */
   if (s->c->peer->dead) return;

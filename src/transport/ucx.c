@@ -534,6 +534,7 @@ static void deliver(ucx_link_t *l, held_t *m) {
   chorus__tp_rx_attach(tp, l->peer, &pl->rx, &ch->base, l);
   chorus__tp_rx_move(&l->rx, &pl->rx);
   pl->rx.src = l->peer->rank;
+  pl->rx.dst_fixed = 1; /* UCX fetches into it from now on */
   LIST_PUSH(ch->pulls, pl);
   ucp_request_param_t prm = {
       .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,

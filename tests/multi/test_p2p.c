@@ -25,7 +25,8 @@
  * rank 1 sends rank 0 BURST messages of MSG bytes (BURST * MSG = 32 times
  * the budget) while rank 0 sleeps; rank 0's peak resident memory may grow
  * by the budget, the ring and slack, not by what was sent.  Then rank 0
- * receives them all, in order, and checks every byte.
+ * receives them all, in order, and checks every byte.  Then messages just
+ * under the budget, each received a little late (receive_posted_mid_message).
  */
 #include <dirent.h>
 #include <signal.h>
@@ -403,6 +404,43 @@ static int big_ok(const unsigned char *p, size_t n, int k) {
   return 1;
 }
 
+/* A receive posted while its message is arriving: the bytes buffered so far
+ * are copied and the rest of the payload lands in the receive's buffer
+ * (endpoint.c).  Rank 1 sends messages just under the budget (so they are
+ * buffered, not held back) in pieces (over 1 MiB); rank 0 posts each
+ * receive after a delay from 0 to 4 ms, so some arrive whole first, some
+ * are caught part way (at a ragged edge with several piece connections)
+ * and some after the receive; every byte is checked. */
+TEST(receive_posted_mid_message) {
+  const char *b = getenv("CHORUS_RECV_BUFFER_MAX");
+  size_t budget = b ? (size_t)atol(b) : (size_t)64 << 20;
+  size_t msg = budget - budget / 8;
+  if (msg > (24u << 20)) msg = 24u << 20;
+  unsigned char *buf = malloc(msg);
+  ASSERT_TRUE(buf != NULL);
+  static const long delay_us[] = {0, 200, 500, 1000, 2000, 4000};
+  int rounds = (int)(sizeof delay_us / sizeof delay_us[0]) * 3;
+  for (int k = 0; k < rounds; k++) {
+    ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+    if (g_size < 2 || g_rank > 1) continue;
+    if (g_rank == 1) {
+      fill_big(buf, msg, k);
+      ASSERT_EQ(chorus_send(g_comm, buf, msg, CHORUS_UINT8, 0, 20 + k, NULL), CHORUS_OK);
+    } else {
+      long us = delay_us[k % (int)(sizeof delay_us / sizeof delay_us[0])];
+      struct timespec ts = {0, us * 1000};
+      nanosleep(&ts, NULL);
+      memset(buf, 0xee, msg);
+      ASSERT_EQ(chorus_recv(g_comm, buf, msg, CHORUS_UINT8, 1, 20 + k, NULL), CHORUS_OK);
+      if (!big_ok(buf, msg, k)) {
+        HARNESS_FAIL("message %d of %zu bytes, received %ld us late, arrived wrong", k, msg, us);
+      }
+    }
+  }
+  free(buf);
+  ASSERT_EQ(chorus_barrier(g_comm, NULL), CHORUS_OK);
+}
+
 /* Whether process pid is stopped (state T in /proc). */
 static int is_stopped(pid_t pid) {
   char path[64], line[512];
@@ -538,6 +576,7 @@ int main(int argc, char **argv) {
   if (!g_quick) {
     RUN(sender_far_ahead_stays_bounded);
     RUN(small_overtakes_large);
+    RUN(receive_posted_mid_message);
   }
   chorus_comm_destroy(g_comm);
   return HARNESS_DONE();
