@@ -80,6 +80,7 @@ typedef struct {
   chorus_dtype_t dtype;
   int root, iters, warmup, check, async, all, memalloc;
   int links;        /* --links: the pairwise matrix instead of a collective */
+  int cpu;          /* --cpu: also the CPU time the timed calls took */
   const char *tune; /* --tune FILE: time every algorithm, write a tuning table */
   const char *algo; /* -a; NULL: the library's automatic choice */
   chorus_coll_t coll;
@@ -112,6 +113,9 @@ static void usage(FILE *f) {
           "  -z, --async 0|1          0: blocking calls (default); 1: async handles + wait\n"
           "  -m, --memalloc 0|1       1: buffers from chorus_mem_alloc (shared memory;\n"
           "                           all_reduce then skips every staging copy)\n"
+          "      --cpu                after each row, the CPU time (every thread, user and\n"
+          "                           system) the timed calls took, in seconds per GB of\n"
+          "                           the size column, averaged over the ranks\n"
           "      --links              measure every pair of ranks instead: 8-byte one-way\n"
           "                           latency and bandwidth both ways (-e bytes, default\n"
           "                           4M, 5 times), print the matrices, name the slow\n"
@@ -223,7 +227,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                 .warmup = 5,
                 .check = 1,
                 .coll = CHORUS_COLL_ALL_REDUCE};
-  enum { OPT_ALL = 1000, OPT_LINKS, OPT_TUNE };
+  enum { OPT_ALL = 1000, OPT_LINKS, OPT_TUNE, OPT_CPU };
   static const struct option longopts[] = {{"minbytes", required_argument, NULL, 'b'},
                                            {"maxbytes", required_argument, NULL, 'e'},
                                            {"stepfactor", required_argument, NULL, 'f'},
@@ -240,6 +244,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
                                            {"memalloc", required_argument, NULL, 'm'},
                                            {"all", no_argument, NULL, OPT_ALL},
                                            {"links", no_argument, NULL, OPT_LINKS},
+                                           {"cpu", no_argument, NULL, OPT_CPU},
                                            {"tune", required_argument, NULL, OPT_TUNE},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
@@ -326,6 +331,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         break;
       case OPT_LINKS:
         o->links = 1;
+        break;
+      case OPT_CPU:
+        o->cpu = 1;
         break;
       case OPT_TUNE:
         o->tune = optarg;
@@ -752,6 +760,14 @@ static double now_us(void) {
   return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
 }
 
+/* CPU seconds this process has used, all its threads (the progress
+ * thread's socket work included), user and system. */
+static double cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
 /* Issues the collective once (out-of-place from a to b, or in-place in b)
  * and, with -z 1, waits for its handle. */
 static void run_once(bench_t *b, const geom_t *g, int inplace) {
@@ -814,9 +830,10 @@ static void run_once(bench_t *b, const geom_t *g, int inplace) {
 }
 
 /* Warm-up, then -n timed calls of one form.  Per-call times go to times[],
- * their sum to *total.  Returns this rank's wrong elements of the last call
- * (0 without -c). */
-static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, double *total) {
+ * their sum to *total, the CPU seconds they took to *cpu.  Returns this
+ * rank's wrong elements of the last call (0 without -c). */
+static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, double *total,
+                       double *cpu) {
   int check = b->o.check && g->coll != CHORUS_COLL_BARRIER;
   size_t ipbytes = g->ip_elems * b->es;
   if (inplace) {
@@ -830,6 +847,7 @@ static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, 
     run_once(b, g, inplace);
   }
   *total = 0;
+  *cpu = 0;
   for (int it = 0; it < b->o.iters; it++) {
     int prepared = 0;
     if (inplace) {
@@ -844,9 +862,10 @@ static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, 
      * again, untimed, or the timed call absorbs the others' restore. */
     if (prepared && ipbytes + g->oop_recv * b->es >= ((size_t)1 << 16))
       check_rc(b, chorus_barrier(b->comm, NULL), "barrier (after restoring the buffer)");
-    double t0 = now_us();
+    double c0 = cpu_s(), t0 = now_us();
     run_once(b, g, inplace);
     times[it] = now_us() - t0;
+    *cpu += cpu_s() - c0;
     *total += times[it];
   }
   return check ? count_wrong(b, g, inplace) : 0;
@@ -918,11 +937,12 @@ static void bench_size(bench_t *b, chorus_coll_t coll, size_t size, summary_t *s
   int iters = b->o.iters, has[2] = {coll_has_oop(coll), coll_has_ip(coll)};
   double *tot = b->times, *per[2] = {b->times + 2, b->times + 2 + iters};
   int64_t wrong[2] = {0, 0};
+  double cpu[2] = {0, 0};
 
   check_rc(b, chorus_barrier(b->comm, NULL), "barrier (between sizes)");
   memset(b->times, 0, sizeof(double) * (size_t)(2 + 2 * iters));
   for (int p = 0; p < 2; p++)
-    if (has[p]) wrong[p] = measure(b, &g, p, per[p], &tot[p]);
+    if (has[p]) wrong[p] = measure(b, &g, p, per[p], &tot[p], &cpu[p]);
 
   /* Max over ranks of the totals and of every call; sum of wrong elements. */
   check_rc(b,
@@ -931,6 +951,9 @@ static void bench_size(bench_t *b, chorus_coll_t coll, size_t size, summary_t *s
            "all_reduce (times)");
   check_rc(b, chorus_all_reduce(b->comm, wrong, wrong, 2, CHORUS_INT64, CHORUS_SUM, NULL),
            "all_reduce (wrong counts)");
+  if (b->o.cpu)
+    check_rc(b, chorus_all_reduce(b->comm, cpu, cpu, 2, CHORUS_FLOAT64, CHORUS_SUM, NULL),
+             "all_reduce (CPU times)");
 
   /* Every rank computes the row (so every rank has the same summary and
    * exit status); rank 0 prints it. */
@@ -964,6 +987,13 @@ static void bench_size(bench_t *b, chorus_coll_t coll, size_t size, summary_t *s
       coll == CHORUS_COLL_BARRIER ? "none" : chorus_dtype_name(b->o.dtype),
       coll_has_op(coll) ? chorus_op_name(b->o.op) : "none", root, algo, cells[0],
       coll_has_ip(coll) ? cells[1] : "");
+  if (b->o.cpu && g.bytes) {
+    /* Per rank and GB of the size column: CPU s / (iters * bytes / 1e9). */
+    double gb = (double)iters * (double)g.bytes / 1e9 * b->n;
+    say(b, "# cpu %zu bytes: out-of-place %s s/GB, in-place %s s/GB\n", g.bytes,
+        has[0] ? (snprintf(cells[0], sizeof cells[0], "%.3f", cpu[0] / gb), cells[0]) : "n/a",
+        has[1] ? (snprintf(cells[1], sizeof cells[1], "%.3f", cpu[1] / gb), cells[1]) : "n/a");
+  }
 }
 
 /* Runs every size of one collective; returns its summary. */
@@ -1242,10 +1272,10 @@ static double tune_time(bench_t *b, chorus_coll_t coll, const char *algo, size_t
   if (chorus_comm_set_algo(b->comm, coll, algo) != CHORUS_OK) return -1;
   geom_t g = geometry(b, coll, size);
   int iters = b->o.iters, form = coll_has_oop(coll) ? 0 : 1;
-  double *per = b->times + 2, total = 0;
+  double *per = b->times + 2, total = 0, cpu = 0;
   check_rc(b, chorus_barrier(b->comm, NULL), "barrier (between algorithms)");
   memset(b->times, 0, sizeof(double) * (size_t)(2 + iters));
-  int64_t wrong = measure(b, &g, form, per, &total);
+  int64_t wrong = measure(b, &g, form, per, &total, &cpu);
   check_rc(b, chorus_all_reduce(b->comm, per, per, (size_t)iters, CHORUS_FLOAT64, CHORUS_MAX, NULL),
            "all_reduce (times)");
   check_rc(b, chorus_all_reduce(b->comm, &wrong, &wrong, 1, CHORUS_INT64, CHORUS_SUM, NULL),

@@ -14,7 +14,9 @@ The second starts P processes, ranks K..K+P-1 of a world of W, that meet
 the others at MASTER_ADDR:PORT (MASTER_ADDR from the environment, 127.0.0.1
 when unset); bench/compare_hosts runs it once per host, with
 GLOO_SOCKET_IFNAME naming the interface Gloo must use.
-output (rank 0): "RESULT <coll> <n> <size> <median_us>", or
+output (rank 0): "RESULT <coll> <n> <size> <median_us> <cpu_s_per_gb>" (the
+CPU time of the timed calls, every thread of the process, per GB of the
+size and rank), or
 "UNSUPPORTED <coll> <n> <size> <reason>" when Gloo lacks the collective.
 
 Gloo's all_reduce and broadcast are in place (torch has no out-of-place
@@ -82,14 +84,20 @@ def run_one(rank, n, coll, size, warm, iters):
     for _ in range(warm):
         call()
     times = []
+    cpu = 0.0
     for _ in range(iters):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         call()
         times.append((time.perf_counter() - t0) * 1e6)
+        cpu += time.process_time() - c0
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    c = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(c, op=dist.ReduceOp.SUM)
     if rank == 0:
-        print("RESULT %s %d %d %.3f" % (coll, n, real, statistics.median(t.tolist())), flush=True)
+        gb = iters * real / 1e9 * n
+        print("RESULT %s %d %d %.3f %.4f" % (coll, n, real, statistics.median(t.tolist()),
+                                             c.item() / gb if gb else 0.0), flush=True)
 
 
 def worker(local, n, port, specs, addr="127.0.0.1", offset=0):

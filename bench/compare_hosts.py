@@ -305,7 +305,7 @@ class Runner:
                                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:%d" % (self.addr[0], port),
                                          "--rdzv-id", "hosts-r%d-%d" % (rep, S), "--",
                                          a.chorus_bench, "-C", "all_reduce", "-b", str(S), "-e", str(S),
-                                         "-w", str(w), "-n", str(it), "-c", "0"])
+                                         "-w", str(w), "-n", str(it), "-c", "0", "--cpu"])
                         for i in range(N)]
                 status, outs, dt = self.launch(cmds, T, env=env)
                 got = None
@@ -314,6 +314,10 @@ class Runner:
                     t = m.group(1).split() if m else []
                     if len(t) >= 16 and int(t[0]) == S:
                         got = {"oop": float(t[7]), "ip": float(t[12])}
+                    m = re.match(r"^\[rank0\]:# cpu (\d+) bytes: out-of-place ([\d.]+) s/GB, "
+                                 r"in-place ([\d.]+) s/GB", line)
+                    if m and got and int(m.group(1)) == S:
+                        got.update({"oop_cpu": float(m.group(2)), "ip_cpu": float(m.group(3))})
                 res[S] = got if status == 0 and got else (status or "no result")
                 if not isinstance(res[S], dict):
                     self.failed(rep, key, human(S), res[S], outs)
@@ -342,10 +346,13 @@ class Runner:
         for line in "\n".join(outs).splitlines():
             t = line.split()
             if len(t) >= 5 and t[0] == "RESULT" and t[1] == "all_reduce":
-                got[int(t[3])] = float(t[4])
+                got[int(t[3])] = (float(t[4]), float(t[5]) if len(t) >= 6 else None)
         for S in sizes:
             if S in got and status == 0:
-                res[S] = {"oop" if key.startswith("ompi") else "ip": got[S]}
+                form = "oop" if key.startswith("ompi") else "ip"
+                res[S] = {form: got[S][0]}
+                if got[S][1] is not None:
+                    res[S][form + "_cpu"] = got[S][1]
             else:
                 res[S] = status or "no result"
         if status != 0 or len(got) < len(sizes):
@@ -356,7 +363,8 @@ class Runner:
 
 def fmt_res(r):
     if isinstance(r, dict):
-        return " / ".join("%s %.0f us" % (k, v) for k, v in sorted(r.items()))
+        return " / ".join("%s %.3f s/GB" % (k, v) if k.endswith("_cpu") else "%s %.0f us" % (k, v)
+                          for k, v in sorted(r.items()))
     return str(r)
 
 
@@ -515,7 +523,12 @@ def report(a, r, sizes, raw, good, runs, elapsed):
         "chorus-bench's `median` column), then the median of that over the repeats. busbw as "
         "nccl-tests counts it: algbw × 2(n−1)/n with algbw = size / time, in MB/s (10^6 bytes/s), "
         "here × %.3f. `chorus ip / this` and `chorus oop / this` = this row's time / chorus's time in "
-        "place and out of place (above 1: chorus is faster). Per repeat values in ms in the last column.\n"
+        "place and out of place (above 1: chorus is faster). **CPU s/GB**: the CPU time every thread of "
+        "a rank's process used (user and system, CLOCK_PROCESS_CPUTIME_ID) during the timed calls, per GB "
+        "of the size, averaged over the ranks, median over the repeats; `this / chorus ip|oop` = this "
+        "row's CPU over chorus's (below 1: this library spends less). Kernel work done in softirq context "
+        "on behalf of a socket is charged to whichever process the CPU was running, as the kernel counts "
+        "it. Per repeat values in ms in the last column.\n"
         % (n, a.hosts, a.per_host, ", ".join("%d–%d on host %d" % (h * a.per_host, h * a.per_host + a.per_host - 1, h)
                                               if a.per_host > 1 else "%d on host %d" % (h, h)
                                               for h in range(a.hosts)), factor))
@@ -529,27 +542,34 @@ def report(a, r, sizes, raw, good, runs, elapsed):
         w, it = iters_for(S)
         L.append("### %s (%d warm-up + %d timed calls)\n" % (human(S), w, it))
         L.append("| library | form | median per call (ms) | busbw (MB/s) | % of goodput | chorus ip / this | "
-                 "chorus oop / this | repeats (ms) |")
-        L.append("|---|---|---|---|---|---|---|---|")
+                 "chorus oop / this | CPU s/GB | this / chorus ip | this / chorus oop | repeats (ms) |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
         cip = med("chorus", S, "ip")[0]
         coop = med("chorus", S, "oop")[0]
+        cpu_ip = med("chorus", S, "ip_cpu")[0]
+        cpu_oop = med("chorus", S, "oop_cpu")[0]
         for key, name, form, fname in rows:
             if key == "chorus-ring" and a.per_host == 1:
                 continue  # the automatic choice is the flat ring already
             t, nums, errs = med(key, S, form)
             if t is None:
                 why = errs[0] if errs else "not run"
-                L.append("| %s | %s | **%s** | – | – | – | – | %s |" % (name, fname, why,
+                L.append("| %s | %s | **%s** | – | – | – | – | – | – | – | %s |" % (name, fname, why,
                                                                      "; ".join(errs) if len(set(errs)) > 1 else ""))
                 continue
             bb = busbw(S, t)
             reps = ", ".join("%.2f" % (v / 1e3) for v in nums)
             if errs:
                 reps += "; also " + "; ".join(errs)
-            L.append("| %s | %s | %.2f | %.1f | %s | %s | %s | %s |" % (
+            cpu = med(key, S, form + "_cpu")[0]
+            L.append("| %s | %s | %.2f | %.1f | %s | %s | %s | %s | %s | %s | %s |" % (
                 name, fname, t / 1e3, bb, "%.0f %%" % (100 * bb / gref) if gref else "–",
                 "%.2f" % (t / cip) if cip and key != "chorus" else "–",
-                "%.2f" % (t / coop) if coop and key != "chorus" else "–", reps))
+                "%.2f" % (t / coop) if coop and key != "chorus" else "–",
+                "%.3f" % cpu if cpu is not None else "–",
+                "%.2f" % (cpu / cpu_ip) if cpu is not None and cpu_ip and key != "chorus" else "–",
+                "%.2f" % (cpu / cpu_oop) if cpu is not None and cpu_oop and key != "chorus" else "–",
+                reps))
         L.append("")
     L.append("## Method\n")
     L.append(

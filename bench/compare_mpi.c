@@ -9,7 +9,9 @@
  *
  * usage: compare_mpi COLL SIZE:WARMUP:ITERS [SIZE:WARMUP:ITERS ...]
  *   COLL: all_reduce all_gather reduce_scatter broadcast all_to_all
- * output (rank 0): "RESULT <coll> <n> <size> <median_us>" per size.
+ * output (rank 0): "RESULT <coll> <n> <size> <median_us> <cpu_s_per_gb>" per
+ * size: the CPU time of the timed calls (every thread, user and system) per
+ * GB of the size, averaged over the ranks.
  * float32 everywhere; all_reduce and reduce_scatter use MPI_SUM.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -23,6 +25,13 @@ static double now_us(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* CPU seconds of this process, every thread, user and system. */
+static double cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 static int cmp_d(const void *a, const void *b) {
@@ -67,8 +76,9 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sendn; i++) sb[i] = (float)((i + (size_t)rank) % 4);
     memset(rb, 0, (recvn ? recvn : 1) * sizeof(float));
     MPI_Barrier(MPI_COMM_WORLD);
+    double cpu = 0, cpu_all = 0;
     for (int it = -warm; it < iters; it++) {
-      double t0 = now_us();
+      double c0 = cpu_s(), t0 = now_us();
       int rc;
       if (!strcmp(coll, "all_reduce"))
         rc = MPI_Allreduce(sb, rb, (int)total, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
@@ -87,9 +97,13 @@ int main(int argc, char **argv) {
       }
       double t1 = now_us();
       if (rc != MPI_SUCCESS) MPI_Abort(MPI_COMM_WORLD, 1);
-      if (it >= 0) t[it] = t1 - t0;
+      if (it >= 0) {
+        t[it] = t1 - t0;
+        cpu += cpu_s() - c0;
+      }
     }
     MPI_Reduce(t, tmax, iters, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    MPI_Reduce(&cpu, &cpu_all, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
     if (rank == 0) {
       qsort(tmax, (size_t)iters, sizeof(double), cmp_d);
       double med = iters % 2 ? tmax[iters / 2] : 0.5 * (tmax[iters / 2 - 1] + tmax[iters / 2]);
@@ -97,7 +111,9 @@ int main(int argc, char **argv) {
       long long real = (!strcmp(coll, "all_reduce") || !strcmp(coll, "broadcast"))
                            ? (long long)(total * sizeof(float))
                            : (long long)(per * (size_t)n * sizeof(float));
-      printf("RESULT %s %d %lld %.3f\n", coll, n, real, med);
+      /* CPU seconds per GB of the size, averaged over the ranks. */
+      double gb = (double)iters * (double)real / 1e9 * n;
+      printf("RESULT %s %d %lld %.3f %.4f\n", coll, n, real, med, gb > 0 ? cpu_all / gb : 0.0);
       fflush(stdout);
     }
     free(sb);
