@@ -53,99 +53,189 @@ static void seg_range(size_t cnt, int nseg, int j, size_t *off, size_t *len) {
   *len = chorus__blk_count(cnt, nseg, j);
 }
 
+enum { RING_RS = 1, RING_AG = 2 };
+
+/* Step t of a run: its pass, that pass's step number and the block this
+ * rank receives (and, after combining, sends at step t + 1). */
+typedef struct {
+  int rs;        /* reduce-scatter step (else all-gather) */
+  int s;         /* step within its pass */
+  int rb;        /* block received */
+  uint32_t tag0; /* step number of its first segment */
+} ring_step_t;
+
+static ring_step_t ring_step(int mode, int t, int n, int r, int nseg, uint32_t step0) {
+  ring_step_t x;
+  x.rs = (mode & RING_RS) && t < n - 1;
+  x.s = x.rs || !(mode & RING_RS) ? t : t - (n - 1);
+  x.rb = x.rs ? chorus__ring_rs_recv_block(r, x.s, n) : chorus__ring_ag_recv_block(r, x.s, n);
+  uint32_t base = step0 + (!x.rs && (mode & RING_RS) ? CHORUS__RING_STEPS(n) : 0);
+  x.tag0 = base + (uint32_t)(x.s * nseg);
+  return x;
+}
+
 /* The ring over buf (count elements in ring->n blocks, chorus__blk_*);
  * position i of the ring is group rank ring->ranks[i] (rank i when ranks is
- * NULL), this rank is position ring->me.  Reduce-scatter (reducing = 1,
- * steps 0..n-2): afterwards block me of buf is reduced over the ring.  Its
+ * NULL), this rank is position ring->me.  mode RING_RS, the reduce-scatter
+ * (steps 0..n-2): afterwards block me of buf is reduced over the ring.  Its
  * input is src's blocks (src may be buf); every block of src is read once,
  * as it is first sent or combined, so an out-of-place caller needs no copy
  * of its input first -- buf's blocks other than me are undefined afterwards.
- * All-gather (reducing = 0, src unused): position i starts with block i and
- * ends with all of them.  step0 offsets the step numbers; each ring step
- * uses nseg of them (at most CHORUS__RING_STEPS(n) in all). */
-chorus_result_t chorus__ring_pass(chorus__coll_t *c, const chorus__ring_t *ring, char *buf,
-                                  const char *src, size_t count, int reducing, uint32_t step0) {
+ * RING_AG, the all-gather (src unused): position i starts with block i and
+ * ends with all of them.  Both: the all-gather follows the reduce-scatter
+ * without a pause (and with avg, block me is divided by n in between).
+ * step0 offsets the step numbers; each ring step uses nseg of them, a pass
+ * at most CHORUS__RING_STEPS(n), the all-gather of a run of both passes the
+ * second CHORUS__RING_STEPS(n).
+ *
+ * Every receive is posted before the data it waits for can be sent: step
+ * t + 1's while step t's arrives (its landing space is free by then: the
+ * reduce-scatter alternates two blocks of scratch, the all-gather lands in
+ * blocks no send in flight reads).  A message that finds no receive is
+ * buffered and copied (transport), which at large sizes costs as much as
+ * the reduction. */
+static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, char *buf,
+                                const char *src, size_t count, int mode, int avg, uint32_t step0) {
   int n = ring->n, r = ring->me;
   if (n == 1) {
-    if (reducing && src != buf && count) memcpy(buf, src, count * c->esize);
+    if ((mode & RING_RS) && src != buf && count) memcpy(buf, src, count * c->esize);
+    if ((mode & RING_RS) && avg)
+      chorus__reduce_finalize_avg(buf, count, c->dtype, 1);
     return CHORUS_OK;
   }
-  size_t es = c->esize;
-  int nseg = ring_segs(chorus__blk_count(count, n, 0) * es);
-  char *tmp = NULL;
-  if (reducing) {
-    tmp = chorus__scratch(c, chorus__blk_count(count, n, 0) * es);
-    if (!tmp) return CHORUS_ERR_NO_MEMORY;
+  size_t es = c->esize, blk0 = chorus__blk_count(count, n, 0) * es;
+  int nseg = ring_segs(blk0);
+  char *tmp[2] = {NULL, NULL};
+  if (mode & RING_RS) {
+    int two = n > 2; /* n - 1 reduce-scatter steps: two alternate from n = 3 */
+    tmp[0] = chorus__scratch(c, blk0 * (size_t)(1 + two));
+    if (!tmp[0]) return CHORUS_ERR_NO_MEMORY;
+    tmp[1] = tmp[0] + (two ? blk0 : 0);
   } else {
     src = buf;
   }
-  chorus__req_t sreq[2][RING_SEGS], rreq[RING_SEGS];
-  chorus__req_t *ptrs[2 * RING_SEGS];
+  int T = ((mode & RING_RS) ? n - 1 : 0) + ((mode & RING_AG) ? n - 1 : 0);
+  chorus__req_t sreq[2][RING_SEGS], rreq[2][RING_SEGS];
+  const char *ssrc[2] = {NULL, NULL}; /* where each slot's sends read ... */
+  size_t slen[2] = {0, 0};            /* ... and how much */
+  int spending[2] = {0, 0};            /* sends posted in each slot, not yet waited */
+  chorus__req_t *ptrs[RING_SEGS];
   chorus_result_t st = CHORUS_OK;
   int right = chorus__ring_right(r, n), left = chorus__ring_left(r, n);
   if (ring->ranks) {
     right = ring->ranks[right];
     left = ring->ranks[left];
   }
-  /* Step 0's sends: the whole first block, all segments at once. */
-  int sb0 = reducing ? chorus__ring_rs_send_block(r, 0, n) : chorus__ring_ag_send_block(r, 0, n);
-  size_t sc0 = chorus__blk_count(count, n, sb0);
-  const char *sbase = src + chorus__blk_offset(count, n, sb0) * es;
-  for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
-    size_t off, len;
-    seg_range(sc0, nseg, j, &off, &len);
-    chorus__coll_req(&sreq[0][j], CHORUS__REQ_SEND, right, (char *)sbase + off * es, len * es,
-                     step0 + (uint32_t)j);
-    st = chorus__ep_post(c->ep, &sreq[0][j]);
-  }
-  for (int s = 0; s < n - 1 && st == CHORUS_OK; s++) {
-    int rb = reducing ? chorus__ring_rs_recv_block(r, s, n) : chorus__ring_ag_recv_block(r, s, n);
-    size_t rc = chorus__blk_count(count, n, rb);
-    size_t roff = chorus__blk_offset(count, n, rb) * es;
-    char *rbase = buf + roff;
-    char *land = reducing ? tmp : rbase;
-    uint32_t step = step0 + (uint32_t)(s * nseg);
+#define WAIT_SENDS(k)                                                      \
+  do {                                                                     \
+    if (spending[k] && st == CHORUS_OK) {                                  \
+      for (int j_ = 0; j_ < spending[k]; j_++) ptrs[j_] = &sreq[k][j_];    \
+      st = chorus__ep_wait(c->ep, ptrs, spending[k], c->timeout_ms);       \
+    }                                                                      \
+    spending[k] = 0;                                                       \
+  } while (0)
+  /* Posts step t's receives (all its segments). */
+#define POST_RECVS(t)                                                                     \
+  do {                                                                                    \
+    ring_step_t x_ = ring_step(mode, (t), n, r, nseg, step0);                             \
+    size_t rc_ = chorus__blk_count(count, n, x_.rb);                                      \
+    char *land_ = x_.rs ? tmp[x_.s & 1] : buf + chorus__blk_offset(count, n, x_.rb) * es; \
+    for (int j_ = 0; j_ < nseg && st == CHORUS_OK; j_++) {                                \
+      size_t o_, l_;                                                                      \
+      seg_range(rc_, nseg, j_, &o_, &l_);                                                 \
+      chorus__coll_req(&rreq[(t) & 1][j_], CHORUS__REQ_RECV, left, land_ + o_ * es,       \
+                       l_ * es, x_.tag0 + (uint32_t)j_);                                  \
+      st = chorus__ep_post(c->ep, &rreq[(t) & 1][j_]);                                    \
+    }                                                                                     \
+  } while (0)
+  /* Step 0: receives first, then the whole first block, all segments. */
+  POST_RECVS(0);
+  {
+    int sb0 = (mode & RING_RS) ? chorus__ring_rs_send_block(r, 0, n)
+                               : chorus__ring_ag_send_block(r, 0, n);
+    ring_step_t x0 = ring_step(mode, 0, n, r, nseg, step0);
+    size_t sc0 = chorus__blk_count(count, n, sb0);
+    const char *sbase = src + chorus__blk_offset(count, n, sb0) * es;
     for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
       size_t off, len;
-      seg_range(rc, nseg, j, &off, &len);
-      chorus__coll_req(&rreq[j], CHORUS__REQ_RECV, left, land + off * es, len * es,
-                       step + (uint32_t)j);
-      st = chorus__ep_post(c->ep, &rreq[j]);
+      seg_range(sc0, nseg, j, &off, &len);
+      chorus__coll_req(&sreq[0][j], CHORUS__REQ_SEND, right, (char *)sbase + off * es, len * es,
+                       x0.tag0 + (uint32_t)j);
+      st = chorus__ep_post(c->ep, &sreq[0][j]);
+      spending[0] = j + 1;
     }
-    /* The block received now is the one sent at the next step. */
-    int last = s == n - 2;
+    ssrc[0] = sbase;
+    slen[0] = sc0 * es;
+  }
+  for (int t = 0; t < T && st == CHORUS_OK; t++) {
+    ring_step_t x = ring_step(mode, t, n, r, nseg, step0);
+    size_t rc = chorus__blk_count(count, n, x.rb);
+    size_t roff = chorus__blk_offset(count, n, x.rb) * es;
+    char *rbase = buf + roff;
+    char *land = x.rs ? tmp[x.s & 1] : rbase;
+    /* Step t + 1's receives now, unless they land where step t's sends
+     * still read (2 positions, in place: the all-gather's first block is
+     * the one the reduce-scatter sent); then once those are done. */
+    int next = t + 1 < T, early = 0;
+    if (next) {
+      ring_step_t y = ring_step(mode, t + 1, n, r, nseg, step0);
+      const char *yland = y.rs ? tmp[y.s & 1] : buf + chorus__blk_offset(count, n, y.rb) * es;
+      size_t ylen = chorus__blk_count(count, n, y.rb) * es;
+      early = 1;
+      for (int k = 0; k < 2; k++)
+        if (spending[k] && yland < ssrc[k] + slen[k] && ssrc[k] < yland + ylen) early = 0;
+      if (early) POST_RECVS(t + 1);
+    }
     for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
       size_t off, len;
       seg_range(rc, nseg, j, &off, &len);
-      chorus__req_t *one[1] = {&rreq[j]};
+      chorus__req_t *one[1] = {&rreq[t & 1][j]};
       st = chorus__ep_wait(c->ep, one, 1, c->timeout_ms);
       if (st != CHORUS_OK) break;
-      if (reducing)
-        chorus__combine(c, rbase + off * es, src + roff + off * es, tmp + off * es, len);
-      if (!last) {
-        chorus__coll_req(&sreq[(s + 1) & 1][j], CHORUS__REQ_SEND, right, rbase + off * es,
-                         len * es, step + (uint32_t)nseg + (uint32_t)j);
-        st = chorus__ep_post(c->ep, &sreq[(s + 1) & 1][j]);
+      if (next && !early && j == nseg - 1) {
+        WAIT_SENDS(0);
+        WAIT_SENDS(1);
+        POST_RECVS(t + 1);
+        if (st != CHORUS_OK) break;
+      }
+      if (x.rs) {
+        chorus__combine(c, rbase + off * es, src + roff + off * es, land + off * es, len);
+        if (avg && x.s == n - 2) /* block me, complete: the average before it travels */
+          chorus__reduce_finalize_avg(rbase + off * es, len, c->dtype, n);
+      }
+      if (next) {
+        /* The block received now is the one sent at the next step; its
+         * slot's sends (step t - 1) must be done before it is reused. */
+        int k = (t + 1) & 1;
+        if (j == 0) WAIT_SENDS(k);
+        if (st != CHORUS_OK) break;
+        chorus__coll_req(&sreq[k][j], CHORUS__REQ_SEND, right, rbase + off * es, len * es,
+                         ring_step(mode, t + 1, n, r, nseg, step0).tag0 + (uint32_t)j);
+        st = chorus__ep_post(c->ep, &sreq[k][j]);
+        ssrc[k] = rbase;
+        slen[k] = rc * es;
+        spending[k] = j + 1;
       }
     }
-    /* This step's sends must be done before their slots are reused. */
-    for (int j = 0; j < nseg; j++) ptrs[j] = &sreq[s & 1][j];
-    if (st == CHORUS_OK) st = chorus__ep_wait(c->ep, ptrs, nseg, c->timeout_ms);
   }
-  chorus__scratch_free(c, tmp);
+  WAIT_SENDS(0);
+  WAIT_SENDS(1);
+#undef WAIT_SENDS
+#undef POST_RECVS
+  chorus__scratch_free(c, tmp[0]);
   return st;
 }
 
+chorus_result_t chorus__ring_pass(chorus__coll_t *c, const chorus__ring_t *ring, char *buf,
+                                  const char *src, size_t count, int reducing, uint32_t step0) {
+  return ring_run(c, ring, buf, src, count, reducing ? RING_RS : RING_AG, 0, step0);
+}
+
 chorus_result_t chorus__allreduce_ring(chorus__coll_t *c) {
-  char *buf = c->recvbuf;
   chorus__ring_t all = {NULL, c->size, c->rank};
   /* Out of place, the reduce-scatter reads the input where it is. */
-  chorus_result_t st = chorus__ring_pass(c, &all, buf, c->sendbuf, c->count, 1, 0);
-  if (st != CHORUS_OK) return st;
-  if (c->op == CHORUS_AVG)
-    chorus__reduce_finalize_avg(buf + chorus__blk_offset(c->count, c->size, c->rank) * c->esize,
-                                chorus__blk_count(c->count, c->size, c->rank), c->dtype, c->size);
-  return chorus__ring_pass(c, &all, buf, NULL, c->count, 0, CHORUS__RING_STEPS(c->size));
+  return ring_run(c, &all, c->recvbuf, c->sendbuf, c->count, RING_RS | RING_AG,
+                  c->op == CHORUS_AVG, 0);
 }
 
 chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {

@@ -232,6 +232,14 @@ struct chorus__tp {
   chorus__exit_hook_t exit_hook;
   pthread_mutex_t lock;
   pthread_cond_t cond;
+  /* The progress thread holds lock while it moves bytes and takes it back
+   * right after epoll_wait; a thread that wants it (to post, or woken to
+   * see a completion) could lose that race for as long as bytes keep
+   * coming.  So such threads say so, and the progress thread steps aside
+   * between events while they do (endpoint.c: progress_yield). */
+  int lock_wanted; /* atomic: threads in chorus__tp_lock */
+  int nsleep;      /* threads asleep on cond in ep_wait (lock held) */
+  int kicked;      /* atomic: of those, woken and not yet holding lock */
   chorus__ep_t *eps;
   chorus__unexp_t *unexp_head, *unexp_tail;
   chorus__fp_format_fn fp_format;
@@ -241,6 +249,13 @@ struct chorus__tp {
   int encrypt;   /* CHORUS_ENCRYPT */
   int64_t peer_timeout_ns; /* CHORUS_PEER_TIMEOUT_MS; 0: silence is never death */
 };
+
+/* Takes tp->lock from a thread other than the progress thread. */
+static inline void chorus__tp_lock(chorus__tp_t *tp) {
+  __atomic_add_fetch(&tp->lock_wanted, 1, __ATOMIC_SEQ_CST);
+  pthread_mutex_lock(&tp->lock);
+  __atomic_sub_fetch(&tp->lock_wanted, 1, __ATOMIC_SEQ_CST);
+}
 
 /* ---- for channels (lock held) */
 

@@ -74,7 +74,10 @@ int chorus__fp_equal(const chorus__fp_t *a, const chorus__fp_t *b) {
 
 /* ----------------------------------------------------------- failures */
 
-void chorus__tp_wake(chorus__tp_t *tp) { pthread_cond_broadcast(&tp->cond); }
+void chorus__tp_wake(chorus__tp_t *tp) {
+  pthread_cond_broadcast(&tp->cond);
+  if (tp->nsleep) __atomic_store_n(&tp->kicked, tp->nsleep, __ATOMIC_SEQ_CST);
+}
 #define wake_all chorus__tp_wake
 
 void chorus__tp_kick(chorus__tp_t *tp) {
@@ -1068,7 +1071,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
     return CHORUS_ERR_INTERNAL;
   int world = any ? -1 : ep->members[req->peer];
   peer_t *c = any ? NULL : &tp->peers[world];
-  pthread_mutex_lock(&tp->lock);
+  chorus__tp_lock(tp);
   req->seq = req->kind == CHORUS__KIND_COLL ? ep->cur_seq : 0;
   chorus_result_t st = ep->status;
   if (st != CHORUS_OK) goto out;
@@ -1118,7 +1121,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
       unlink_unexp(tp, u);
       pthread_mutex_unlock(&tp->lock);
       if (u->h.len) memcpy(req->buf, u->buf, u->h.len);
-      pthread_mutex_lock(&tp->lock);
+      chorus__tp_lock(tp);
       req->done = 1;
       free_unexp(tp, u);
       goto out;
@@ -1191,7 +1194,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
   chorus__chan_t *local = tp->local;
   int64_t spin_until = 0;
   int polling = 0;
-  pthread_mutex_lock(&tp->lock);
+  chorus__tp_lock(tp);
   for (;;) {
     if (ep->status != CHORUS_OK) break;
     int all = 1;
@@ -1224,7 +1227,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
          * itself, on a crowded host -- runs first. */
         if (tp->crowded || spin_until - now < SPIN_NS - SPIN_PAUSE_NS) sched_yield();
         else for (int k = 0; k < 32; k++) chorus__cpu_relax();
-        pthread_mutex_lock(&tp->lock);
+        chorus__tp_lock(tp);
         continue;
       }
       if (polling) {
@@ -1255,7 +1258,11 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
       break;
     }
     struct timespec ts = chorus__deadline_timespec(deadline);
+    tp->nsleep++;
     pthread_cond_timedwait(&tp->cond, &tp->lock, &ts);
+    tp->nsleep--;
+    if (__atomic_load_n(&tp->kicked, __ATOMIC_SEQ_CST) > 0)
+      __atomic_sub_fetch(&tp->kicked, 1, __ATOMIC_SEQ_CST);
   }
   if (polling) local->ops->polling(local, 0);
   chorus_result_t st = ep->status;
@@ -1307,6 +1314,23 @@ static void check_silence(chorus__tp_t *tp, int64_t now) {
   }
 }
 
+/* Between events: a thread waits for the lock (chorus__tp_lock) or was
+ * woken to see a completion, so let it have the lock first -- for at most
+ * YIELD_NS, in case it went elsewhere. */
+#define YIELD_NS 200000
+static void progress_yield(chorus__tp_t *tp) {
+  if (!__atomic_load_n(&tp->lock_wanted, __ATOMIC_SEQ_CST) &&
+      !__atomic_load_n(&tp->kicked, __ATOMIC_SEQ_CST))
+    return;
+  pthread_mutex_unlock(&tp->lock);
+  int64_t until = chorus__now_ns() + YIELD_NS;
+  do sched_yield();
+  while ((__atomic_load_n(&tp->lock_wanted, __ATOMIC_SEQ_CST) ||
+          __atomic_load_n(&tp->kicked, __ATOMIC_SEQ_CST)) &&
+         chorus__now_ns() < until);
+  pthread_mutex_lock(&tp->lock);
+}
+
 static void *progress_main(void *arg) {
   chorus__tp_t *tp = arg;
   struct epoll_event evs[64];
@@ -1334,6 +1358,7 @@ static void *progress_main(void *arg) {
     for (int i = 0; i < n; i++) {
       chorus__watch_t *w = evs[i].data.ptr;
       w->fn(w->arg, evs[i].events);
+      progress_yield(tp);
     }
     if (tp->net && tp->net->ops->poll) tp->net->ops->poll(tp->net);
     int64_t now = chorus__now_ns();

@@ -116,6 +116,12 @@ enum {
 #define REC_MAX ((size_t)128 << 10)
 #define REC_OVERHEAD (4 + CHORUS__AEAD_TAG_LEN)
 #define DISCARD_BUF 65536
+/* Payload bytes read_stream takes from one stream before it returns.  The
+ * progress thread holds the context's lock while it reads; a peer that
+ * sends as fast as this rank copies would otherwise keep it reading a whole
+ * large message, and a thread that wants to post a receive for that very
+ * message would wait until it was buffered whole (tens of ms at 32 MiB). */
+#define READ_SLICE ((size_t)512 << 10)
 /* Messages in pieces a pair may have in reassembly at once, per
  * direction: far more than any algorithm keeps in flight to one peer. */
 #define MAX_ASSEMBLIES 4096
@@ -622,8 +628,12 @@ static void read_stream(stream_t *s) {
   chorus__tp_t *tp = conn_tp(c);
   chorus__peer_t *p = c->peer;
   chorus__rx_t *rx = &c->rx;
+  size_t slice = 0; /* payload bytes read by this call */
   while (!p->dead) {
     ssize_t n;
+    /* Input left in the kernel shows in the next epoll_wait; decrypted
+     * bytes of a record only to tcp_poll, in the same round. */
+    if (slice >= READ_SLICE && !s->rx_pleft) return;
     if (s->kind == S_OUT) {
       char b;
       n = stream_recv(s, &b, 1);
@@ -639,6 +649,7 @@ static void read_stream(stream_t *s) {
         n = stream_recv(s, dst, want);
         if (n > 0) {
           p->last_heard = chorus__now_ns();
+          slice += (size_t)n;
           part_bytes(s, (size_t)n);
           continue;
         }
@@ -676,6 +687,7 @@ static void read_stream(stream_t *s) {
       n = stream_recv(s, dst, want);
       if (n > 0) {
         p->last_heard = chorus__now_ns();
+        slice += (size_t)n;
         chorus__tp_rx_bytes(tp, rx, (size_t)n);
         continue;
       }
