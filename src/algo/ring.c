@@ -29,6 +29,7 @@
 #include "algo/pattern.h"
 #include "reduce/reduce.h"
 #include "util/env.h"
+#include "util/util.h"
 
 /* Ring steps can move a block as up to RING_SEGS segments of at least
  * CHORUS_RING_SEGMENT bytes: a segment is combined (reduce-scatter) or
@@ -39,6 +40,18 @@
  * 198 ms against 150) -- see bench/README.md.  The count depends only on the
  * block size and the variable, which every rank shares. */
 #define RING_SEGS CHORUS__RING_SEGS
+
+/* With CHORUS_RING_PIECE, a reduce-scatter step combines what it receives
+ * that many bytes at a time as they land (chorus__ep_wait_prefix), so the
+ * reduction reads them from cache and ends with the transfer instead of
+ * after it.  Off by default: on 2 shared cores there is no idle core for
+ * the overlap to use, and the wake-up per piece cost more (bench/README.md).
+ * Elements per piece for a segment of len elements (len: whole). */
+static size_t ring_piece(size_t len, size_t es) {
+  long p = chorus__env()->RING_PIECE;
+  if (p <= 0 || (size_t)p < es || len * es < 2 * (size_t)p) return len;
+  return (size_t)p / es;
+}
 
 static int ring_segs(size_t block_bytes) {
   long seg = chorus__env()->RING_SEGMENT;
@@ -189,20 +202,36 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
     for (int j = 0; j < nseg && st == CHORUS_OK; j++) {
       size_t off, len;
       seg_range(rc, nseg, j, &off, &len);
-      chorus__req_t *one[1] = {&rreq[t & 1][j]};
-      st = chorus__ep_wait(c->ep, one, 1, c->timeout_ms);
-      if (st != CHORUS_OK) break;
-      if (next && !early && j == nseg - 1) {
-        WAIT_SENDS(0);
-        WAIT_SENDS(1);
-        POST_RECVS(t + 1);
+      chorus__req_t *rq = &rreq[t & 1][j];
+      /* A reduce-scatter segment is combined a piece at a time as it lands
+       * (the piece still in cache), the last piece once it is all in. */
+      size_t piece = x.rs ? ring_piece(len, es) : len;
+      for (size_t o = 0;;) {
+        size_t l = CHORUS__MIN(piece, len - o);
+        int whole = o + l >= len;
+        if (whole) {
+          chorus__req_t *one[1] = {rq};
+          st = chorus__ep_wait(c->ep, one, 1, c->timeout_ms);
+        } else {
+          st = chorus__ep_wait_prefix(c->ep, rq, (o + l) * es, c->timeout_ms);
+        }
         if (st != CHORUS_OK) break;
+        if (whole && next && !early && j == nseg - 1) {
+          WAIT_SENDS(0);
+          WAIT_SENDS(1);
+          POST_RECVS(t + 1);
+          if (st != CHORUS_OK) break;
+        }
+        if (x.rs && l) {
+          size_t at = (off + o) * es;
+          chorus__combine(c, rbase + at, src + roff + at, land + off * es + o * es, l);
+          if (avg && x.s == n - 2) /* block me, complete: the average before it travels */
+            chorus__reduce_finalize_avg(rbase + at, l, c->dtype, n);
+        }
+        o += l;
+        if (whole) break;
       }
-      if (x.rs) {
-        chorus__combine(c, rbase + off * es, src + roff + off * es, land + off * es, len);
-        if (avg && x.s == n - 2) /* block me, complete: the average before it travels */
-          chorus__reduce_finalize_avg(rbase + off * es, len, c->dtype, n);
-      }
+      if (st != CHORUS_OK) break;
       if (next) {
         /* The block received now is the one sent at the next step; its
          * slot's sends (step t - 1) must be done before it is reused. */

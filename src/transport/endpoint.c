@@ -863,6 +863,14 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
 
 void chorus__tp_rx_bytes_to(chorus__tp_t *tp, rx_t *rx, size_t n, size_t end) {
   rx->left -= n;
+  chorus__req_t *r = rx->req;
+  if (r && end - n <= r->got && end > r->got) {
+    r->got = end;
+    if (r->until && end >= r->until) {
+      r->until = 0;
+      wake_all(tp);
+    }
+  }
   if (rx->unexp) {
     rx->unexp->got += n;
     if (end > rx->unexp->hi) rx->unexp->hi = end;
@@ -1063,6 +1071,7 @@ void chorus__ep_end(chorus__ep_t *ep, uint64_t seq) {
 chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   chorus__tp_t *tp = ep->tp;
   req->done = 0;
+  req->got = req->until = 0;
   req->ep = ep;
   req->next = NULL;
   int any = req->peer == CHORUS__ANY_PEER;
@@ -1135,6 +1144,7 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
      * the common case for a ring's first step): the part buffered so far
      * is copied and the rest goes straight to the receive's buffer. */
     if (u->hi) memcpy(req->buf, u->buf, u->hi);
+    req->got = u->got == u->hi ? u->hi : 0; /* a prefix, or holes (pieces) */
     rx->unexp = NULL;
     rx->req = req;
     rx->dst = req->buf;
@@ -1168,6 +1178,26 @@ out:
 static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int64_t deadline,
                                int timeout_ms, int fatal);
 
+/* Whether a wait may stop waiting for r: done, or the prefix it waits for
+ * (until) is in. */
+static int req_ready(const chorus__req_t *r) { return r->done || (r->until && r->got >= r->until); }
+
+chorus_result_t chorus__ep_wait_prefix(chorus__ep_t *ep, chorus__req_t *req, size_t want,
+                                       int timeout_ms) {
+  chorus__tp_t *tp = ep->tp;
+  chorus__tp_lock(tp);
+  int ready = req->done || req->got >= want;
+  if (!ready) req->until = want ? want : 1;
+  pthread_mutex_unlock(&tp->lock);
+  if (ready) return CHORUS_OK;
+  chorus__req_t *one[1] = {req};
+  chorus_result_t st = chorus__ep_wait(ep, one, 1, timeout_ms);
+  chorus__tp_lock(tp);
+  req->until = 0;
+  pthread_mutex_unlock(&tp->lock);
+  return st;
+}
+
 chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, int timeout_ms) {
   return ep_wait(ep, reqs, n, chorus__deadline_ms(timeout_ms), timeout_ms, 1);
 }
@@ -1199,14 +1229,14 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
     if (ep->status != CHORUS_OK) break;
     int all = 1;
     for (int i = 0; i < n && all; i++)
-      if (reqs[i] && !reqs[i]->done) all = 0;
+      if (reqs[i] && !req_ready(reqs[i])) all = 0;
     if (all) break;
     /* Polling helps when the shared-memory channel carries every request
      * still pending; the others move on the progress thread, which the
      * polling would keep from the CPU. */
     int on_local = local != NULL;
     for (int i = 0; on_local && i < n; i++)
-      if (reqs[i] && !reqs[i]->done && !req_on_local(ep, reqs[i])) on_local = 0;
+      if (reqs[i] && !req_ready(reqs[i]) && !req_on_local(ep, reqs[i])) on_local = 0;
     if (on_local) {
       /* Shared memory: move bytes on this thread before blocking, until
        * nothing moved for SPIN_NS (or the deadline came), announced so the
@@ -1246,7 +1276,7 @@ static chorus_result_t ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n, in
       size_t off = 0;
       who[0] = '\0';
       for (int i = 0; i < n && off < sizeof who; i++) {
-        if (!reqs[i] || reqs[i]->done) continue;
+        if (!reqs[i] || req_ready(reqs[i])) continue;
         char rd[64];
         if (reqs[i]->peer == CHORUS__ANY_PEER) snprintf(rd, sizeof rd, "any rank");
         else chorus__ep_rank_desc(ep, reqs[i]->peer, rd, sizeof rd);

@@ -84,6 +84,10 @@ typedef struct chorus__req {
   chorus__ep_t *ep;
   uint64_t seq;
   size_t sent;      /* bytes of header+payload written (sends) */
+  /* Receives: got bytes from the start of buf have landed (a prefix; it
+   * may lag behind when pieces arrive out of order, never lead).  A wait
+   * counts the receive as done once got >= until (chorus__ep_wait_prefix). */
+  size_t got, until;
   struct chorus__req *next;
 } chorus__req_t;
 
@@ -169,6 +173,12 @@ chorus_result_t chorus__ep_wait(chorus__ep_t *ep, chorus__req_t **reqs, int n,
  * the endpoint alone (for polling a work handle; timeout_ms >= 0). */
 chorus_result_t chorus__ep_wait_soft(chorus__ep_t *ep, chorus__req_t **reqs, int n,
                                      int timeout_ms);
+
+/* Waits until the first want bytes of receive req have landed (or all of
+ * it did), as chorus__ep_wait: a caller consumes a large message in pieces
+ * while the rest arrives. */
+chorus_result_t chorus__ep_wait_prefix(chorus__ep_t *ep, chorus__req_t *req, size_t want,
+                                       int timeout_ms);
 
 /* chorus__ep_wait with an absolute deadline (CLOCK_MONOTONIC ns, possibly
  * past already); timeout_ms is the communicator's timeout the deadline was

@@ -17,8 +17,8 @@
  * with a tolerance.
  *
  * Tuning variables (CHORUS_TRANSPORT, CHORUS_SHM_CMA_MIN, CHORUS_SHM_CHUNK,
- * CHORUS_RING_SEGMENT) are read once per process: the CTest registrations
- * vary them.  A failure prints the seed, the operation's index and every
+ * CHORUS_RING_SEGMENT, CHORUS_RING_PIECE) are read once per process: the
+ * CTest registrations vary them.  A failure prints the seed, the operation's index and every
  * drawn parameter; `--seed S --ops N` replays it.
  *
  * Usage: test_random [--seed S] [--seeds K] [--ops N] [--max-bytes B]
