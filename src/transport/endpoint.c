@@ -1347,14 +1347,15 @@ static void check_silence(chorus__tp_t *tp, int64_t now) {
 /* Between events: a thread waits for the lock (chorus__tp_lock) or was
  * woken to see a completion, so let it have the lock first -- for at most
  * YIELD_NS, in case it went elsewhere. */
-#define YIELD_NS 200000
+#define YIELD_NS 20000
 static void progress_yield(chorus__tp_t *tp) {
   if (!__atomic_load_n(&tp->lock_wanted, __ATOMIC_SEQ_CST) &&
       !__atomic_load_n(&tp->kicked, __ATOMIC_SEQ_CST))
     return;
   pthread_mutex_unlock(&tp->lock);
   int64_t until = chorus__now_ns() + YIELD_NS;
-  do sched_yield();
+  do
+    for (int k = 0; k < 32; k++) chorus__cpu_relax();
   while ((__atomic_load_n(&tp->lock_wanted, __ATOMIC_SEQ_CST) ||
           __atomic_load_n(&tp->kicked, __ATOMIC_SEQ_CST)) &&
          chorus__now_ns() < until);
