@@ -17,6 +17,11 @@
  *                 received into a PIECE-sized buffer and added (float32)
  *                 into a SIZE-sized destination before the next is read
  *
+ * and the client's CPU time per transfer (user and system, median) per GB
+ * of SIZE: with bidir_reduce, about what a rank of a 2-rank ring all_reduce
+ * of SIZE bytes must spend at least (it sends and receives SIZE bytes too,
+ * and reduces half of them).
+ *
  * Each side moves both directions on one thread (non-blocking sockets and
  * poll, as a rank's progress thread does), each direction on a connection
  * of its own (as chorus's piece connections are), with chorus's socket
@@ -44,6 +49,13 @@ enum { REPS = 5, M_ONEWAY = 0, M_BIDIR = 1, M_REDUCE = 2 };
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds of this process (user and system). */
+static double cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
@@ -223,13 +235,17 @@ int main(int argc, char **argv) {
   static const char *names[] = {"oneway", "bidir", "bidir_reduce"};
   for (int mode = M_ONEWAY; mode <= M_REDUCE; mode++) {
     s.mode = mode;
-    double t[REPS + 1];
-    for (int r = 0; r <= REPS; r++) /* the first one warms up */
+    double t[REPS + 1], c[REPS + 1];
+    for (int r = 0; r <= REPS; r++) { /* the first one warms up */
+      double c0 = cpu_s();
       t[r] = transfer(&s, is_server);
+      c[r] = cpu_s() - c0;
+    }
     qsort(t + 1, REPS, sizeof *t, cmp);
+    qsort(c + 1, REPS, sizeof *c, cmp);
     if (!is_server)
-      printf("mode=%s size=%zu piece=%zu MBps=%.0f\n", names[mode], s.size, s.piece,
-             s.size / t[1 + REPS / 2] / 1e6);
+      printf("mode=%s size=%zu piece=%zu MBps=%.0f cpu_s_per_GB=%.3f\n", names[mode], s.size,
+             s.piece, s.size / t[1 + REPS / 2] / 1e6, c[1 + REPS / 2] / (s.size / 1e9));
   }
   close(fd);
   close(rx);

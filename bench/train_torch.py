@@ -9,6 +9,11 @@ put the two side by side.
     /usr/bin/python3 bench/train_torch.py --ranks 2 --steps 30 [--threads 1]
 
 Runs its own processes (torch.multiprocessing), one per rank, on 127.0.0.1.
+Across hosts (bench/train_hosts): on every host
+
+    train_torch.py --ranks P --world N --rank-offset K --addr HOST0 --port PORT ...
+
+starts ranks K..K+P-1 of N, which meet at HOST0:PORT; host 0 (K = 0) prints.
 Uses Debian's python3-torch; nothing is downloaded.
 """
 import argparse
@@ -87,11 +92,12 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def worker(rank, a, port, out):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+def worker(local, a, port, out):
+    rank = a.rank_offset + local
+    os.environ["MASTER_ADDR"] = a.addr
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
+    dist.init_process_group("gloo", rank=rank, world_size=a.world)
     torch.manual_seed(a.seed)
     model = GPT(256, a.ctx, a.layers, a.heads, a.channels)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -112,7 +118,7 @@ def worker(rank, a, port, out):
         times.append(time.perf_counter() - t0)
     if rank == 0:
         steady = times[3:] if len(times) > 4 else times
-        tps = [a.ranks * a.batch * a.ctx / t for t in steady]
+        tps = [a.world * a.batch * a.ctx / t for t in steady]
         nparams = sum(p.numel() for p in model.parameters())
         with open(out, "w") as f:
             f.write("%.1f %.1f %d %.4f\n" % (statistics.median(tps), statistics.mean(tps),
@@ -133,17 +139,23 @@ def main():
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: one free now)")
     p.add_argument("--data", default="data/tinyshakespeare.txt")
+    p.add_argument("--world", type=int, default=0, help="ranks in all (0: --ranks)")
+    p.add_argument("--rank-offset", type=int, default=0, help="rank of this host's first process")
+    p.add_argument("--addr", default="127.0.0.1", help="MASTER_ADDR (host 0)")
     a = p.parse_args()
+    a.world = a.world or a.ranks
     out = "/tmp/train_torch.%d.out" % os.getpid()
     if not a.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             a.port = s.getsockname()[1]
     mp.spawn(worker, args=(a, a.port, out), nprocs=a.ranks, join=True)
+    if a.rank_offset:
+        return  # rank 0 (another host) reports
     med, mean, nparams, loss = open(out).read().split()
     os.unlink(out)
     print("torch %s DDP(gloo): %d rank(s), %d thread(s) each, %s parameters: %s tok/s median, "
-          "%s mean, last loss %s" % (torch.__version__, a.ranks, a.threads, nparams, med, mean,
+          "%s mean, last loss %s" % (torch.__version__, a.world, a.threads, nparams, med, mean,
                                       loss))
 
 
