@@ -125,25 +125,91 @@ static int check_dir(const char *path, char *why, size_t why_cap) {
   return 0;
 }
 
-int chorus__runtime_dir(char *buf, size_t cap, char *why, size_t why_cap) {
-  const char *xdg = getenv("XDG_RUNTIME_DIR");
+/* mkdir 0700 (if missing) and check_dir. */
+static int make_private(const char *path, char *why, size_t why_cap) {
+  if (mkdir(path, 0700) < 0 && errno != EEXIST) {
+    int e = errno;
+    snprintf(why, why_cap, "cannot create %s: %s", path, strerror(e));
+    return -e;
+  }
+  return check_dir(path, why, why_cap);
+}
+
+/* The fallback under the user's home, which no other user can create:
+ * $HOME/.cache/chorus-run (parents made 0700 where missing). */
+static int home_dir(char *buf, size_t cap, char *why, size_t why_cap) {
+  const char *home = getenv("HOME");
   struct stat st;
-  int n;
-  if (xdg && *xdg == '/' && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) &&
-      st.st_uid == geteuid())
-    n = snprintf(buf, cap, "%s/chorus", xdg);
-  else
-    n = snprintf(buf, cap, "/tmp/chorus-%u", (unsigned)geteuid());
+  if (!home || *home != '/' || stat(home, &st) < 0 || !S_ISDIR(st.st_mode) ||
+      st.st_uid != geteuid()) {
+    snprintf(why, why_cap, "HOME (%s) is not a directory of this user", home ? home : "unset");
+    return -EPERM;
+  }
+  char cache[4096];
+  int n = snprintf(cache, sizeof cache, "%s/.cache", home);
+  if (n < 0 || (size_t)n >= sizeof cache) {
+    snprintf(why, why_cap, "HOME too long");
+    return -ENAMETOOLONG;
+  }
+  if (mkdir(cache, 0700) < 0 && errno != EEXIST) {
+    int e = errno;
+    snprintf(why, why_cap, "cannot create %s: %s", cache, strerror(e));
+    return -e;
+  }
+  n = snprintf(buf, cap, "%s/chorus-run", cache);
   if (n < 0 || (size_t)n >= cap) {
     snprintf(why, why_cap, "runtime directory name too long");
     return -ENAMETOOLONG;
   }
-  if (mkdir(buf, 0700) < 0 && errno != EEXIST) {
-    int e = errno;
-    snprintf(why, why_cap, "cannot create %s: %s", buf, strerror(e));
-    return -e;
+  return make_private(buf, why, why_cap);
+}
+
+int chorus__runtime_dir(char *buf, size_t cap, char *why, size_t why_cap) {
+  const char *xdg = getenv("XDG_RUNTIME_DIR");
+  struct stat st;
+  if (xdg && *xdg == '/' && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) &&
+      st.st_uid == geteuid()) {
+    int n = snprintf(buf, cap, "%s/chorus", xdg);
+    if (n < 0 || (size_t)n >= cap) {
+      snprintf(why, why_cap, "runtime directory name too long");
+      return -ENAMETOOLONG;
+    }
+    return make_private(buf, why, why_cap);
   }
-  return check_dir(buf, why, why_cap);
+  /* A shared temporary directory: another local user may have made (or
+   * linked) chorus-<uid> first.  Then the home fallback -- the same choice
+   * on every rank of this user that sees the same files. */
+  const char *tmp = getenv("TMPDIR");
+  if (!tmp || *tmp != '/') tmp = "/tmp";
+  char first[4096], why1[4400];
+  int n = snprintf(first, sizeof first, "%s/chorus-%u", tmp, (unsigned)geteuid());
+  if (n < 0 || (size_t)n >= sizeof first) {
+    snprintf(why, why_cap, "runtime directory name too long");
+    return -ENAMETOOLONG;
+  }
+  int rc = make_private(first, why1, sizeof why1);
+  if (rc == 0) {
+    if ((size_t)n >= cap) {
+      snprintf(why, why_cap, "runtime directory name too long");
+      return -ENAMETOOLONG;
+    }
+    memcpy(buf, first, (size_t)n + 1);
+    return 0;
+  }
+  char why2[4400];
+  rc = home_dir(buf, cap, why2, sizeof why2);
+  if (rc == 0) {
+    static int warned;
+    if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+      CHORUS_WARN(CHORUS__SUB_INIT, "chorus: cannot use %s (%s); using %s instead. Set "
+                  "XDG_RUNTIME_DIR to a private directory, or have the owner of %s remove it",
+                  first, why1, buf, first);
+    return 0;
+  }
+  snprintf(why, why_cap, "no private runtime directory: %s; and %s. Set XDG_RUNTIME_DIR to a "
+           "directory of this user with mode 700, or CHORUS_JOB_SECRET / "
+           "CHORUS_JOB_SECRET_FILE", why1, why2);
+  return rc;
 }
 
 int chorus__secret_generate(char *buf, size_t cap) {

@@ -38,9 +38,11 @@ int chorus__secret_write_file(const char *path, const char *secret);
 int chorus__key_for_api(const char *secret, chorus__key_t *key, char *why, size_t why_cap);
 
 /* The per-user directory for secret files: $XDG_RUNTIME_DIR/chorus when
- * that is set and ours, else /tmp/chorus-<uid>; created 0700 and checked
- * (owner, no group/other access, not a symlink).  Returns 0 or a negative
- * errno with the reason in why. */
+ * that is set and ours, else $TMPDIR/chorus-<uid> (/tmp when TMPDIR is
+ * unset), else -- when another user made or linked that one first --
+ * $HOME/.cache/chorus-run (with a warning naming both); created 0700 and
+ * checked (owner, no group/other access, not a symlink).  Returns 0 or a
+ * negative errno with the reason in why. */
 int chorus__runtime_dir(char *buf, size_t cap, char *why, size_t why_cap);
 
 /* 64 random hex digits (256 bits) into buf (cap >= 65).  0 or -errno. */
