@@ -112,8 +112,7 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
   int n = ring->n, r = ring->me;
   if (n == 1) {
     if ((mode & RING_RS) && src != buf && count) memcpy(buf, src, count * c->esize);
-    if ((mode & RING_RS) && avg)
-      chorus__reduce_finalize_avg(buf, count, c->dtype, 1);
+    if ((mode & RING_RS) && avg) chorus__reduce_finalize_avg(buf, count, c->dtype, 1);
     return CHORUS_OK;
   }
   size_t es = c->esize, blk0 = chorus__blk_count(count, n, 0) * es;
@@ -131,7 +130,7 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
   chorus__req_t sreq[2][RING_SEGS], rreq[2][RING_SEGS];
   const char *ssrc[2] = {NULL, NULL}; /* where each slot's sends read ... */
   size_t slen[2] = {0, 0};            /* ... and how much */
-  int spending[2] = {0, 0};            /* sends posted in each slot, not yet waited */
+  int spending[2] = {0, 0};           /* sends posted in each slot, not yet waited */
   chorus__req_t *ptrs[RING_SEGS];
   chorus_result_t st = CHORUS_OK;
   int right = chorus__ring_right(r, n), left = chorus__ring_left(r, n);
@@ -139,27 +138,29 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
     right = ring->ranks[right];
     left = ring->ranks[left];
   }
-#define WAIT_SENDS(k)                                                      \
-  do {                                                                     \
-    if (spending[k] && st == CHORUS_OK) {                                  \
-      for (int j_ = 0; j_ < spending[k]; j_++) ptrs[j_] = &sreq[k][j_];    \
-      st = chorus__ep_wait(c->ep, ptrs, spending[k], c->timeout_ms);       \
-    }                                                                      \
-    spending[k] = 0;                                                       \
+#define WAIT_SENDS(k)                                                   \
+  do {                                                                  \
+    if (spending[k] && st == CHORUS_OK) {                               \
+      for (int j_ = 0; j_ < spending[k]; j_++) ptrs[j_] = &sreq[k][j_]; \
+      st = chorus__ep_wait(c->ep, ptrs, spending[k], c->timeout_ms);    \
+    }                                                                   \
+    spending[k] = 0;                                                    \
   } while (0)
+  /* Where step x's data lands: scratch (reduce-scatter) or its block. */
+#define LAND(x) ((x).rs ? tmp[(x).s & 1] : buf + chorus__blk_offset(count, n, (x).rb) * es)
   /* Posts step t's receives (all its segments). */
-#define POST_RECVS(t)                                                                     \
-  do {                                                                                    \
-    ring_step_t x_ = ring_step(mode, (t), n, r, nseg, step0);                             \
-    size_t rc_ = chorus__blk_count(count, n, x_.rb);                                      \
-    char *land_ = x_.rs ? tmp[x_.s & 1] : buf + chorus__blk_offset(count, n, x_.rb) * es; \
-    for (int j_ = 0; j_ < nseg && st == CHORUS_OK; j_++) {                                \
-      size_t o_, l_;                                                                      \
-      seg_range(rc_, nseg, j_, &o_, &l_);                                                 \
-      chorus__coll_req(&rreq[(t) & 1][j_], CHORUS__REQ_RECV, left, land_ + o_ * es,       \
-                       l_ * es, x_.tag0 + (uint32_t)j_);                                  \
-      st = chorus__ep_post(c->ep, &rreq[(t) & 1][j_]);                                    \
-    }                                                                                     \
+#define POST_RECVS(t)                                                                      \
+  do {                                                                                     \
+    ring_step_t x_ = ring_step(mode, (t), n, r, nseg, step0);                              \
+    size_t rc_ = chorus__blk_count(count, n, x_.rb);                                       \
+    char *land_ = LAND(x_);                                                                \
+    for (int j_ = 0; j_ < nseg && st == CHORUS_OK; j_++) {                                 \
+      size_t o_, l_;                                                                       \
+      seg_range(rc_, nseg, j_, &o_, &l_);                                                  \
+      chorus__coll_req(&rreq[(t)&1][j_], CHORUS__REQ_RECV, left, land_ + o_ * es, l_ * es, \
+                       x_.tag0 + (uint32_t)j_);                                            \
+      st = chorus__ep_post(c->ep, &rreq[(t)&1][j_]);                                       \
+    }                                                                                      \
   } while (0)
   /* Step 0: receives first, then the whole first block, all segments. */
   POST_RECVS(0);
@@ -185,14 +186,14 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
     size_t rc = chorus__blk_count(count, n, x.rb);
     size_t roff = chorus__blk_offset(count, n, x.rb) * es;
     char *rbase = buf + roff;
-    char *land = x.rs ? tmp[x.s & 1] : rbase;
+    char *land = LAND(x);
     /* Step t + 1's receives now, unless they land where step t's sends
      * still read (2 positions, in place: the all-gather's first block is
      * the one the reduce-scatter sent); then once those are done. */
     int next = t + 1 < T, early = 0;
+    ring_step_t y = ring_step(mode, t + 1, n, r, nseg, step0); /* meaningful if next */
     if (next) {
-      ring_step_t y = ring_step(mode, t + 1, n, r, nseg, step0);
-      const char *yland = y.rs ? tmp[y.s & 1] : buf + chorus__blk_offset(count, n, y.rb) * es;
+      const char *yland = LAND(y);
       size_t ylen = chorus__blk_count(count, n, y.rb) * es;
       early = 1;
       for (int k = 0; k < 2; k++)
@@ -239,7 +240,7 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
         if (j == 0) WAIT_SENDS(k);
         if (st != CHORUS_OK) break;
         chorus__coll_req(&sreq[k][j], CHORUS__REQ_SEND, right, rbase + off * es, len * es,
-                         ring_step(mode, t + 1, n, r, nseg, step0).tag0 + (uint32_t)j);
+                         y.tag0 + (uint32_t)j);
         st = chorus__ep_post(c->ep, &sreq[k][j]);
         ssrc[k] = rbase;
         slen[k] = rc * es;
@@ -251,6 +252,7 @@ static chorus_result_t ring_run(chorus__coll_t *c, const chorus__ring_t *ring, c
   WAIT_SENDS(1);
 #undef WAIT_SENDS
 #undef POST_RECVS
+#undef LAND
   chorus__scratch_free(c, tmp[0]);
   return st;
 }
@@ -263,8 +265,8 @@ chorus_result_t chorus__ring_pass(chorus__coll_t *c, const chorus__ring_t *ring,
 chorus_result_t chorus__allreduce_ring(chorus__coll_t *c) {
   chorus__ring_t all = {NULL, c->size, c->rank};
   /* Out of place, the reduce-scatter reads the input where it is. */
-  return ring_run(c, &all, c->recvbuf, c->sendbuf, c->count, RING_RS | RING_AG,
-                  c->op == CHORUS_AVG, 0);
+  return ring_run(c, &all, c->recvbuf, c->sendbuf, c->count, RING_RS | RING_AG, c->op == CHORUS_AVG,
+                  0);
 }
 
 chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
@@ -295,8 +297,10 @@ chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
       int partner = chorus__rd_partner(r, k, n);
       st = chorus__xchg(c, partner, buf, bytes, partner, tmp, bytes, step);
       if (st != CHORUS_OK) break;
-      if (partner < r) chorus__combine(c, buf, tmp, buf, c->count);
-      else chorus__combine(c, buf, buf, tmp, c->count);
+      if (partner < r)
+        chorus__combine(c, buf, tmp, buf, c->count);
+      else
+        chorus__combine(c, buf, buf, tmp, c->count);
     }
     if (st == CHORUS_OK && c->op == CHORUS_AVG)
       chorus__reduce_finalize_avg(buf, c->count, c->dtype, n);
@@ -305,8 +309,10 @@ chorus_result_t chorus__allreduce_rd(chorus__coll_t *c) {
    * any doubling round). */
   step = 64;
   if (st == CHORUS_OK && fold >= 0) {
-    if (!chorus__rd_folded_out(r, n)) st = chorus__send(c, fold, buf, bytes, step);
-    else st = chorus__recv(c, fold, buf, bytes, step);
+    if (!chorus__rd_folded_out(r, n))
+      st = chorus__send(c, fold, buf, bytes, step);
+    else
+      st = chorus__recv(c, fold, buf, bytes, step);
   }
   chorus__scratch_free(c, tmp);
   return st;
@@ -348,8 +354,10 @@ chorus_result_t chorus__allreduce_rabenseifner(chorus__coll_t *c) {
       if (st != CHORUS_OK) break;
       char *mine = buf + OFF(keep) * es;
       /* Lower rank's data first, so every rank gets the same bits. */
-      if (q & d) chorus__combine(c, mine, tmp, mine, kcnt);
-      else chorus__combine(c, mine, mine, tmp, kcnt);
+      if (q & d)
+        chorus__combine(c, mine, tmp, mine, kcnt);
+      else
+        chorus__combine(c, mine, mine, tmp, kcnt);
     }
     if (st == CHORUS_OK && c->op == CHORUS_AVG)
       chorus__reduce_finalize_avg(buf + OFF(q) * es, OFF(q + 1) - OFF(q), c->dtype, n);
@@ -365,8 +373,10 @@ chorus_result_t chorus__allreduce_rabenseifner(chorus__coll_t *c) {
 #undef OFF
   }
   if (st == CHORUS_OK && fold >= 0) {
-    if (!chorus__rd_folded_out(r, n)) st = chorus__send(c, fold, buf, bytes, 64);
-    else st = chorus__recv(c, fold, buf, bytes, 64);
+    if (!chorus__rd_folded_out(r, n))
+      st = chorus__send(c, fold, buf, bytes, 64);
+    else
+      st = chorus__recv(c, fold, buf, bytes, 64);
   }
   chorus__scratch_free(c, tmp);
   return st;
@@ -407,8 +417,8 @@ chorus_result_t chorus__allgather_bruck(chorus__coll_t *c) {
   for (int k = 0; k < rounds && st == CHORUS_OK; k++) {
     size_t cnt = (size_t)chorus__bruck_nblocks(k, n);
     st = chorus__xchg(c, chorus__bruck_send_to(r, k, n), tmp, blk * cnt,
-                      chorus__bruck_recv_from(r, k, n),
-                      tmp + blk * (size_t)chorus__bruck_dist(k), blk * cnt, (uint32_t)k);
+                      chorus__bruck_recv_from(r, k, n), tmp + blk * (size_t)chorus__bruck_dist(k),
+                      blk * cnt, (uint32_t)k);
   }
   if (st == CHORUS_OK)
     for (int i = 0; i < n; i++)

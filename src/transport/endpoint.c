@@ -1187,7 +1187,7 @@ chorus_result_t chorus__ep_wait_prefix(chorus__ep_t *ep, chorus__req_t *req, siz
   chorus__tp_t *tp = ep->tp;
   chorus__tp_lock(tp);
   int ready = req->done || req->got >= want;
-  if (!ready) req->until = want ? want : 1;
+  if (!ready) req->until = want; /* > got >= 0 */
   pthread_mutex_unlock(&tp->lock);
   if (ready) return CHORUS_OK;
   chorus__req_t *one[1] = {req};
