@@ -125,18 +125,35 @@ static int check_dir(const char *path, char *why, size_t why_cap) {
   return 0;
 }
 
-/* mkdir 0700 (if missing) and check_dir. */
-static int make_private(const char *path, char *why, size_t why_cap) {
+/* mkdir 0700 if missing. */
+static int make_dir(const char *path, char *why, size_t why_cap) {
   if (mkdir(path, 0700) < 0 && errno != EEXIST) {
     int e = errno;
     snprintf(why, why_cap, "cannot create %s: %s", path, strerror(e));
     return -e;
   }
-  return check_dir(path, why, why_cap);
+  return 0;
+}
+
+/* make_dir, then check_dir. */
+static int make_private(const char *path, char *why, size_t why_cap) {
+  int rc = make_dir(path, why, why_cap);
+  return rc < 0 ? rc : check_dir(path, why, why_cap);
+}
+
+/* buf = dir/name. */
+static int join(char *buf, size_t cap, const char *dir, const char *name, char *why,
+                size_t why_cap) {
+  int n = snprintf(buf, cap, "%s/%s", dir, name);
+  if (n < 0 || (size_t)n >= cap) {
+    snprintf(why, why_cap, "runtime directory name too long (%s/%s)", dir, name);
+    return -ENAMETOOLONG;
+  }
+  return 0;
 }
 
 /* The fallback under the user's home, which no other user can create:
- * $HOME/.cache/chorus-run (parents made 0700 where missing). */
+ * $HOME/.cache/chorus-run (.cache made 0700 if missing). */
 static int home_dir(char *buf, size_t cap, char *why, size_t why_cap) {
   const char *home = getenv("HOME");
   struct stat st;
@@ -146,22 +163,10 @@ static int home_dir(char *buf, size_t cap, char *why, size_t why_cap) {
     return -EPERM;
   }
   char cache[4096];
-  int n = snprintf(cache, sizeof cache, "%s/.cache", home);
-  if (n < 0 || (size_t)n >= sizeof cache) {
-    snprintf(why, why_cap, "HOME too long");
-    return -ENAMETOOLONG;
-  }
-  if (mkdir(cache, 0700) < 0 && errno != EEXIST) {
-    int e = errno;
-    snprintf(why, why_cap, "cannot create %s: %s", cache, strerror(e));
-    return -e;
-  }
-  n = snprintf(buf, cap, "%s/chorus-run", cache);
-  if (n < 0 || (size_t)n >= cap) {
-    snprintf(why, why_cap, "runtime directory name too long");
-    return -ENAMETOOLONG;
-  }
-  return make_private(buf, why, why_cap);
+  int rc = join(cache, sizeof cache, home, ".cache", why, why_cap);
+  if (rc == 0) rc = make_dir(cache, why, why_cap);
+  if (rc == 0) rc = join(buf, cap, cache, "chorus-run", why, why_cap);
+  return rc < 0 ? rc : make_private(buf, why, why_cap);
 }
 
 int chorus__runtime_dir(char *buf, size_t cap, char *why, size_t why_cap) {
@@ -169,33 +174,20 @@ int chorus__runtime_dir(char *buf, size_t cap, char *why, size_t why_cap) {
   struct stat st;
   if (xdg && *xdg == '/' && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) &&
       st.st_uid == geteuid()) {
-    int n = snprintf(buf, cap, "%s/chorus", xdg);
-    if (n < 0 || (size_t)n >= cap) {
-      snprintf(why, why_cap, "runtime directory name too long");
-      return -ENAMETOOLONG;
-    }
-    return make_private(buf, why, why_cap);
+    int rc = join(buf, cap, xdg, "chorus", why, why_cap);
+    return rc < 0 ? rc : make_private(buf, why, why_cap);
   }
   /* A shared temporary directory: another local user may have made (or
    * linked) chorus-<uid> first.  Then the home fallback -- the same choice
    * on every rank of this user that sees the same files. */
   const char *tmp = getenv("TMPDIR");
   if (!tmp || *tmp != '/') tmp = "/tmp";
-  char first[4096], why1[4400];
-  int n = snprintf(first, sizeof first, "%s/chorus-%u", tmp, (unsigned)geteuid());
-  if (n < 0 || (size_t)n >= sizeof first) {
-    snprintf(why, why_cap, "runtime directory name too long");
-    return -ENAMETOOLONG;
-  }
-  int rc = make_private(first, why1, sizeof why1);
-  if (rc == 0) {
-    if ((size_t)n >= cap) {
-      snprintf(why, why_cap, "runtime directory name too long");
-      return -ENAMETOOLONG;
-    }
-    memcpy(buf, first, (size_t)n + 1);
-    return 0;
-  }
+  char name[32], first[4096], why1[4400];
+  snprintf(name, sizeof name, "chorus-%u", (unsigned)geteuid());
+  int rc = join(buf, cap, tmp, name, why, why_cap);
+  if (rc < 0) return rc;
+  if (make_private(buf, why1, sizeof why1) == 0) return 0;
+  snprintf(first, sizeof first, "%s", buf);
   char why2[4400];
   rc = home_dir(buf, cap, why2, sizeof why2);
   if (rc == 0) {
