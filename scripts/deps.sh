@@ -45,6 +45,8 @@ command -v pgrep >/dev/null 2>&1 || need+=(procps)
 # libcrypto (OpenSSL 3) for authentication and encryption (src/util/crypto.c).
 [[ "$(dpkg-query -W -f='${Status}' libssl-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libssl-dev)
+# libcurl and jansson for chorusrun's etcd client (src/launcher/kv_etcd.c).
+for p in libcurl4-openssl-dev libjansson-dev; do installed "$p" || need+=("$p"); done
 # UCX for the UCX channel (CHORUS_TRANSPORT=ucx): headers to build it,
 # libucp (libucx0) loaded at run time by the ranks that use it.
 installed libucx-dev || need+=(libucx-dev)

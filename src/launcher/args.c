@@ -64,7 +64,9 @@ void usage(FILE *f) {
       "                          (default \"none\"; TORCHELASTIC_RUN_ID)\n"
       "  --rdzv-conf K=V,...     join_timeout (s, default 600), last_call_timeout\n"
       "                          (30), close_timeout (30), heartbeat (0.15: a\n"
-      "                          node silent for 4 heartbeats is lost)\n"
+      "                          node silent for 4 heartbeats is lost); etcd:\n"
+      "                          protocol=https, cacert=F, cert=F, key=F (TLS,\n"
+      "                          client certificate), user=U, password_file=F\n"
       "  --monitor-interval S    how often the agent reads the rendezvous state\n"
       "                          (default 0.1 s)\n"
       "  --elastic restart|inplace  what a worker's failure does: restart\n"
@@ -142,9 +144,28 @@ static void parse_rdzv_conf(job_t *job, const char *v) {
       job->close_timeout_ns = parse_seconds("close_timeout", val, 0, 86400);
     else if (!strcmp(k, "heartbeat"))
       job->heartbeat_ns = parse_seconds("heartbeat", val, 0.01, 3600);
+    else if (!strcmp(k, "protocol")) {
+      if (strcmp(val, "http") && strcmp(val, "https"))
+        die_usage("--rdzv-conf: protocol is http or https, not '%s'", val);
+      job->etcd.https = !strcmp(val, "https");
+    } else if (!strcmp(k, "cacert"))
+      job->etcd.cacert = xstrdup(val);
+    else if (!strcmp(k, "cert"))
+      job->etcd.cert = xstrdup(val);
+    else if (!strcmp(k, "key"))
+      job->etcd.key = xstrdup(val);
+    else if (!strcmp(k, "user"))
+      job->etcd.user = xstrdup(val);
+    else if (!strcmp(k, "password_file"))
+      job->etcd.password_file = xstrdup(val);
+    else if (!strcmp(k, "password"))
+      die_usage("--rdzv-conf: give the etcd password in a file (password_file=PATH), not on "
+                "the command line, where every local user sees it");
     else
       die_usage("--rdzv-conf: unknown key '%s' (join_timeout, last_call_timeout, "
-                "close_timeout, heartbeat)", k);
+                "close_timeout, heartbeat; etcd: protocol, cacert, cert, key, user, "
+                "password_file)", k);
+    if (*val == '\0') die_usage("--rdzv-conf: %s needs a value", k);
   }
 }
 
@@ -402,8 +423,16 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       die_usage("--node-rank is for --rdzv-backend static (etcd assigns node ranks)");
     job->rdzv_host = endpoint_raw;
     job->rdzv_port = 2379; /* unused: each address carries its port */
+    if (!job->etcd.cert != !job->etcd.key)
+      die_usage("--rdzv-conf: a client certificate needs both cert= and key=");
+    if (!job->etcd.user != !job->etcd.password_file)
+      die_usage("--rdzv-conf: etcd authentication needs both user= and password_file=");
     return ACT_RUN;
   }
+  if (job->etcd.https || job->etcd.cacert || job->etcd.cert || job->etcd.key || job->etcd.user ||
+      job->etcd.password_file)
+    die_usage("--rdzv-conf: protocol, cacert, cert, key, user and password_file are for "
+              "--rdzv-backend etcd");
   if (!strcmp(backend, "static")) {
     job->backend = BACKEND_STATIC;
     if (job->min_nodes != job->max_nodes)

@@ -92,7 +92,7 @@ static void kvs_close(kv_t *kv) {
   free(k);
 }
 
-static const kv_ops_t g_kv_store_ops = {kvs_get, kvs_set, kvs_cas, kvs_local_addr, kvs_close};
+static const kv_ops_t g_kv_store_ops = {kvs_get, kvs_set, kvs_cas, kvs_local_addr, kvs_close, NULL};
 
 int kv_store_open(const char *host, int port, const chorus__key_t *key, int timeout_ms,
                   int call_timeout_ms, kv_t **out, char *err, size_t cap) {

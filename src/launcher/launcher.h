@@ -136,12 +136,27 @@ typedef struct {
   /* Our address on the connection to the service (numeric), 0 or -1. */
   int (*local_addr)(kv_t *kv, char *host, size_t cap);
   void (*close)(kv_t *kv);
+  /* Deletes every key that begins with key: 0 or -1.  NULL for a service
+   * that ends with the job (our own store). */
+  int (*del_prefix)(kv_t *kv, const char *key);
 } kv_ops_t;
 struct kv {
   const kv_ops_t *ops;
   char where[300]; /* "host:port" of the service, for messages */
   char err[600];
 };
+
+/* How to reach etcd beyond its addresses (torchrun's --rdzv-conf keys
+ * protocol, cacert, cert, key; user and password_file are ours).  Any
+ * field may be NULL/0. */
+typedef struct {
+  int https;                 /* endpoints without a scheme use https */
+  const char *cacert;        /* CA bundle that signed the members' certificates */
+  const char *cert, *key;    /* our client certificate and its key (PEM) */
+  const char *user;          /* etcd user (auth enable) ... */
+  const char *password_file; /* ... and a file whose first line is the password */
+  const char *password;      /* or the password itself (tests) */
+} kv_etcd_opts_t;
 
 typedef enum { BACKEND_NONE, BACKEND_STATIC, BACKEND_C10D, BACKEND_ETCD } backend_t;
 
@@ -190,6 +205,7 @@ typedef struct {
   const char *rdzv_host;    /* --rdzv-endpoint host (or --master-addr) */
   int rdzv_port;
   int64_t join_timeout_ns, last_call_ns, close_timeout_ns, heartbeat_ns, monitor_ns;
+  kv_etcd_opts_t etcd; /* --rdzv-conf protocol, cacert, cert, key, user, password_file */
   const char *master_addr;
   int master_port;
   int max_restarts;
@@ -296,11 +312,17 @@ int kv_store_open(const char *host, int port, const chorus__key_t *key, int time
 
 /* ----------------------------------------------------------- kv_etcd.c */
 
-/* Connects to etcd (endpoints "host:port,host:port,..."; tries each in turn and
- * fails over to the next when one does not answer), keys under `prefix` (e.g.
- * "/chorus/"); every call bounded by call_timeout_ms; 0 or -1 with err. */
+
+/* Connects to etcd (endpoints "host:port,https://host:port,..."; tries each
+ * in turn and fails over to the next when one does not answer), keys under
+ * `prefix` (e.g. "/chorus/"); every call bounded by call_timeout_ms.  0, -2
+ * when etcd refused us in a way waiting cannot mend (credentials, TLS,
+ * permissions, not an etcd anywhere), -1 with err. */
 int kv_etcd_open(const char *endpoints, const char *prefix, int timeout_ms, int call_timeout_ms,
-                 kv_t **out, char *err, size_t cap);
+                 const kv_etcd_opts_t *opts, kv_t **out, char *err, size_t cap);
+/* The value in a /v3/kv/range reply body (for the fuzzer): 1 and *val, 0
+ * no key, -1 with err. */
+int kv_etcd__range_reply(const char *body, size_t n, char **val, char *err, size_t cap);
 
 /* ------------------------------------------------------------ spawn.c */
 

@@ -740,9 +740,14 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
   for (;;) {
     int attempt = CHORUS__MIN(CHORUS__MAX(chorus__ms_left(deadline), 1), etcd ? 2000 : 1000);
-    int rc = etcd ? kv_etcd_open(host, "/chorus/", attempt, call_ms, &rz->kv, err, sizeof err)
+    int rc = etcd ? kv_etcd_open(host, "/chorus/", attempt, call_ms, &job->etcd, &rz->kv, err,
+                                 sizeof err)
                   : kv_store_open(host, port, key, attempt, call_ms, &rz->kv, err, sizeof err);
     if (rc == 0) break;
+    if (rc == -2 && etcd) {
+      fprintf(stderr, "chorusrun: %s\n", err);
+      return EXIT_LAUNCHER;
+    }
     if (rc == -2) {
       fprintf(stderr,
               "chorusrun: the rendezvous store at %s:%d refused this node: %s.  Every node "
