@@ -167,9 +167,23 @@ def handshake_seeds():
     yield "old_version", bytes([0x14]) + connect(1, 2)
 
 
+def etcd_seeds():
+    """Reply bodies as etcd 3.4's gateway writes them."""
+    head = b'{"header":{"cluster_id":"1","member_id":"2","revision":"7","raft_term":"2"}'
+    yield "absent", head + b"}"
+    yield "value", head + b',"kvs":[{"key":"L3Qvaw==","create_revision":"3","mod_revision":"3",' \
+        b'"version":"1","value":"aGVsbG8="}],"count":"1"}'
+    yield "empty_value", head + b',"kvs":[{"key":"L3Qvaw==","create_revision":"2"}]}'
+    yield "escaped", b'{"kvs":[{"value":"\\u0061Gk=","key":"x"}]}'
+    yield "error", b'{"error":"etcdserver: no leader","message":"etcdserver: no leader","code":14}'
+    yield "txn", head + b',"responses":[{"response_range":{"header":{},"kvs":' \
+        b'[{"key":"L3Qvaw==","value":"bmV3"}],"count":"1"}}]}'
+
+
 def main():
     for name, gen in (("fuzz_wire", wire_seeds), ("fuzz_tcp_recv", tcp_seeds),
-                      ("fuzz_store", store_seeds), ("fuzz_handshake", handshake_seeds)):
+                      ("fuzz_store", store_seeds), ("fuzz_handshake", handshake_seeds),
+                      ("fuzz_etcd_reply", etcd_seeds)):
         d = os.path.join(OUT, name)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)

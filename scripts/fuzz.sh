@@ -5,7 +5,7 @@
 #   scripts/fuzz.sh SECONDS [HARNESS...]    e.g. scripts/fuzz.sh 30
 #                                                scripts/fuzz.sh 600 fuzz_store
 #
-# Harnesses: fuzz_wire fuzz_tcp_recv fuzz_store fuzz_handshake (all when none
+# Harnesses: fuzz_wire fuzz_tcp_recv fuzz_store fuzz_handshake fuzz_etcd_reply (all when none
 # is named); fuzz/<harness>.options, if present, holds flags for one of them.  Each starts from a copy of its seed corpus fuzz/corpus/<harness>
 # in a temporary directory (the checked-in corpus is never written), runs
 # SECONDS seconds, and the script prints its executions and exec/s.  Crash,
@@ -28,7 +28,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-all=(fuzz_wire fuzz_tcp_recv fuzz_store fuzz_handshake)
+all=(fuzz_wire fuzz_tcp_recv fuzz_store fuzz_handshake fuzz_etcd_reply)
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || "$1" -lt 1 ]]; then
   echo "usage: scripts/fuzz.sh SECONDS [${all[*]}]" >&2
   exit 64

@@ -118,9 +118,9 @@ typedef struct {
   int nep;
   int cur; /* the endpoint tried next */
   int call_ms;
-  char *prefix; /* put before every key */
-  CURL *tmpl;     /* our options; each request runs on a copy (post) */
-  CURLSH *share;  /* the connections kept alive, shared by the copies */
+  char *prefix;  /* put before every key */
+  CURL *tmpl;    /* our options; each request runs on a copy (post) */
+  CURLSH *share; /* the connections kept alive, shared by the copies */
   char curl_err[CURL_ERROR_SIZE];
   rbuf_t r;
   char *user, *password; /* etcd's authentication, when given */
@@ -278,8 +278,8 @@ static int parse_endpoints(kv_etcd_t *k, const char *list, int tls, char *err, s
     }
     if (hl == 0 || hl >= HOST_MAX) goto bad;
     for (size_t i = 0; i < hl; i++)
-      if (host[i] == ' ' || host[i] == '/' || host[i] == '@' || host[i] == '[' ||
-          host[i] == ']' || (unsigned char)host[i] < 0x21 || (unsigned char)host[i] > 0x7e)
+      if (host[i] == ' ' || host[i] == '/' || host[i] == '@' || host[i] == '[' || host[i] == ']' ||
+          (unsigned char)host[i] < 0x21 || (unsigned char)host[i] > 0x7e)
         goto bad;
     long v = 2379; /* etcd's client port */
     if (port) {
@@ -389,45 +389,80 @@ static int transfer_failed(kv_etcd_t *k, CURL *h, endpoint_t *ep, CURLcode c, in
   curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
   const char *what = k->curl_err[0] ? k->curl_err : curl_easy_strerror(c);
   switch (c) {
-  case CURLE_COULDNT_CONNECT:
-  case CURLE_COULDNT_RESOLVE_HOST:
-    *sent = 0;
-    ep->refused = c == CURLE_COULDNT_CONNECT && os == ECONNREFUSED;
-    return set_why(ep, A_RETRY, "connect: %s", os ? strerror((int)os) : what);
-  case CURLE_OPERATION_TIMEDOUT:
-    return set_why(ep, A_RETRY, "%s after %d ms (%s)",
-                   status ? "the reply was incomplete" : "no reply", ms, what);
-  case CURLE_WRITE_ERROR:
-    if (k->r.over) return set_why(ep, A_BAD, "the reply is larger than %zu MiB", REPLY_MAX >> 20);
-    return set_why(ep, A_FINAL, "out of memory for the reply");
-  case CURLE_FILESIZE_EXCEEDED:
-    return set_why(ep, A_BAD, "the reply announces more than %zu MiB", REPLY_MAX >> 20);
-  case CURLE_PEER_FAILED_VERIFICATION:
-    return set_why(ep, A_BAD,
-                   "its TLS certificate does not check out (%s); give the CA that signed it "
-                   "with --rdzv-conf cacert=FILE",
-                   what);
-  case CURLE_SSL_CERTPROBLEM:
-  case CURLE_SSL_CACERT_BADFILE:
-    return set_why(ep, A_FINAL, "our TLS files: %s (check --rdzv-conf cacert, cert and key)",
-                   what);
-  case CURLE_SSL_CONNECT_ERROR:
-    return set_why(ep, A_BAD,
-                   "the TLS handshake failed (%s); does it serve https, and does it accept "
-                   "our client certificate (--rdzv-conf cert, key)?",
-                   what);
-  case CURLE_GOT_NOTHING:
-    return set_why(ep, A_RETRY, "closed the connection without replying");
-  case CURLE_WEIRD_SERVER_REPLY:
-  case CURLE_UNSUPPORTED_PROTOCOL:
-  case CURLE_BAD_CONTENT_ENCODING:
-    return set_why(ep, A_BAD, "not an HTTP reply as etcd's gateway sends (%s)", what);
-  default:
-    /* A failure inside a reply (a malformed chunk, a TLS alert after the
-     * handshake) is a wrong answer; before one, the member may just be
-     * going away. */
-    return set_why(ep, status ? A_BAD : A_RETRY, "%s", what);
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_COULDNT_RESOLVE_HOST:
+      *sent = 0;
+      ep->refused = c == CURLE_COULDNT_CONNECT && os == ECONNREFUSED;
+      return set_why(ep, A_RETRY, "connect: %s", os ? strerror((int)os) : what);
+    case CURLE_OPERATION_TIMEDOUT:
+      return set_why(ep, A_RETRY, "%s after %d ms (%s)",
+                     status ? "the reply was incomplete" : "no reply", ms, what);
+    case CURLE_WRITE_ERROR:
+      if (k->r.over) return set_why(ep, A_BAD, "the reply is larger than %zu MiB", REPLY_MAX >> 20);
+      return set_why(ep, A_FINAL, "out of memory for the reply");
+    case CURLE_FILESIZE_EXCEEDED:
+      return set_why(ep, A_BAD, "the reply announces more than %zu MiB", REPLY_MAX >> 20);
+    case CURLE_PEER_FAILED_VERIFICATION:
+      return set_why(ep, A_BAD,
+                     "its TLS certificate does not check out (%s); give the CA that signed it "
+                     "with --rdzv-conf cacert=FILE",
+                     what);
+    case CURLE_SSL_CERTPROBLEM:
+    case CURLE_SSL_CACERT_BADFILE:
+      return set_why(ep, A_FINAL, "our TLS files: %s (check --rdzv-conf cacert, cert and key)",
+                     what);
+    case CURLE_SSL_CONNECT_ERROR:
+      return set_why(ep, A_BAD,
+                     "the TLS handshake failed (%s); does it serve https, and does it accept "
+                     "our client certificate (--rdzv-conf cert, key)?",
+                     what);
+    case CURLE_GOT_NOTHING:
+      /* Not what a live etcd does (one going away refuses or resets), but
+       * what its TLS port does with plain HTTP. */
+      return set_why(ep, A_BAD, "closed the connection without replying%s",
+                     strncmp(ep->url, "http:", 5) ? ""
+                                                  : " (does it serve https? then give "
+                                                    "--rdzv-conf protocol=https,cacert=...)");
+    case CURLE_WEIRD_SERVER_REPLY:
+    case CURLE_UNSUPPORTED_PROTOCOL:
+    case CURLE_BAD_CONTENT_ENCODING:
+      return set_why(ep, A_BAD, "not an HTTP reply as etcd's gateway sends (%s)", what);
+    case CURLE_RECV_ERROR:
+      /* With TLS 1.3 a server that refuses our certificate says so in an
+       * alert after the handshake, which libcurl reports when reading. */
+      if (strstr(what, " alert "))
+        return set_why(ep, A_BAD,
+                       "it refused us over TLS (%s); is our client certificate (--rdzv-conf "
+                       "cert, key) signed by a CA it trusts?",
+                       what);
+      /* fall through */
+    default:
+      /* A failure inside a reply (a malformed chunk) is a wrong answer;
+       * before one, the member may just be going away. */
+      return set_why(ep, status ? A_BAD : A_RETRY, "%s", what);
   }
+}
+
+/* A request body as libcurl reads it. */
+typedef struct {
+  const char *p;
+  size_t n, off;
+  int rewind; /* may be sent again */
+} body_t;
+
+static size_t on_read(char *out, size_t size, size_t nmemb, void *arg) {
+  body_t *b = arg;
+  size_t n = CHORUS__MIN(size * nmemb, b->n - b->off);
+  memcpy(out, b->p + b->off, n);
+  b->off += n;
+  return n;
+}
+
+static int on_seek(void *arg, curl_off_t offset, int origin) {
+  body_t *b = arg;
+  if (!b->rewind || origin != SEEK_SET || offset != 0) return CURL_SEEKFUNC_CANTSEEK;
+  b->off = 0;
+  return CURL_SEEKFUNC_OK;
 }
 
 /* The outcome of a completed exchange, as post's (below). */
@@ -452,7 +487,8 @@ static int reply(kv_etcd_t *k, CURL *c, endpoint_t *ep, const char *path, json_t
                    "etcd >= 3.4 (e.g. host:2379)",
                    status, path);
   if (status == 401 && k->token && strstr(q, "invalid auth token")) return A_AUTH;
-  if (status == 401 || (status == 400 && strstr(q, "authentication failed"))) {
+  if (status == 401 ||
+      (status == 400 && (strstr(q, "authentication failed") || strstr(q, "user name is empty")))) {
     if (k->user)
       set_err(k,
               "etcd %s refused user '%s' (HTTP %ld: %s); check --rdzv-conf user= and "
@@ -461,7 +497,7 @@ static int reply(kv_etcd_t *k, CURL *c, endpoint_t *ep, const char *path, json_t
     else
       set_err(k,
               "etcd %s: HTTP %ld: %s; this etcd has authentication enabled: give "
-              "--rdzv-conf user=NAME,password_file=FILE (or a client certificate: cert=,key=)",
+              "--rdzv-conf user=NAME,password_file=FILE",
               ep->name, status, q);
     return A_FINAL;
   }
@@ -502,14 +538,19 @@ static int post(kv_etcd_t *k, const char *path, const char *body, int ms, json_t
   curl_easy_setopt(c, CURLOPT_SHARE, k->share); /* not copied by duphandle */
   curl_easy_setopt(c, CURLOPT_URL, url);
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
-  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-  curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
   curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)ms);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, (long)ms);
   /* libcurl sends a request once more, unasked, when a kept connection
-   * dies before its reply begins; a transaction must not be resent as it
-   * was (see cas), so it always goes on a new connection. */
-  curl_easy_setopt(c, CURLOPT_FRESH_CONNECT, (long)!strcmp(path, "/v3/kv/txn"));
+   * dies before the reply begins.  A transaction must not be resent as it
+   * was (see cas): its body comes from a callback that cannot rewind, so
+   * libcurl fails the transfer instead and the caller decides. */
+  body_t src = {body, strlen(body), 0, strcmp(path, "/v3/kv/txn") != 0};
+  curl_easy_setopt(c, CURLOPT_POST, 1L);
+  curl_easy_setopt(c, CURLOPT_READFUNCTION, on_read);
+  curl_easy_setopt(c, CURLOPT_READDATA, &src);
+  curl_easy_setopt(c, CURLOPT_SEEKFUNCTION, on_seek);
+  curl_easy_setopt(c, CURLOPT_SEEKDATA, &src);
+  curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)src.n);
   CURLcode cc = curl_easy_perform(c);
   int rc = cc == CURLE_OK ? reply(k, c, ep, path, root) : transfer_failed(k, c, ep, cc, ms, sent);
   curl_easy_cleanup(c);
@@ -629,7 +670,7 @@ static int request(kv_etcd_t *k, const char *path, const char *body, const char 
   k->final = usable == 0;
   if (n < cap) {
     if (usable == 0)
-      snprintf(e + n, cap - n, " (no endpoint answered as etcd's v3 JSON gateway does)");
+      snprintf(e + n, cap - n, " (every endpoint failed in a way that waiting will not mend)");
     else
       snprintf(e + n, cap - n,
                " (no member answered within %lld ms; check them with etcdctl "
@@ -751,9 +792,10 @@ static int kve_set(kv_t *kv, const char *key, const char *val) {
   kv_etcd_t *k = (kv_etcd_t *)kv;
   if (!value_ok(k, key, val)) return -1;
   json_t *root;
-  int retried, rc = request_json(
-      k, "/v3/kv/put", json_pack("{s:o,s:o}", "key", key_json(k, key), "value", b64_json("", val)),
-      NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
+  int retried,
+      rc = request_json(k, "/v3/kv/put",
+                        json_pack("{s:o,s:o}", "key", key_json(k, key), "value", b64_json("", val)),
+                        NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
   json_decref(root);
   return rc;
 }
@@ -761,12 +803,11 @@ static int kve_set(kv_t *kv, const char *key, const char *val) {
 /* The txn of a cas; with_read: a failed comparison also reads the key. */
 static json_t *cas_body(kv_etcd_t *k, const char *key, const char *expected, const char *desired,
                         int with_read) {
-  json_t *cmp =
-      expected ? json_pack("{s:o,s:s,s:s,s:o}", "key", key_json(k, key), "result", "EQUAL",
-                           "target", "VALUE", "value", b64_json("", expected))
-               /* Created at revision 0: the key does not exist. */
-               : json_pack("{s:o,s:s,s:s,s:s}", "key", key_json(k, key), "result", "EQUAL",
-                           "target", "CREATE", "create_revision", "0");
+  json_t *cmp = expected ? json_pack("{s:o,s:s,s:s,s:o}", "key", key_json(k, key), "result",
+                                     "EQUAL", "target", "VALUE", "value", b64_json("", expected))
+                         /* Created at revision 0: the key does not exist. */
+                         : json_pack("{s:o,s:s,s:s,s:s}", "key", key_json(k, key), "result",
+                                     "EQUAL", "target", "CREATE", "create_revision", "0");
   json_t *t = json_pack("{s:[o],s:[{s:{s:o,s:o}}]}", "compare", cmp, "success", "request_put",
                         "key", key_json(k, key), "value", b64_json("", desired));
   if (t && with_read &&
@@ -795,8 +836,8 @@ static int kve_cas(kv_t *kv, const char *key, const char *expected, const char *
       rc = -1;
     } else if (retried) {
       /* An earlier attempt may have swapped: then the key holds ours. */
-      json_t *rr = json_object_get(json_array_get(json_object_get(root, "responses"), 0),
-                                   "response_range");
+      json_t *rr =
+          json_object_get(json_array_get(json_object_get(root, "responses"), 0), "response_range");
       char *cur = NULL;
       rc = json_is_object(rr) ? range_value(k, rr, key, "cas", &cur) : 0;
       if (rc >= 0) rc = rc == 1 && !strcmp(cur, desired);
@@ -823,9 +864,9 @@ static int kve_del_prefix(kv_t *kv, const char *key) {
   if (pl + kl) end[pl + kl - 1]++;
   json_t *root;
   int retried, rc = request_json(
-      k, "/v3/kv/deleterange",
-      json_pack("{s:o,s:o}", "key", key_json(k, key), "range_end", b64_json("", end)), NULL,
-      chorus__deadline_ms(k->call_ms), &root, &retried);
+                   k, "/v3/kv/deleterange",
+                   json_pack("{s:o,s:o}", "key", key_json(k, key), "range_end", b64_json("", end)),
+                   NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
   free(end);
   json_decref(root);
   return rc;
@@ -862,8 +903,7 @@ static char *read_password(const char *path, char *err, size_t cap) {
   FILE *f = fopen(path, "re");
   char buf[1024];
   if (!f || !fgets(buf, sizeof buf, f)) {
-    snprintf(err, cap, "etcd password_file '%s': %s", path,
-             f ? "empty" : strerror(errno));
+    snprintf(err, cap, "etcd password_file '%s': %s", path, f ? "empty" : strerror(errno));
     if (f) fclose(f);
     return NULL;
   }
@@ -939,11 +979,11 @@ int kv_etcd_open(const char *endpoints, const char *prefix, int timeout_ms, int 
    * timeout_ms (at least one short attempt) while the cluster starts. */
   json_t *root;
   int retried;
-  if (request_json(k, "/v3/kv/range",
-                   json_pack("{s:o,s:b}", "key", key_json(k, k->prefix[0] ? "" : "chorus"),
-                             "count_only", 1),
-                   NULL, chorus__deadline_ms(CHORUS__MAX(timeout_ms, ATTEMPT_MIN_MS)), &root,
-                   &retried) != 0) {
+  if (request_json(
+          k, "/v3/kv/range",
+          json_pack("{s:o,s:b}", "key", key_json(k, k->prefix[0] ? "" : "chorus"), "count_only", 1),
+          NULL, chorus__deadline_ms(CHORUS__MAX(timeout_ms, ATTEMPT_MIN_MS)), &root,
+          &retried) != 0) {
     snprintf(err, cap, "%s", k->base.err);
     int final = k->final;
     kve_close(&k->base);

@@ -101,7 +101,9 @@ typedef struct {
 typedef struct {
   char id[ID_MAX];
   char val[64];  /* its heartbeat value as last read */
-  int64_t seen;  /* when that value last changed */
+  long counter;  /* the highest counter read in it */
+  long replayed; /* a lower counter read after that one (someone replays old values), or 0 */
+  int64_t seen;  /* when the counter last grew */
   int done;      /* it has left */
   int exit_code; /* ... with this code */
   int gone;      /* --elastic inplace: reported lost, the group goes on */
@@ -457,17 +459,26 @@ static peer_t *observe(rdzv_t *rz, const char *id) {
   if (rc == -1) return NULL;
   char cur[sizeof p->val] = "";
   if (rc == 1) one_line(cur, sizeof cur, val);
-  if (rc == 1 && strcmp(cur, p->val) != 0) {
+  long counter = 0, code = 0;
+  char word[8] = "";
+  int n = rc == 1 ? sscanf(cur, "%ld %7s %ld", &counter, word, &code) : 0;
+  /* A heartbeat counts only when its counter grew.  Values carry the
+   * job's seal, so nobody without the job key can write a new one; someone
+   * who can write to the service could still put back an old one (its
+   * seal is as good as ever), which without this check would look like a
+   * beat -- alternating two old values would keep a dead node alive. */
+  if (n >= 2 && counter > p->counter) {
     memcpy(p->val, cur, sizeof cur);
+    p->counter = counter;
     p->seen = chorus__now_ns();
-    long counter = 0, code = 0;
-    char word[8] = "";
-    if (sscanf(val, "%ld %7s %ld", &counter, word, &code) >= 2 && !strcmp(word, "done")) {
-      p->done = 1;
-      p->exit_code = code >= 0 && code <= 255 ? (int)code : EXIT_LAUNCHER;
-    } else {
-      p->done = 0;
-    }
+    p->done = !strcmp(word, "done");
+    if (p->done) p->exit_code = code >= 0 && code <= 255 ? (int)code : EXIT_LAUNCHER;
+  } else if (n >= 2 && counter < p->counter && !p->replayed) {
+    p->replayed = counter;
+    CHORUS_WARN(CHORUS__SUB_LAUNCH,
+                "the heartbeat of node %s went back from %ld to %ld: someone who can write to "
+                "%s replays old values; ignored",
+                id, p->counter, counter, rz->kv->where);
   }
   free(val);
   return p;
@@ -1024,8 +1035,9 @@ static void lost_node(job_t *job, const peer_t *p) {
   f.grank = g;
   f.rank = -1;
   snprintf(f.node, sizeof f.node, "%s", p->id);
-  snprintf(f.what, sizeof f.what, "node %d (%s) was lost: no heartbeat for %.1f s", g, p->id,
-           (chorus__now_ns() - p->seen) / 1e9);
+  snprintf(f.what, sizeof f.what, "node %d (%s) was lost: no heartbeat for %.1f s%s", g, p->id,
+           (chorus__now_ns() - p->seen) / 1e9,
+           p->replayed ? " (old heartbeats of it were replayed meanwhile, and ignored)" : "");
   fprintf(stderr, "chorusrun: %s\n", f.what);
   if (record_failure(rz, job->round, &f, &rec) != 0) rec = f;
   advance(job, 1, p->id, rec.code, rec.what);
@@ -1214,25 +1226,32 @@ int rdzv_after_failure(job_t *job, rdzv_event_t ev) {
 
 /* ------------------------------------------------------------- leaving */
 
+/* The other nodes of the state that have neither left nor been lost, or
+ * -1 when the state could not be read. */
+static int others_here(rdzv_t *rz) {
+  if (read_state(rz) != 1) return -1;
+  int here = 0;
+  const rstate_t *s = &rz->st;
+  const rnode_t *lists[] = {s->mem, s->wait, s->exp};
+  const int counts[] = {s->nmem, s->nwait, s->nexp};
+  for (int l = 0; l < 3; l++)
+    for (int i = 0; i < counts[l]; i++) {
+      if (!strcmp(lists[l][i].id, rz->id)) continue;
+      peer_t *p = observe(rz, lists[l][i].id);
+      if (p && !p->done && !peer_lost(rz, p)) here++;
+    }
+  return here;
+}
+
 /* The store's host stays until every other node of the job has left (or is
  * lost), so nobody loses the store while it still needs it; bounded by
- * `deadline` and by heartbeats. */
-static void linger(job_t *job, int64_t deadline) {
+ * `deadline` and by heartbeats.  Returns others_here() at the end. */
+static int linger(job_t *job, int64_t deadline) {
   rdzv_t *rz = job->rz;
-  if (!rz->srv && !rz->round_srv) return;
   for (;;) {
-    int rc = read_state(rz);
-    if (rc != 1) return;
-    int waiting = 0;
+    int waiting = others_here(rz);
+    if (waiting < 0 || (!rz->srv && !rz->round_srv)) return waiting;
     const rstate_t *s = &rz->st;
-    const rnode_t *lists[] = {s->mem, s->wait, s->exp};
-    const int counts[] = {s->nmem, s->nwait, s->nexp};
-    for (int l = 0; l < 3; l++)
-      for (int i = 0; i < counts[l]; i++) {
-        if (!strcmp(lists[l][i].id, rz->id)) continue;
-        peer_t *p = observe(rz, lists[l][i].id);
-        if (p && !p->done && !peer_lost(rz, p)) waiting++;
-      }
     if (!waiting || chorus__now_ns() >= deadline || job->got_sig) {
       if (s->phase != PH_CLOSED && !waiting) {
         rz->nx = *s;
@@ -1241,20 +1260,35 @@ static void linger(job_t *job, int64_t deadline) {
         set_reason(&rz->nx, "the job finished");
         write_state(rz);
       }
-      return;
+      return waiting;
     }
     sleep_or_signal(job, (int)(job->monitor_ns / 1000000));
   }
 }
 
+/* The last node to leave removes what the job wrote to a service that
+ * outlives it (etcd): its state, heartbeats, failure records, store
+ * addresses.  Several may think they are last; deleting twice is
+ * harmless.  A node killed outright leaves its keys until the others are
+ * gone too, and a job whose every agent was killed leaves all of them
+ * (etcdctl del --prefix /chorus/rdzv/<run id>/ removes them). */
+static void clean_up(rdzv_t *rz, int others) {
+  if (others != 0 || !rz->kv->ops->del_prefix) return;
+  if (rz->kv->ops->del_prefix(rz->kv, rz->pfx) == 0)
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "the last node to leave: removed %s at %s", rz->pfx,
+                rz->kv->where);
+  else
+    CHORUS_WARN(CHORUS__SUB_LAUNCH, "could not remove the job's keys %s: %s", rz->pfx, rz->kv->err);
+}
+
 int rdzv_finish(job_t *job, int exit_code) {
   rdzv_t *rz = job->rz;
   beat(rz, 1, exit_code);
-  if (rz->srv || rz->round_srv) {
-    CHORUS_INFO(CHORUS__SUB_LAUNCH, "our workers finished; serving the store until the other "
-                                    "nodes leave");
-    linger(job, CHORUS__NO_DEADLINE);
-  }
+  if (rz->srv || rz->round_srv)
+    CHORUS_INFO(CHORUS__SUB_LAUNCH,
+                "our workers finished; serving the store until the other "
+                "nodes leave");
+  clean_up(rz, linger(job, CHORUS__NO_DEADLINE));
   return exit_code;
 }
 
@@ -1274,8 +1308,10 @@ void rdzv_close(job_t *job, int exit_code) {
   rdzv_t *rz = job->rz;
   if (!rz) return;
   if (rz->kv && !rz->dead) {
-    if (!rz->left) beat(rz, 1, exit_code);
-    linger(job, chorus__now_ns() + job->close_timeout_ns);
+    int was_left = rz->left;
+    if (!was_left) beat(rz, 1, exit_code);
+    int others = linger(job, chorus__now_ns() + job->close_timeout_ns);
+    if (!was_left) clean_up(rz, others); /* rdzv_finish did, when it was called */
     rz->kv->ops->close(rz->kv);
   }
   round_store_stop(rz);

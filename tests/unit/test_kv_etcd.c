@@ -525,8 +525,8 @@ TEST(garbage_replies) {
   EXPECT_BOUNDED(ACT_REPLY, "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n{}");
   EXPECT_BOUNDED(ACT_REPLY, "HTTP/1.1 200 OK\r\n folded: header\r\n\r\n{}");
   EXPECT_BAD(ACT_REPLY, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk");
-  EXPECT_BAD(ACT_REPLY, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n123456789abcdef01\r\n",
-             "chunk");
+  EXPECT_BAD(ACT_REPLY,
+             "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n123456789abcdef01\r\n", "chunk");
   /* A chunk announced larger than any reply: it would be refused as it
    * arrives; it never does. */
   EXPECT_BOUNDED(ACT_REPLY, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7fffffff\r\n");
@@ -582,8 +582,12 @@ TEST(bad_values) {
   static const struct {
     const char *json, *want;
   } cases[] = {
-      {"\"aGVsbG8\"", "base64"},    {"\"aGVsbG8*\"", "base64"}, {"\"aGVsbG9=\"", "base64"},
-      {"\"a=Vs\"", "base64"},       {"\"AA==\"", "NUL"},        {"5", "not a string"},
+      {"\"aGVsbG8\"", "base64"},
+      {"\"aGVsbG8*\"", "base64"},
+      {"\"aGVsbG9=\"", "base64"},
+      {"\"a=Vs\"", "base64"},
+      {"\"AA==\"", "NUL"},
+      {"5", "not a string"},
       {"\"\\u0000AAA\"", "malformed JSON"},
   };
   for (size_t i = 0; i < CHORUS__ARRAY_LEN(cases); i++) {
@@ -974,6 +978,23 @@ TEST(real_latency) {
 
 /* ---------------------------------------------------- a member killed */
 
+/* etcd's tokens expire after --auth-token-ttl without use: a client idle
+ * longer than that must get a new one and go on. */
+TEST(real_token_renewal) {
+  int ttl = atoi(getenv("CHORUS_TEST_ETCD_TOKEN_TTL"));
+  kv_t *kv = open_real(g_prefix, 5000);
+  ASSERT_TRUE(kv != NULL);
+  OK(kv->ops->set(kv, "token", "before"));
+  sleep_ms(ttl * 1000 + 1500);
+  char *v = NULL;
+  OK(kv->ops->get(kv, "token", &v));
+  ASSERT_STREQ(v, "before");
+  free(v);
+  OK(kv->ops->set(kv, "token", "after"));
+  printf("  idle for %d s, longer than the token's %d s: renewed\n", ttl + 1, ttl);
+  kv->ops->close(kv);
+}
+
 static const char *g_kill_cmd;
 static volatile int g_killed;
 static volatile double g_kill_at; /* when the kill command started */
@@ -1062,6 +1083,7 @@ int main(int argc, char **argv) {
     RUN(real_large_values);
     RUN(real_cas_race);
     RUN(real_latency);
+    if (g_opts.user && getenv("CHORUS_TEST_ETCD_TOKEN_TTL")) RUN(real_token_renewal);
   } else {
     g_kill_cmd = argv[3];
     RUN(real_member_killed);
