@@ -58,6 +58,7 @@ typedef struct world_secret {
   char file[4096]; /* the per-user agreement file, when that is the source */
   int from_file;   /* read from file: it may be replaced, read again on refusal */
   int wrote_file;  /* this rank made file (it serves the store) */
+  char from[300];  /* where the secret came from, for the log (never the secret) */
   chorus__key_t key;
 } world_secret_t;
 
@@ -72,12 +73,14 @@ static chorus_result_t world_secret(const chorus_config_t *cfg, int rank, int ho
   int have = 0;
   if (cfg->job_secret && *cfg->job_secret) {
     snprintf(ws->secret, sizeof ws->secret, "%s", cfg->job_secret);
+    snprintf(ws->from, sizeof ws->from, "the caller (job_secret)");
     have = 1;
   } else {
     have = chorus__secret_configured(ws->secret, sizeof ws->secret, why, sizeof why);
     if (have < 0) return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: %s", rank, why);
     ws->from_file = have && !(env->JOB_SECRET && *env->JOB_SECRET);
     if (ws->from_file) snprintf(ws->file, sizeof ws->file, "%s", env->JOB_SECRET_FILE);
+    if (have) chorus__secret_source(ws->from, sizeof ws->from);
   }
   if (!have && chorus__net_is_local(cfg->store_host)) {
     char dir[4000];
@@ -108,8 +111,8 @@ static chorus_result_t world_secret(const chorus_config_t *cfg, int rank, int ho
       }
     }
     have = 1;
-    CHORUS_INFO(CHORUS__SUB_INIT, "no job secret given: the ranks on this host use a fresh one "
-                "from %s", ws->file);
+    snprintf(ws->from, sizeof ws->from, "a fresh one %s %.200s (no secret given: the store is "
+             "on this host)", host ? "this rank made in" : "read from", ws->file);
   }
   if (!have && !env->INSECURE)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG,
@@ -118,10 +121,12 @@ static chorus_result_t world_secret(const chorus_config_t *cfg, int rank, int ho
                      "CHORUS_JOB_SECRET or CHORUS_JOB_SECRET_FILE (chorusrun does this), or set "
                      "CHORUS_INSECURE=1 to let anyone who reaches the ports join "
                      "(docs/security.md)", rank, cfg->store_host, port);
-  if (!have)
+  if (!have) {
     CHORUS_WARN(CHORUS__SUB_INIT, "chorus rank %d: CHORUS_INSECURE=1 and no job secret: anyone "
                 "who can reach this job's ports can join it, read and change its data",
                 rank);
+    snprintf(ws->from, sizeof ws->from, "nowhere: CHORUS_INSECURE=1, the public key");
+  }
   int rc = chorus__job_key(have ? ws->secret : NULL, env->JOB_ID, &ws->key);
   if (rc < 0)
     return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot derive the job key: %s", rank,
@@ -222,10 +227,12 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
 
 /* Makes the world.  *server, when not NULL, is the store this rank already
  * serves (the launcher's key-value service published its port): the world
- * takes it (*server becomes NULL) once it is past the argument checks. */
+ * takes it (*server becomes NULL) once it is past the argument checks.
+ * secret_from, when not NULL, says where cfg->job_secret came from (a
+ * key-value exchange), for the log line that names the secret's source. */
 static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_t *job_key,
                                   const char *join_base, chorus_store_server_t **server,
-                                  chorus_comm_t *out) {
+                                  const char *secret_from, chorus_comm_t *out) {
   const chorus__env_t *env = chorus__env();
   chorus__log_init();
   if (!out) return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: comm is NULL");
@@ -318,6 +325,11 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     goto fail;
   }
   ctx->key = ws->key; /* as the store accepted it (it may have been read again) */
+  /* Which secret this world runs on, never the secret: what a user (and
+   * tests/launcher, tests/python/torch) checks to see the job is not open. */
+  if (secret_from || ws->from[0])
+    CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank %d/%d: job secret from %s", rank, size,
+                secret_from ? secret_from : ws->from);
   /* The world id: fresh per world, so stale peers cannot join. */
   char key[300], idbuf[40];
   uint64_t world_id = 0;
@@ -571,18 +583,18 @@ chorus_result_t chorus__world_key(const chorus_config_t *cfg, int timeout_ms,
 chorus_result_t chorus__world_make(const chorus_config_t *cfg, const chorus__key_t *key,
                                    const char *join_base, chorus_comm_t *out) {
   chorus_store_server_t *server = NULL;
-  return world_make(cfg, key, join_base, &server, out);
+  return world_make(cfg, key, join_base, &server, NULL, out);
 }
 
 static chorus_result_t world_init(const chorus_config_t *cfg, chorus_store_server_t *server,
-                                  chorus_comm_t *out) {
-  chorus_result_t st = world_make(cfg, NULL, NULL, &server, out);
+                                  const char *secret_from, chorus_comm_t *out) {
+  chorus_result_t st = world_make(cfg, NULL, NULL, &server, secret_from, out);
   chorus_store_server_stop(server); /* NULL once the world took it */
   return st;
 }
 
 chorus_result_t chorus_comm_init(const chorus_config_t *config, chorus_comm_t *comm) {
-  return world_init(config, NULL, comm);
+  return world_init(config, NULL, NULL, comm);
 }
 
 /* ----------------------------------------------- the launcher's environment
@@ -790,25 +802,31 @@ static int derived_port(const launch_t *L) {
 /* Who takes part in a key-value exchange. */
 typedef struct {
   int rank, size;
-  const char *source; /* the service, for messages */
+  const char *source; /* the launcher, for messages */
   int one_host;       /* 1: every rank on this host (the store on 127.0.0.1) */
+  const char *service; /* the key-value service, for the secret's log line */
 } exchange_t;
 
 /* The key-value exchange (b above, and chorus_comm_init_kv); kvs is closed
  * on every path.  On success cfg has the store's host and port (and the job
  * secret, in secret, when rank 0 made one), and rank 0 holds the running
- * store in *server. */
+ * store in *server.  from says where the secret came from when cfg has it
+ * ("" when the world finds its own: world_secret). */
 static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, chorus_config_t *cfg,
                                     char *host, size_t host_cap, char *secret, size_t secret_cap,
-                                    chorus_store_server_t **server, int64_t deadline) {
+                                    chorus_store_server_t **server, int64_t deadline, char *from,
+                                    size_t from_cap) {
   const chorus__env_t *env = chorus__env();
   char err[600], val[CHORUS__KVS_VALUE_MAX + 1], why[600];
   chorus_result_t st = CHORUS_OK;
   int one_host = L->one_host;
   char addrs[400]; /* rank 0's, published */
+  from[0] = '\0';
+  if (secret[0]) snprintf(from, from_cap, "the caller (job_secret)");
   if (L->rank == 0) {
     /* Bind first, publish second: the port is ours before anyone reads it. */
     int have = secret[0] ? 1 : chorus__secret_configured(secret, secret_cap, why, sizeof why);
+    if (have > 0 && !from[0]) chorus__secret_source(from, from_cap);
     if (have < 0) {
       chorus__kvs_close(kvs, deadline);
       return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank 0: %s", why);
@@ -818,6 +836,9 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
       return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank 0: cannot get random bytes for "
                                "the job secret");
     }
+    if (!have)
+      snprintf(from, from_cap, "a fresh one this rank made, sent to the others through %s",
+               L->service);
     chorus__key_t key;
     int port = cfg->store_port > 0 ? cfg->store_port : 0;
     st = chorus__job_key(secret, env->JOB_ID, &key) == 0
@@ -868,6 +889,7 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
   if (strcmp(sec, "-")) {
     snprintf(secret, secret_cap, "%s", sec);
     cfg->job_secret = secret;
+    snprintf(from, from_cap, "rank 0's fresh one, through %s", L->service);
   }
   cfg->store_port = (int)port;
   /* The first of rank 0's addresses that answers (one address: no choice
@@ -910,7 +932,8 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
   chorus__log_init();
   if (comm) *comm = NULL;
   launch_t L;
-  char err[700], host[300], secret[CHORUS__SECRET_MAX] = "";
+  char err[700], host[300], secret[CHORUS__SECRET_MAX] = "", from[300] = "";
+  const char *service = NULL;
   if (launch_detect(&L, err, sizeof err) < 0)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s", err);
   cfg.rank = L.rank;
@@ -934,14 +957,17 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
   } else if (!port_set && addr && *addr) {
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: MASTER_ADDR is set "
                              "but MASTER_PORT is not");
-  } else if (chorus__kvs_available(why, sizeof why) && L.size > 1 && !env->STORE_EXTERNAL) {
+  } else if ((service = chorus__kvs_available(why, sizeof why)) && L.size > 1 &&
+             !env->STORE_EXTERNAL) {
     chorus__kvs_t *kvs = NULL;
-    char kerr[600];
-    exchange_t X = {L.rank, L.size, L.source, one_host == 1};
+    char kerr[600], svc[120];
+    snprintf(svc, sizeof svc, "the launcher's key-value service (%s)", service);
+    exchange_t X = {L.rank, L.size, L.source, one_host == 1, svc};
     st = chorus__kvs_open(&kvs, L.rank, deadline, kerr, sizeof kerr);
     if (st != CHORUS_OK)
       return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L.rank, L.size, L.source, kerr);
-    st = kvs_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
+    st = kvs_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline,
+                      from, sizeof from);
     if (st != CHORUS_OK) {
       chorus__wipe(secret, sizeof secret);
       return st;
@@ -975,7 +1001,7 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
               L.rank, L.size, L.source, L.local_rank, L.local_size, cfg.store_host,
               cfg.store_port);
   if (server) cfg.host_store = 1;
-  st = world_init(&cfg, server, comm);
+  st = world_init(&cfg, server, from[0] ? from : NULL, comm);
   chorus__wipe(secret, sizeof secret);
   return st;
 }
@@ -996,18 +1022,19 @@ chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_
   chorus_config_t cfg = *config;
   int timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : chorus__env_timeout_ms();
   int64_t deadline = chorus__deadline_ms(chorus__init_timeout_ms(&cfg, timeout_ms));
-  char host[300] = "127.0.0.1", secret[CHORUS__SECRET_MAX] = "";
+  char host[300] = "127.0.0.1", secret[CHORUS__SECRET_MAX] = "", from[300] = "";
   if (cfg.job_secret && *cfg.job_secret) snprintf(secret, sizeof secret, "%s", cfg.job_secret);
   chorus_store_server_t *server = NULL;
   chorus_result_t st = CHORUS_OK;
   if (cfg.world_size > 1) {
     chorus__kvs_t *kvs = NULL;
     exchange_t X = {cfg.rank, cfg.world_size, "the caller's key-value service",
-                    cfg.local_world_size == cfg.world_size};
+                    cfg.local_world_size == cfg.world_size, "the caller's key-value service"};
     if ((st = chorus__kvs_wrap(&kvs, kv, cfg.rank)) != CHORUS_OK)
       return chorus__init_fail(st, "chorus_comm_init_kv: out of memory");
     if (cfg.rank != 0) cfg.store_port = 0;
-    st = kvs_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline);
+    st = kvs_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret, &server, deadline,
+                      from, sizeof from);
     if (st != CHORUS_OK) {
       chorus__wipe(secret, sizeof secret);
       return st;
@@ -1022,7 +1049,7 @@ chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_
   cfg.timeout_ms = timeout_ms;
   CHORUS_INFO(CHORUS__SUB_INIT, "bootstrap: rank %d/%d through the caller's key-value service, "
               "store %s:%d", cfg.rank, cfg.world_size, cfg.store_host, cfg.store_port);
-  st = world_init(&cfg, server, comm);
+  st = world_init(&cfg, server, from[0] ? from : NULL, comm);
   chorus__wipe(secret, sizeof secret);
   return st;
 }

@@ -81,6 +81,14 @@ int chorus__secret_configured(char *buf, size_t cap, char *why, size_t why_cap) 
   return 0;
 }
 
+void chorus__secret_source(char *buf, size_t cap) {
+  const chorus__env_t *env = chorus__env();
+  if (env->JOB_SECRET && *env->JOB_SECRET) snprintf(buf, cap, "CHORUS_JOB_SECRET");
+  else if (env->JOB_SECRET_FILE && *env->JOB_SECRET_FILE)
+    snprintf(buf, cap, "CHORUS_JOB_SECRET_FILE (%.200s)", env->JOB_SECRET_FILE);
+  else snprintf(buf, cap, "nowhere");
+}
+
 int chorus__key_for_api(const char *secret, chorus__key_t *key, char *why, size_t why_cap) {
   char buf[CHORUS__SECRET_MAX];
   const chorus__env_t *env = chorus__env();

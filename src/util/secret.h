@@ -23,6 +23,10 @@
  * unusable. */
 int chorus__secret_configured(char *buf, size_t cap, char *why, size_t why_cap);
 
+/* Where chorus__secret_configured found its secret, for a log line (the
+ * variable's name and, for a file, its path; never the secret). */
+void chorus__secret_source(char *buf, size_t cap);
+
 /* Reads the first line of path into buf.  The file must be a regular file
  * owned by this user with no permission for group or others, and not
  * empty.  Returns 0 or a negative errno with the reason in why. */

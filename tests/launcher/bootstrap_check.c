@@ -8,7 +8,9 @@
  *   bootstrap ok rank R size S local L/LS host H
  *
  * and exits 0; on failure prints "bootstrap FAILED: <reason>" (with the
- * library's message) and exits 1.  Used by test_bootstrap.sh and
+ * library's message) and exits 1.  With CHORUS_TEST_HOLD set, rank 0 also
+ * prints "bootstrap holding" once the world works, and the world waits
+ * for that file before the ranks report.  Used by test_bootstrap.sh and
  * test_ifname.sh.
  */
 #include <stdio.h>
@@ -64,6 +66,18 @@ int main(void) {
   if (!why && chorus_all_reduce(comm, &x, &sum, 1, CHORUS_FLOAT64, CHORUS_SUM, NULL) != CHORUS_OK)
     why = chorus_comm_last_error(comm);
   if (!why && sum != (double)size * (size + 1) / 2) why = "all_reduce gave a wrong sum";
+  /* CHORUS_TEST_HOLD=PATH: the world stays up until PATH exists (rank 0
+   * waits at most 60 s, then a barrier), so that a test can attack the
+   * running job (test_bootstrap.sh, tests/python/torch/secret.py). */
+  const char *hold = getenv("CHORUS_TEST_HOLD");
+  if (!why && hold && *hold) {
+    if (rank == 0) {
+      printf("bootstrap holding\n");
+      fflush(stdout);
+      for (int i = 0; i < 600 && access(hold, F_OK) != 0; i++) usleep(100 * 1000);
+    }
+    if (chorus_barrier(comm, NULL) != CHORUS_OK) why = chorus_comm_last_error(comm);
+  }
   if (why) {
     printf("bootstrap FAILED: rank %d: %s\n", rank, why);
     return 1;

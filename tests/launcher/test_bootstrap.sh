@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_bootstrap.sh MODE BOOTSTRAP_CHECK TEST_COLLS [FIXTURES_DIR [CHORUSRUN]]
+# test_bootstrap.sh MODE BOOTSTRAP_CHECK TEST_COLLS [FIXTURES_DIR [CHORUSRUN [STRANGER]]]
 #
 # chorus_comm_init_env() with no flags under each way a program gets
 # started.  MODE:
@@ -15,11 +15,17 @@
 #          script like the one in the README, srun -N 2 without PMI or
 #          secret, which must fail fast with a clear message, and chorusrun
 #          on 2 nodes inside an srun allocation (one agent per node)
+# Under each launcher a job with no secret configured is attacked while its
+# world is up (attack below): every rank must name where its secret came
+# from (a fresh one through the launcher's key-value service, or the
+# runtime directory on one host without one), and a stranger (STRANGER,
+# secret_stranger.c) with the public key or a key of its own must be
+# refused by the job's store.
 # Every run is bounded by `timeout`; a component that is not installed makes
 # the mode exit 77 (CTest: skipped) after saying why.  The EXIT trap kills
 # what this script started and stops the fixture.
 set -u
-MODE=$1 CHECK=$2 COLLS=$3 FIXTURES=${4:-} CHORUSRUN=${5:-}
+MODE=$1 CHECK=$2 COLLS=$3 FIXTURES=${4:-} CHORUSRUN=${5:-} STRANGER=${6:-}
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-bootstrap.XXXXXX") || exit 1
 OUT=$TMP/out
 FAILS=0
@@ -37,6 +43,7 @@ trap 'echo "interrupted"; exit 1' INT TERM HUP
 cp "$CHECK" "$TMP/bootstrap_check" && cp "$COLLS" "$TMP/test_colls" || exit 1
 CHECK=$TMP/bootstrap_check COLLS=$TMP/test_colls
 if [[ -n $CHORUSRUN ]]; then cp "$CHORUSRUN" "$TMP/chorusrun" || exit 1; CHORUSRUN=$TMP/chorusrun; fi
+if [[ -n $STRANGER ]]; then cp "$STRANGER" "$TMP/secret_stranger" || exit 1; STRANGER=$TMP/secret_stranger; fi
 
 ok() { echo "ok   $*"; }
 fail() {
@@ -96,6 +103,48 @@ expect_error() {
   fi
 }
 
+# The "job secret from" line (CHORUS_LOG_LEVEL=INFO) of a world that got a
+# fresh secret through the launcher's key-value service: rank 0 made it,
+# the others got it from there.
+KVS_FRESH="(a fresh one this rank made, sent to the others|rank 0's fresh one,) through the launcher's key-value service"
+
+# attack WHAT N SOURCE cmd...: runs cmd, a job of N bootstrap_check ranks,
+# with CHORUS_LOG_LEVEL=INFO and CHORUS_TEST_HOLD; while its world is up,
+# a stranger tries rank 0's store (its address from rank 0's "bootstrap:"
+# line) with the public key and with its own.  Then: the world formed
+# (expect_world), the stranger was refused, and every rank's "job secret
+# from" line matches SOURCE (an extended regular expression).
+attack() {
+  local what=$1 n=$2 source=$3 hold=$TMP/hold pid t0 i store verdict got
+  shift 3
+  if [[ -z $STRANGER ]]; then run 60 "$@"; expect_world "$what" "$n"; return; fi
+  rm -f "$hold"
+  t0=$(now_ms)
+  CHORUS_LOG_LEVEL=INFO CHORUS_TEST_HOLD=$hold timeout -s KILL 90 "$@" >"$OUT" 2>&1 </dev/null &
+  pid=$!
+  for ((i = 0; i < 600; i++)); do
+    grep -q '^bootstrap holding' "$OUT" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  store=$(grep -m1 -o 'bootstrap: rank 0/.*, store [^ ]*' "$OUT" | sed 's/.*, store //')
+  if [[ -n $store ]] && grep -q '^bootstrap holding' "$OUT"; then
+    verdict=$("$STRANGER" "${store%:*}" "${store##*:}" 2>&1)
+  else
+    verdict="stranger: no world held open (store '$store')"
+  fi
+  touch "$hold"
+  wait "$pid"
+  RC=$?
+  MS=$(($(now_ms) - t0))
+  expect_world "$what" "$n"
+  if [[ $verdict == "stranger: refused"* ]]; then ok "$what: $verdict"
+  else fail "$what: $verdict"; fi
+  got=$(grep -cE "job secret from $source" "$OUT")
+  if [[ $got == "$n" ]]; then ok "$what: every rank's secret is from $(grep -m1 -oE "job secret from $source" "$OUT" | sed 's/job secret from //')"
+  else fail "$what: $got of $n ranks say 'job secret from $source'"; fi
+}
+
 mode_env() {
   local clean=(env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u LOCAL_RANK
     -u LOCAL_WORLD_SIZE -u GROUP_WORLD_SIZE -u PMI_FD -u PMI_RANK -u PMI_SIZE
@@ -131,12 +180,14 @@ mode_env() {
 
 mode_hydra() {
   command -v mpiexec.hydra >/dev/null || skip "mpiexec.hydra not found (Debian package mpich; scripts/deps.sh --cluster installs it)"
-  run 60 mpiexec.hydra -n 4 "$CHECK"
-  expect_world "mpiexec.hydra -n 4" 4
+  attack "mpiexec.hydra -n 4" 4 "$KVS_FRESH \\(PMI-1" mpiexec.hydra -n 4 "$CHECK"
   expect_locals "mpiexec.hydra -n 4"
-  run 60 mpiexec.hydra -launcher fork -hosts n0:2,n1:2 -n 4 "$CHECK"
-  expect_world "mpiexec.hydra, 2 fake hosts x 2" 4
+  attack "mpiexec.hydra, 2 fake hosts x 2" 4 "$KVS_FRESH \\(PMI-1" \
+    mpiexec.hydra -launcher fork -hosts n0:2,n1:2 -n 4 "$CHECK"
   expect_locals "mpiexec.hydra, 2 fake hosts x 2"
+  # A secret the user set wins over a fresh one.
+  attack "mpiexec.hydra -n 2, CHORUS_JOB_SECRET set" 2 "CHORUS_JOB_SECRET$" \
+    env CHORUS_JOB_SECRET=0123456789abcdef0123456789abcdef mpiexec.hydra -n 2 "$CHECK"
   run 120 mpiexec.hydra -n 3 "$COLLS"
   expect_colls "mpiexec.hydra -n 3 test_colls"
   # One rank dies before the exchange: the others fail, nobody hangs.
@@ -154,7 +205,7 @@ mode_ompi() {
   if grep -q "built without PMIx\|libpmix.so.2 cannot be loaded" "$OUT"; then
     skip "$(grep -m1 -o 'the launcher offers PMIx but.*' "$OUT")"
   fi
-  expect_world "mpirun -np 4" 4
+  attack "mpirun -np 4" 4 "$KVS_FRESH \\(PMIx" "${mpi[@]}" -np 4 "$CHECK"
   expect_locals "mpirun -np 4"
   # Two "hosts": an rsh agent that runs the command here, telling it (and
   # so the ranks) the host name it was given, with a temporary directory of
@@ -162,8 +213,8 @@ mode_ompi() {
   # on creating it: "mkdir ... File exists").
   printf '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -*) shift;; *) h=$1; shift; break;; esac; done\nexport CHORUS_TEST_HOST=$h TMPDIR=%s/tmp-$h\nmkdir -p "$TMPDIR"\nexec sh -c "$*"\n' "$TMP" >"$TMP/fake-ssh"
   chmod +x "$TMP/fake-ssh"
-  run 60 "${mpi[@]}" --mca plm_rsh_agent "$TMP/fake-ssh" --host n0:2,n1:2 -np 4 "$CHECK"
-  expect_world "mpirun, 2 fake hosts x 2" 4
+  attack "mpirun, 2 fake hosts x 2" 4 "$KVS_FRESH \\(PMIx" \
+    "${mpi[@]}" --mca plm_rsh_agent "$TMP/fake-ssh" --host n0:2,n1:2 -np 4 "$CHECK"
   expect_locals "mpirun, 2 fake hosts x 2"
   run 120 "${mpi[@]}" -np 3 "$COLLS"
   expect_colls "mpirun -np 3 test_colls"
@@ -182,17 +233,20 @@ mode_slurm() {
   esac
   eval "$(bash "$FIXTURES/slurm.sh" env)"
   local srun=(srun --immediate=30 -O)
-  run 90 "${srun[@]}" -N 2 --ntasks-per-node=2 --mpi=pmi2 "$CHECK"
-  expect_world "srun -N 2 --ntasks-per-node=2 --mpi=pmi2" 4
+  attack "srun -N 2 --ntasks-per-node=2 --mpi=pmi2" 4 "$KVS_FRESH \\(PMI-1" \
+    "${srun[@]}" -N 2 --ntasks-per-node=2 --mpi=pmi2 "$CHECK"
   expect_locals "srun --mpi=pmi2"
   if srun --mpi=list 2>&1 | grep -q pmix; then
-    run 90 "${srun[@]}" -N 2 --ntasks-per-node=2 --mpi=pmix "$CHECK"
-    expect_world "srun -N 2 --ntasks-per-node=2 --mpi=pmix" 4
+    attack "srun -N 2 --ntasks-per-node=2 --mpi=pmix" 4 "$KVS_FRESH \\(PMIx" \
+      "${srun[@]}" -N 2 --ntasks-per-node=2 --mpi=pmix "$CHECK"
   else
     echo "skip srun --mpi=pmix: this Slurm has no pmix plugin"
   fi
-  run 90 "${srun[@]}" -N 1 -n 3 "$CHECK"
-  expect_world "srun -N 1 -n 3 (no PMI: one host, derived port)" 3
+  # No key-value service, every rank on one host: the secret is agreed
+  # through the runtime directory.
+  attack "srun -N 1 -n 3 (no PMI: one host, derived port)" 3 \
+    "a fresh one (this rank made in|read from) .*/store-[0-9]+\\.key" \
+    "${srun[@]}" --mpi=none -N 1 -n 3 "$CHECK"
   run 120 "${srun[@]}" -N 2 --ntasks-per-node=2 --mpi=pmi2 "$COLLS"
   expect_colls "srun -N 2 --mpi=pmi2 test_colls"
   # What users copy: an sbatch script whose srun needs no flags of ours.

@@ -1,0 +1,182 @@
+"""The PyTorch backend's job secret, attacked while the job runs.
+
+    secret.py STRANGER CHORUSRUN
+
+Each case starts a 2-rank job whose ranks form a chorus group, then hold it
+open (rank 0 waits for a file) while STRANGER (tests/launcher/
+secret_stranger.c) runs the store handshake against the group's store, whose
+address rank 0 logs ("bootstrap: ... store HOST:PORT", CHORUS_LOG_LEVEL=INFO),
+with the public key CHORUS_INSECURE=1 would use and with a key of its own.
+Both must be refused, and every rank must log where its secret came from
+("job secret from ..."):
+
+  torchrun        torchrun, env://, no secret: rank 0's fresh one, through
+                  torch's store (the caller's key-value service)
+  filestore       two processes by hand, a FileStore, no secret: the same
+  tcpstore        two processes by hand, a TCPStore of the user's own and
+                  CHORUS_JOB_SECRET: the user's secret, not a fresh one
+  chorusrun       chorusrun, env:// (torch's store over chorusrun's own):
+                  chorusrun's secret, CHORUS_JOB_SECRET_FILE
+
+Exit 0 when every case passed, 1 otherwise; 77 (skip) without torch.
+"""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+FRESH = (r"job secret from (a fresh one this rank made, sent to the others|rank 0's fresh one,)"
+         r" through the caller's key-value service")
+N = 2
+
+
+def worker(mode):
+    """One rank: form the group, check it, hold it open for the attack."""
+    import torch
+    import torch.distributed as dist
+    import chorus.torch  # noqa: F401  -- registers backend "chorus"
+    rank = int(os.environ["RANK"])
+    if mode == "filestore":
+        store = dist.FileStore(os.environ["TEST_FILESTORE"], N)
+        dist.init_process_group("chorus", store=store, rank=rank, world_size=N)
+    elif mode == "tcpstore":
+        store = dist.TCPStore("127.0.0.1", int(os.environ["TEST_PORT"]), N, rank == 0)
+        dist.init_process_group("chorus", store=store, rank=rank, world_size=N)
+    else:
+        dist.init_process_group("chorus")
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t)
+    if t.tolist() != [3.0] * 4:
+        print("worker FAILED: rank %d: all_reduce gave %s" % (rank, t.tolist()), flush=True)
+        return 1
+    if rank == 0:
+        print("worker holding", flush=True)
+        hold = os.environ["CHORUS_TEST_HOLD"]
+        for _ in range(600):
+            if os.path.exists(hold):
+                break
+            time.sleep(0.1)
+    dist.barrier()
+    print("worker ok rank %d" % rank, flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(name, stranger, chorusrun, source):
+    tmp = tempfile.mkdtemp(prefix="chorus-secret.")
+    env = dict(os.environ)
+    for var in ("CHORUS_JOB_SECRET", "CHORUS_JOB_SECRET_FILE", "CHORUS_INSECURE", "RANK",
+                "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(var, None)
+    env.update(CHORUS_LOG_LEVEL="INFO", CHORUS_TEST_HOLD=os.path.join(tmp, "hold"),
+               OMP_NUM_THREADS="1")
+    script = os.path.abspath(__file__)
+    log = open(os.path.join(tmp, "out"), "w+")
+    procs = []
+    if name in ("torchrun", "chorusrun"):
+        worker_cmd = [script, "--worker", "env"]
+        if name == "torchrun":
+            # --redirects 1: torch 1.13's default (0) crashes its agent on
+            # Python 3.11 (suite.py); stderr, where the log goes, is not
+            # redirected.
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(N),
+                   "--master_port", str(free_port()), "--redirects", "1", "--tee", "1"]
+        else:
+            cmd = [chorusrun, "--standalone", "-n", str(N), "--", sys.executable]
+        procs.append(subprocess.Popen(cmd + worker_cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      env=env, start_new_session=True))
+    else:
+        env["TEST_FILESTORE"] = os.path.join(tmp, "filestore")
+        env["TEST_PORT"] = str(free_port())
+        if name == "tcpstore":
+            env["CHORUS_JOB_SECRET"] = os.urandom(16).hex()
+        for r in range(N):
+            e = dict(env, RANK=str(r), WORLD_SIZE=str(N))
+            procs.append(subprocess.Popen([sys.executable, script, "--worker", name], stdout=log, stderr=subprocess.STDOUT, env=e,
+                                          start_new_session=True))
+
+    def text():
+        log.flush()
+        with open(log.name) as f:
+            return f.read()
+
+    problems = []
+    deadline = time.monotonic() + 120
+    while "worker holding" not in text() and time.monotonic() < deadline and any(
+            p.poll() is None for p in procs):
+        time.sleep(0.1)
+    out = text()
+    m = re.search(r"bootstrap: rank 0/%d .*, store (\S+):(\d+)" % N, out)
+    if "worker holding" not in out or not m:
+        problems.append("no group held open (store address %s)" % ((m.groups() if m else None),))
+        verdict = ""
+    else:
+        v = subprocess.run([stranger, m.group(1), m.group(2)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=30)
+        verdict = v.stdout.strip()
+        if not verdict.startswith("stranger: refused"):
+            problems.append(verdict)
+    open(env["CHORUS_TEST_HOLD"], "w").close()
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            problems.append("timed out")
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # nothing may outlive the case
+        except ProcessLookupError:
+            pass
+        if p.returncode not in (0, None):
+            problems.append("exit status %s" % p.returncode)
+    out = text()
+    oks = len(re.findall(r"worker ok rank \d", out))
+    srcs = re.findall(source, out, re.M)
+    if oks != N:
+        problems.append("%d of %d ranks finished" % (oks, N))
+    if len(srcs) != N:
+        problems.append("%d of %d ranks say '%s'" % (len(srcs), N, source))
+    log.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    if problems:
+        print("FAIL %s: %s" % (name, "; ".join(problems)))
+        print("---- output (last 40 lines):\n" + "\n".join(out.splitlines()[-40:]) + "\n----")
+        return False
+    print("ok   %s: %s; every rank's secret is from %s" % (
+        name, verdict, re.search(source, out, re.M).group(0)[len("job secret from "):]))
+    return True
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2])
+    try:
+        import torch.distributed  # noqa: F401
+        import chorus.torch  # noqa: F401
+    except ImportError as e:
+        print("SKIPPED: torch or the chorus backend cannot be imported: %s" % e)
+        return 77
+    stranger, chorusrun = sys.argv[1], sys.argv[2]
+    cases = [("torchrun", FRESH), ("filestore", FRESH),
+             ("tcpstore", r"job secret from CHORUS_JOB_SECRET$"),
+             ("chorusrun", r"job secret from CHORUS_JOB_SECRET_FILE")]
+    only = sys.argv[3:]
+    ok = True
+    for name, source in cases:
+        if not only or name in only:
+            ok = run_case(name, stranger, chorusrun, source) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
