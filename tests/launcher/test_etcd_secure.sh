@@ -10,7 +10,8 @@
 #           another CA, a wrong CA for the server and plain http are refused
 #           with a message naming the cause, in seconds
 #   auth    etcd with user/password authentication: a job with user=,
-#           password_file= finishes; a wrong password and no credentials are
+#           password_file= finishes while a stranger without credentials tries to
+#           forge its state (etcd refuses him); a wrong password and no credentials are
 #           refused at once, clearly (token renewal: test_etcd_kv.sh)
 #   replay  plain etcd, someone who can write to it: an agent is SIGKILLed
 #           and two of its old (sealed) heartbeats are put back in turn; the
@@ -145,14 +146,31 @@ case_auth() {
   local t0
   t0=$(now_ms)
   job auth "$id" "$conf" sleep 5
+  # A stranger without credentials forges the state while the job runs.
+  sleep 2
+  local forged
+  forged=$(python3 - "$EP" "/chorus/rdzv/$id/state" <<'PY'
+import base64, json, sys, urllib.error, urllib.request
+ep, key = sys.argv[1:3]
+b64 = lambda s: base64.b64encode(s.encode()).decode()
+body = json.dumps({"key": b64(key), "value": b64("chorus-rdzv 1\nphase closed\nexit 3\n")})
+try:
+    urllib.request.urlopen(urllib.request.Request("http://%s/v3/kv/put" % ep, body.encode()), timeout=5)
+    print("accepted")
+except urllib.error.HTTPError as e:
+    print("refused HTTP %d" % e.code)
+except Exception as e:
+    print("error %s" % e)
+PY
+)
   wait_pid "$PA" 60
   local ra=$?
   wait_pid "$PB" 60
   local rb=$?
-  if ((ra == 0 && rb == 0)); then
-    ok "auth: a job of $(($(now_ms) - t0)) ms on etcd with user/password authentication"
+  if ((ra == 0 && rb == 0)) && [[ $forged == refused* ]]; then
+    ok "auth: a job of $(($(now_ms) - t0)) ms on etcd with user/password authentication; a stranger's forged state was $forged"
   else
-    fail "auth: rc $ra $rb"
+    fail "auth: rc $ra $rb, a stranger's forged state: $forged"
   fi
   echo "not-the-password" >"$TMP/badpw"
   refused auth-wrong-password "user=$CHORUS_ETCD_USER,password_file=$TMP/badpw" "refused user"
