@@ -805,7 +805,42 @@ typedef struct {
   const char *source; /* the launcher, for messages */
   int one_host;       /* 1: every rank on this host (the store on 127.0.0.1) */
   const char *service; /* the key-value service, for the secret's log line */
+  /* Not NULL: a fresh secret goes in a file of the runtime directory, whose
+   * path this receives (rank 0 removes it once the world formed), and the
+   * service carries only its name -- for services strangers may read (a
+   * caller's: torch's TCPStore has no authentication). One host only. */
+  char *secret_file;
+  size_t secret_file_cap;
 } exchange_t;
+
+/* <runtime dir>/kv-<name>.key into buf: 0, or -1 with why. */
+static int kv_secret_path(const char *name, char *buf, size_t cap, char *why, size_t why_cap) {
+  char dir[4096];
+  if (chorus__runtime_dir(dir, sizeof dir, why, why_cap) < 0) return -1;
+  if ((size_t)snprintf(buf, cap, "%s/kv-%s.key", dir, name) >= cap) {
+    snprintf(why, why_cap, "the runtime directory's path is too long");
+    return -1;
+  }
+  return 0;
+}
+
+/* Rank 0, one host: the fresh secret into a new file; its name ("@" and 32
+ * hex digits, what the others look for) into ref.  0, or -1 (the caller
+ * then publishes the secret itself, as for other services). */
+static int kv_secret_to_file(const exchange_t *L, const char *secret, char *ref, size_t ref_cap) {
+  char rnd[65], why[600] = "";
+  if (chorus__secret_generate(rnd, sizeof rnd) != 0) return -1;
+  rnd[32] = '\0';
+  if (kv_secret_path(rnd, L->secret_file, L->secret_file_cap, why, sizeof why) < 0 ||
+      chorus__secret_write_file(L->secret_file, secret) != 0) {
+    CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank 0: the job secret goes through %s, not a file "
+                "(%s)", L->service, why[0] ? why : "cannot write it");
+    L->secret_file[0] = '\0';
+    return -1;
+  }
+  snprintf(ref, ref_cap, "@%.32s", rnd);
+  return 0;
+}
 
 /* The key-value exchange (b above, and chorus_comm_init_kv); kvs is closed
  * on every path.  On success cfg has the store's host and port (and the job
@@ -836,7 +871,11 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
       return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank 0: cannot get random bytes for "
                                "the job secret");
     }
-    if (!have)
+    char ref[40] = "";
+    if (!have && L->secret_file && L->one_host && kv_secret_to_file(L, secret, ref, sizeof ref) == 0)
+      snprintf(from, from_cap, "a fresh one this rank made, in %.200s (only its name went "
+               "through %s)", L->secret_file, L->service);
+    else if (!have)
       snprintf(from, from_cap, "a fresh one this rank made, sent to the others through %s",
                L->service);
     chorus__key_t key;
@@ -856,7 +895,7 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     for (char *c = addrs; *c; c++)
       if (*c == ',') *c = '+';
     snprintf(val, sizeof val, "v1,%d,%s,%s", chorus_store_server_port(*server), addrs,
-             have ? "-" : secret);
+             have ? "-" : ref[0] ? ref : secret);
     st = chorus__kvs_put(kvs, "chorus-store", val, deadline, err, sizeof err);
     chorus__wipe(val, sizeof val);
   }
@@ -886,7 +925,27 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): rank 0's store "
                              "address in the key-value service is malformed", L->rank, L->size,
                              L->source);
-  if (strcmp(sec, "-")) {
+  if (sec[0] == '@') {
+    /* The secret is in a file of the runtime directory, named by rank 0.
+     * The name is untrusted: 32 hex digits, nothing else. */
+    char path[4200], fwhy[600];
+    size_t n = strspn(sec + 1, "0123456789abcdef");
+    if (n != 32 || sec[33] != '\0')
+      return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): rank 0's secret "
+                               "file name in the key-value service is malformed", L->rank,
+                               L->size, L->source);
+    if (kv_secret_path(sec + 1, path, sizeof path, fwhy, sizeof fwhy) < 0 ||
+        chorus__secret_read_file(path, secret, secret_cap, fwhy, sizeof fwhy) < 0)
+      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d (%s): rank 0 put the "
+                               "job secret in its runtime directory, and this rank cannot read "
+                               "it: %s.  Ranks that say they share a host (LOCAL_WORLD_SIZE == "
+                               "WORLD_SIZE) need the same user and runtime directory "
+                               "(XDG_RUNTIME_DIR, TMPDIR); or set CHORUS_JOB_SECRET",
+                               L->rank, L->size, L->source, fwhy);
+    cfg->job_secret = secret;
+    snprintf(from, from_cap, "rank 0's fresh one, from %.200s (only its name went through %s)",
+             path, L->service);
+  } else if (strcmp(sec, "-")) {
     snprintf(secret, secret_cap, "%s", sec);
     cfg->job_secret = secret;
     snprintf(from, from_cap, "rank 0's fresh one, through %s", L->service);
@@ -962,7 +1021,7 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
     chorus__kvs_t *kvs = NULL;
     char kerr[600], svc[120];
     snprintf(svc, sizeof svc, "the launcher's key-value service (%s)", service);
-    exchange_t X = {L.rank, L.size, L.source, one_host == 1, svc};
+    exchange_t X = {L.rank, L.size, L.source, one_host == 1, svc, NULL, 0};
     st = chorus__kvs_open(&kvs, L.rank, deadline, kerr, sizeof kerr);
     if (st != CHORUS_OK)
       return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L.rank, L.size, L.source, kerr);
@@ -1023,13 +1082,19 @@ chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_
   int timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : chorus__env_timeout_ms();
   int64_t deadline = chorus__deadline_ms(chorus__init_timeout_ms(&cfg, timeout_ms));
   char host[300] = "127.0.0.1", secret[CHORUS__SECRET_MAX] = "", from[300] = "";
+  char secret_file[4200] = "";
   if (cfg.job_secret && *cfg.job_secret) snprintf(secret, sizeof secret, "%s", cfg.job_secret);
   chorus_store_server_t *server = NULL;
   chorus_result_t st = CHORUS_OK;
   if (cfg.world_size > 1) {
     chorus__kvs_t *kvs = NULL;
-    exchange_t X = {cfg.rank, cfg.world_size, "the caller's key-value service",
-                    cfg.local_world_size == cfg.world_size, "the caller's key-value service"};
+    exchange_t X = {cfg.rank,
+                    cfg.world_size,
+                    "the caller's key-value service",
+                    cfg.local_world_size == cfg.world_size,
+                    "the caller's key-value service",
+                    secret_file,
+                    sizeof secret_file};
     if ((st = chorus__kvs_wrap(&kvs, kv, cfg.rank)) != CHORUS_OK)
       return chorus__init_fail(st, "chorus_comm_init_kv: out of memory");
     if (cfg.rank != 0) cfg.store_port = 0;
@@ -1050,6 +1115,9 @@ chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_
   CHORUS_INFO(CHORUS__SUB_INIT, "bootstrap: rank %d/%d through the caller's key-value service, "
               "store %s:%d", cfg.rank, cfg.world_size, cfg.store_host, cfg.store_port);
   st = world_init(&cfg, server, from[0] ? from : NULL, comm);
+  /* Every rank has proven the key to the store once the world formed; on
+   * failure nobody needs the file either. */
+  if (secret_file[0]) unlink(secret_file);
   chorus__wipe(secret, sizeof secret);
   return st;
 }

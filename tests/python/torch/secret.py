@@ -10,8 +10,11 @@ with the public key CHORUS_INSECURE=1 would use and with a key of its own.
 Both must be refused, and every rank must log where its secret came from
 ("job secret from ..."):
 
-  torchrun        torchrun, env://, no secret: rank 0's fresh one, through
-                  torch's store (the caller's key-value service)
+  torchrun        torchrun, env://, no secret: rank 0's fresh one, in a file
+                  of the runtime directory (every rank on one host), only
+                  its name through torch's store; the stranger also reads
+                  torch's store (no authentication) and must not find the
+                  secret there
   filestore       two processes by hand, a FileStore, no secret: the same
   tcpstore        two processes by hand, a TCPStore of the user's own and
                   CHORUS_JOB_SECRET: the user's secret, not a fresh one
@@ -32,6 +35,10 @@ import time
 
 FRESH = (r"job secret from (a fresh one this rank made, sent to the others|rank 0's fresh one,)"
          r" through the caller's key-value service")
+FILE = (r"job secret from (a fresh one this rank made, in|rank 0's fresh one, from) \S+/kv-[0-9a-f]{32}"
+        r"\.key \(only its name went through the caller's key-value service\)")
+# Where torch 1.13 under torchrun keeps the default group's keys.
+TORCHRUN_KEY = "/worker/attempt_0/default_pg/0/chorus-store"
 N = 2
 
 
@@ -73,6 +80,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def read_torch_store(port):
+    """What a stranger reads in torch's store (it has no authentication)."""
+    import datetime
+    import torch.distributed as dist
+    try:
+        s = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=5))
+        return s.get(TORCHRUN_KEY).decode(errors="replace")
+    except Exception as e:  # noqa: BLE001 -- any failure is reported
+        return "unreadable: %s" % e
+
+
 def run_case(name, stranger, chorusrun, source):
     tmp = tempfile.mkdtemp(prefix="chorus-secret.")
     env = dict(os.environ)
@@ -84,6 +103,7 @@ def run_case(name, stranger, chorusrun, source):
     script = os.path.abspath(__file__)
     log = open(os.path.join(tmp, "out"), "w+")
     procs = []
+    master_port = free_port()
     if name in ("torchrun", "chorusrun"):
         worker_cmd = [script, "--worker", "env"]
         if name == "torchrun":
@@ -91,7 +111,7 @@ def run_case(name, stranger, chorusrun, source):
             # Python 3.11 (suite.py); stderr, where the log goes, is not
             # redirected.
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(N),
-                   "--master_port", str(free_port()), "--redirects", "1", "--tee", "1"]
+                   "--master_port", str(master_port), "--redirects", "1", "--tee", "1"]
         else:
             cmd = [chorusrun, "--standalone", "-n", str(N), "--", sys.executable]
         procs.append(subprocess.Popen(cmd + worker_cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -127,6 +147,13 @@ def run_case(name, stranger, chorusrun, source):
         verdict = v.stdout.strip()
         if not verdict.startswith("stranger: refused"):
             problems.append(verdict)
+        if name == "torchrun":
+            found = read_torch_store(master_port)
+            if found is None or not re.fullmatch(r"v1,\d+,[^,]+,(@[0-9a-f]{32}|-)", found):
+                problems.append("torch's store, which anyone who reaches port %d can read, holds "
+                                "%r under %s" % (master_port, found, TORCHRUN_KEY))
+            else:
+                verdict += "; torch's store holds only %s" % found.split(",")[-1]
     open(env["CHORUS_TEST_HOLD"], "w").close()
     for p in procs:
         try:
@@ -167,7 +194,7 @@ def main():
         print("SKIPPED: torch or the chorus backend cannot be imported: %s" % e)
         return 77
     stranger, chorusrun = sys.argv[1], sys.argv[2]
-    cases = [("torchrun", FRESH), ("filestore", FRESH),
+    cases = [("torchrun", FILE), ("filestore", FRESH),
              ("tcpstore", r"job secret from CHORUS_JOB_SECRET$"),
              ("chorusrun", r"job secret from CHORUS_JOB_SECRET_FILE")]
     only = sys.argv[3:]
