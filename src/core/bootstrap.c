@@ -183,7 +183,8 @@ static void copy_str(char *out, size_t cap, const char *s) {
  * else the first address of an interface CHORUS_SOCKET_IFNAME names (none
  * is an error), else the address the store connection leaves from -- but
  * never a loopback address when the job may span hosts: a peer on another
- * host would connect to its own loopback. */
+ * host would connect to its own loopback.  It may not when MASTER_ADDR is
+ * loopback too: the data port then stays on loopback. */
 static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int size, int store_fd,
                                    char *out, size_t cap) {
   const chorus__env_t *env = chorus__env();
@@ -206,7 +207,11 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
                              rc == 0 ? found : "");
   }
   if (chorus__net_local_addr(store_fd, out, cap, NULL) < 0) snprintf(out, cap, "127.0.0.1");
-  int one_host = cfg->local_world_size > 0 && cfg->local_world_size == size;
+  /* One host also when MASTER_ADDR names loopback: every rank that
+   * reaches the store through it runs here (a port tunnelled from another
+   * host is the exception: CHORUS_SOCKET_IFNAME/IFADDR then). */
+  int one_host = (cfg->local_world_size > 0 && cfg->local_world_size == size) ||
+                 chorus__net_names_loopback(cfg->store_host);
   if (!one_host && chorus__net_is_loopback(out)) {
     char addrs[400];
     if (chorus__net_host_addrs(addrs, sizeof addrs) > 0) {
@@ -289,8 +294,14 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     st = chorus__store_server_start_key(env->STORE_BIND_ALL ? NULL : cfg->store_host, port,
                                         &ws->key, &ctx->server);
     if (st != CHORUS_OK) {
-      chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another job "
-                "using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
+      char owner[200];
+      if (port > 0 && chorus__net_port_owner(port, owner, sizeof owner) > 0)
+        chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s): the port is "
+                          "held by %s; stop it or choose another MASTER_PORT", rank, port,
+                          chorus_strerror(st), owner);
+      else
+        chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another "
+                          "job using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
       goto fail;
     }
     port = chorus_store_server_port(ctx->server);

@@ -72,6 +72,7 @@ struct chorus_store {
 
 static _Thread_local char g_connect_err[ERR_CAP];
 static _Thread_local int g_connect_denied;
+static _Thread_local int g_connect_answer; /* CHORUS__STORE_NO_ANSWER... */
 
 /* Writes "store <addr>: " and the formatted message into err (ERR_CAP). */
 static void set_err(char *err, const char *addr, const char *fmt, ...)
@@ -205,9 +206,20 @@ static int handshake(const chorus__key_t *key, int fd, int64_t deadline, uint32_
  * by `what`, into err and returns the error code; no descriptor stays open. */
 static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_deadline,
                                  int64_t deadline, int timeout_ms, const char *what) {
+  int closed_on_us = 0; /* a connection was accepted, then closed in the handshake */
   for (;;) {
     int fd = chorus__net_connect(c->host, c->port, connect_deadline, c->retry_ms);
+    g_connect_answer = CHORUS__STORE_NO_ANSWER;
     if (fd < 0) {
+      /* Out of time while connecting again after the endpoint had closed
+       * on us: it still answers, wrongly. */
+      if (fd == -ETIMEDOUT && closed_on_us) {
+        set_err(err, c->addr,
+                "%s: the server there closed every connection during the handshake for %d ms; "
+                "is a chorus store listening there?", what, timeout_ms);
+        g_connect_answer = CHORUS__STORE_CLOSED;
+        return CHORUS_ERR_STORE;
+      }
       if (fd == -ETIMEDOUT) {
         set_err(err, c->addr, "%s: connecting timed out after %d ms", what, timeout_ms);
         return CHORUS_ERR_TIMEOUT;
@@ -230,6 +242,7 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
                 "docs/security.md)",
                 what);
         g_connect_denied = 1;
+        g_connect_answer = CHORUS__STORE_DENIED;
         return CHORUS_ERR_PROTOCOL;
       case -EPERM:
         set_err(err, c->addr,
@@ -237,26 +250,32 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
                 "this job's store (another job or a stranger is on that port)",
                 what);
         g_connect_denied = 1;
+        g_connect_answer = CHORUS__STORE_NO_PROOF;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTONOSUPPORT:
         set_err(err, c->addr, "%s: store protocol version mismatch (store %" PRIu32 ", client %u)",
                 what, server_version, CHORUS__STORE_VERSION);
+        g_connect_answer = CHORUS__STORE_VERSION;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTO:
         set_err(err, c->addr, "%s: unexpected handshake; is a chorus store listening there?", what);
+        g_connect_answer = CHORUS__STORE_GARBAGE;
         return CHORUS_ERR_PROTOCOL;
       case -ETIMEDOUT:
         set_err(err, c->addr,
                 "%s: no handshake from the store within %d ms; is a chorus store listening there?",
                 what, timeout_ms);
+        g_connect_answer = CHORUS__STORE_SILENT;
         return CHORUS_ERR_TIMEOUT;
       default:
+        closed_on_us = 1;
         break;
     }
     int left = chorus__ms_left(deadline);
     if (left == 0) {
       set_err(err, c->addr, "%s: the store closed the connection during the handshake: %s", what,
               strerror(-rc));
+      g_connect_answer = CHORUS__STORE_CLOSED;
       return CHORUS_ERR_STORE;
     }
     sleep_ms(CHORUS__MIN(left, c->retry_ms));
@@ -487,10 +506,13 @@ chorus_result_t chorus_store_connect(const char *host, int port, const char *sec
 
 int chorus__store_connect_denied(void) { return g_connect_denied; }
 
+int chorus__store_connect_answer(void) { return g_connect_answer; }
+
 chorus_result_t chorus__store_connect_key(const char *host, int port, const chorus__key_t *key,
                                           int timeout_ms, chorus_store_t **client) {
   g_connect_err[0] = '\0';
   g_connect_denied = 0;
+  g_connect_answer = CHORUS__STORE_NO_ANSWER;
   if (!client) return CHORUS_ERR_INVALID_ARG;
   *client = NULL;
   if (!host || !*host) host = "127.0.0.1";
