@@ -14,6 +14,9 @@
 #              squatter's pid and uid
 #   squat-gone the squatter leaves 2 s after chorusrun started: chorusrun
 #              hosts the store after all and the job succeeds
+#   env-squat-* rank 1 of a torchrun-style job whose MASTER_PORT a silent or
+#              closing squatter holds gives up within 30 s (not its 300 s
+#              init timeout), naming the squatter
 #
 # Only this script's own processes are judged: the worker is copied into a
 # private directory, so `pgrep -f $TMP/` finds exactly them (other jobs may
@@ -217,6 +220,29 @@ case_squat() {
   rm -f "$TMP"/sq.*
 }
 
+# The library's own client (torchrun-style variables, no chorusrun): rank 1
+# of a job whose MASTER_PORT is squatted gives up in seconds, not after its
+# init timeout (300 s), naming the squatter.
+case_env_squat() {
+  local mode=$1 t0 msg
+  squat "$mode" || { fail "env-squat-$mode: cannot start the squatter"; return; }
+  t0=$(now_ms)
+  env -u LOCAL_WORLD_SIZE -u LOCAL_RANK -u CHORUS_JOB_SECRET CHORUS_JOB_SECRET_FILE=$TMP/key \
+    RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$SQPORT \
+    timeout -s KILL 60 "$WORKER" reduce-loop 1 >"$TMP/sq.out" 2>"$TMP/sq.err"
+  RC=$?
+  ELAPSED_MS=$(($(now_ms) - t0))
+  msg=$(grep -m1 'init failed' "$TMP/sq.err")
+  echo "     env-squat-$mode: rc $RC after $ELAPSED_MS ms: ${msg:0:400}"
+  if [ "$RC" = 0 ] || [ "$RC" = 137 ]; then fail "env-squat-$mode: rc $RC (expected a failure)"
+  elif [ "$ELAPSED_MS" -gt 30000 ]; then fail "env-squat-$mode: gave up only after $ELAPSED_MS ms"
+  elif ! grep -q "pid $SQ " <<<"$msg"; then fail "env-squat-$mode: the message names not the squatter (pid $SQ)"
+  else ok "env-squat-$mode: rank 1 gave up in $ELAPSED_MS ms naming the squatter"; fi
+  kill -KILL "$SQ" 2>/dev/null
+  wait "$SQ" 2>/dev/null
+  rm -f "$TMP"/sq.*
+}
+
 case_squat_gone() {
   squat garbage || { fail "squat-gone: cannot start the squatter"; return; }
   (sleep 2; kill -KILL "$SQ") &
@@ -230,12 +256,13 @@ case_squat_gone() {
   rm -f "$TMP"/sq.*
 }
 
-cases=${CASES:-env c10d squat-silent squat-close squat-garbage squat-gone}
+cases=${CASES:-env c10d squat-silent squat-close squat-garbage squat-gone env-squat-silent env-squat-close}
 for c in $cases; do
   case $c in
     env) case_env ;;
     c10d) case_c10d ;;
     squat-gone) case_squat_gone ;;
+    env-squat-*) case_env_squat "${c#env-squat-}" ;;
     squat-*) case_squat "${c#squat-}" ;;
   esac
   left=$(ours)
