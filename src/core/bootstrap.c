@@ -188,7 +188,8 @@ static void copy_str(char *out, size_t cap, const char *s) {
  * else the first address of an interface CHORUS_SOCKET_IFNAME names (none
  * is an error), else the address the store connection leaves from -- but
  * never a loopback address when the job may span hosts: a peer on another
- * host would connect to its own loopback. */
+ * host would connect to its own loopback.  It may not when MASTER_ADDR is
+ * loopback too: the data port then stays on loopback. */
 static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int size, int store_fd,
                                    char *out, size_t cap) {
   const chorus__env_t *env = chorus__env();
@@ -211,7 +212,14 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
                              rc == 0 ? found : "");
   }
   if (chorus__net_local_addr(store_fd, out, cap, NULL) < 0) snprintf(out, cap, "127.0.0.1");
-  int one_host = cfg->local_world_size > 0 && cfg->local_world_size == size;
+  /* One host also when MASTER_ADDR names loopback and rank 0 serves the
+   * store there only: no rank elsewhere can reach it (a port tunnelled from
+   * another host is the exception: CHORUS_SOCKET_IFNAME/IFADDR then).  With
+   * CHORUS_STORE_BIND_ALL=1, or a store served by someone else, ranks on
+   * other hosts may reach it by another address. */
+  int one_host = (cfg->local_world_size > 0 && cfg->local_world_size == size) ||
+                 (chorus__net_names_loopback(cfg->store_host) && !env->STORE_BIND_ALL &&
+                  !env->STORE_EXTERNAL);
   if (!one_host && chorus__net_is_loopback(out)) {
     char addrs[400];
     if (chorus__net_host_addrs(addrs, sizeof addrs) > 0) {
@@ -296,8 +304,14 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     st = chorus__store_server_start_key(env->STORE_BIND_ALL ? NULL : cfg->store_host, port,
                                         &ws->key, &ctx->server);
     if (st != CHORUS_OK) {
-      chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another job "
-                "using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
+      char owner[200];
+      if (port > 0 && chorus__net_port_owner(port, owner, sizeof owner) > 0)
+        chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s): the port is "
+                          "held by %s; stop it or choose another MASTER_PORT", rank, port,
+                          chorus_strerror(st), owner);
+      else
+        chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another "
+                          "job using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
       goto fail;
     }
     port = chorus_store_server_port(ctx->server);
@@ -319,9 +333,15 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     world_secret_reread(ws);
   }
   if (st != CHORUS_OK) {
-    chorus__init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s (is rank 0 or chorusrun "
-              "running, are MASTER_ADDR/MASTER_PORT and the job secret right?)", rank, size,
-              cfg->store_host, port, chorus__store_connect_error());
+    /* Something answered, wrongly: on this host, say whose the port is. */
+    char owner[200], why[sizeof owner + 64] = "";
+    if (chorus__store_connect_answer() != CHORUS__STORE_NO_ANSWER &&
+        chorus__net_is_local(cfg->store_host) &&
+        chorus__net_port_owner(port, owner, sizeof owner) > 0)
+      snprintf(why, sizeof why, "; port %d here is held by %s", port, owner);
+    chorus__init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s%s (is rank 0 or "
+              "chorusrun running, are MASTER_ADDR/MASTER_PORT and the job secret right?)", rank,
+              size, cfg->store_host, port, chorus__store_connect_error(), why);
     goto fail;
   }
   ctx->key = ws->key; /* as the store accepted it (it may have been read again) */

@@ -306,7 +306,10 @@ int rdzv_run_id_ok(const char *s);
 
 /* Connects to chorus's store at host:port with the job key, retrying for
  * timeout_ms; each later call is bounded by call_timeout_ms.  0, -2 when the
- * store refused our key (another job, or a different secret), -1. */
+ * store refused our key (another job, or a different secret) or did not
+ * prove it holds it, -3 when something accepted the connection but did not
+ * answer as a chorus store (garbage, silence, closed at once, another
+ * protocol version), -1 when nothing answered (not up yet, unreachable). */
 int kv_store_open(const char *host, int port, const chorus__key_t *key, int timeout_ms,
                   int call_timeout_ms, kv_t **out, char *err, size_t cap);
 

@@ -701,6 +701,46 @@ static int all_expected_in(const rstate_t *s) {
 
 /* ------------------------------------------------------------- opening */
 
+/* How long the endpoint may answer wrongly before an agent gives up. */
+#define WRONG_ANSWER_MS 5000
+
+/* 1 when nothing listens on host:port here (host "" : every interface). */
+static int port_free(const char *host, int port) {
+  int fd = chorus__net_listen(host[0] ? host : NULL, port, 1, NULL);
+  if (fd < 0) return 0;
+  close(fd);
+  return 1;
+}
+
+/* The endpoint kept answering, but not as this job's store: the message,
+ * naming the port's owner when it is on this machine.  Returns the exit
+ * code. */
+static int wrong_endpoint(const char *host, int port, int rc, const char *err) {
+  char owner[200] = "";
+  int local = chorus__net_is_local(host);
+  int held = local ? chorus__net_port_owner(port, owner, sizeof owner) : 0;
+  char who[260];
+  if (held > 0)
+    snprintf(who, sizeof who, "port %d on this machine is held by %s", port, owner);
+  else if (local)
+    snprintf(who, sizeof who, "no listener on port %d is visible here any more", port);
+  else
+    snprintf(who, sizeof who, "look on %s for what listens on port %d", host, port);
+  if (rc == -2)
+    fprintf(stderr,
+            "chorusrun: the rendezvous store at %s:%d refused this node for %.0f s: %s.  Every "
+            "node of a job needs the same CHORUS_JOB_SECRET (or CHORUS_JOB_SECRET_FILE "
+            "contents) and --rdzv-id; another job may be using this endpoint (%s).\n",
+            host, port, WRONG_ANSWER_MS / 1e3, err, who);
+  else
+    fprintf(stderr,
+            "chorusrun: the rendezvous endpoint %s:%d accepts connections but is not a chorus "
+            "store (%.0f s of wrong answers: %s): %s.  Stop it, or give every node another "
+            "--rdzv-endpoint port.\n",
+            host, port, WRONG_ANSWER_MS / 1e3, err, who);
+  return EXIT_LAUNCHER;
+}
+
 int rdzv_open(job_t *job, const chorus__key_t *key) {
   rdzv_t *rz = calloc(1, sizeof *rz);
   if (!rz) {
@@ -731,24 +771,42 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   int want_host = etcd ? 0
                   : job->backend == BACKEND_STATIC ? job->node_rank_opt == 0
                                                    : chorus__net_is_local(host);
+  /* The store listens where the other nodes reach it, no wider: on the
+   * endpoint's address (loopback when it names loopback; every interface
+   * only when it is 0.0.0.0 or a name that resolves elsewhere too). */
+  char bind_host[64] = "";
+  if (want_host) chorus__net_bind_addr(host, bind_host, sizeof bind_host);
   if (want_host) {
-    chorus_result_t src = start_store(NULL, port, key, &rz->srv);
+    chorus_result_t src = start_store(bind_host[0] ? bind_host : NULL, port, key, &rz->srv);
     if (src != CHORUS_OK) {
       if (job->backend == BACKEND_STATIC) {
+        char owner[200];
+        int held = chorus__net_port_owner(port, owner, sizeof owner);
         fprintf(stderr,
-                "chorusrun: node 0 cannot start the store on port %d: %s; is the port in use? "
-                "(another job, or a leftover chorusrun; try another --master-port)\n",
-                port, chorus_strerror(src));
+                "chorusrun: node 0 cannot start the store on %s:%d: %s; %s%s (another job, or a "
+                "leftover chorusrun; try another --master-port)\n",
+                bind_host[0] ? bind_host : "*", port, chorus_strerror(src),
+                held > 0 ? "the port is held by " : "is the port in use?", held > 0 ? owner : "");
         return EXIT_LAUNCHER;
       }
       CHORUS_INFO(CHORUS__SUB_LAUNCH, "port %d taken on this machine; joining as a client", port);
       rz->srv = NULL;
     } else {
-      CHORUS_INFO(CHORUS__SUB_LAUNCH, "hosting the rendezvous store on port %d", port);
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "hosting the rendezvous store on %s:%d",
+                  bind_host[0] ? bind_host : "*", port);
     }
   }
 
   int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
+  /* Something that accepts connections on the endpoint but does not answer
+   * as this job's store (a squatter on the port: garbage, silence, closing
+   * at once, or a store that refuses our key) is not worth the join
+   * timeout: after WRONG_ANSWER_MS of nothing but such answers, give up
+   * and say who holds the port.  The grace lets a previous job's store on
+   * the same port finish shutting down; a refused connection (the store
+   * is not up yet) starts it over. */
+  int64_t wrong_since = 0;
+  int wrong_tries = 0;
   for (;;) {
     int attempt = CHORUS__MIN(CHORUS__MAX(chorus__ms_left(deadline), 1), etcd ? 2000 : 1000);
     int rc = etcd ? kv_etcd_open(host, "/chorus/", attempt, call_ms, &job->etcd, &rz->kv, err,
@@ -759,17 +817,29 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
       fprintf(stderr, "chorusrun: %s\n", err);
       return EXIT_LAUNCHER;
     }
-    if (rc == -2) {
-      fprintf(stderr,
-              "chorusrun: the rendezvous store at %s:%d refused this node: %s.  Every node "
-              "of a job needs the same CHORUS_JOB_SECRET (or CHORUS_JOB_SECRET_FILE contents) "
-              "and --rdzv-id; another job may be using this endpoint.\n",
-              host, port, err);
-      return EXIT_LAUNCHER;
+    if (rc == -2 || rc == -3) {
+      if (!wrong_since) wrong_since = chorus__now_ns();
+      wrong_tries++;
+      if (chorus__now_ns() - wrong_since >= (int64_t)WRONG_ANSWER_MS * 1000000 &&
+          wrong_tries >= 3)
+        return wrong_endpoint(host, port, rc, err);
+    } else {
+      wrong_since = 0;
+      wrong_tries = 0;
+    }
+    /* We were to host the store and the port was taken: whoever held it
+     * may have left (a previous job's store shut down, a squatter gave
+     * up); then we host after all, or nobody would. */
+    if (want_host && !rz->srv && port_free(bind_host, port) &&
+        start_store(bind_host[0] ? bind_host : NULL, port, key, &rz->srv) == CHORUS_OK) {
+      CHORUS_INFO(CHORUS__SUB_LAUNCH, "port %d free again: hosting the rendezvous store", port);
+      wrong_since = 0;
+      wrong_tries = 0;
+      continue;
     }
     /* A refused etcd fails at once; our store's client retries within its
-     * attempt. */
-    sleep_or_signal(job, etcd ? 100 : 0);
+     * attempt; a wrong answer may come at once too. */
+    sleep_or_signal(job, etcd ? 100 : rc < -1 ? 500 : 0);
     if (job->got_sig) return 128 + job->got_sig;
     if (chorus__ms_left(deadline) == 0) {
       if (etcd)
@@ -816,7 +886,8 @@ static int round_store(job_t *job) {
       fprintf(stderr, "chorusrun: cannot tell this node's address for the workers' store\n");
       return EXIT_LAUNCHER;
     }
-    chorus_result_t src = start_store(NULL, 0, rz->key, &rz->round_srv);
+    /* On the address published, the one this node reaches etcd from. */
+    chorus_result_t src = start_store(addr, 0, rz->key, &rz->round_srv);
     if (src != CHORUS_OK) {
       fprintf(stderr, "chorusrun: cannot start the workers' store: %s\n", chorus_strerror(src));
       return EXIT_LAUNCHER;

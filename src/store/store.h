@@ -59,6 +59,22 @@ chorus_result_t chorus__store_connect_key(const char *host, int port, const chor
  * it again: it may have been replaced). */
 int chorus__store_connect_denied(void);
 
+/* How the endpoint of this thread's last failed connect answered, when it
+ * accepted the TCP connection but did not complete the handshake as this
+ * job's store: a squatter on the port (or a store of another job or
+ * version) tells apart from a store that is not up yet (NO_ANSWER:
+ * refused, unreachable, not resolvable). */
+enum {
+  CHORUS__STORE_NO_ANSWER = 0,
+  CHORUS__STORE_DENIED,   /* a chorus store refused our key */
+  CHORUS__STORE_NO_PROOF, /* it did not prove it holds the key */
+  CHORUS__STORE_GARBAGE,  /* bytes that are not the store's handshake */
+  CHORUS__STORE_VERSION,  /* a chorus store of another protocol version */
+  CHORUS__STORE_SILENT,   /* accepted, then said nothing until the deadline */
+  CHORUS__STORE_CLOSED    /* accepted, then closed, until the deadline */
+};
+int chorus__store_connect_answer(void);
+
 /* Changes the default timeout of a client's blocking calls (<= 0: the
  * CHORUS_TIMEOUT default).  chorus_store_connect()'s timeout_ms is the
  * initial default (<= 0 there too: CHORUS_TIMEOUT). */

@@ -21,6 +21,13 @@
  * connection closed before any answer arrives is sent once more on a fresh
  * one (call()); the caller does not notice.
  *
+ * Squatters.  Something that accepts connections on the store's port but is
+ * not a store (issue 30) must not hold a caller for its whole timeout: a
+ * connection silent for HELLO_WAIT_MS is dropped and another tried, and
+ * WRONG_WINDOW_MS of nothing but silent or closed connections ends the
+ * attempt.  chorus__store_connect_answer() tells the caller how the
+ * endpoint answered, so it can tell a squatter from a store not up yet.
+ *
  * Errors.  Every message starts with "store host:port: " and names the call
  * and its keys, e.g. "store 127.0.0.1:29500: get('rank/3') timed out after
  * 3000 ms".  Codes: CHORUS_ERR_TIMEOUT when the deadline passed,
@@ -72,6 +79,7 @@ struct chorus_store {
 
 static _Thread_local char g_connect_err[ERR_CAP];
 static _Thread_local int g_connect_denied;
+static _Thread_local int g_connect_answer; /* CHORUS__STORE_NO_ANSWER... */
 
 /* Writes "store <addr>: " and the formatted message into err (ERR_CAP). */
 static void set_err(char *err, const char *addr, const char *fmt, ...)
@@ -198,16 +206,37 @@ static int handshake(const chorus__key_t *key, int fd, int64_t deadline, uint32_
   }
 }
 
+/* A chorus store says hello as soon as it accepts: a connection silent this
+ * long is dropped and another one tried.  Silence or closed connections and
+ * nothing else for WRONG_WINDOW_MS: not a store (a squatter on the port),
+ * whatever time the caller would still give. */
+#define HELLO_WAIT_MS 3000
+#define WRONG_WINDOW_MS 10000
+
 /* Connects and authenticates, leaving the connection in c->fd.  Refused
  * connections are retried every retry_ms until connect_deadline; a store that
  * closes the connection during the handshake (it may be at its connection
- * limit) is retried until deadline.  On failure writes the reason, prefixed
- * by `what`, into err and returns the error code; no descriptor stays open. */
+ * limit) or says nothing is retried until deadline, or for WRONG_WINDOW_MS.
+ * On failure writes the reason, prefixed by `what`, into err and returns the
+ * error code; no descriptor stays open. */
 static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_deadline,
                                  int64_t deadline, int timeout_ms, const char *what) {
+  int wrong = CHORUS__STORE_NO_ANSWER; /* the last connection: accepted, then closed or silent */
+  int64_t wrong_since = 0;
   for (;;) {
     int fd = chorus__net_connect(c->host, c->port, connect_deadline, c->retry_ms);
+    g_connect_answer = CHORUS__STORE_NO_ANSWER;
     if (fd < 0) {
+      /* Out of time while connecting again after the endpoint had closed
+       * on us or said nothing: it still answers, wrongly. */
+      if (fd == -ETIMEDOUT && wrong != CHORUS__STORE_NO_ANSWER) {
+        set_err(err, c->addr,
+                "%s: the server there %s every connection during the handshake for %d ms; "
+                "is a chorus store listening there?", what,
+                wrong == CHORUS__STORE_SILENT ? "said nothing on" : "closed", timeout_ms);
+        g_connect_answer = wrong;
+        return wrong == CHORUS__STORE_SILENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_STORE;
+      }
       if (fd == -ETIMEDOUT) {
         set_err(err, c->addr, "%s: connecting timed out after %d ms", what, timeout_ms);
         return CHORUS_ERR_TIMEOUT;
@@ -216,12 +245,16 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
       return CHORUS_ERR_STORE;
     }
     uint32_t server_version = 0;
-    int rc = handshake(&c->key, fd, deadline, &server_version);
+    int64_t hello_deadline = chorus__deadline_ms(HELLO_WAIT_MS);
+    if (hello_deadline > deadline) hello_deadline = deadline;
+    int rc = handshake(&c->key, fd, hello_deadline, &server_version);
     if (rc == 0) {
       c->fd = fd;
       return CHORUS_OK;
     }
     close(fd);
+    /* Silent for HELLO_WAIT_MS with time left: like a closed connection. */
+    if (rc == -ETIMEDOUT && chorus__ms_left(deadline) > 0) rc = -EAGAIN;
     switch (rc) {
       case -EACCES:
         set_err(err, c->addr,
@@ -230,6 +263,7 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
                 "docs/security.md)",
                 what);
         g_connect_denied = 1;
+        g_connect_answer = CHORUS__STORE_DENIED;
         return CHORUS_ERR_PROTOCOL;
       case -EPERM:
         set_err(err, c->addr,
@@ -237,27 +271,40 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
                 "this job's store (another job or a stranger is on that port)",
                 what);
         g_connect_denied = 1;
+        g_connect_answer = CHORUS__STORE_NO_PROOF;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTONOSUPPORT:
         set_err(err, c->addr, "%s: store protocol version mismatch (store %" PRIu32 ", client %u)",
                 what, server_version, CHORUS__STORE_VERSION);
+        g_connect_answer = CHORUS__STORE_VERSION;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTO:
         set_err(err, c->addr, "%s: unexpected handshake; is a chorus store listening there?", what);
+        g_connect_answer = CHORUS__STORE_GARBAGE;
         return CHORUS_ERR_PROTOCOL;
       case -ETIMEDOUT:
         set_err(err, c->addr,
                 "%s: no handshake from the store within %d ms; is a chorus store listening there?",
                 what, timeout_ms);
+        g_connect_answer = CHORUS__STORE_SILENT;
         return CHORUS_ERR_TIMEOUT;
       default:
+        wrong = rc == -EAGAIN ? CHORUS__STORE_SILENT : CHORUS__STORE_CLOSED;
+        if (!wrong_since) wrong_since = chorus__now_ns();
         break;
     }
     int left = chorus__ms_left(deadline);
-    if (left == 0) {
-      set_err(err, c->addr, "%s: the store closed the connection during the handshake: %s", what,
-              strerror(-rc));
-      return CHORUS_ERR_STORE;
+    if (left == 0 || chorus__now_ns() - wrong_since >= (int64_t)WRONG_WINDOW_MS * 1000000) {
+      if (wrong == CHORUS__STORE_SILENT)
+        set_err(err, c->addr,
+                "%s: the server there accepted connections but said nothing (%d ms each) for "
+                "%d ms; is a chorus store listening there?", what, HELLO_WAIT_MS,
+                (int)((chorus__now_ns() - wrong_since) / 1000000));
+      else
+        set_err(err, c->addr, "%s: the store closed the connection during the handshake: %s",
+                what, strerror(-rc));
+      g_connect_answer = wrong;
+      return wrong == CHORUS__STORE_SILENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_STORE;
     }
     sleep_ms(CHORUS__MIN(left, c->retry_ms));
   }
@@ -487,10 +534,13 @@ chorus_result_t chorus_store_connect(const char *host, int port, const char *sec
 
 int chorus__store_connect_denied(void) { return g_connect_denied; }
 
+int chorus__store_connect_answer(void) { return g_connect_answer; }
+
 chorus_result_t chorus__store_connect_key(const char *host, int port, const chorus__key_t *key,
                                           int timeout_ms, chorus_store_t **client) {
   g_connect_err[0] = '\0';
   g_connect_denied = 0;
+  g_connect_answer = CHORUS__STORE_NO_ANSWER;
   if (!client) return CHORUS_ERR_INVALID_ARG;
   *client = NULL;
   if (!host || !*host) host = "127.0.0.1";

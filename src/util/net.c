@@ -7,6 +7,7 @@
 #include "net.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -15,8 +16,11 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pwd.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -405,4 +409,170 @@ int chorus__net_addr_ifname(const char *addr, char *out, size_t cap) {
   }
   freeifaddrs(ifs);
   return found;
+}
+
+/* Names that resolve to loopback on every host (RFC 6761's "localhost" and
+ * its subdomains, and the spellings /etc/hosts files use), unlike a host's
+ * own name that some distributions map to 127.0.1.1 locally only. */
+static int loopback_name(const char *h) {
+  size_t n = strlen(h);
+  if (!strcasecmp(h, "localhost") || !strncasecmp(h, "localhost.", 10) ||
+      !strcasecmp(h, "localhost6") || !strcasecmp(h, "ip6-localhost") ||
+      !strcasecmp(h, "ip6-loopback"))
+    return 1;
+  return n > 10 && !strcasecmp(h + n - 10, ".localhost");
+}
+
+static int ai_loopback(const struct addrinfo *ai) {
+  if (ai->ai_family == AF_INET)
+    return (ntohl(((const struct sockaddr_in *)(const void *)ai->ai_addr)->sin_addr.s_addr) >>
+            24) == 127;
+  return ai->ai_family == AF_INET6 &&
+         IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)(const void *)ai->ai_addr)->sin6_addr);
+}
+
+static int ai_bindable(const struct addrinfo *ai) {
+  int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  int ok = bind(fd, ai->ai_addr, ai->ai_addrlen) == 0;
+  close(fd);
+  return ok;
+}
+
+int chorus__net_bind_addr(const char *host, char *out, size_t cap) {
+  if (cap == 0) return -EINVAL;
+  out[0] = '\0';
+  if (!host || !*host || !strcmp(host, "*")) return 0;
+  struct addrinfo *res = NULL;
+  if (resolve(host, 0, 0, &res) < 0) return 0;
+  struct in_addr a4;
+  struct in6_addr a6;
+  int numeric = inet_pton(AF_INET, host, &a4) == 1 || inet_pton(AF_INET6, host, &a6) == 1;
+  const struct addrinfo *pick = NULL, *lo = NULL;
+  for (int pass = 0; pass < 2 && !pick; pass++) {
+    for (const struct addrinfo *ai = res; ai && !pick; ai = ai->ai_next) {
+      if ((pass == 0) != (ai->ai_family == AF_INET)) continue;
+      if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6) continue;
+      if (ai_loopback(ai)) {
+        if (!lo && (numeric || loopback_name(host))) lo = ai;
+        continue;
+      }
+      /* The unspecified address binds too, and means every interface. */
+      char tmp[INET6_ADDRSTRLEN];
+      struct sockaddr_storage ss;
+      memcpy(&ss, ai->ai_addr, ai->ai_addrlen < sizeof ss ? ai->ai_addrlen : sizeof ss);
+      if (sockaddr_str(&ss, tmp, sizeof tmp, NULL) < 0 || !strcmp(tmp, "0.0.0.0") ||
+          !strcmp(tmp, "::"))
+        continue;
+      if (ai_bindable(ai)) pick = ai;
+    }
+  }
+  if (!pick) pick = lo;
+  int rc = 0;
+  if (pick) {
+    struct sockaddr_storage ss;
+    memcpy(&ss, pick->ai_addr, pick->ai_addrlen < sizeof ss ? pick->ai_addrlen : sizeof ss);
+    rc = sockaddr_str(&ss, out, cap, NULL) == 0 ? 1 : 0;
+    if (!rc) out[0] = '\0';
+  }
+  freeaddrinfo(res);
+  return rc;
+}
+
+int chorus__net_names_loopback(const char *host) {
+  return host && (chorus__net_is_loopback(host) || loopback_name(host));
+}
+
+/* One LISTEN socket of /proc/net/tcp{,6} on the port: its uid and inode. */
+typedef struct {
+  unsigned uid;
+  unsigned long inode;
+} listener_t;
+
+static int find_listeners(int port, listener_t *out, int max) {
+  static const char *const files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+  int n = 0;
+  for (int f = 0; f < 2; f++) {
+    FILE *fp = fopen(files[f], "re");
+    if (!fp) continue;
+    char line[512];
+    if (!fgets(line, sizeof line, fp)) { /* the header */
+      fclose(fp);
+      continue;
+    }
+    while (n < max && fgets(line, sizeof line, fp)) {
+      unsigned lport = 0, st = 0, uid = 0;
+      unsigned long inode = 0;
+      if (sscanf(line, " %*d: %*[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x %*s %*s %*s %u %*d %lu", &lport,
+                 &st, &uid, &inode) != 4)
+        continue;
+      if (st != 0x0A || (int)lport != port) continue; /* 0A: LISTEN */
+      out[n].uid = uid;
+      out[n].inode = inode;
+      n++;
+    }
+    fclose(fp);
+  }
+  return n;
+}
+
+/* The pid of a process that has socket inode open, or 0 when none we can
+ * see does. */
+static int inode_pid(unsigned long inode) {
+  if (inode == 0) return 0;
+  char want[64];
+  snprintf(want, sizeof want, "socket:[%lu]", inode);
+  DIR *proc = opendir("/proc");
+  if (!proc) return 0;
+  int found = 0;
+  struct dirent *d;
+  while (!found && (d = readdir(proc))) {
+    char *end;
+    long pid = strtol(d->d_name, &end, 10);
+    if (*end || pid <= 0) continue;
+    char path[300];
+    snprintf(path, sizeof path, "/proc/%ld/fd", pid);
+    DIR *fds = opendir(path);
+    if (!fds) continue; /* another user's, or gone */
+    struct dirent *e;
+    while (!found && (e = readdir(fds))) {
+      if (e->d_name[0] == '.') continue;
+      char link[320], target[80];
+      snprintf(link, sizeof link, "/proc/%ld/fd/%s", pid, e->d_name);
+      ssize_t k = readlink(link, target, sizeof target - 1);
+      if (k <= 0) continue;
+      target[k] = '\0';
+      if (!strcmp(target, want)) found = (int)pid;
+    }
+    closedir(fds);
+  }
+  closedir(proc);
+  return found;
+}
+
+int chorus__net_port_owner(int port, char *out, size_t cap) {
+  if (cap == 0) return -EINVAL;
+  out[0] = '\0';
+  listener_t l[8];
+  int n = find_listeners(port, l, 8);
+  if (n <= 0) return 0;
+  char user[64] = "";
+  struct passwd pw, *pwp = NULL;
+  char pwbuf[1024];
+  if (getpwuid_r(l[0].uid, &pw, pwbuf, sizeof pwbuf, &pwp) == 0 && pwp)
+    snprintf(user, sizeof user, " (%.40s)", pwp->pw_name);
+  int pid = inode_pid(l[0].inode);
+  if (pid > 0) {
+    char comm[64] = "?", path[64];
+    snprintf(path, sizeof path, "/proc/%d/comm", pid);
+    FILE *fp = fopen(path, "re");
+    if (fp) {
+      if (fgets(comm, sizeof comm, fp)) comm[strcspn(comm, "\n")] = '\0';
+      fclose(fp);
+    }
+    snprintf(out, cap, "pid %d (%s) of uid %u%s", pid, comm, l[0].uid, user);
+  } else {
+    snprintf(out, cap, "a process of uid %u%s that we cannot see", l[0].uid, user);
+  }
+  return n;
 }

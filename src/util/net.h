@@ -74,4 +74,27 @@ int chorus__net_split_addr(const char *s, char sep, char *host, size_t cap, int 
 /* 1 when host is a numeric loopback address (127.0.0.0/8, ::1). */
 int chorus__net_is_loopback(const char *host);
 
+/* The address to listen on for a service that peers reach at host (the
+ * store behind MASTER_ADDR or a rendezvous endpoint), so that it listens
+ * no wider than they need: host's first address that is one of this
+ * machine's and not loopback (IPv4 first); else its loopback address when
+ * host is a numeric loopback address or a localhost name (then every peer
+ * runs here).  Returns 1 with the numeric address in out, or 0 (out "")
+ * for every interface: host empty, unspecified (0.0.0.0, ::), not
+ * resolvable, not this machine's, or a name that resolves to loopback only
+ * here (the host's own name mapped to 127.0.1.1 by /etc/hosts: other
+ * hosts may resolve it to an address of this one). */
+int chorus__net_bind_addr(const char *host, char *out, size_t cap);
+
+/* 1 when host names loopback wherever it is resolved: a numeric loopback
+ * address or a localhost name. */
+int chorus__net_names_loopback(const char *host);
+
+/* Who listens on TCP port (any local address, this network namespace),
+ * from /proc/net/tcp{,6} and /proc/<pid>/fd: "pid P (comm) of uid U
+ * (name)", or "a process of uid U (name) that we cannot see" when no
+ * process we may look into holds the socket (the uid is always visible).
+ * Returns how many listening sockets the port has (0: none, out ""). */
+int chorus__net_port_owner(int port, char *out, size_t cap);
+
 #endif
