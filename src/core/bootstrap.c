@@ -335,7 +335,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   if (st != CHORUS_OK) {
     /* Something answered, wrongly: on this host, say whose the port is. */
     char owner[200], why[sizeof owner + 64] = "";
-    if (chorus__store_connect_answer() != CHORUS__STORE_NO_ANSWER &&
+    if (chorus__store_connect_answer() != CHORUS__STORE_ANS_NO_ANSWER &&
         chorus__net_is_local(cfg->store_host) &&
         chorus__net_port_owner(port, owner, sizeof owner) > 0)
       snprintf(why, sizeof why, "; port %d here is held by %s", port, owner);

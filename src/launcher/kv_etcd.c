@@ -16,11 +16,13 @@
  * wants NUL-terminated input and follows nesting to 1000.
  *
  * Design
- *  - One libcurl handle, reused: its connection cache keeps one connection
- *    per member alive.  libcurl closes a connection whose exchange failed
- *    and resends a request once when a kept connection turns out to be
- *    closed before the reply began, so a late reply is never taken for the
- *    answer to the next request.
+ *  - Connections: a libcurl connection cache (a share object) keeps one
+ *    connection per member alive; each request runs on a fresh easy handle
+ *    over it (see post() for why).  libcurl closes a connection whose
+ *    exchange failed, so a late reply is never taken for the answer to the
+ *    next request, and it resends a request once, unasked, when a kept
+ *    connection turns out to be closed before the reply began -- except a
+ *    transaction, whose body we give it in a way it cannot rewind.
  *  - Failover: when a member does not answer (refused, reset, timed out,
  *    HTTP 5xx such as "no leader" during an election) the call goes on
  *    with the next endpoint, round robin, pausing PAUSE_MS after each full
@@ -47,7 +49,9 @@
  *    comparison fails; finding our desired value there means the lost
  *    attempt swapped it (kv_store.c decides every cas that way: the value
  *    after the call is ours).  A transaction is evaluated when etcd applies
- *    it, so at most one of the attempts can swap.
+ *    it, so at most one of the attempts can swap.  The first attempt does
+ *    not read: two agents may want the same new value, and only the one
+ *    whose comparison held swapped.
  *  - Every reply is untrusted.  Bodies are bounded (REPLY_MAX, checked as
  *    bytes arrive, a larger Content-Length refused at once); libcurl bounds
  *    the headers.  The whole body must parse as JSON (jansson, strict) and be

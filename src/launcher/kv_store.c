@@ -101,7 +101,7 @@ int kv_store_open(const char *host, int port, const chorus__key_t *key, int time
   if (chorus__store_connect_key(host, port, key, timeout_ms, &c) != CHORUS_OK) {
     snprintf(err, cap, "%s", chorus__store_connect_error());
     if (chorus__store_connect_denied()) return -2;
-    return chorus__store_connect_answer() != CHORUS__STORE_NO_ANSWER ? -3 : -1;
+    return chorus__store_connect_answer() != CHORUS__STORE_ANS_NO_ANSWER ? -3 : -1;
   }
   chorus__store_set_timeout(c, call_timeout_ms);
   kv_store_t *k = calloc(1, sizeof *k);

@@ -65,13 +65,13 @@ int chorus__store_connect_denied(void);
  * version) tells apart from a store that is not up yet (NO_ANSWER:
  * refused, unreachable, not resolvable). */
 enum {
-  CHORUS__STORE_NO_ANSWER = 0,
-  CHORUS__STORE_DENIED,   /* a chorus store refused our key */
-  CHORUS__STORE_NO_PROOF, /* it did not prove it holds the key */
-  CHORUS__STORE_GARBAGE,  /* bytes that are not the store's handshake */
-  CHORUS__STORE_VERSION,  /* a chorus store of another protocol version */
-  CHORUS__STORE_SILENT,   /* accepted, then said nothing until the deadline */
-  CHORUS__STORE_CLOSED    /* accepted, then closed, until the deadline */
+  CHORUS__STORE_ANS_NO_ANSWER = 0,
+  CHORUS__STORE_ANS_DENIED,   /* a chorus store refused our key */
+  CHORUS__STORE_ANS_NO_PROOF, /* it did not prove it holds the key */
+  CHORUS__STORE_ANS_GARBAGE,  /* bytes that are not the store's handshake */
+  CHORUS__STORE_ANS_VERSION,  /* a chorus store of another protocol version */
+  CHORUS__STORE_ANS_SILENT,   /* accepted, then said nothing until the deadline */
+  CHORUS__STORE_ANS_CLOSED    /* accepted, then closed, until the deadline */
 };
 int chorus__store_connect_answer(void);
 

@@ -79,7 +79,7 @@ struct chorus_store {
 
 static _Thread_local char g_connect_err[ERR_CAP];
 static _Thread_local int g_connect_denied;
-static _Thread_local int g_connect_answer; /* CHORUS__STORE_NO_ANSWER... */
+static _Thread_local int g_connect_answer; /* CHORUS__STORE_ANS_NO_ANSWER... */
 
 /* Writes "store <addr>: " and the formatted message into err (ERR_CAP). */
 static void set_err(char *err, const char *addr, const char *fmt, ...)
@@ -221,21 +221,21 @@ static int handshake(const chorus__key_t *key, int fd, int64_t deadline, uint32_
  * error code; no descriptor stays open. */
 static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_deadline,
                                  int64_t deadline, int timeout_ms, const char *what) {
-  int wrong = CHORUS__STORE_NO_ANSWER; /* the last connection: accepted, then closed or silent */
+  int wrong = CHORUS__STORE_ANS_NO_ANSWER; /* the last connection: accepted, then closed or silent */
   int64_t wrong_since = 0;
   for (;;) {
     int fd = chorus__net_connect(c->host, c->port, connect_deadline, c->retry_ms);
-    g_connect_answer = CHORUS__STORE_NO_ANSWER;
+    g_connect_answer = CHORUS__STORE_ANS_NO_ANSWER;
     if (fd < 0) {
       /* Out of time while connecting again after the endpoint had closed
        * on us or said nothing: it still answers, wrongly. */
-      if (fd == -ETIMEDOUT && wrong != CHORUS__STORE_NO_ANSWER) {
+      if (fd == -ETIMEDOUT && wrong != CHORUS__STORE_ANS_NO_ANSWER) {
         set_err(err, c->addr,
                 "%s: the server there %s every connection during the handshake for %d ms; "
                 "is a chorus store listening there?", what,
-                wrong == CHORUS__STORE_SILENT ? "said nothing on" : "closed", timeout_ms);
+                wrong == CHORUS__STORE_ANS_SILENT ? "said nothing on" : "closed", timeout_ms);
         g_connect_answer = wrong;
-        return wrong == CHORUS__STORE_SILENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_STORE;
+        return wrong == CHORUS__STORE_ANS_SILENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_STORE;
       }
       if (fd == -ETIMEDOUT) {
         set_err(err, c->addr, "%s: connecting timed out after %d ms", what, timeout_ms);
@@ -263,7 +263,7 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
                 "docs/security.md)",
                 what);
         g_connect_denied = 1;
-        g_connect_answer = CHORUS__STORE_DENIED;
+        g_connect_answer = CHORUS__STORE_ANS_DENIED;
         return CHORUS_ERR_PROTOCOL;
       case -EPERM:
         set_err(err, c->addr,
@@ -271,31 +271,31 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
                 "this job's store (another job or a stranger is on that port)",
                 what);
         g_connect_denied = 1;
-        g_connect_answer = CHORUS__STORE_NO_PROOF;
+        g_connect_answer = CHORUS__STORE_ANS_NO_PROOF;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTONOSUPPORT:
         set_err(err, c->addr, "%s: store protocol version mismatch (store %" PRIu32 ", client %u)",
                 what, server_version, CHORUS__STORE_VERSION);
-        g_connect_answer = CHORUS__STORE_VERSION;
+        g_connect_answer = CHORUS__STORE_ANS_VERSION;
         return CHORUS_ERR_PROTOCOL;
       case -EPROTO:
         set_err(err, c->addr, "%s: unexpected handshake; is a chorus store listening there?", what);
-        g_connect_answer = CHORUS__STORE_GARBAGE;
+        g_connect_answer = CHORUS__STORE_ANS_GARBAGE;
         return CHORUS_ERR_PROTOCOL;
       case -ETIMEDOUT:
         set_err(err, c->addr,
                 "%s: no handshake from the store within %d ms; is a chorus store listening there?",
                 what, timeout_ms);
-        g_connect_answer = CHORUS__STORE_SILENT;
+        g_connect_answer = CHORUS__STORE_ANS_SILENT;
         return CHORUS_ERR_TIMEOUT;
       default:
-        wrong = rc == -EAGAIN ? CHORUS__STORE_SILENT : CHORUS__STORE_CLOSED;
+        wrong = rc == -EAGAIN ? CHORUS__STORE_ANS_SILENT : CHORUS__STORE_ANS_CLOSED;
         if (!wrong_since) wrong_since = chorus__now_ns();
         break;
     }
     int left = chorus__ms_left(deadline);
     if (left == 0 || chorus__now_ns() - wrong_since >= (int64_t)WRONG_WINDOW_MS * 1000000) {
-      if (wrong == CHORUS__STORE_SILENT)
+      if (wrong == CHORUS__STORE_ANS_SILENT)
         set_err(err, c->addr,
                 "%s: the server there accepted connections but said nothing (%d ms each) for "
                 "%d ms; is a chorus store listening there?", what, HELLO_WAIT_MS,
@@ -304,7 +304,7 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
         set_err(err, c->addr, "%s: the store closed the connection during the handshake: %s",
                 what, strerror(-rc));
       g_connect_answer = wrong;
-      return wrong == CHORUS__STORE_SILENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_STORE;
+      return wrong == CHORUS__STORE_ANS_SILENT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_STORE;
     }
     sleep_ms(CHORUS__MIN(left, c->retry_ms));
   }
@@ -540,7 +540,7 @@ chorus_result_t chorus__store_connect_key(const char *host, int port, const chor
                                           int timeout_ms, chorus_store_t **client) {
   g_connect_err[0] = '\0';
   g_connect_denied = 0;
-  g_connect_answer = CHORUS__STORE_NO_ANSWER;
+  g_connect_answer = CHORUS__STORE_ANS_NO_ANSWER;
   if (!client) return CHORUS_ERR_INVALID_ARG;
   *client = NULL;
   if (!host || !*host) host = "127.0.0.1";
