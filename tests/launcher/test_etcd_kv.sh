@@ -12,9 +12,10 @@
 #             while get/set/cas go on: no call may fail
 #   kill-lead 3 members afresh, the leader SIGKILLed (an election) while
 #             get/set/cas go on: no call may fail
-#   tls       1 member with TLS and client certificates: single again
+#   tls       1 member with TLS and client certificates: single again but
+#             the sizes
 #   auth      1 member with user/password authentication and 2 s tokens:
-#             single again, and a client idle past its token goes on
+#             the same, and a client idle past its token goes on
 # Exits 77 (skipped, reason printed) when etcd cannot be installed or run
 # here.  The EXIT trap always takes etcd down and removes the state.
 set -u
@@ -101,12 +102,12 @@ bash "$ETCD" down >/dev/null 2>&1
 CHORUS_ETCD_SECURE=tls up 1
 T=$CHORUS_ETCD_TLS_DIR
 CHORUS_TEST_ETCD_CACERT=$T/ca.pem CHORUS_TEST_ETCD_CERT=$T/client.pem \
-  CHORUS_TEST_ETCD_KEY=$T/client-key.pem run tls single "$CHORUS_ETCD_ENDPOINTS"
+  CHORUS_TEST_ETCD_KEY=$T/client-key.pem run tls secure "$CHORUS_ETCD_ENDPOINTS"
 
 bash "$ETCD" down >/dev/null 2>&1
 CHORUS_ETCD_SECURE=auth CHORUS_ETCD_TOKEN_TTL=2 up 1
 CHORUS_TEST_ETCD_USER=$CHORUS_ETCD_USER CHORUS_TEST_ETCD_PASSWORD_FILE=$CHORUS_ETCD_PASSWORD_FILE \
-  CHORUS_TEST_ETCD_TOKEN_TTL=2 run auth single "$CHORUS_ETCD_ENDPOINTS"
+  CHORUS_TEST_ETCD_TOKEN_TTL=2 run auth secure "$CHORUS_ETCD_ENDPOINTS"
 
 if ((FAILS)); then echo "$FAILS failed"; exit 1; fi
 echo "all passed"

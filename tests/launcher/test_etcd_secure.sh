@@ -145,9 +145,9 @@ case_auth() {
   local id="auth$$" conf="user=$CHORUS_ETCD_USER,password_file=$CHORUS_ETCD_PASSWORD_FILE"
   local t0
   t0=$(now_ms)
-  job auth "$id" "$conf" sleep 5
+  job auth "$id" "$conf" sleep 3
   # A stranger without credentials forges the state while the job runs.
-  sleep 2
+  sleep 1.5
   local forged
   forged=$(python3 - "$EP" "/chorus/rdzv/$id/state" <<'PY'
 import base64, json, sys, urllib.error, urllib.request

@@ -54,7 +54,7 @@ now_ms() { date +%s%3N; }
 ok() { echo "ok   $*"; }
 fail() {
   echo "FAIL $*"
-  for f in "$TMP"/*.out "$TMP"/*.err; do
+  for f in "${D:-$TMP}"/*.out "${D:-$TMP}"/*.err; do
     [ -s "$f" ] || continue
     echo "---- $f (first 15 lines):"; head -n 15 "$f" | cut -c1-400
   done
@@ -183,9 +183,9 @@ squat() {
   local mode=$1
   for _ in 1 2 3; do
     SQPORT=$(free_port) || return 1
-    "${AS_OTHER[@]}" "$PY" "$TMP/squat.py" "$mode" "$SQPORT" >"$TMP/squat.log" 2>&1 &
+    "${AS_OTHER[@]}" "$PY" "$TMP/squat.py" "$mode" "$SQPORT" >"$D/squat.log" 2>&1 &
     SQ=$!
-    wait_lines 1 listening "$TMP/squat.log" && return 0
+    wait_lines 1 listening "$D/squat.log" && return 0
     kill -KILL "$SQ" 2>/dev/null
     wait "$SQ" 2>/dev/null
   done
@@ -197,7 +197,7 @@ run_c10d() { # PORT: chorusrun, bounded; sets RC, ELAPSED_MS
   t0=$(now_ms)
   CHORUS_JOB_SECRET_FILE=$TMP/key timeout -s KILL 60 "$CHORUSRUN" --nnodes 1 \
     --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$1" "$WORKER" env \
-    >"$TMP/sq.out" 2>"$TMP/sq.err"
+    >"$D/sq.out" 2>"$D/sq.err"
   RC=$?
   ELAPSED_MS=$(($(now_ms) - t0))
 }
@@ -206,7 +206,7 @@ case_squat() {
   local mode=$1 msg
   squat "$mode" || { fail "squat-$mode: cannot start the squatter"; return; }
   run_c10d "$SQPORT"
-  msg=$(grep -v ' WARN ' "$TMP/sq.err" | grep -m1 'chorusrun:')
+  msg=$(grep -v ' WARN ' "$D/sq.err" | grep -m1 'chorusrun:')
   echo "     squat-$mode: rc $RC after $ELAPSED_MS ms: ${msg:0:400}"
   if [ "$RC" = 0 ] || [ "$RC" = 137 ]; then fail "squat-$mode: rc $RC (expected a failure)"
   elif [ "$ELAPSED_MS" -gt 30000 ]; then fail "squat-$mode: gave up only after $ELAPSED_MS ms"
@@ -217,7 +217,7 @@ case_squat() {
   else ok "squat-$mode: chorusrun gave up in $ELAPSED_MS ms naming the port and the squatter"; fi
   kill -KILL "$SQ" 2>/dev/null
   wait "$SQ" 2>/dev/null
-  rm -f "$TMP"/sq.*
+  rm -f "$D"/sq.*
 }
 
 # The library's own client (torchrun-style variables, no chorusrun): rank 1
@@ -229,10 +229,10 @@ case_env_squat() {
   t0=$(now_ms)
   env -u LOCAL_WORLD_SIZE -u LOCAL_RANK -u CHORUS_JOB_SECRET CHORUS_JOB_SECRET_FILE=$TMP/key \
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$SQPORT \
-    timeout -s KILL 60 "$WORKER" reduce-loop 1 >"$TMP/sq.out" 2>"$TMP/sq.err"
+    timeout -s KILL 60 "$WORKER" reduce-loop 1 >"$D/sq.out" 2>"$D/sq.err"
   RC=$?
   ELAPSED_MS=$(($(now_ms) - t0))
-  msg=$(grep -m1 'init failed' "$TMP/sq.err")
+  msg=$(grep -m1 'init failed' "$D/sq.err")
   echo "     env-squat-$mode: rc $RC after $ELAPSED_MS ms: ${msg:0:400}"
   if [ "$RC" = 0 ] || [ "$RC" = 137 ]; then fail "env-squat-$mode: rc $RC (expected a failure)"
   elif [ "$ELAPSED_MS" -gt 30000 ]; then fail "env-squat-$mode: gave up only after $ELAPSED_MS ms"
@@ -240,7 +240,7 @@ case_env_squat() {
   else ok "env-squat-$mode: rank 1 gave up in $ELAPSED_MS ms naming the squatter"; fi
   kill -KILL "$SQ" 2>/dev/null
   wait "$SQ" 2>/dev/null
-  rm -f "$TMP"/sq.*
+  rm -f "$D"/sq.*
 }
 
 case_squat_gone() {
@@ -248,26 +248,53 @@ case_squat_gone() {
   (sleep 2; kill -KILL "$SQ") &
   run_c10d "$SQPORT"
   wait 2>/dev/null
-  if [ "$RC" = 0 ] && [ "$(grep -c ':WORLD_SIZE=2$' "$TMP/sq.out")" = 2 ]; then
+  if [ "$RC" = 0 ] && [ "$(grep -c ':WORLD_SIZE=2$' "$D/sq.out")" = 2 ]; then
     ok "squat-gone: the squatter left after 2 s; chorusrun hosted the store and ran ($ELAPSED_MS ms)"
   else
     fail "squat-gone: rc $RC after $ELAPSED_MS ms"
   fi
-  rm -f "$TMP"/sq.*
+  rm -f "$D"/sq.*
 }
 
-cases=${CASES:-env c10d squat-silent squat-close squat-garbage squat-gone env-squat-silent env-squat-close}
-for c in $cases; do
-  case $c in
+run_one() {
+  case $1 in
     env) case_env ;;
     c10d) case_c10d ;;
     squat-gone) case_squat_gone ;;
-    env-squat-*) case_env_squat "${c#env-squat-}" ;;
-    squat-*) case_squat "${c#squat-}" ;;
+    env-squat-*) case_env_squat "${1#env-squat-}" ;;
+    squat-*) case_squat "${1#squat-}" ;;
   esac
-  left=$(ours)
-  [ -n "$left" ] && { fail "$c: processes left behind: $left"; kill -KILL $left 2>/dev/null; }
+}
+
+# env and c10d look at every listener of ours: alone.  The squatter cases
+# mostly wait (5-15 s each, by design) on ports of their own: side by side,
+# each in a subshell with its own files (D) whose exit status is its
+# failure count.
+cases=${CASES:-env c10d squat-silent squat-close squat-garbage squat-gone env-squat-silent env-squat-close}
+pids=() names=()
+for c in $cases; do
+  case $c in
+    env | c10d)
+      D=$TMP
+      run_one "$c"
+      left=$(ours)
+      [ -n "$left" ] && { fail "$c: processes left behind: $left"; kill -KILL $left 2>/dev/null; }
+      ;;
+    *)
+      (D=$TMP/case-$c && mkdir -p "$D" && FAILS=0 && run_one "$c" && exit "$FAILS") \
+        >"$TMP/case-$c.log" 2>&1 &
+      pids+=($!) names+=("$c")
+      ;;
+  esac
 done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"
+  rc=$?
+  cat "$TMP/case-${names[$i]}.log"
+  ((rc)) && FAILS=$((FAILS + rc))
+done
+left=$(ours)
+[ -n "$left" ] && { fail "processes left behind: $left"; kill -KILL $left 2>/dev/null; }
 
 if [ "$FAILS" -gt 0 ]; then
   echo "$FAILS check(s) failed"
