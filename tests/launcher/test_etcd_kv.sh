@@ -4,18 +4,15 @@
 # The launcher's etcd client (src/launcher/kv_etcd.c) against a real etcd
 # (tests/fixtures/etcd.sh on free random ports unless CHORUS_ETCD_KV_PORT
 # says otherwise, state under a mktemp dir):
-#   offline   the test alone: fake servers (garbage, huge, endless and
-#             malformed replies, silence, failover), no etcd needed
+# (The test alone, against fake servers, is unit.test_kv_etcd.)
 #   single    1 member: get/set/cas semantics, 1 MiB values, values etcd
 #             refuses, two clients racing cas, round-trip latency
 #   kill-m0   3 members, member 0 (the one the client talks to) SIGKILLed
 #             while get/set/cas go on: no call may fail
 #   kill-lead 3 members afresh, the leader SIGKILLed (an election) while
 #             get/set/cas go on: no call may fail
-#   tls       1 member with TLS and client certificates: single again but
-#             the sizes
-#   auth      1 member with user/password authentication and 2 s tokens:
-#             the same, and a client idle past its token goes on
+# The same client over TLS and with authentication: test_etcd_secure.sh
+# (test_kv_etcd secure, on the etcd it starts for chorusrun).
 # Exits 77 (skipped, reason printed) when etcd cannot be installed or run
 # here.  The EXIT trap always takes etcd down and removes the state.
 set -u
@@ -84,8 +81,6 @@ run() {
   fi
 }
 
-run offline
-
 up 1
 run single single "$CHORUS_ETCD_ENDPOINTS"
 
@@ -97,17 +92,6 @@ bash "$ETCD" down >/dev/null 2>&1
 up 3
 export CHORUS_ETCD_ENDPOINTS
 run kill-lead cluster "$CHORUS_ETCD_ENDPOINTS" "bash '$0' --kill-leader '$FIXTURES'"
-
-bash "$ETCD" down >/dev/null 2>&1
-CHORUS_ETCD_SECURE=tls up 1
-T=$CHORUS_ETCD_TLS_DIR
-CHORUS_TEST_ETCD_CACERT=$T/ca.pem CHORUS_TEST_ETCD_CERT=$T/client.pem \
-  CHORUS_TEST_ETCD_KEY=$T/client-key.pem run tls secure "$CHORUS_ETCD_ENDPOINTS"
-
-bash "$ETCD" down >/dev/null 2>&1
-CHORUS_ETCD_SECURE=auth CHORUS_ETCD_TOKEN_TTL=2 up 1
-CHORUS_TEST_ETCD_USER=$CHORUS_ETCD_USER CHORUS_TEST_ETCD_PASSWORD_FILE=$CHORUS_ETCD_PASSWORD_FILE \
-  CHORUS_TEST_ETCD_TOKEN_TTL=2 run auth secure "$CHORUS_ETCD_ENDPOINTS"
 
 if ((FAILS)); then echo "$FAILS failed"; exit 1; fi
 echo "all passed"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_etcd_secure.sh CHORUSRUN WORKER FIXTURES_DIR [CASE...]
+# test_etcd_secure.sh CHORUSRUN WORKER TEST_KV_ETCD FIXTURES_DIR [CASE...]
 #
 # chorusrun's etcd rendezvous against a real etcd that is locked down, and
 # attacked (tests/fixtures/etcd.sh on a free random port, state in a mktemp
@@ -8,11 +8,13 @@
 #           --rdzv-conf protocol=https,cacert,cert,key forms its world and
 #           finishes, and leaves no key behind; a client certificate from
 #           another CA, a wrong CA for the server and plain http are refused
-#           with a message naming the cause, in seconds
+#           with a message naming the cause, in seconds; the client's
+#           semantics, cas race and latency over TLS (test_kv_etcd secure)
 #   auth    etcd with user/password authentication: a job with user=,
 #           password_file= finishes while a stranger without credentials tries to
 #           forge its state (etcd refuses him); a wrong password and no credentials are
-#           refused at once, clearly (token renewal: test_etcd_kv.sh)
+#           refused at once, clearly; the client's semantics with
+#           authentication and tokens living 2 s, one idle past its token
 #   replay  plain etcd, someone who can write to it: an agent is SIGKILLed
 #           and two of its old (sealed) heartbeats are put back in turn; the
 #           other agent must still find it lost and end the job
@@ -20,8 +22,8 @@
 # The EXIT trap kills our agents and workers (private copies under the
 # mktemp dir, so pkill -f finds only ours) and takes etcd down.
 set -u
-RUN=$1 WORKER=$2 FIXTURES=$3
-shift 3
+RUN=$1 WORKER=$2 KV=$3 FIXTURES=$4
+shift 4
 CASES=${*:-tls auth replay}
 ETCD=$FIXTURES/etcd.sh
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-etcd-sec.XXXXXX") || exit 1
@@ -114,6 +116,19 @@ refused() {
   fi
 }
 
+# client NAME VAR=VALUE...: test_kv_etcd secure on this etcd with those
+# variables (its TLS files or credentials)
+client() {
+  local name=$1
+  shift
+  if env "$@" timeout -k 5 90 "$KV" secure "$EP" >"$TMP/$name-client.out" 2>&1; then
+    ok "$name: the etcd client ($(grep -c '^ok' "$TMP/$name-client.out") checks; $(grep -m1 'latency cas' "$TMP/$name-client.out" | sed 's/^ *//'))"
+  else
+    sed 's/^/    /' "$TMP/$name-client.out"
+    fail "$name: the etcd client"
+  fi
+}
+
 case_tls() {
   up tls
   local t=$CHORUS_ETCD_TLS_DIR id="tls$$"
@@ -138,10 +153,12 @@ case_tls() {
   refused tls-wrong-ca "protocol=https,cacert=$t/other-ca.pem,cert=$t/client.pem,key=$t/client-key.pem" \
     "does not check out"
   REFUSED_EP=${EP//https:\/\//} refused tls-plain-http "protocol=http" "serve https"
+  client tls CHORUS_TEST_ETCD_CACERT="$t/ca.pem" CHORUS_TEST_ETCD_CERT="$t/client.pem" \
+    CHORUS_TEST_ETCD_KEY="$t/client-key.pem"
 }
 
 case_auth() {
-  up auth
+  CHORUS_ETCD_TOKEN_TTL=2 up auth
   local id="auth$$" conf="user=$CHORUS_ETCD_USER,password_file=$CHORUS_ETCD_PASSWORD_FILE"
   local t0
   t0=$(now_ms)
@@ -175,6 +192,8 @@ PY
   echo "not-the-password" >"$TMP/badpw"
   refused auth-wrong-password "user=$CHORUS_ETCD_USER,password_file=$TMP/badpw" "refused user"
   refused auth-no-credentials "heartbeat=0.15" "authentication enabled"
+  client auth CHORUS_TEST_ETCD_USER="$CHORUS_ETCD_USER" \
+    CHORUS_TEST_ETCD_PASSWORD_FILE="$CHORUS_ETCD_PASSWORD_FILE" CHORUS_TEST_ETCD_TOKEN_TTL=2
 }
 
 case_replay() {
