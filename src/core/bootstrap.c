@@ -62,6 +62,17 @@ typedef struct world_secret {
   chorus__key_t key;
 } world_secret_t;
 
+/* <runtime dir>/<name> into buf: 0, or -1 with why. */
+static int runtime_file(const char *name, char *buf, size_t cap, char *why, size_t why_cap) {
+  char dir[4096];
+  if (chorus__runtime_dir(dir, sizeof dir, why, why_cap) < 0) return -1;
+  if ((size_t)snprintf(buf, cap, "%s/%s", dir, name) >= cap) {
+    snprintf(why, why_cap, "the runtime directory's path is too long");
+    return -1;
+  }
+  return 0;
+}
+
 /* Finds the world's secret and derives its key: the API's, CHORUS_JOB_SECRET,
  * CHORUS_JOB_SECRET_FILE; else, when the store is on this host, a fresh one
  * that the rank serving the store writes to a file only this user can read
@@ -83,11 +94,11 @@ static chorus_result_t world_secret(const chorus_config_t *cfg, int rank, int ho
     if (have) chorus__secret_source(ws->from, sizeof ws->from);
   }
   if (!have && chorus__net_is_local(cfg->store_host)) {
-    char dir[4000];
-    if (chorus__runtime_dir(dir, sizeof dir, why, sizeof why) < 0)
+    char name[32];
+    snprintf(name, sizeof name, "store-%d.key", port);
+    if (runtime_file(name, ws->file, sizeof ws->file, why, sizeof why) < 0)
       return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: no job secret, and no private "
                        "directory to agree on one: %s", rank, why);
-    snprintf(ws->file, sizeof ws->file, "%s/store-%d.key", dir, port);
     ws->from_file = 1;
     if (host) {
       int rc = chorus__secret_generate(ws->secret, sizeof ws->secret);
@@ -833,17 +844,6 @@ typedef struct {
   size_t secret_file_cap;
 } exchange_t;
 
-/* <runtime dir>/kv-<name>.key into buf: 0, or -1 with why. */
-static int kv_secret_path(const char *name, char *buf, size_t cap, char *why, size_t why_cap) {
-  char dir[4096];
-  if (chorus__runtime_dir(dir, sizeof dir, why, why_cap) < 0) return -1;
-  if ((size_t)snprintf(buf, cap, "%s/kv-%s.key", dir, name) >= cap) {
-    snprintf(why, why_cap, "the runtime directory's path is too long");
-    return -1;
-  }
-  return 0;
-}
-
 /* Rank 0, one host: the fresh secret into a new file; its name ("@" and 32
  * hex digits, what the others look for) into ref.  0, or -1 (the caller
  * then publishes the secret itself, as for other services). */
@@ -851,7 +851,9 @@ static int kv_secret_to_file(const exchange_t *L, const char *secret, char *ref,
   char rnd[65], why[600] = "";
   if (chorus__secret_generate(rnd, sizeof rnd) != 0) return -1;
   rnd[32] = '\0';
-  if (kv_secret_path(rnd, L->secret_file, L->secret_file_cap, why, sizeof why) < 0 ||
+  char name[40];
+  snprintf(name, sizeof name, "kv-%.32s.key", rnd);
+  if (runtime_file(name, L->secret_file, L->secret_file_cap, why, sizeof why) < 0 ||
       chorus__secret_write_file(L->secret_file, secret) != 0) {
     CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank 0: the job secret goes through %s, not a file "
                 "(%s)", L->service, why[0] ? why : "cannot write it");
@@ -954,7 +956,9 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
       return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): rank 0's secret "
                                "file name in the key-value service is malformed", L->rank,
                                L->size, L->source);
-    if (kv_secret_path(sec + 1, path, sizeof path, fwhy, sizeof fwhy) < 0 ||
+    char name[40];
+    snprintf(name, sizeof name, "kv-%s.key", sec + 1);
+    if (runtime_file(name, path, sizeof path, fwhy, sizeof fwhy) < 0 ||
         chorus__secret_read_file(path, secret, secret_cap, fwhy, sizeof fwhy) < 0)
       return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d (%s): rank 0 put the "
                                "job secret in its runtime directory, and this rank cannot read "

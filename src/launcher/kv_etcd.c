@@ -518,9 +518,10 @@ static int reply(kv_etcd_t *k, CURL *c, endpoint_t *ep, const char *path, json_t
 
 /* POSTs body to path on ep[k->cur] within ms: A_OK with *root (a JSON
  * object, the 200 reply's body), else an outcome with k->ep[k->cur].why
- * (k->base.err for A_FINAL).  *sent: etcd may have applied the request. */
-static int post(kv_etcd_t *k, const char *path, const char *body, int ms, json_t **root,
-                int *sent) {
+ * (k->base.err for A_FINAL).  once: the request must not be sent twice
+ * (see below).  *sent: etcd may have applied the request. */
+static int post(kv_etcd_t *k, const char *path, const char *body, int once, int ms,
+                json_t **root, int *sent) {
   endpoint_t *ep = &k->ep[k->cur];
   char url[sizeof ep->url + 64];
   snprintf(url, sizeof url, "%s%s", ep->url, path);
@@ -548,7 +549,7 @@ static int post(kv_etcd_t *k, const char *path, const char *body, int ms, json_t
    * dies before the reply begins.  A transaction must not be resent as it
    * was (see cas): its body comes from a callback that cannot rewind, so
    * libcurl fails the transfer instead and the caller decides. */
-  body_t src = {body, strlen(body), 0, strcmp(path, "/v3/kv/txn") != 0};
+  body_t src = {body, strlen(body), 0, !once};
   curl_easy_setopt(c, CURLOPT_POST, 1L);
   curl_easy_setopt(c, CURLOPT_READFUNCTION, on_read);
   curl_easy_setopt(c, CURLOPT_READDATA, &src);
@@ -572,7 +573,7 @@ static int authenticate(kv_etcd_t *k, int ms) {
   json_decref(req);
   if (!body) return set_why(ep, A_FINAL, "out of memory");
   json_t *root = NULL;
-  int sent, rc = post(k, "/v3/auth/authenticate", body, ms, &root, &sent);
+  int sent, rc = post(k, "/v3/auth/authenticate", body, 0, ms, &root, &sent);
   free(body);
   if (rc == A_FINAL && strstr(k->base.err, "authentication is not enabled"))
     set_err(k,
@@ -593,9 +594,9 @@ static int authenticate(kv_etcd_t *k, int ms) {
 
 /* Runs one request on the service until a member answers it (0 and *root),
  * etcd refuses it or every member answered wrongly, or the deadline passes
- * (-1, k->base.err).  retry (NULL: body again) is sent instead of body once
- * an earlier attempt may have been applied; *retried says which one the
- * reply answers. */
+ * (-1, k->base.err).  retry (NULL: body again, which may then also be
+ * resent by libcurl) is sent instead of body once an earlier attempt may
+ * have been applied; *retried says which one the reply answers. */
 static int request(kv_etcd_t *k, const char *path, const char *body, const char *retry,
                    int64_t deadline, json_t **root, int *retried) {
   int64_t t0 = chorus__now_ns();
@@ -627,7 +628,7 @@ static int request(kv_etcd_t *k, const char *path, const char *body, const char 
     int rc = k->user && !k->token ? authenticate(k, ms) : A_OK, sent = 0;
     if (rc == A_OK) {
       const char *b = ambiguous && retry ? retry : body;
-      rc = post(k, path, b, ms, root, &sent);
+      rc = post(k, path, b, retry != NULL, ms, root, &sent);
       if (rc == A_OK) {
         *retried = b == retry;
         return 0;

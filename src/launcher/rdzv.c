@@ -100,8 +100,7 @@ typedef struct {
 
 typedef struct {
   char id[ID_MAX];
-  char val[64];  /* its heartbeat value as last read */
-  long counter;  /* the highest counter read in it */
+  long counter;  /* the highest heartbeat counter read */
   long replayed; /* a lower counter read after that one (someone replays old values), or 0 */
   int64_t seen;  /* when the counter last grew */
   int done;      /* it has left */
@@ -457,18 +456,15 @@ static peer_t *observe(rdzv_t *rz, const char *id) {
   key_of(rz, key, sizeof key, "hb/%s", id);
   int rc = kget(rz, key, &val, NULL);
   if (rc == -1) return NULL;
-  char cur[sizeof p->val] = "";
-  if (rc == 1) one_line(cur, sizeof cur, val);
   long counter = 0, code = 0;
   char word[8] = "";
-  int n = rc == 1 ? sscanf(cur, "%ld %7s %ld", &counter, word, &code) : 0;
+  int n = rc == 1 ? sscanf(val, "%ld %7s %ld", &counter, word, &code) : 0;
   /* A heartbeat counts only when its counter grew.  Values carry the
    * job's seal, so nobody without the job key can write a new one; someone
    * who can write to the service could still put back an old one (its
    * seal is as good as ever), which without this check would look like a
    * beat -- alternating two old values would keep a dead node alive. */
   if (n >= 2 && counter > p->counter) {
-    memcpy(p->val, cur, sizeof cur);
     p->counter = counter;
     p->seen = chorus__now_ns();
     p->done = !strcmp(word, "done");
@@ -775,8 +771,8 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
    * endpoint's address (loopback when it names loopback; every interface
    * only when it is 0.0.0.0 or a name that resolves elsewhere too). */
   char bind_host[64] = "";
-  if (want_host) chorus__net_bind_addr(host, bind_host, sizeof bind_host);
   if (want_host) {
+    chorus__net_bind_addr(host, bind_host, sizeof bind_host);
     chorus_result_t src = start_store(bind_host[0] ? bind_host : NULL, port, key, &rz->srv);
     if (src != CHORUS_OK) {
       if (job->backend == BACKEND_STATIC) {
@@ -1316,12 +1312,14 @@ static int others_here(rdzv_t *rz) {
 
 /* The store's host stays until every other node of the job has left (or is
  * lost), so nobody loses the store while it still needs it; bounded by
- * `deadline` and by heartbeats.  Returns others_here() at the end. */
+ * `deadline` and by heartbeats.  Returns others_here() at the end (-1
+ * without asking when we host no store and nothing is to be cleaned up). */
 static int linger(job_t *job, int64_t deadline) {
   rdzv_t *rz = job->rz;
+  if (!rz->srv && !rz->round_srv) return rz->kv->ops->del_prefix ? others_here(rz) : -1;
   for (;;) {
     int waiting = others_here(rz);
-    if (waiting < 0 || (!rz->srv && !rz->round_srv)) return waiting;
+    if (waiting < 0) return waiting;
     const rstate_t *s = &rz->st;
     if (!waiting || chorus__now_ns() >= deadline || job->got_sig) {
       if (s->phase != PH_CLOSED && !waiting) {
@@ -1357,8 +1355,7 @@ int rdzv_finish(job_t *job, int exit_code) {
   beat(rz, 1, exit_code);
   if (rz->srv || rz->round_srv)
     CHORUS_INFO(CHORUS__SUB_LAUNCH,
-                "our workers finished; serving the store until the other "
-                "nodes leave");
+                "our workers finished; serving the store until the other nodes leave");
   clean_up(rz, linger(job, CHORUS__NO_DEADLINE));
   return exit_code;
 }
