@@ -211,6 +211,65 @@ CHORUS_API size_t chorus_text_samples(const chorus_text_t *t, int split, int seq
 CHORUS_API void chorus_text_batch(const chorus_text_t *t, int split, int seq, const size_t *idx,
                                   int B, int *tokens, int *targets);
 
+/* ------------------------------------------------------------- tokenizer
+ *
+ * GPT-2's byte-level BPE.  Text is cut into pieces by GPT-2's pattern
+ *   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+ * (Unicode letters, numbers and white space as Python's `regex` module
+ * classifies them), each piece's bytes become byte tokens, and adjacent
+ * pairs merge by rank (the lowest-ranked pair present, every occurrence of
+ * it left to right, until no pair has a rank) -- the same tokens as GPT-2's
+ * encoder.py and tiktoken's encode_ordinary.  Bytes that are not UTF-8 each
+ * count as one character that is neither letter, number nor space (what
+ * Python's surrogateescape makes of them).
+ *
+ * The files are GPT-2's: encoder.json (token text -> id, the text in
+ * GPT-2's byte-to-unicode alphabet) and vocab.bpe (one merge "a b" per line
+ * in rank order, after a "#version" line).  Ids 0..255 are the byte tokens,
+ * then one id per merge, then "<|endoftext|>" (GPT-2: 50257 ids, eot
+ * 50256).  A tokenizer is read-only once made: share it between threads; an
+ * encoder (its cache) is one per thread. */
+typedef struct chorus_bpe chorus_bpe_t;
+typedef struct chorus_bpe_encoder chorus_bpe_encoder_t;
+
+/* Loads dir/encoder.json and dir/vocab.bpe.  Every field is checked; err
+ * (errlen bytes) says what is wrong and where. */
+CHORUS_API chorus_result_t chorus_bpe_load(const char *dir, chorus_bpe_t **out, char *err,
+                                           size_t errlen);
+/* Writes dir/encoder.json and dir/vocab.bpe (temporary file, rename). */
+CHORUS_API chorus_result_t chorus_bpe_save(const chorus_bpe_t *t, const char *dir, char *err,
+                                           size_t errlen);
+CHORUS_API void chorus_bpe_free(chorus_bpe_t *t);
+/* Number of ids (merges + 256 + special tokens) and the id of
+ * "<|endoftext|>" (-1 if the vocabulary has none). */
+CHORUS_API int chorus_bpe_vocab(const chorus_bpe_t *t);
+CHORUS_API int chorus_bpe_eot(const chorus_bpe_t *t);
+/* The bytes of token id (NULL if id is out of range; the eot token gives
+ * its text "<|endoftext|>"). */
+CHORUS_API const unsigned char *chorus_bpe_token(const chorus_bpe_t *t, int id, size_t *len);
+
+CHORUS_API chorus_result_t chorus_bpe_encoder_create(const chorus_bpe_t *t,
+                                                     chorus_bpe_encoder_t **out);
+CHORUS_API void chorus_bpe_encoder_free(chorus_bpe_encoder_t *e);
+/* Appends the tokens of len bytes of text to *toks (a malloc'd array of
+ * *cap entries holding *n; grown with realloc as needed). */
+CHORUS_API chorus_result_t chorus_bpe_encode(chorus_bpe_encoder_t *e, const void *text,
+                                             size_t len, uint32_t **toks, size_t *n,
+                                             size_t *cap);
+
+/* Training a vocabulary: feed text (any number of calls, pieces cut by the
+ * pattern above; one counter per thread, merged), then learn merges until
+ * the vocabulary has vocab_size ids including "<|endoftext|>". */
+typedef struct chorus_bpe_counter chorus_bpe_counter_t;
+CHORUS_API chorus_result_t chorus_bpe_counter_create(chorus_bpe_counter_t **out);
+CHORUS_API void chorus_bpe_counter_free(chorus_bpe_counter_t *c);
+CHORUS_API chorus_result_t chorus_bpe_count(chorus_bpe_counter_t *c, const void *text, size_t len);
+/* Adds everything from counted into into (counted is left as it was). */
+CHORUS_API chorus_result_t chorus_bpe_counter_merge(chorus_bpe_counter_t *into,
+                                                    const chorus_bpe_counter_t *counted);
+CHORUS_API chorus_result_t chorus_bpe_train(const chorus_bpe_counter_t *c, int vocab_size,
+                                            chorus_bpe_t **out, char *err, size_t errlen);
+
 /* ------------------------------------------------------------------- DDP
  *
  * Data-parallel training over a communicator, like torch's
