@@ -1,7 +1,8 @@
 /*
  * chorus_train.h - the training runtime: a small GPT in plain C (forward and
  * backward written by hand, matrix products through CBLAS), its optimizers,
- * and a byte-level text loader.  Data-parallel training (DDP) on top of
+ * token datasets on disk (llm.c's shards) with a prefetching loader, and
+ * GPT-2's tokenizer.  Data-parallel training (DDP) on top of
  * chorus.h comes with it; this header uses nothing of chorus's internals.
  *
  * Memory layout (as llm.c does it): every parameter of the model lives in
@@ -193,23 +194,103 @@ CHORUS_API void chorus_grad_clip(float *g, size_t n, double norm, double max_nor
  * max_lr, then cosine decay to min_lr at total steps. */
 CHORUS_API float chorus_lr_at(long step, long warmup, long total, float max_lr, float min_lr);
 
-/* ------------------------------------------------------------- text data
+/* ---------------------------------------------------------- token data
  *
- * A byte-level corpus: every byte is a token (vocab 256).  The last
- * val_fraction of the file is the validation split.  Sample i of a split
- * is the window of seq + 1 bytes starting at i * seq: seq inputs and the
- * seq next bytes as targets. */
-typedef struct chorus_text chorus_text_t;
+ * A dataset is a stream of tokens kept on disk and memory-mapped (pages
+ * are given back after each read, so resident memory does not grow with
+ * the dataset):
+ *   - llm.c's token shards: a header of 256 little-endian int32 -- [0]
+ *     CHORUS_SHARD_MAGIC, [1] version (1: uint16 tokens, 2: uint32), [2]
+ *     the number of tokens -- then the tokens.  A dataset is a directory
+ *     (its NAME_train_*.bin, or NAME_val_*.bin for the validation split), a
+ *     glob (validation: the same pattern with its last "train" made "val"),
+ *     or one file; shards in name order.
+ *   - nanoGPT's train.bin / val.bin: uint16 tokens, no header
+ *     (CHORUS_TOKENS_RAW16; a directory holding them, or the file).
+ *   - a plain text file: its bytes are the tokens (vocabulary 256); the
+ *     last tenth is the validation split.
+ * Sequence i (of seq tokens) is tokens i*seq .. i*seq+seq of the stream
+ * (inputs, and shifted by one the targets), across shard boundaries.
+ * Every token read is checked against the vocabulary; a bad file is
+ * reported with its name and the byte offset. */
+#define CHORUS_SHARD_MAGIC 20240520
+typedef struct chorus_tokens chorus_tokens_t;
 enum { CHORUS_SPLIT_TRAIN = 0, CHORUS_SPLIT_VAL = 1 };
+enum {
+  CHORUS_TOKENS_AUTO = 0, /* shards, or text if a file neither named .bin nor a shard */
+  CHORUS_TOKENS_LLMC = 1,
+  CHORUS_TOKENS_RAW16 = 2,
+  CHORUS_TOKENS_TEXT = 3
+};
 
-CHORUS_API chorus_result_t chorus_text_load(const char *path, double val_fraction,
-                                            chorus_text_t **out);
-CHORUS_API void chorus_text_free(chorus_text_t *t);
-/* Number of samples of seq tokens in a split. */
-CHORUS_API size_t chorus_text_samples(const chorus_text_t *t, int split, int seq);
-/* Fills tokens and targets (B x seq) with samples idx[0..B). */
-CHORUS_API void chorus_text_batch(const chorus_text_t *t, int split, int seq, const size_t *idx,
-                                  int B, int *tokens, int *targets);
+/* Opens a split.  The validation split may be empty (0 tokens); the
+ * training split may not.  Headers and sizes are checked here. */
+CHORUS_API chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int vocab,
+                                              chorus_tokens_t **out);
+CHORUS_API void chorus_tokens_close(chorus_tokens_t *d);
+CHORUS_API size_t chorus_tokens_count(const chorus_tokens_t *d);
+CHORUS_API int chorus_tokens_files(const chorus_tokens_t *d);
+CHORUS_API const char *chorus_tokens_file(const chorus_tokens_t *d, int i);
+CHORUS_API int chorus_tokens_vocab(const chorus_tokens_t *d);
+CHORUS_API int chorus_tokens_is_text(const chorus_tokens_t *d);
+/* Sequences of seq tokens: (tokens - 1) / seq. */
+CHORUS_API size_t chorus_tokens_samples(const chorus_tokens_t *d, int seq);
+/* Fills tokens and targets (B x seq) with sequences idx[0..B).  Safe from
+ * several threads at once. */
+CHORUS_API chorus_result_t chorus_tokens_read(const chorus_tokens_t *d, int seq,
+                                              const size_t *idx, int B, int *tokens,
+                                              int *targets);
+/* Reads every token, checking it against the vocabulary. */
+CHORUS_API chorus_result_t chorus_tokens_check(const chorus_tokens_t *d);
+
+/* Writing one llm.c shard: a temporary file next to path, renamed to it
+ * (after fsync) only by a committing close, so a half-written shard never
+ * carries a shard's name. */
+typedef struct chorus_shard_writer chorus_shard_writer_t;
+CHORUS_API chorus_result_t chorus_shard_writer_open(const char *path, int version,
+                                                    chorus_shard_writer_t **out);
+CHORUS_API chorus_result_t chorus_shard_writer_add(chorus_shard_writer_t *w,
+                                                   const uint32_t *toks, size_t n);
+CHORUS_API size_t chorus_shard_writer_count(const chorus_shard_writer_t *w);
+CHORUS_API chorus_result_t chorus_shard_writer_close(chorus_shard_writer_t *w, int commit);
+
+/* ---------------------------------------------------------------- loader
+ *
+ * PyTorch's DataLoader(dataset, batch_size, sampler=DistributedSampler,
+ * num_workers, prefetch_factor) over a token dataset: this rank's batches
+ * in the sampler's order (chorus_sampler below: torch's lists), read ahead
+ * by `workers` threads holding up to `prefetch` batches each, so batch
+ * i + 1 .. i + workers * prefetch are read while step i computes.  With 0
+ * workers next() reads the batch itself.  The position (epoch, and the
+ * samples of it the whole world consumed) counts the batches handed out,
+ * not those read ahead: checkpoint it and seek back to it, on any world
+ * size (see the sampler's Position). */
+typedef struct chorus_loader chorus_loader_t;
+typedef struct chorus_loader_config {
+  int seq, batch;
+  int workers, prefetch;
+  int shuffle, drop_last;
+  uint64_t seed;
+  double read_delay_s; /* benchmarks: a batch takes at least this long to read (slow storage) */
+} chorus_loader_config_t;
+
+CHORUS_API chorus_result_t chorus_loader_create(const chorus_tokens_t *data,
+                                                const chorus_loader_config_t *cfg, int world,
+                                                int rank, chorus_loader_t **out);
+CHORUS_API void chorus_loader_destroy(chorus_loader_t *l);
+/* The next batch (B x seq tokens and targets; idx, if not NULL, gets its B
+ * sequence numbers).  *wait_s: how long the call waited for it -- the time
+ * loading took from the step.  A read error (a token outside the
+ * vocabulary, ...) comes back on every later call too. */
+CHORUS_API chorus_result_t chorus_loader_next(chorus_loader_t *l, int *tokens, int *targets,
+                                              size_t *idx, double *wait_s);
+CHORUS_API long chorus_loader_epoch(const chorus_loader_t *l);
+CHORUS_API size_t chorus_loader_taken(const chorus_loader_t *l);
+CHORUS_API chorus_result_t chorus_loader_seek(chorus_loader_t *l, long epoch, size_t taken);
+CHORUS_API chorus_result_t chorus_loader_reshard(chorus_loader_t *l, int world, int rank);
+/* Sequences per epoch of this rank (the rest of the epoch after a seek), and the dataset's. */
+CHORUS_API size_t chorus_loader_len(const chorus_loader_t *l);
+CHORUS_API size_t chorus_loader_sequences(const chorus_loader_t *l);
 
 /* ------------------------------------------------------------- tokenizer
  *
@@ -705,28 +786,41 @@ CHORUS_API void chorus_ps_inject(chorus_ps_t *ps, int fault);
  * (the same MT19937 stream and shuffle as torch.randperm on the CPU, so the
  * lists equal PyTorch's), padded by repeating its head to a multiple of the
  * world size (or cut, with drop_last), and rank r takes positions r, r +
- * world, ...  The position inside the epoch can be saved and restored. */
+ * world, ...  Only the rank's list stays in memory (4 bytes a sample; n <
+ * 2^32).
+ *
+ * Position.  `taken` is how many samples of the epoch's global order the
+ * whole world has consumed (rank r's pos p: taken = p * world).  Seeking
+ * to (epoch, taken) -- a checkpoint, or a different world after a failure
+ * -- splits the rest of the epoch, global positions taken, taken + 1, ...,
+ * over the current world the same way (rank r from taken + r, every
+ * world-th; padded or cut at the end so each rank has as many): no sample
+ * of the epoch is skipped or seen twice across the change of world,
+ * beyond the padding torch adds at an epoch's end too. */
 typedef struct chorus_sampler chorus_sampler_t;
 
 CHORUS_API chorus_result_t chorus_sampler_create(size_t n, int world, int rank, int shuffle,
                                                  uint64_t seed, int drop_last,
                                                  chorus_sampler_t **out);
 CHORUS_API void chorus_sampler_destroy(chorus_sampler_t *s);
-/* Starts epoch e (its order; position 0). */
-CHORUS_API void chorus_sampler_set_epoch(chorus_sampler_t *s, long epoch);
+/* Starts epoch e (its order; position 0).  Fails only without memory. */
+CHORUS_API chorus_result_t chorus_sampler_set_epoch(chorus_sampler_t *s, long epoch);
 CHORUS_API long chorus_sampler_epoch(const chorus_sampler_t *s);
-/* Samples per rank per epoch (torch's num_samples) and this rank's list. */
+/* Samples of this rank in (the rest of) the epoch -- torch's num_samples
+ * for a whole epoch -- and the k-th of them (SIZE_MAX past the end). */
 CHORUS_API size_t chorus_sampler_len(const chorus_sampler_t *s);
-CHORUS_API const size_t *chorus_sampler_indices(const chorus_sampler_t *s);
-/* Next index of this rank; at the end of an epoch starts the next one. */
-CHORUS_API size_t chorus_sampler_next(chorus_sampler_t *s);
+CHORUS_API size_t chorus_sampler_at(const chorus_sampler_t *s, size_t k);
+/* This rank's next index; at the end of an epoch the next one starts. */
+CHORUS_API chorus_result_t chorus_sampler_next(chorus_sampler_t *s, size_t *index);
+/* The position in this rank's list, and setting it. */
 CHORUS_API size_t chorus_sampler_pos(const chorus_sampler_t *s);
 CHORUS_API void chorus_sampler_set_pos(chorus_sampler_t *s, size_t pos);
-/* The sampler of another world (elastic training: the survivors of a failed
- * rank, or new ranks): the same as creating it with world and rank, keeping
- * the epoch and how far the whole old world got into it -- the new position
- * is pos * old world / world, rounded down.  Torch's elastic examples do the
- * same with a new DistributedSampler and the saved global position. */
+/* Samples of the epoch the world has consumed (see Position), and going to
+ * (epoch, taken) over the current world. */
+CHORUS_API size_t chorus_sampler_taken(const chorus_sampler_t *s);
+CHORUS_API chorus_result_t chorus_sampler_seek(chorus_sampler_t *s, long epoch, size_t taken);
+/* Over another world (elastic training: the survivors of a failed rank, or
+ * new ranks), keeping the epoch and what the old world had taken of it. */
 CHORUS_API chorus_result_t chorus_sampler_reshard(chorus_sampler_t *s, int world, int rank);
 
 /* ----------------------------------------------------------- checkpoints

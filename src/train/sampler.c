@@ -6,6 +6,7 @@
  * reference init_genrand), and for i = 0 .. n-2 the i-th element is swapped
  * with element i + (next 32-bit output mod (n - i)).
  */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,19 +45,59 @@ static uint32_t mt_next(mt19937_t *g) {
 /* ------------------------------------------------------------- sampler */
 
 struct chorus_sampler {
-  size_t n, num_samples, total;
+  size_t n, num_samples;
   int world, rank, shuffle, drop_last;
   uint64_t seed;
   long epoch;
-  size_t *perm; /* n */
-  size_t *mine; /* num_samples */
+  size_t start;   /* this world's part of the epoch starts at this global position */
+  uint32_t *mine; /* num_samples */
   size_t pos;
 };
+
+/* torch: with drop_last and a remainder, ceil((n - world) / world), which
+ * is n / world; else ceil(n / world). */
+static size_t per_rank(size_t n, int world, int drop_last) {
+  size_t w = (size_t)world;
+  return drop_last ? n / w : (n + w - 1) / w;
+}
+
+/* This rank's list of the epoch from global position start on: the
+ * permutation (built for the call and freed again, so only the rank's list
+ * stays resident), padded by repeating its head, every world-th. */
+static chorus_result_t build(chorus_sampler_t *s) {
+  size_t num = per_rank(s->n - s->start, s->world, s->drop_last);
+  uint32_t *perm = malloc(sizeof(uint32_t) * s->n);
+  uint32_t *mine = realloc(s->mine, sizeof(uint32_t) * (num ? num : 1));
+  if (mine) s->mine = mine;
+  if (!perm || !mine) {
+    free(perm);
+    s->num_samples = s->pos = 0; /* next() tries again */
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  for (size_t i = 0; i < s->n; i++) perm[i] = (uint32_t)i;
+  if (s->shuffle) {
+    mt19937_t g;
+    mt_seed(&g, (uint32_t)(s->seed + (uint64_t)s->epoch));
+    for (size_t i = 0; i + 1 < s->n; i++) {
+      size_t z = mt_next(&g) % (s->n - i);
+      uint32_t t = perm[i];
+      perm[i] = perm[i + z];
+      perm[i + z] = t;
+    }
+  }
+  for (size_t k = 0; k < num; k++)
+    s->mine[k] = perm[(s->start + k * (size_t)s->world + (size_t)s->rank) % s->n];
+  free(perm);
+  s->num_samples = num;
+  s->pos = 0;
+  return CHORUS_OK;
+}
 
 chorus_result_t chorus_sampler_create(size_t n, int world, int rank, int shuffle, uint64_t seed,
                                       int drop_last, chorus_sampler_t **out) {
   *out = NULL;
-  if (n == 0 || world < 1 || rank < 0 || rank >= world || (drop_last && n < (size_t)world))
+  if (n == 0 || n > UINT32_MAX || world < 1 || rank < 0 || rank >= world ||
+      (drop_last && n < (size_t)world))
     return CHORUS_ERR_INVALID_ARG;
   chorus_sampler_t *s = calloc(1, sizeof *s);
   if (!s) return CHORUS_ERR_NO_MEMORY;
@@ -66,79 +107,61 @@ chorus_result_t chorus_sampler_create(size_t n, int world, int rank, int shuffle
   s->shuffle = shuffle;
   s->drop_last = drop_last;
   s->seed = seed;
-  size_t w = (size_t)world;
-  /* torch: with drop_last and n not divisible, ceil((n - world) / world). */
-  s->num_samples = drop_last && n % w ? (n - w + w - 1) / w : (n + w - 1) / w;
-  s->total = s->num_samples * w;
-  s->perm = malloc(sizeof(size_t) * n);
-  s->mine = malloc(sizeof(size_t) * (s->num_samples ? s->num_samples : 1));
-  if (!s->perm || !s->mine) {
+  if (build(s) != CHORUS_OK) {
     chorus_sampler_destroy(s);
     return CHORUS_ERR_NO_MEMORY;
   }
-  chorus_sampler_set_epoch(s, 0);
   *out = s;
   return CHORUS_OK;
 }
 
 void chorus_sampler_destroy(chorus_sampler_t *s) {
   if (!s) return;
-  free(s->perm);
   free(s->mine);
   free(s);
 }
 
-void chorus_sampler_set_epoch(chorus_sampler_t *s, long epoch) {
+chorus_result_t chorus_sampler_seek(chorus_sampler_t *s, long epoch, size_t taken) {
+  if (epoch < 0) return CHORUS_ERR_INVALID_ARG;
   s->epoch = epoch;
-  for (size_t i = 0; i < s->n; i++) s->perm[i] = i;
-  if (s->shuffle) {
-    mt19937_t g;
-    mt_seed(&g, (uint32_t)(s->seed + (uint64_t)epoch));
-    for (size_t i = 0; i + 1 < s->n; i++) {
-      size_t z = mt_next(&g) % (s->n - i);
-      size_t t = s->perm[i];
-      s->perm[i] = s->perm[i + z];
-      s->perm[i + z] = t;
-    }
-  }
-  /* Padded (repeating from the start, as often as needed) or cut to
-   * total, then every world-th from rank. */
-  for (size_t k = 0; k < s->num_samples; k++) {
-    size_t p = k * (size_t)s->world + (size_t)s->rank;
-    s->mine[k] = s->perm[p % s->n];
-  }
-  s->pos = 0;
+  s->start = taken < s->n ? taken : s->n;
+  return build(s);
+}
+
+chorus_result_t chorus_sampler_set_epoch(chorus_sampler_t *s, long epoch) {
+  return chorus_sampler_seek(s, epoch, 0);
 }
 
 long chorus_sampler_epoch(const chorus_sampler_t *s) { return s->epoch; }
 size_t chorus_sampler_len(const chorus_sampler_t *s) { return s->num_samples; }
-const size_t *chorus_sampler_indices(const chorus_sampler_t *s) { return s->mine; }
+size_t chorus_sampler_at(const chorus_sampler_t *s, size_t k) {
+  return k < s->num_samples ? s->mine[k] : SIZE_MAX;
+}
 size_t chorus_sampler_pos(const chorus_sampler_t *s) { return s->pos; }
 void chorus_sampler_set_pos(chorus_sampler_t *s, size_t pos) {
   s->pos = pos < s->num_samples ? pos : s->num_samples;
+}
+size_t chorus_sampler_taken(const chorus_sampler_t *s) {
+  return s->start + s->pos * (size_t)s->world;
 }
 
 chorus_result_t chorus_sampler_reshard(chorus_sampler_t *s, int world, int rank) {
   if (world < 1 || rank < 0 || rank >= world || (s->drop_last && s->n < (size_t)world))
     return CHORUS_ERR_INVALID_ARG;
-  size_t w = (size_t)world;
-  size_t num = s->drop_last && s->n % w ? (s->n - w + w - 1) / w : (s->n + w - 1) / w;
-  size_t *mine = malloc(sizeof(size_t) * (num ? num : 1));
-  if (!mine) return CHORUS_ERR_NO_MEMORY;
-  /* Samples the whole world has taken of this epoch so far. */
-  size_t taken = s->pos * (size_t)s->world;
-  free(s->mine);
-  s->mine = mine;
+  size_t taken = chorus_sampler_taken(s);
   s->world = world;
   s->rank = rank;
-  s->num_samples = num;
-  s->total = num * w;
-  chorus_sampler_set_epoch(s, s->epoch);
-  chorus_sampler_set_pos(s, taken / w);
-  return CHORUS_OK;
+  return chorus_sampler_seek(s, s->epoch, taken);
 }
 
-size_t chorus_sampler_next(chorus_sampler_t *s) {
-  if (s->pos >= s->num_samples) chorus_sampler_set_epoch(s, s->epoch + 1);
-  return s->mine[s->pos++];
+chorus_result_t chorus_sampler_next(chorus_sampler_t *s, size_t *index) {
+  /* An epoch ends when this rank's list does (a resumed part of an epoch
+   * can be empty: then the next one starts). */
+  for (int tries = 0; s->pos >= s->num_samples; tries++) {
+    chorus_result_t st = chorus_sampler_set_epoch(s, s->epoch + 1);
+    if (st != CHORUS_OK) return st;
+    if (tries > 0 && s->num_samples == 0) return CHORUS_ERR_INVALID_ARG;
+  }
+  *index = s->mine[s->pos++];
+  return CHORUS_OK;
 }

@@ -29,16 +29,15 @@ TEST(fixtures) {
                      &shuffle, &drop, &used), 7);
     chorus_sampler_t *s;
     ASSERT_EQ(chorus_sampler_create(n, world, rank, shuffle, seed, drop, &s), CHORUS_OK);
-    chorus_sampler_set_epoch(s, epoch);
-    const size_t *got = chorus_sampler_indices(s);
+    ASSERT_EQ(chorus_sampler_set_epoch(s, epoch), CHORUS_OK);
     size_t k = 0;
     char *p = line + used;
     for (char *tok = strtok(p, " \n"); tok; tok = strtok(NULL, " \n"), k++) {
       size_t want = strtoull(tok, NULL, 10);
-      if (k >= chorus_sampler_len(s) || got[k] != want) {
+      if (k >= chorus_sampler_len(s) || chorus_sampler_at(s, k) != want) {
         HARNESS_FAIL("n=%zu world=%d rank=%d seed=%llu epoch=%ld shuffle=%d drop_last=%d: "
                      "index %zu is %zu, PyTorch has %zu", n, world, rank, seed, epoch, shuffle,
-                     drop, k, k < chorus_sampler_len(s) ? got[k] : (size_t)-1, want);
+                     drop, k, chorus_sampler_at(s, k), want);
         chorus_sampler_destroy(s);
         fclose(f);
         return;
@@ -58,22 +57,90 @@ TEST(position_and_epochs) {
   ASSERT_EQ(chorus_sampler_create(10, 3, 1, 1, 9, 0, &b), CHORUS_OK);
   ASSERT_EQ(chorus_sampler_len(a), 4);
   size_t seq[12];
-  for (int i = 0; i < 12; i++) seq[i] = chorus_sampler_next(a); /* three epochs */
+  for (int i = 0; i < 12; i++) ASSERT_EQ(chorus_sampler_next(a, &seq[i]), CHORUS_OK);
   ASSERT_EQ(chorus_sampler_epoch(a), 2);
   /* Resume b at epoch 1, position 2: it continues exactly there. */
   chorus_sampler_set_epoch(b, 1);
   chorus_sampler_set_pos(b, 2);
-  for (int i = 6; i < 12; i++) ASSERT_EQ(chorus_sampler_next(b), seq[i]);
+  for (int i = 6; i < 12; i++) {
+    size_t x;
+    ASSERT_EQ(chorus_sampler_next(b, &x), CHORUS_OK);
+    ASSERT_EQ(x, seq[i]);
+  }
   chorus_sampler_destroy(a);
   chorus_sampler_destroy(b);
   ASSERT_EQ(chorus_sampler_create(3, 4, 0, 1, 0, 1, &a), CHORUS_ERR_INVALID_ARG);
   ASSERT_EQ(chorus_sampler_create(5, 2, 2, 1, 0, 0, &a), CHORUS_ERR_INVALID_ARG);
 }
 
+/* A world of `from` ranks takes `steps` samples each of an epoch of n, then
+ * the world becomes `to` ranks (a checkpoint resumed elsewhere, or survivors)
+ * and finishes the epoch: every sample of the epoch is seen exactly once
+ * when neither world pads, and the new world's lists equal seeking a fresh
+ * sampler to the same (epoch, taken). */
+static void change_world(size_t n, int from, int to, size_t steps, int drop_last) {
+  unsigned char *seen = calloc(n, 1);
+  ASSERT_TRUE(seen != NULL);
+  chorus_sampler_t *s[8];
+  for (int r = 0; r < from; r++) {
+    ASSERT_EQ(chorus_sampler_create(n, from, r, 1, 42, drop_last, &s[r]), CHORUS_OK);
+    ASSERT_EQ(chorus_sampler_set_epoch(s[r], 3), CHORUS_OK);
+    for (size_t k = 0; k < steps; k++) {
+      size_t x;
+      ASSERT_EQ(chorus_sampler_next(s[r], &x), CHORUS_OK);
+      seen[x]++;
+    }
+  }
+  size_t taken = chorus_sampler_taken(s[0]);
+  ASSERT_EQ(taken, steps * (size_t)from);
+  for (int r = 0; r < from; r++) chorus_sampler_destroy(s[r]);
+  for (int r = 0; r < to; r++) {
+    chorus_sampler_t *fresh;
+    ASSERT_EQ(chorus_sampler_create(n, to, r, 1, 42, drop_last, &fresh), CHORUS_OK);
+    ASSERT_EQ(chorus_sampler_seek(fresh, 3, taken), CHORUS_OK);
+    /* The same through reshard of an old rank's sampler. */
+    chorus_sampler_t *old;
+    ASSERT_EQ(chorus_sampler_create(n, from, 0, 1, 42, drop_last, &old), CHORUS_OK);
+    ASSERT_EQ(chorus_sampler_set_epoch(old, 3), CHORUS_OK);
+    chorus_sampler_set_pos(old, steps);
+    ASSERT_EQ(chorus_sampler_reshard(old, to, r), CHORUS_OK);
+    ASSERT_EQ(chorus_sampler_len(old), chorus_sampler_len(fresh));
+    for (size_t k = 0; k < chorus_sampler_len(fresh); k++) {
+      ASSERT_EQ(chorus_sampler_at(old, k), chorus_sampler_at(fresh, k));
+      seen[chorus_sampler_at(fresh, k)]++;
+    }
+    chorus_sampler_destroy(old);
+    chorus_sampler_destroy(fresh);
+  }
+  /* The rest of the epoch, R samples, over `to` ranks: torch's rule pads
+   * (repeats the epoch's head) or cuts (drop_last) to a multiple of to. */
+  size_t R = n - taken, pad = drop_last ? 0 : (to - R % to) % to, cut = drop_last ? R % to : 0;
+  size_t twice = 0, never = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (seen[i] > 2) HARNESS_FAIL("n=%zu: sample %zu seen %d times", n, i, seen[i]);
+    twice += seen[i] == 2;
+    never += seen[i] == 0;
+  }
+  if (twice != pad || never != cut)
+    HARNESS_FAIL("n=%zu %d -> %d ranks after %zu each: %zu samples seen twice (want %zu), %zu "
+                 "never (want %zu)", n, from, to, steps, twice, pad, never, cut);
+  free(seen);
+}
+
+TEST(resume_on_another_world) {
+  change_world(60, 2, 3, 7, 0);   /* 60 = 2 x 30; 60 - 14 = 46: 3 x 16 pads 2 */
+  change_world(66, 2, 3, 9, 0);   /* 66 - 18 = 48 = 3 x 16: nothing padded */
+  change_world(66, 3, 2, 5, 0);
+  change_world(64, 4, 1, 10, 1);
+  change_world(67, 2, 3, 10, 1);  /* 47 left: 3 x 15, 2 cut */
+  change_world(5000, 2, 3, 1000, 0);
+}
+
 int main(int argc, char **argv) {
   g_path = argc > 1 ? argv[1] : "sampler_fixtures.txt";
   RUN(fixtures);
   RUN(position_and_epochs);
+  RUN(resume_on_another_world);
   printf("%d PyTorch cases compared\n", g_cases);
   return HARNESS_DONE();
 }

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -29,7 +30,10 @@
 void openblas_set_num_threads(int) __attribute__((weak));
 
 typedef struct {
-  const char *data;
+  const char *data, *val_data, *tokenizer;
+  int data_format, vocab;       /* vocab 0: from the tokenizer, the data, or GPT-2's */
+  int workers, data_prefetch;   /* the loader's threads and batches read ahead by each */
+  double data_delay_ms;         /* benchmarks: each batch takes this long to read */
   chorus_gpt_config_t model;
   int batch, steps, warmup, val_every, val_batches, accum, sample, threads, overlap, log_every;
   float lr, min_lr_frac, weight_decay, clip;
@@ -59,7 +63,10 @@ typedef struct {
   int bad_rank, bad_kind, bad_step; /* testing: --bad-push RANK:stale|size|nan:STEP */
 } opts_t;
 
-/* What a checkpoint records besides model and optimizer. */
+/* What a checkpoint records besides model and optimizer.  The data
+ * position is (epoch, pos x world): samples of the epoch the world took.
+ * Written with world 1 and pos = that count; older checkpoints hold the
+ * position of rank 0 and their world size, which multiplies out the same. */
 typedef struct {
   int64_t steps_done, epoch, pos;
   int32_t world, pad;
@@ -81,7 +88,22 @@ static void say(const char *fmt, ...) {
 static void usage(FILE *f) {
   fprintf(f,
           "usage: [chorusrun -n N --] chorus-train [options]\n\n"
-          "  --data FILE          text to train on (default data/tinyshakespeare.txt)\n"
+          "  --data DIR|GLOB|FILE token shards to train on (llm.c's NAME_train_*.bin in DIR,\n"
+          "                       a glob, or one shard), or a text file read as bytes\n"
+          "                       (default data/tinyshakespeare.txt)\n"
+          "  --val-data DIR|GLOB|FILE  validation shards (default: DIR's NAME_val_*.bin, the\n"
+          "                       glob with train -> val; a text file's last tenth)\n"
+          "  --data-format auto|llmc|raw16|text  raw16: nanoGPT's headerless uint16 (auto)\n"
+          "  --tokenizer DIR      encoder.json + vocab.bpe: the vocabulary size, and --sample\n"
+          "                       decodes through it (default: the data's directory, if\n"
+          "                       it has them)\n"
+          "  --vocab N            model vocabulary (default: the tokenizer's; 256 for text;\n"
+          "                       50257, GPT-2's, for shards without a tokenizer)\n"
+          "  --workers N          loader threads reading batches ahead (1; 0: read in the\n"
+          "                       step)\n"
+          "  --data-prefetch K    batches each worker holds ready (2)\n"
+          "  --data-delay-ms X    benchmarks: reading a batch takes at least X ms (slow\n"
+          "                       storage)\n"
           "  --layers N --heads N --channels N --ctx N   model shape (4, 4, 128, 128)\n"
           "  --batch N            sequences per rank per step (8)\n"
           "  --steps N            optimizer steps (200)\n"
@@ -93,7 +115,7 @@ static void usage(FILE *f) {
           "  --bucket-mb X        DDP bucket cap (25); --no-overlap: reduce after backward\n"
           "  --hook none|bf16|fp16  gradient compression for the all_reduce (none)\n"
           "  --val-every N        validation loss every N steps (50); --val-batches N (8)\n"
-          "  --sample N           generate N bytes at the end (300)\n"
+          "  --sample N           generate N tokens at the end (300)\n"
           "  --threads N          BLAS threads per rank (default: cores / local ranks)\n"
           "  --seed N             initialisation and sampling seed (1337)\n"
           "  --log-every N        print a step line every N steps (10)\n"
@@ -174,6 +196,9 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"mem-cap", 1, 0, 1003},   {"export", 1, 0, 1004},     {"mode", 1, 0, 1005},
       {"servers", 1, 0, 1006},   {"max-staleness", 1, 0, 1007},
       {"staleness-weight", 1, 0, 1008}, {"slowdown", 1, 0, 1009}, {"bad-push", 1, 0, 1010},
+      {"val-data", 1, 0, 1011},  {"data-format", 1, 0, 1012}, {"tokenizer", 1, 0, 1013},
+      {"vocab", 1, 0, 1014},     {"workers", 1, 0, 1015},     {"data-prefetch", 1, 0, 1016},
+      {"data-delay-ms", 1, 0, 1017},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -256,6 +281,19 @@ static int parse(int argc, char **argv, opts_t *o) {
         else return -1;
         break;
       case 1006: o->servers = atoi(optarg); break;
+      case 1011: o->val_data = optarg; break;
+      case 1012:
+        if (!strcmp(optarg, "auto")) o->data_format = CHORUS_TOKENS_AUTO;
+        else if (!strcmp(optarg, "llmc")) o->data_format = CHORUS_TOKENS_LLMC;
+        else if (!strcmp(optarg, "raw16")) o->data_format = CHORUS_TOKENS_RAW16;
+        else if (!strcmp(optarg, "text")) o->data_format = CHORUS_TOKENS_TEXT;
+        else return -1;
+        break;
+      case 1013: o->tokenizer = optarg; break;
+      case 1014: o->vocab = atoi(optarg); break;
+      case 1015: o->workers = atoi(optarg); break;
+      case 1016: o->data_prefetch = atoi(optarg); break;
+      case 1017: o->data_delay_ms = strtod(optarg, NULL); break;
       case 1007: o->max_staleness = atoi(optarg); break;
       case 1008:
         if (!strcmp(optarg, "inverse")) o->staleness_weight = 1;
@@ -460,9 +498,9 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
  * the index last; the call returns on every rank once the checkpoint is
  * complete, so a crash right after still finds it. */
 static chorus_result_t checkpoint(const opts_t *o, chorus_trainer_t *t,
-                                  const chorus_sampler_t *sp, long steps_done) {
-  train_state_t ts = {steps_done, chorus_sampler_epoch(sp), (int64_t)chorus_sampler_pos(sp),
-                      g_size, 0, o->seed};
+                                  const chorus_loader_t *ld, long steps_done) {
+  train_state_t ts = {steps_done, chorus_loader_epoch(ld), (int64_t)chorus_loader_taken(ld), 1,
+                      0, o->seed};
   chorus_result_t st = chorus_trainer_save(t, o->ckpt_dir, steps_done, &ts, sizeof ts, o->keep);
   if (st != CHORUS_OK)
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
@@ -472,20 +510,22 @@ static chorus_result_t checkpoint(const opts_t *o, chorus_trainer_t *t,
   return st;
 }
 
-/* Puts the sampler at (epoch, pos) as a world of `world` ranks had it, then
- * re-shards it over this world (g_size, g_rank): the samples taken of the
- * epoch so far, pos * world, divided by the new size.  0, or -1. */
-static int sampler_place(chorus_sampler_t *sp, long epoch, size_t pos, int world) {
-  if (chorus_sampler_reshard(sp, world, 0) != CHORUS_OK) return -1;
-  chorus_sampler_set_epoch(sp, epoch);
-  chorus_sampler_set_pos(sp, pos);
-  return chorus_sampler_reshard(sp, g_size, g_rank) == CHORUS_OK ? 0 : -1;
+/* Puts the loader at (epoch, taken: samples of it the world consumed) over
+ * this world (g_size, g_rank); what it had read ahead is dropped.  0, or -1
+ * (reported). */
+static int loader_place(chorus_loader_t *ld, long epoch, size_t taken) {
+  if (chorus_loader_reshard(ld, g_size, g_rank) == CHORUS_OK &&
+      chorus_loader_seek(ld, epoch, taken) == CHORUS_OK)
+    return 0;
+  fprintf(stderr, "chorus-train: rank %d: the data position: %s\n", g_rank,
+          chorus_train_last_error());
+  return -1;
 }
 
 /* Every rank loads the newest usable checkpoint, whatever stage and number
  * of ranks wrote it; the sampler goes on from the same global position.
  * The step to start from, or -1 when a collective failed (reported). */
-static long resume(const opts_t *o, chorus_trainer_t *t, chorus_sampler_t *sp) {
+static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
   train_state_t ts;
   size_t len = 0;
   long step = -1;
@@ -497,7 +537,7 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_sampler_t *sp) {
   }
   if (step < 0) return 0;
   if (len != sizeof ts || ts.world < 1 || ts.epoch < 0 || ts.pos < 0 ||
-      sampler_place(sp, (long)ts.epoch, (size_t)ts.pos, ts.world)) {
+      loader_place(ld, (long)ts.epoch, (size_t)ts.pos * (size_t)ts.world)) {
     say("checkpoint of step %ld: its training state is unreadable; the data order starts "
         "over\n", step);
     return step;
@@ -535,9 +575,9 @@ static chorus_result_t init_comm(int join, chorus_comm_t *comm) {
 /* Rank `rank` of a world of `world`'s mean validation loss over
  * val_batches batches (every rank evaluates different samples); NaN
  * without validation data or memory. */
-static float val_loss_as(chorus_gpt_t *m, const chorus_text_t *text, const opts_t *o, int world,
+static float val_loss_as(chorus_gpt_t *m, const chorus_tokens_t *val, const opts_t *o, int world,
                          int rank, int *tok, int *tgt) {
-  size_t n = chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx);
+  size_t n = chorus_tokens_samples(val, o->model.ctx);
   size_t *idx = malloc(sizeof(size_t) * (size_t)o->batch);
   if (n == 0 || !idx) {
     free(idx);
@@ -547,7 +587,12 @@ static float val_loss_as(chorus_gpt_t *m, const chorus_text_t *text, const opts_
   for (int v = 0; v < o->val_batches; v++) {
     for (int b = 0; b < o->batch; b++)
       idx[b] = ((size_t)(v * o->batch + b) * (size_t)world + (size_t)rank) % n;
-    chorus_text_batch(text, CHORUS_SPLIT_VAL, o->model.ctx, idx, o->batch, tok, tgt);
+    if (chorus_tokens_read(val, o->model.ctx, idx, o->batch, tok, tgt) != CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: validation data: %s\n", g_rank,
+              chorus_train_last_error());
+      free(idx);
+      return NAN;
+    }
     float loss = 0;
     chorus_gpt_forward(m, tok, tgt, o->batch, o->model.ctx, &loss);
     sum += loss;
@@ -557,26 +602,28 @@ static float val_loss_as(chorus_gpt_t *m, const chorus_text_t *text, const opts_
 }
 
 /* The ranks' mean validation loss, averaged over ranks, into *avg. */
-static chorus_result_t validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_text_t *text,
+static chorus_result_t validate(chorus_comm_t comm, chorus_gpt_t *m, const chorus_tokens_t *val,
                                 const opts_t *o, int *tok, int *tgt, float *avg) {
   *avg = NAN;
-  if (chorus_text_samples(text, CHORUS_SPLIT_VAL, o->model.ctx) == 0) return CHORUS_OK;
+  if (chorus_tokens_samples(val, o->model.ctx) == 0) return CHORUS_OK;
   /* Every rank joins the average, also with a NaN (no memory, or a model
    * that diverged). */
-  float mine = val_loss_as(m, text, o, g_size, g_rank, tok, tgt);
+  float mine = val_loss_as(m, val, o, g_size, g_rank, tok, tgt);
   return chorus_all_reduce(comm, &mine, avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
 }
 
-/* Rank 0 continues prompt for n bytes, sampling from the model's
- * distribution with a seeded generator. */
-static void sample_text(chorus_gpt_t *m, const opts_t *o, int n) {
+/* Rank 0 generates n tokens, sampling from the model's distribution with a
+ * seeded generator, after GPT-2's start token "<|endoftext|>" (a newline
+ * for byte-level text), and prints them through the tokenizer (bytes as
+ * they are without one; token ids when the vocabulary has no text). */
+static void sample_text(chorus_gpt_t *m, const opts_t *o, const chorus_bpe_t *bpe, int n) {
   const int T = o->model.ctx, V = o->model.vocab;
   int *ctx = calloc((size_t)T, sizeof(int));
-  const char *prompt = "\n";
-  int len = (int)strlen(prompt);
-  for (int i = 0; i < len; i++) ctx[i] = (unsigned char)prompt[i];
+  if (!ctx) return;
+  int len = 1;
+  ctx[0] = bpe && chorus_bpe_eot(bpe) >= 0 ? chorus_bpe_eot(bpe) : V <= 256 ? '\n' : 0;
   uint64_t s = o->seed ^ 0x5eedull;
-  say("---- sample (%d bytes) ----\n", n);
+  say("---- sample (%d tokens%s) ----\n", n, bpe ? ", GPT-2 BPE" : V <= 256 ? ", bytes" : " ids");
   for (int i = 0; i < n; i++) {
     int t = len < T ? len : T;
     chorus_gpt_forward(m, ctx, NULL, 1, t, NULL);
@@ -590,7 +637,16 @@ static void sample_text(chorus_gpt_t *m, const opts_t *o, int n) {
         break;
       }
     }
-    if (!g_rank) putchar(next);
+    size_t tl = 0;
+    const unsigned char *tb = bpe ? chorus_bpe_token(bpe, next, &tl) : NULL;
+    if (g_rank) {
+    } else if (tb) {
+      fwrite(tb, 1, tl, stdout);
+    } else if (V <= 256) {
+      putchar(next);
+    } else {
+      printf("%d ", next);
+    }
     if (len < T) {
       ctx[len++] = next;
     } else {
@@ -611,9 +667,8 @@ typedef struct {
   long step; /* -1: empty */
   float *params;
   unsigned char *optim;
-  long epoch; /* the sampler's */
-  size_t pos;
-  int world;
+  long epoch; /* the loader's */
+  size_t taken;
   chorus_loss_scale_t ls;
 } snap_t;
 
@@ -624,14 +679,15 @@ typedef struct {
   chorus_trainer_t *trainer; /* DDP or sharded, optimizer, loss scaling, join */
   chorus_gpt_t *m;           /* the trainer's model */
   chorus_optim_t *opt;       /* the trainer's optimizer */
-  chorus_sampler_t *sp;
-  chorus_text_t *text;
+  chorus_tokens_t *train, *val;
+  chorus_loader_t *ld;
+  chorus_bpe_t *bpe; /* NULL: no tokenizer */
   trace_t *tr;
   int *tok, *tgt;
   size_t *idx, np;
   int first_generation; /* CHORUS_RESTART_COUNT is 0 */
   /* For the summary. */
-  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm, sum_step;
+  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm, sum_step, sum_data;
   int skipped_steps;
   int timed;
   float first_val, last_val;
@@ -647,6 +703,68 @@ typedef struct {
 } run_t;
 
 enum { STEP_NEXT, STEP_STOP, STEP_FATAL, STEP_COMM };
+
+/* The directory a data spec lives in (a directory itself; a file's or a
+ * glob's directory), into buf. */
+static const char *data_dir(const char *spec, char *buf, size_t len) {
+  struct stat sb;
+  if (stat(spec, &sb) == 0 && S_ISDIR(sb.st_mode)) return spec;
+  const char *slash = strrchr(spec, '/');
+  if (!slash) return ".";
+  snprintf(buf, len, "%.*s", (int)(slash - spec), spec);
+  return buf;
+}
+
+/* Opens the training and validation data, the tokenizer when there is
+ * one, and sets the model's vocabulary.  0, or -1 (reported). */
+static int open_data(opts_t *o, run_t *r) {
+  char dbuf[4096], path[4200];
+  const char *tokdir = o->tokenizer;
+  if (!tokdir) { /* the data's own: chorus-data prepare leaves it there */
+    const char *d = data_dir(o->data, dbuf, sizeof dbuf);
+    snprintf(path, sizeof path, "%s/encoder.json", d);
+    if (access(path, R_OK) == 0) tokdir = d;
+  }
+  char err[512];
+  if (tokdir && chorus_bpe_load(tokdir, &r->bpe, err, sizeof err) != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: the tokenizer: %s\n", g_rank, err);
+    return -1;
+  }
+  int vocab = o->vocab;
+  if (!vocab) vocab = r->bpe ? chorus_bpe_vocab(r->bpe) : 0;
+  if (r->bpe && vocab < chorus_bpe_vocab(r->bpe)) {
+    fprintf(stderr, "chorus-train: --vocab %d is smaller than the tokenizer's %d tokens (%s)\n",
+            vocab, chorus_bpe_vocab(r->bpe), tokdir);
+    return -1;
+  }
+  /* Without a tokenizer: bytes for text, GPT-2's size for shards (llm.c's
+   * convention); the first open tells which. */
+  chorus_result_t st = chorus_tokens_open(o->data, CHORUS_SPLIT_TRAIN, o->data_format,
+                                          vocab ? vocab : 1 << 30, &r->train);
+  if (st == CHORUS_OK && !vocab) {
+    vocab = chorus_tokens_is_text(r->train) ? 256 : 50257;
+    chorus_tokens_close(r->train);
+    r->train = NULL;
+    st = chorus_tokens_open(o->data, CHORUS_SPLIT_TRAIN, o->data_format, vocab, &r->train);
+  }
+  if (st == CHORUS_OK)
+    st = chorus_tokens_open(o->val_data ? o->val_data : o->data, CHORUS_SPLIT_VAL,
+                            o->data_format, vocab, &r->val);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: the data: %s\n", g_rank, chorus_train_last_error());
+    return -1;
+  }
+  o->model.vocab = vocab;
+  return 0;
+}
+
+static void close_data(run_t *r) {
+  chorus_tokens_close(r->train);
+  chorus_tokens_close(r->val);
+  chorus_bpe_free(r->bpe);
+  r->train = r->val = NULL;
+  r->bpe = NULL;
+}
 
 static int comm_failed(run_t *r, const char *what, chorus_result_t st) {
   r->fail_what = what;
@@ -758,7 +876,7 @@ static int train_step(run_t *r, long step) {
             "%lld ms\n", g_rank, step, (long long)wall_ms());
     raise(SIGKILL);
   }
-  double t0 = now_s(), tf = 0, tb = 0;
+  double t0 = now_s(), tf = 0, tb = 0, td = 0;
   chorus_trainer_begin_step(r->trainer);
   float loss_sum = 0;
   /* Uneven inputs: a rank out of data joins -- it contributes zero
@@ -781,8 +899,14 @@ static int train_step(run_t *r, long step) {
         return comm_failed(r, "a joined rank's share of the step", st);
       continue;
     }
-    for (int b = 0; b < B; b++) r->idx[b] = chorus_sampler_next(r->sp);
-    chorus_text_batch(r->text, CHORUS_SPLIT_TRAIN, T, r->idx, B, r->tok, r->tgt);
+    double waited = 0;
+    if ((st = chorus_loader_next(r->ld, r->tok, r->tgt, r->idx, &waited)) != CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: the training data: %s\n", g_rank,
+              chorus_train_last_error());
+      die(r->comm, "reading a batch", st);
+      return STEP_FATAL;
+    }
+    td += waited;
     float loss = 0;
     /* --inject-inf: a backward weighted by infinity fills rank 1's
      * gradients with inf and NaN. */
@@ -829,7 +953,7 @@ static int train_step(run_t *r, long step) {
   const double opt_s = (w1 - w0) - info.wait_s;
   if (step >= 3) { /* after warm-up */
     r->sum_tps += tps, r->sum_fwd += tf, r->sum_bwd += tb, r->sum_exp += info.exposed_s;
-    r->sum_opt += opt_s, r->sum_comm += info.comm_s, r->sum_step += dt;
+    r->sum_opt += opt_s, r->sum_comm += info.comm_s, r->sum_step += dt, r->sum_data += td;
     r->timed++;
   }
   /* The loss every rank saw, averaged (what PyTorch users log). */
@@ -838,14 +962,14 @@ static int train_step(run_t *r, long step) {
     if ((st = chorus_all_reduce(r->comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL)) !=
         CHORUS_OK)
       return comm_failed(r, "loss all_reduce", st);
-    say("step %4ld/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  fwd %.1f ms  bwd %.1f ms  "
-        "exposed comm %.1f ms  optim %.1f ms\n",
-        step, o->steps, avg, lr, norm, tps, 1e3 * tf, 1e3 * tb, 1e3 * info.exposed_s,
+    say("step %4ld/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  data %.1f ms  fwd %.1f ms  "
+        "bwd %.1f ms  exposed comm %.1f ms  optim %.1f ms\n",
+        step, o->steps, avg, lr, norm, tps, 1e3 * td, 1e3 * tf, 1e3 * tb, 1e3 * info.exposed_s,
         1e3 * opt_s);
   }
   if (o->val_every && ((step + 1) % o->val_every == 0 || step == o->steps - 1)) {
     float v;
-    if ((st = validate(r->comm, r->m, r->text, o, r->tok, r->tgt, &v)) != CHORUS_OK)
+    if ((st = validate(r->comm, r->m, r->val, o, r->tok, r->tgt, &v)) != CHORUS_OK)
       return comm_failed(r, "validation", st);
     if (isnan(r->first_val)) r->first_val = v;
     r->last_val = v;
@@ -854,7 +978,7 @@ static int train_step(run_t *r, long step) {
   int stopping = o->stop_after >= 0 && step + 1 >= o->stop_after;
   if (o->ckpt_dir && ((o->ckpt_every && (step + 1) % o->ckpt_every == 0) ||
                       step == o->steps - 1 || stopping)) {
-    st = checkpoint(o, r->trainer, r->sp, step + 1);
+    st = checkpoint(o, r->trainer, r->ld, step + 1);
     if (st == CHORUS_ERR_SYSTEM || st == CHORUS_ERR_NO_MEMORY) {
       fprintf(stderr, "chorus-train: rank %d: stopping: the checkpoint could not be written\n",
               g_rank);
@@ -874,9 +998,8 @@ static void snap_take(run_t *r, long step) {
   snap_t *s = &r->snap[step & 1];
   memcpy(s->params, chorus_trainer_master(r->trainer), r->np * sizeof(float));
   chorus_optim_state_save(r->opt, s->optim);
-  s->epoch = chorus_sampler_epoch(r->sp);
-  s->pos = chorus_sampler_pos(r->sp);
-  s->world = g_size;
+  s->epoch = chorus_loader_epoch(r->ld);
+  s->taken = chorus_loader_taken(r->ld);
   chorus_trainer_get_loss_scale(r->trainer, &s->ls);
   s->step = step;
 }
@@ -890,8 +1013,8 @@ static int snap_restore(run_t *r, long step) {
       chorus_optim_state_load(r->opt, s->optim, r->optim_bytes) != CHORUS_OK)
     return -1;
   chorus_trainer_set_loss_scale(r->trainer, &s->ls);
-  /* The sampler as the old world had it at that step, then over the new one. */
-  return sampler_place(r->sp, s->epoch, s->pos, s->world);
+  /* The data where the world was at that step, over the new world. */
+  return loader_place(r->ld, s->epoch, s->taken);
 }
 
 /* --elastic inplace: a collective of step failed (a rank died, or its host
@@ -967,14 +1090,14 @@ typedef struct {
 /* After a grow: rank 0 sends the members' state to the newcomers (every
  * rank calls it; the members hold it already, so only the newcomers'
  * copies change), and everyone re-shards the data over the new world.
- * old_world: the world rank 0's sampler is sharded over.  *step gets the
+ *step gets the
  * step to go on from.  0, or -1 when a broadcast failed. */
-static int share_state(run_t *r, int old_world, long *step) {
+static int share_state(run_t *r, long *step) {
   join_state_t js = {0};
   if (g_rank == 0) {
     js.step = *step;
-    js.epoch = chorus_sampler_epoch(r->sp);
-    js.taken = (int64_t)(chorus_sampler_pos(r->sp) * (size_t)old_world);
+    js.epoch = chorus_loader_epoch(r->ld);
+    js.taken = (int64_t)chorus_loader_taken(r->ld);
     chorus_loss_scale_t ls;
     chorus_trainer_get_loss_scale(r->trainer, &ls);
     js.scale = ls.scale;
@@ -994,8 +1117,8 @@ static int share_state(run_t *r, int old_world, long *step) {
   *step = (long)js.step;
   chorus_loss_scale_t ls = {js.scale, js.good_steps, js.skipped_steps};
   chorus_trainer_set_loss_scale(r->trainer, &ls);
-  /* The sampler: the epoch, and how far the old world got into it. */
-  if (sampler_place(r->sp, (long)js.epoch, (size_t)js.taken, 1) != 0) return -1;
+  /* The data: the epoch, and how far the old world got into it. */
+  if (loader_place(r->ld, (long)js.epoch, (size_t)js.taken) != 0) return -1;
   /* Making DDP broadcasts rank 0's weights to the newcomers. */
   return chorus_trainer_set_comm(r->trainer, r->comm) == CHORUS_OK ? 0 : -1;
 }
@@ -1039,7 +1162,7 @@ static int admit_joiners(run_t *r, long *step) {
   r->comm = grown;
   g_rank = chorus_comm_rank(grown);
   g_size = chorus_comm_size(grown);
-  if (share_state(r, before, step) != 0) {
+  if (share_state(r, step) != 0) {
     comm_failed(r, "handing the state to the new ranks", CHORUS_ERR_REMOTE);
     return -1;
   }
@@ -1058,17 +1181,16 @@ static void ps_log(void *arg, const char *line) {
 
 /* The validation loss DDP's validate() reports on `world` ranks (the same
  * samples), computed here alone. */
-static float validate_alone(chorus_gpt_t *m, const chorus_text_t *text, const opts_t *o,
+static float validate_alone(chorus_gpt_t *m, const chorus_tokens_t *val, const opts_t *o,
                             int world, int *tok, int *tgt) {
   double sum = 0;
-  for (int r = 0; r < world; r++) sum += val_loss_as(m, text, o, world, r, tok, tgt);
+  for (int r = 0; r < world; r++) sum += val_loss_as(m, val, o, world, r, tok, tgt);
   return (float)(sum / world);
 }
 
 /* A server: serves until the budget is applied; server 0 then reports,
  * validates, samples and dumps the final weights. */
-static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps,
-                        chorus_text_t *text) {
+static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps, const run_t *run) {
   const int W = chorus_ps_workers(ps);
   chorus_result_t st = chorus_ps_serve(ps);
   if (st != CHORUS_OK) {
@@ -1129,9 +1251,9 @@ static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps,
     int *tgt = malloc(sizeof(int) * (size_t)o->batch * o->model.ctx);
     if (o->val_every && tok && tgt)
       printf("validation loss %.4f (final weights; the samples DDP on %d ranks validates on)\n",
-             validate_alone(m, text, o, W, tok, tgt), W);
+             validate_alone(m, run->val, o, W, tok, tgt), W);
     free(tok), free(tgt);
-    if (o->sample > 0) sample_text(m, o, o->sample);
+    if (o->sample > 0) sample_text(m, o, run->bpe, o->sample);
     if (o->dump) {
       FILE *f = fopen(o->dump, "wb");
       if (!f || fwrite(chorus_gpt_params(m), sizeof(float), np, f) != np || fclose(f) != 0) {
@@ -1170,20 +1292,16 @@ static void push_ready(void *arg, int i) {
 
 /* A worker: computes gradients on its share of the data and pushes them
  * until a server says the budget is applied. */
-static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
+static int async_worker(const opts_t *o, chorus_ps_t *ps, const run_t *run) {
   const int W = chorus_ps_workers(ps), me = chorus_ps_worker(ps);
   const int T = o->model.ctx, B = o->batch;
   chorus_gpt_t *m = NULL;
-  chorus_sampler_t *sp = NULL;
-  size_t nsamples = chorus_text_samples(text, CHORUS_SPLIT_TRAIN, T);
-  if (chorus_gpt_create(&o->model, B, o->seed, &m) != CHORUS_OK) {
+  chorus_loader_t *ld = NULL;
+  chorus_loader_config_t lc = {T, B, o->workers, o->data_prefetch, 1, 0, o->seed,
+                               o->data_delay_ms / 1e3};
+  if (chorus_gpt_create(&o->model, B, o->seed, &m) != CHORUS_OK ||
+      chorus_loader_create(run->train, &lc, W, me, &ld) != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
-    return 1;
-  }
-  if (nsamples < (size_t)W || chorus_sampler_create(nsamples, W, me, 1, o->seed, 0, &sp) !=
-      CHORUS_OK) {
-    fprintf(stderr, "chorus-train: %s is too short for sequences of %d on %d workers\n", o->data,
-            T, W);
     chorus_gpt_destroy(m);
     return 1;
   }
@@ -1200,8 +1318,15 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
     rc = 1;
   }
-  /* A resumed worker goes on in its data where it was. */
-  for (long i = 0; rc == 0 && i < step * o->accum * B; i++) chorus_sampler_next(sp);
+  /* A resumed worker goes on in its data where it was: its own count of
+   * samples taken, over whole epochs of its list. */
+  if (rc == 0 && step > 0) {
+    size_t mine = (size_t)step * (size_t)o->accum * (size_t)B, len = chorus_loader_len(ld);
+    if (chorus_loader_seek(ld, (long)(mine / len), mine % len * (size_t)W) != CHORUS_OK) {
+      fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+      rc = 1;
+    }
+  }
   const char *rcount = getenv("CHORUS_RESTART_COUNT");
   const int first_generation = !rcount || !strcmp(rcount, "0");
   const double slow = g_rank == o->slow_rank ? o->slow_factor : 1.0;
@@ -1219,10 +1344,9 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
     chorus_gpt_zero_grad(m);
     float loss = 0;
     for (int a = 0; a < o->accum && st == CHORUS_OK; a++) {
-      for (int b = 0; b < B; b++) idx[b] = chorus_sampler_next(sp);
-      chorus_text_batch(text, CHORUS_SPLIT_TRAIN, T, idx, B, tok, tgt);
       float l = 0;
-      st = chorus_gpt_forward(m, tok, tgt, B, T, &l);
+      st = chorus_loader_next(ld, tok, tgt, idx, NULL);
+      if (st == CHORUS_OK) st = chorus_gpt_forward(m, tok, tgt, B, T, &l);
       loss += l / (float)o->accum;
       /* The last micro-step's backward hands the servers their slices as
        * they become final. */
@@ -1273,13 +1397,13 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, chorus_text_t *text) {
            steps ? loss_sum / (double)steps : NAN);
   fflush(stdout);
   free(tok), free(tgt), free(idx), free(done);
-  chorus_sampler_destroy(sp);
+  chorus_loader_destroy(ld);
   chorus_gpt_destroy(m);
   return rc;
 }
 
 /* --mode async: servers and workers instead of one data-parallel group. */
-static int run_async(const opts_t *o, chorus_comm_t comm, chorus_text_t *text) {
+static int run_async(const opts_t *o, chorus_comm_t comm, const run_t *run) {
   chorus_ps_config_t pc = {.servers = o->servers,
                            .max_staleness = o->max_staleness,
                            .staleness_weight = o->staleness_weight,
@@ -1316,13 +1440,13 @@ static int run_async(const opts_t *o, chorus_comm_t comm, chorus_text_t *text) {
       "1 / (1 + staleness)" : "", o->model.layers, o->model.heads, o->model.channels,
       o->model.ctx, o->batch, o->model.ctx, o->accum, o->steps, W, (long)o->steps * W,
       o->slow_rank >= 0 ? "; --slowdown" : "");
-  int rc = chorus_ps_worker(ps) < 0 ? async_server(o, comm, ps, text) : async_worker(o, ps, text);
+  int rc = chorus_ps_worker(ps) < 0 ? async_server(o, comm, ps, run) : async_worker(o, ps, run);
   chorus_ps_destroy(ps);
   return rc;
 }
 
 int main(int argc, char **argv) {
-  opts_t o = {.data = "data/tinyshakespeare.txt",
+  opts_t o = {.data = "data/tinyshakespeare.txt", .workers = 1, .data_prefetch = 2,
               .model = CHORUS_GPT_CONFIG_DEFAULT,
               .batch = 8, .steps = 200, .warmup = 20, .val_every = 50, .val_batches = 8,
               .accum = 1, .sample = 300, .threads = 0, .overlap = 1, .log_every = 10,
@@ -1396,16 +1520,14 @@ int main(int argc, char **argv) {
   int threads = o.threads > 0 ? o.threads : (int)(cores / local > 0 ? cores / local : 1);
   if (openblas_set_num_threads) openblas_set_num_threads(threads);
 
-  st = chorus_text_load(o.data, 0.1, &r.text);
-  if (st != CHORUS_OK) {
-    fprintf(stderr, "chorus-train: cannot read %s: %s\n", o.data, strerror(errno));
+  if (open_data(&o, &r) != 0) {
     chorus_comm_abort(r.comm);
     chorus_comm_destroy(r.comm);
     return 1;
   }
   if (o.async) {
-    int rc = run_async(&o, r.comm, r.text);
-    chorus_text_free(r.text);
+    int rc = run_async(&o, r.comm, &r);
+    close_data(&r);
     chorus_comm_destroy(r.comm);
     return rc;
   }
@@ -1441,13 +1563,11 @@ int main(int argc, char **argv) {
     return die(NULL, "--skip-layer", st);
 
   const int T = o.model.ctx, B = o.batch;
-  size_t nsamples = chorus_text_samples(r.text, CHORUS_SPLIT_TRAIN, T);
-  if (nsamples < (size_t)g_size ||
-      chorus_sampler_create(nsamples, g_size, g_rank, 1, o.seed, 0, &r.sp) != CHORUS_OK) {
-    fprintf(stderr, "chorus-train: %s is too short for sequences of %d on %d ranks\n", o.data,
-            T, g_size);
-    return 1;
-  }
+  chorus_loader_config_t lc = {T, B, o.workers, o.data_prefetch, 1, 0, o.seed,
+                               o.data_delay_ms / 1e3};
+  if ((st = chorus_loader_create(r.train, &lc, g_size, g_rank, &r.ld)) != CHORUS_OK)
+    return die(r.comm, o.data, st);
+  const size_t nsamples = chorus_loader_sequences(r.ld);
   r.tok = malloc(sizeof(int) * (size_t)B * T);
   r.tgt = malloc(sizeof(int) * (size_t)B * T);
   r.idx = malloc(sizeof(size_t) * (size_t)B);
@@ -1472,20 +1592,24 @@ int main(int argc, char **argv) {
                                              o.prefetch);
   }
   say("chorus-train: %d rank(s), %d BLAS thread(s) each; model %d layers, %d heads, %d "
-      "channels, context %d: %zu parameters; %s; batch %d x %d per rank, %d "
+      "channels, context %d, vocabulary %d: %zu parameters; %s; batch %d x %d per rank, %d "
       "step(s) of %d micro-step(s); %zu training samples%s%s\n",
-      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, r.np, mode, B, T,
-      o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "",
+      g_size, threads, o.model.layers, o.model.heads, o.model.channels, T, o.model.vocab, r.np,
+      mode, B, T, o.steps, o.accum, nsamples, o.elastic ? "; --elastic inplace" : "",
       o.param_dtype == CHORUS_BFLOAT16 ? "; bf16 parameters on fp32 masters" : "");
+  say("data: %s: %zu tokens in %d file(s); validation %zu tokens; loader: %d worker(s) x %d "
+      "batch(es) ahead%s\n", o.data, chorus_tokens_count(r.train),
+      chorus_tokens_files(r.train), chorus_tokens_count(r.val), o.workers,
+      o.workers ? o.data_prefetch : 0, o.data_delay_ms > 0 ? "; --data-delay-ms" : "");
 
   long start = 0;
   if (join) {
     /* A newcomer: the members hand over their state. */
-    if (share_state(&r, g_size, &start) != 0) return die(r.comm, "joining the running job", CHORUS_ERR_REMOTE);
+    if (share_state(&r, &start) != 0) return die(r.comm, "joining the running job", CHORUS_ERR_REMOTE);
     fprintf(stderr, "chorus-train: joined the running job as rank %d of %d at step %ld\n", g_rank,
             g_size, start);
   } else if (o.ckpt_dir) {
-    if ((start = resume(&o, r.trainer, r.sp)) < 0) return die(r.comm, "resuming", CHORUS_ERR_REMOTE);
+    if ((start = resume(&o, r.trainer, r.ld)) < 0) return die(r.comm, "resuming", CHORUS_ERR_REMOTE);
   }
   trace_t trace_buf = {0};
   r.tr = o.trace ? &trace_buf : NULL;
@@ -1523,9 +1647,11 @@ int main(int argc, char **argv) {
   }
   if (r.timed) {
     double step_s = r.sum_step / r.timed;
-    say("summary: %.0f tok/s (mean after 3 steps), step %.1f ms: fwd %.1f, bwd %.1f, exposed "
-        "comm %.1f (%.0f %%), optim %.1f; %s %.1f ms per step, %.0f %% hidden behind %s\n",
-        r.sum_tps / r.timed, 1e3 * step_s, 1e3 * r.sum_fwd / r.timed, 1e3 * r.sum_bwd / r.timed,
+    say("summary: %.0f tok/s (mean after 3 steps), step %.1f ms: data %.1f, fwd %.1f, bwd %.1f, "
+        "exposed comm %.1f (%.0f %%), optim %.1f; %s %.1f ms per step, %.0f %% hidden behind "
+        "%s\n",
+        r.sum_tps / r.timed, 1e3 * step_s, 1e3 * r.sum_data / r.timed,
+        1e3 * r.sum_fwd / r.timed, 1e3 * r.sum_bwd / r.timed,
         1e3 * r.sum_exp / r.timed, 100.0 * r.sum_exp / r.timed / step_s,
         1e3 * r.sum_opt / r.timed, o.shard ? "collectives" : "all_reduce",
         1e3 * r.sum_comm / r.timed,
@@ -1536,11 +1662,11 @@ int main(int argc, char **argv) {
   if (r.tr && trace_write(r.comm, r.tr, o.trace_ping, o.trace) != 0)
     fprintf(stderr, "chorus-train: rank %d: cannot write the trace %s\n", g_rank, o.trace);
   free(trace_buf.ev);
-  if (o.sample > 0) sample_text(r.m, &o, o.sample);
+  if (o.sample > 0) sample_text(r.m, &o, r.bpe, o.sample);
   if (o.dump && dump_weights(&r, o.dump, o.dump_all) != 0) return 1;
   if (o.export_path) {
-    train_state_t ts = {r.steps_done, chorus_sampler_epoch(r.sp),
-                        (int64_t)chorus_sampler_pos(r.sp), g_size, 0, o.seed};
+    train_state_t ts = {r.steps_done, chorus_loader_epoch(r.ld),
+                        (int64_t)chorus_loader_taken(r.ld), 1, 0, o.seed};
     if ((st = chorus_trainer_export(r.trainer, o.export_path, r.steps_done, &ts, sizeof ts)) !=
         CHORUS_OK) {
       fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
@@ -1551,9 +1677,9 @@ int main(int argc, char **argv) {
   report_memory(&r);
   for (int k = 0; k < 2; k++) free(r.snap[k].params), free(r.snap[k].optim);
   free(r.tok), free(r.tgt), free(r.idx);
-  chorus_sampler_destroy(r.sp);
+  chorus_loader_destroy(r.ld);
   chorus_trainer_destroy(r.trainer);
-  chorus_text_free(r.text);
+  close_data(&r);
   chorus_comm_destroy(r.comm);
   return 0;
 }
