@@ -34,6 +34,7 @@ typedef struct {
   int data_format, vocab;       /* vocab 0: from the tokenizer, the data, or GPT-2's */
   int workers, data_prefetch;   /* the loader's threads and batches read ahead by each */
   double data_delay_ms;         /* benchmarks: each batch takes this long to read */
+  const char *log_data;         /* testing: FILE.rank<R> gets each step's sequence numbers */
   chorus_gpt_config_t model;
   int batch, steps, warmup, val_every, val_batches, accum, sample, threads, overlap, log_every;
   float lr, min_lr_frac, weight_decay, clip;
@@ -104,6 +105,8 @@ static void usage(FILE *f) {
           "  --data-prefetch K    batches each worker holds ready (2)\n"
           "  --data-delay-ms X    benchmarks: reading a batch takes at least X ms (slow\n"
           "                       storage)\n"
+          "  --log-data FILE      testing: rank R appends \"step: sequence numbers\" of every\n"
+          "                       batch it trains on to FILE.rank<R>\n"
           "  --layers N --heads N --channels N --ctx N   model shape (4, 4, 128, 128)\n"
           "  --batch N            sequences per rank per step (8)\n"
           "  --steps N            optimizer steps (200)\n"
@@ -198,7 +201,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"staleness-weight", 1, 0, 1008}, {"slowdown", 1, 0, 1009}, {"bad-push", 1, 0, 1010},
       {"val-data", 1, 0, 1011},  {"data-format", 1, 0, 1012}, {"tokenizer", 1, 0, 1013},
       {"vocab", 1, 0, 1014},     {"workers", 1, 0, 1015},     {"data-prefetch", 1, 0, 1016},
-      {"data-delay-ms", 1, 0, 1017},
+      {"data-delay-ms", 1, 0, 1017}, {"log-data", 1, 0, 1018},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -294,6 +297,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 1015: o->workers = atoi(optarg); break;
       case 1016: o->data_prefetch = atoi(optarg); break;
       case 1017: o->data_delay_ms = strtod(optarg, NULL); break;
+      case 1018: o->log_data = optarg; break;
       case 1007: o->max_staleness = atoi(optarg); break;
       case 1008:
         if (!strcmp(optarg, "inverse")) o->staleness_weight = 1;
@@ -864,6 +868,19 @@ static void report_memory(run_t *r) {
   fflush(stdout);
 }
 
+/* --log-data: the sequence numbers of a batch, to FILE.rank<R> (opened per
+ * line: the rank can change with an elastic world). */
+static void log_batch(const opts_t *o, long step, const size_t *idx, int B) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s.rank%d", o->log_data, g_rank);
+  FILE *f = fopen(path, "a");
+  if (!f) return;
+  fprintf(f, "%ld:", step);
+  for (int b = 0; b < B; b++) fprintf(f, " %zu", idx[b]);
+  fputc('\n', f);
+  fclose(f);
+}
+
 /* One optimizer step: STEP_NEXT, STEP_STOP (out of data, --stop-after),
  * STEP_FATAL (reported) or STEP_COMM (a collective failed: r->fail_*). */
 static int train_step(run_t *r, long step) {
@@ -907,6 +924,7 @@ static int train_step(run_t *r, long step) {
       return STEP_FATAL;
     }
     td += waited;
+    if (o->log_data) log_batch(o, step, r->idx, B);
     float loss = 0;
     /* --inject-inf: a backward weighted by infinity fills rank 1's
      * gradients with inf and NaN. */

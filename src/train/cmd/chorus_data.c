@@ -1,0 +1,675 @@
+/*
+ * chorus-data - turns text into llm.c token shards, and checks shards.
+ *
+ *   chorus-data prepare INPUT... -o DIR [--tokenizer DIR | --vocab-size N]
+ *   chorus-data check DIR|GLOB|FILE [--tokenizer DIR | --vocab N]
+ *
+ * prepare: INPUTs are text files (each one document), directories (every
+ * regular file under them, in path order) and JSON lines files (*.jsonl:
+ * one document per line, its "text" field, as llm.c's FineWeb scripts
+ * read them).  Each document is "<|endoftext|>" followed by its tokens.
+ * The first --val-fraction of the input bytes goes to DIR/NAME_val_000000.bin,
+ * the rest to NAME_train_000001.bin, ... of --shard-tokens each.  The input
+ * is cut into units of about 256 KiB at places where GPT-2's pre-split has
+ * a boundary whatever follows (a newline between two printable ASCII
+ * characters), so the tokens do not depend on the cut, and the units are
+ * encoded by --threads threads; shards are written in input order, so the
+ * result does not depend on the thread count either.  The tokenizer is
+ * DIR's encoder.json + vocab.bpe, given or trained here (--vocab-size, on a
+ * sample of the input spread evenly over it) and saved beside the shards.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chorus_train.h"
+
+#define UNIT_BYTES (256u << 10)
+
+typedef struct {
+  char *path;
+  unsigned char *map;
+  size_t len;
+  int jsonl;
+} file_t;
+
+typedef struct {
+  int file;
+  size_t off, len;
+  long line;      /* jsonl: the first line's number (1-based) */
+  int doc_start;  /* text: the unit starts a document (gets an eot) */
+  int val;
+} unit_t;
+
+typedef struct {
+  uint32_t *toks;
+  size_t n, cap;
+  int done;
+  chorus_result_t st;
+  char err[512];
+} result_t;
+
+typedef struct {
+  const char *out, *name, *tokenizer, *field;
+  int vocab_size, threads, skip_invalid;
+  double val_fraction, vocab_sample_mb;
+  size_t shard_tokens;
+} opts_t;
+
+static file_t *g_files;
+static int g_nfiles;
+static unit_t *g_units;
+static size_t g_nunits;
+static size_t g_skipped;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputs("chorus-data: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  exit(1);
+}
+
+/* ---------------------------------------------------------------- inputs */
+
+static int ends_with(const char *s, const char *tail) {
+  size_t a = strlen(s), b = strlen(tail);
+  return a >= b && !strcmp(s + a - b, tail);
+}
+
+static void add_file(const char *path, int jsonl) {
+  static int cap;
+  if (g_nfiles == cap) {
+    cap = cap ? 2 * cap : 256;
+    g_files = realloc(g_files, sizeof(file_t) * (size_t)cap);
+    if (!g_files) die("out of memory");
+  }
+  file_t *f = &g_files[g_nfiles++];
+  f->path = strdup(path);
+  f->jsonl = jsonl || ends_with(path, ".jsonl");
+  f->map = NULL;
+  f->len = 0;
+  if (!f->path) die("out of memory");
+}
+
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static void walk(const char *dir, int jsonl) {
+  DIR *d = opendir(dir);
+  if (!d) die("%s: cannot list: %s", dir, strerror(errno));
+  char **names = NULL;
+  size_t n = 0, cap = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    if (n == cap) {
+      cap = cap ? 2 * cap : 64;
+      if (!(names = realloc(names, sizeof(char *) * cap))) die("out of memory");
+    }
+    size_t len = strlen(dir) + strlen(e->d_name) + 2;
+    if (!(names[n] = malloc(len))) die("out of memory");
+    snprintf(names[n++], len, "%s/%s", dir, e->d_name);
+  }
+  closedir(d);
+  qsort(names, n, sizeof(char *), cmp_str);
+  for (size_t i = 0; i < n; i++) {
+    struct stat sb;
+    if (lstat(names[i], &sb) == 0) {
+      if (S_ISDIR(sb.st_mode)) walk(names[i], jsonl);
+      else if (S_ISREG(sb.st_mode)) add_file(names[i], jsonl);
+    }
+    free(names[i]);
+  }
+  free(names);
+}
+
+static void map_input(file_t *f) {
+  int fd = open(f->path, O_RDONLY | O_CLOEXEC);
+  struct stat sb;
+  if (fd < 0 || fstat(fd, &sb) != 0) die("%s: cannot open: %s", f->path, strerror(errno));
+  f->len = (size_t)sb.st_size;
+  if (f->len) {
+    void *p = mmap(NULL, f->len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) die("%s: cannot map it: %s", f->path, strerror(errno));
+    f->map = p;
+    madvise(p, f->len, MADV_SEQUENTIAL);
+  }
+  close(fd);
+}
+
+/* A place p where GPT-2's pre-split has a boundary that does not depend on
+ * what comes after: "\n" between two printable ASCII characters other than
+ * space.  The first at or after p, or len. */
+static size_t safe_cut(const unsigned char *s, size_t len, size_t p) {
+  if (p < 2) p = 2;
+  for (; p < len; p++) {
+    if (s[p - 1] != '\n') continue;
+    if (s[p - 2] > 0x20 && s[p - 2] < 0x7f && s[p] > 0x20 && s[p] < 0x7f) return p;
+  }
+  return len;
+}
+
+static void add_unit(int file, size_t off, size_t len, long line, int doc_start, int val) {
+  static size_t cap;
+  if (g_nunits == cap) {
+    cap = cap ? 2 * cap : 1024;
+    if (!(g_units = realloc(g_units, sizeof(unit_t) * cap))) die("out of memory");
+  }
+  g_units[g_nunits++] = (unit_t){file, off, len, line, doc_start, val};
+}
+
+/* Cuts every file into units; the first val_bytes of the input are the
+ * validation units. */
+static void plan(size_t val_bytes) {
+  size_t seen = 0;
+  for (int i = 0; i < g_nfiles; i++) {
+    file_t *f = &g_files[i];
+    if (!f->len) continue;
+    size_t off = 0;
+    long line = 1;
+    while (off < f->len) {
+      int val = seen < val_bytes;
+      size_t want = off + UNIT_BYTES;
+      if (val && seen + UNIT_BYTES > val_bytes) want = off + (val_bytes - seen);
+      size_t end;
+      if (f->jsonl) { /* whole lines */
+        end = want >= f->len ? f->len : want;
+        const unsigned char *nl = end < f->len ? memchr(f->map + end, '\n', f->len - end) : NULL;
+        end = end >= f->len ? f->len : nl ? (size_t)(nl - f->map) + 1 : f->len;
+      } else {
+        end = want >= f->len ? f->len : safe_cut(f->map, f->len, want);
+      }
+      add_unit(i, off, end - off, line, off == 0, val);
+      if (f->jsonl)
+        for (size_t k = off; k < end; k++) line += f->map[k] == '\n';
+      seen += end - off;
+      off = end;
+    }
+  }
+}
+
+/* Strict UTF-8 (what Python's decoder accepts): the offset of the first
+ * byte that is not part of a valid sequence, or len. */
+static size_t utf8_bad(const unsigned char *s, size_t len) {
+  size_t i = 0;
+  while (i < len) {
+    unsigned c = s[i];
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    size_t n;
+    unsigned lo = 0x80, hi = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) n = 1;
+    else if (c == 0xe0) n = 2, lo = 0xa0;
+    else if (c == 0xed) n = 2, hi = 0x9f;
+    else if (c >= 0xe1 && c <= 0xef) n = 2;
+    else if (c == 0xf0) n = 3, lo = 0x90;
+    else if (c >= 0xf1 && c <= 0xf3) n = 3;
+    else if (c == 0xf4) n = 3, hi = 0x8f;
+    else return i;
+    if (i + n >= len) return i;
+    if (s[i + 1] < lo || s[i + 1] > hi) return i;
+    for (size_t k = 2; k <= n; k++)
+      if (s[i + k] < 0x80 || s[i + k] > 0xbf) return i;
+    i += n + 1;
+  }
+  return len;
+}
+
+/* ------------------------------------------------------------- encoding */
+
+typedef struct {
+  const opts_t *o;
+  const chorus_bpe_t *bpe;
+  chorus_bpe_counter_t **counters; /* counting pass: one per thread */
+  const unsigned char *take;       /* counting pass: units in the sample */
+  result_t *res;
+  size_t next, consumed, window;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  size_t bytes_done;
+  int counters_taken;
+} work_t;
+
+static int fail_unit(result_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail_unit(result_t *r, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(r->err, sizeof r->err, fmt, ap);
+  va_end(ap);
+  r->st = CHORUS_ERR_INVALID_ARG;
+  return -1;
+}
+
+static int push_tok(result_t *r, uint32_t t) {
+  if (r->n == r->cap) {
+    size_t cap = r->cap ? 2 * r->cap : 4096;
+    uint32_t *nt = realloc(r->toks, sizeof(uint32_t) * cap);
+    if (!nt) return fail_unit(r, "out of memory");
+    r->toks = nt, r->cap = cap;
+  }
+  r->toks[r->n++] = t;
+  return 0;
+}
+
+/* One document's text: counted (counter) or encoded into r after an eot. */
+static int one_doc(const unsigned char *text, size_t len, int doc_start, const char *path,
+                   size_t at, long line, chorus_bpe_encoder_t *enc, chorus_bpe_counter_t *cnt,
+                   int eot, result_t *r) {
+  size_t bad = utf8_bad(text, len);
+  if (bad < len) {
+    if (line > 0) return fail_unit(r, "%s: line %ld: invalid UTF-8 in the text at its byte %zu "
+                                   "(0x%02x)", path, line, bad, text[bad]);
+    return fail_unit(r, "%s: invalid UTF-8 at byte offset %zu (0x%02x); is it text? (convert "
+                     "it, or --skip-invalid to leave such files out)", path, at + bad,
+                     text[bad]);
+  }
+  if (cnt) return chorus_bpe_count(cnt, text, len) == CHORUS_OK ? 0
+                                                                : fail_unit(r, "out of memory");
+  if (doc_start && eot >= 0 && push_tok(r, (uint32_t)eot)) return -1;
+  if (chorus_bpe_encode(enc, text, len, &r->toks, &r->n, &r->cap) != CHORUS_OK)
+    return fail_unit(r, "%s: encoding: %s", path, chorus_train_last_error());
+  return 0;
+}
+
+static int do_unit(work_t *w, const unit_t *u, chorus_bpe_encoder_t *enc,
+                   chorus_bpe_counter_t *cnt, result_t *r) {
+  const file_t *f = &g_files[u->file];
+  const unsigned char *p = f->map + u->off;
+  const int eot = w->bpe ? chorus_bpe_eot(w->bpe) : -1;
+  if (!f->jsonl)
+    return one_doc(p, u->len, u->doc_start, f->path, u->off, 0, enc, cnt, eot, r);
+  long line = u->line;
+  for (size_t i = 0; i < u->len; line++) {
+    const unsigned char *nl = memchr(p + i, '\n', u->len - i);
+    size_t end = nl ? (size_t)(nl - p) : u->len;
+    if (end > i) {
+      json_error_t je;
+      json_t *doc = json_loadb((const char *)p + i, end - i, 0, &je);
+      json_t *t = doc ? json_object_get(doc, w->o->field) : NULL;
+      int rc;
+      if (!doc)
+        rc = fail_unit(r, "%s: line %ld: not JSON: %s (column %d)", f->path, line, je.text,
+                       je.column);
+      else if (!json_is_string(t))
+        rc = fail_unit(r, "%s: line %ld: no string field \"%s\"", f->path, line, w->o->field);
+      else
+        rc = one_doc((const unsigned char *)json_string_value(t), json_string_length(t), 1,
+                     f->path, 0, line, enc, cnt, eot, r);
+      json_decref(doc);
+      if (rc && !w->o->skip_invalid) return -1;
+      if (rc) { /* --skip-invalid: that document is left out */
+        fprintf(stderr, "chorus-data: skipped: %s\n", r->err);
+        r->st = CHORUS_OK;
+        __atomic_fetch_add(&g_skipped, 1, __ATOMIC_RELAXED);
+      }
+    }
+    i = end + 1;
+  }
+  return 0;
+}
+
+static void *worker(void *arg) {
+  work_t *w = arg;
+  chorus_bpe_encoder_t *enc = NULL;
+  if (w->bpe && chorus_bpe_encoder_create(w->bpe, &enc) != CHORUS_OK) return NULL;
+  pthread_mutex_lock(&w->mu);
+  int me = -1;
+  if (w->counters) me = w->counters_taken++; /* counting: a counter of its own */
+  for (;;) {
+    while (w->next < g_nunits && w->next >= w->consumed + w->window)
+      pthread_cond_wait(&w->cv, &w->mu);
+    if (w->next >= g_nunits) break;
+    size_t u = w->next++;
+    pthread_mutex_unlock(&w->mu);
+    result_t *r = &w->res[u % w->window];
+    if (!w->take || w->take[u])
+      do_unit(w, &g_units[u], enc, me >= 0 ? w->counters[me] : NULL, r);
+    pthread_mutex_lock(&w->mu);
+    r->done = 1;
+    w->bytes_done += g_units[u].len;
+    pthread_cond_broadcast(&w->cv);
+  }
+  pthread_mutex_unlock(&w->mu);
+  chorus_bpe_encoder_free(enc);
+  return NULL;
+}
+
+/* ------------------------------------------------------------- progress */
+
+static void progress(const char *what, double t0, size_t done, size_t total, size_t toks,
+                     int final) {
+  static double last;
+  double t = now_s();
+  int tty = isatty(2);
+  if (!final && t - last < (tty ? 0.25 : 5.0)) return;
+  last = t;
+  double el = t - t0, rate = el > 0 ? (double)done / el : 0;
+  double eta = rate > 0 ? (double)(total - done) / rate : 0;
+  fprintf(stderr, "%s%s: %.1f/%.1f MB (%3.0f%%)  %.2f M tok/s  %.1f MB/s  %s %d:%02d%s",
+          tty ? "\r" : "", what, (double)done / 1e6, (double)total / 1e6,
+          total ? 100.0 * (double)done / (double)total : 100.0, el > 0 ? (double)toks / el / 1e6
+                                                                      : 0.0,
+          rate / 1e6, final ? "took" : "ETA", (int)((final ? el : eta) / 60),
+          (int)(final ? el : eta) % 60, tty && !final ? "   " : "\n");
+}
+
+/* Runs the workers over every unit; consume(u) is called in unit order on
+ * the caller's thread as results come in. */
+static void run_units(work_t *w, const char *what, size_t total,
+                      void (*consume)(work_t *, size_t, result_t *, void *), void *arg) {
+  pthread_t th[256];
+  int n = w->o->threads;
+  w->window = (size_t)n * 4;
+  w->res = calloc(w->window, sizeof(result_t));
+  if (!w->res) die("out of memory");
+  pthread_mutex_init(&w->mu, NULL);
+  pthread_cond_init(&w->cv, NULL);
+  for (int i = 0; i < n; i++)
+    if (pthread_create(&th[i], NULL, worker, w)) die("cannot start a thread");
+  const double t0 = now_s();
+  size_t toks = 0;
+  for (size_t u = 0; u < g_nunits; u++) {
+    result_t *r = &w->res[u % w->window];
+    pthread_mutex_lock(&w->mu);
+    while (!r->done) pthread_cond_wait(&w->cv, &w->mu);
+    size_t bytes = w->bytes_done;
+    pthread_mutex_unlock(&w->mu);
+    if (r->st != CHORUS_OK) die("%s", r->err);
+    toks += r->n;
+    consume(w, u, r, arg);
+    r->n = 0, r->done = 0, r->st = CHORUS_OK;
+    pthread_mutex_lock(&w->mu);
+    w->consumed = u + 1;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    progress(what, t0, bytes, total, toks, 0);
+  }
+  progress(what, t0, total, total, toks, 1);
+  for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+  for (size_t i = 0; i < w->window; i++) free(w->res[i].toks);
+  free(w->res);
+  w->res = NULL;
+}
+
+/* ---------------------------------------------------------- the shards */
+
+typedef struct {
+  const opts_t *o;
+  chorus_shard_writer_t *w;
+  int shard, version, val_shards, train_shards, in_val, skipped_file;
+  size_t val_toks, train_toks;
+} sink_t;
+
+static void close_shard(sink_t *s) {
+  if (!s->w) return;
+  if (chorus_shard_writer_close(s->w, 1) != CHORUS_OK) die("%s", chorus_train_last_error());
+  s->w = NULL;
+  s->shard++;
+}
+
+static void put(sink_t *s, int val, const uint32_t *t, size_t n) {
+  while (n) {
+    if (s->w && (s->in_val != val || chorus_shard_writer_count(s->w) >= s->o->shard_tokens))
+      close_shard(s);
+    if (!s->w) {
+      char path[4096];
+      snprintf(path, sizeof path, "%s/%s_%s_%06d.bin", s->o->out, s->o->name,
+               val ? "val" : "train", s->shard);
+      if (chorus_shard_writer_open(path, s->version, &s->w) != CHORUS_OK)
+        die("%s", chorus_train_last_error());
+      s->in_val = val;
+      if (val) s->val_shards++;
+      else s->train_shards++;
+    }
+    size_t room = s->o->shard_tokens - chorus_shard_writer_count(s->w);
+    size_t c = n < room ? n : room;
+    if (chorus_shard_writer_add(s->w, t, c) != CHORUS_OK) die("%s", chorus_train_last_error());
+    if (val) s->val_toks += c;
+    else s->train_toks += c;
+    t += c, n -= c;
+  }
+}
+
+static void consume_tokens(work_t *w, size_t u, result_t *r, void *arg) {
+  (void)w;
+  sink_t *s = arg;
+  /* Validation first (shard 0, as llm.c numbers them), then training. */
+  if (!g_units[u].val && s->in_val && s->w) close_shard(s);
+  if (!g_units[u].val && s->shard == 0) s->shard = 1;
+  put(s, g_units[u].val, r->toks, r->n);
+}
+
+static void consume_nothing(work_t *w, size_t u, result_t *r, void *arg) {
+  (void)w, (void)u, (void)r, (void)arg;
+}
+
+/* --------------------------------------------------------------- prepare */
+
+static int prepare(const opts_t *o, int ninputs, char **inputs) {
+  if (!o->out) die("prepare: give the output directory with -o DIR");
+  if (!o->tokenizer && !o->vocab_size)
+    die("prepare: give --tokenizer DIR (encoder.json and vocab.bpe, e.g. GPT-2's) or "
+        "--vocab-size N to train a vocabulary on the input");
+  for (int i = 0; i < ninputs; i++) {
+    struct stat sb;
+    if (stat(inputs[i], &sb) != 0) die("%s: %s", inputs[i], strerror(errno));
+    if (S_ISDIR(sb.st_mode)) walk(inputs[i], 0);
+    else add_file(inputs[i], 0);
+  }
+  if (!g_nfiles) die("prepare: no input files");
+  size_t total = 0;
+  int kept = 0;
+  for (int i = 0; i < g_nfiles; i++) {
+    file_t *f = &g_files[i];
+    map_input(f);
+    if (!f->len) {
+      if (!o->skip_invalid)
+        die("%s: an empty file (no text to tokenize; --skip-invalid leaves such files out)",
+            f->path);
+      g_skipped++;
+      continue;
+    }
+    size_t bad = f->jsonl ? f->len : utf8_bad(f->map, f->len);
+    if (bad < f->len) {
+      if (!o->skip_invalid)
+        die("%s: invalid UTF-8 at byte offset %zu (0x%02x); is it text? (convert it, or "
+            "--skip-invalid to leave such files out)", f->path, bad, f->map[bad]);
+      fprintf(stderr, "chorus-data: skipped %s: invalid UTF-8 at byte offset %zu\n", f->path,
+              bad);
+      munmap(f->map, f->len);
+      f->map = NULL, f->len = 0;
+      g_skipped++;
+      continue;
+    }
+    total += g_files[i].len;
+    kept++;
+  }
+  if (!total) die("prepare: the input holds no text");
+  if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
+  double cap = 16.0 * 1048576;
+  size_t val_bytes = (size_t)((double)total * o->val_fraction);
+  if (o->val_fraction > 0 && (double)val_bytes > cap) val_bytes = (size_t)cap;
+  plan(val_bytes);
+  fprintf(stderr, "chorus-data: %d file(s), %.1f MB, %zu unit(s), %d thread(s)\n", kept,
+          (double)total / 1e6, g_nunits, o->threads);
+
+  chorus_bpe_t *bpe = NULL;
+  char err[512];
+  const char *how;
+  if (o->tokenizer) {
+    if (chorus_bpe_load(o->tokenizer, &bpe, err, sizeof err) != CHORUS_OK) die("%s", err);
+    how = o->tokenizer;
+    if (strcmp(o->tokenizer, o->out) && chorus_bpe_save(bpe, o->out, err, sizeof err) != CHORUS_OK)
+      die("%s", err);
+  } else {
+    /* Count a sample spread evenly over the input, then learn merges. */
+    work_t w = {.o = o};
+    unsigned char *take = calloc(g_nunits, 1);
+    if (!take) die("out of memory");
+    double want = o->vocab_sample_mb * 1e6;
+    size_t every = want >= (double)total ? 1 : (size_t)((double)total / want + 0.999), sampled = 0;
+    for (size_t u = 0; u < g_nunits; u += every) take[u] = 1, sampled += g_units[u].len;
+    w.take = take;
+    w.counters = calloc((size_t)o->threads, sizeof *w.counters);
+    for (int i = 0; i < o->threads; i++)
+      if (!w.counters || chorus_bpe_counter_create(&w.counters[i]) != CHORUS_OK)
+        die("out of memory");
+    run_units(&w, "counting", total, consume_nothing, NULL);
+    for (int i = 1; i < o->threads; i++)
+      if (chorus_bpe_counter_merge(w.counters[0], w.counters[i]) != CHORUS_OK) die("out of memory");
+    double t0 = now_s();
+    if (chorus_bpe_train(w.counters[0], o->vocab_size, &bpe, err, sizeof err) != CHORUS_OK)
+      die("training the vocabulary: %s", err);
+    fprintf(stderr, "chorus-data: learned %d tokens from %.1f MB of the input in %.1f s\n",
+            chorus_bpe_vocab(bpe), (double)sampled / 1e6, now_s() - t0);
+    for (int i = 0; i < o->threads; i++) chorus_bpe_counter_free(w.counters[i]);
+    free(w.counters);
+    free(take);
+    if (chorus_bpe_save(bpe, o->out, err, sizeof err) != CHORUS_OK) die("%s", err);
+    how = "trained here";
+  }
+  work_t w = {.o = o, .bpe = bpe};
+  sink_t s = {.o = o, .version = chorus_bpe_vocab(bpe) <= 65536 ? 1 : 2};
+  const double t0 = now_s();
+  run_units(&w, "prepare", total, consume_tokens, &s);
+  close_shard(&s);
+  const double dt = now_s() - t0;
+  const size_t toks = s.val_toks + s.train_toks;
+  printf("prepared %s: %.1f MB of text in %d file(s)%s -> %zu tokens (%.2f bytes a token): "
+         "train %zu in %d shard(s), validation %zu in %d; vocabulary %d (%s), uint%d tokens; "
+         "%.1f s, %.1f MB/s, %.2f M tok/s with %d thread(s)\n",
+         o->out, (double)total / 1e6, kept, g_skipped ? " (some skipped, see above)" : "", toks,
+         toks ? (double)total / (double)toks : 0.0, s.train_toks, s.train_shards, s.val_toks,
+         s.val_shards, chorus_bpe_vocab(bpe), how, s.version == 1 ? 16 : 32, dt,
+         (double)total / 1e6 / dt, (double)toks / 1e6 / dt, o->threads);
+  chorus_bpe_free(bpe);
+  for (int i = 0; i < g_nfiles; i++) {
+    if (g_files[i].map) munmap(g_files[i].map, g_files[i].len);
+    free(g_files[i].path);
+  }
+  free(g_files);
+  free(g_units);
+  return 0;
+}
+
+/* ----------------------------------------------------------------- check */
+
+static int check(const opts_t *o, const char *spec, int vocab) {
+  chorus_bpe_t *bpe = NULL;
+  char err[512];
+  if (o->tokenizer) {
+    if (chorus_bpe_load(o->tokenizer, &bpe, err, sizeof err) != CHORUS_OK) die("%s", err);
+    if (!vocab) vocab = chorus_bpe_vocab(bpe);
+    chorus_bpe_free(bpe);
+  }
+  if (!vocab) vocab = 50257;
+  int bad = 0;
+  for (int split = 0; split < 2; split++) {
+    chorus_tokens_t *d;
+    if (chorus_tokens_open(spec, split, CHORUS_TOKENS_LLMC, vocab, &d) != CHORUS_OK ||
+        chorus_tokens_check(d) != CHORUS_OK) {
+      fprintf(stderr, "chorus-data: %s\n", chorus_train_last_error());
+      bad = 1;
+      continue;
+    }
+    printf("%s: %s: %d shard(s), %zu tokens, every one below %d\n", spec,
+           split ? "validation" : "train", chorus_tokens_files(d), chorus_tokens_count(d), vocab);
+    chorus_tokens_close(d);
+  }
+  return bad;
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: chorus-data prepare INPUT... -o DIR [options]\n"
+          "       chorus-data check DIR|GLOB|FILE [--tokenizer DIR | --vocab N]\n\n"
+          "prepare: text files, directories (every file under them) and JSON lines\n"
+          "(*.jsonl, or --jsonl) into llm.c token shards in DIR:\n"
+          "  -o DIR               output (shards, and the tokenizer's encoder.json, vocab.bpe)\n"
+          "  --tokenizer DIR      GPT-2's files (encoder.json, vocab.bpe) to encode with\n"
+          "  --vocab-size N       or learn a byte-level BPE vocabulary of N tokens here\n"
+          "  --vocab-sample MB    learn it from this much of the input, spread over it (200)\n"
+          "  --shard-tokens N     tokens per shard (100000000, llm.c's)\n"
+          "  --val-fraction F     the input's first F for validation, at most 16 MiB (0.1)\n"
+          "  --name NAME          shard names NAME_val_000000.bin, NAME_train_000001.bin (data)\n"
+          "  --threads N          encoding threads (all cores)\n"
+          "  --field NAME         JSON lines: the text field (text)\n"
+          "  --skip-invalid       leave out empty files and files that are not UTF-8 (named)\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const char *cmd = argv[1];
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  opts_t o = {.name = "data", .field = "text", .threads = cores > 0 ? (int)cores : 1,
+              .val_fraction = 0.1, .vocab_sample_mb = 200, .shard_tokens = 100000000};
+  int vocab = 0;
+  static const struct option lo[] = {
+      {"tokenizer", 1, 0, 't'}, {"vocab-size", 1, 0, 'v'}, {"vocab-sample", 1, 0, 'S'},
+      {"shard-tokens", 1, 0, 's'}, {"val-fraction", 1, 0, 'f'}, {"name", 1, 0, 'n'},
+      {"threads", 1, 0, 'j'}, {"field", 1, 0, 'F'}, {"skip-invalid", 0, 0, 'k'},
+      {"vocab", 1, 0, 'V'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+  optind = 2;
+  int c;
+  while ((c = getopt_long(argc, argv, "o:h", lo, NULL)) != -1) {
+    switch (c) {
+      case 'o': o.out = optarg; break;
+      case 't': o.tokenizer = optarg; break;
+      case 'v': o.vocab_size = atoi(optarg); break;
+      case 'S': o.vocab_sample_mb = strtod(optarg, NULL); break;
+      case 's': o.shard_tokens = strtoull(optarg, NULL, 10); break;
+      case 'f': o.val_fraction = strtod(optarg, NULL); break;
+      case 'n': o.name = optarg; break;
+      case 'j': o.threads = atoi(optarg); break;
+      case 'F': o.field = optarg; break;
+      case 'k': o.skip_invalid = 1; break;
+      case 'V': vocab = atoi(optarg); break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (o.threads < 1 || o.threads > 256 || o.shard_tokens < 1 || o.shard_tokens > INT32_MAX ||
+      o.val_fraction < 0 || o.val_fraction >= 1 || o.vocab_sample_mb <= 0 ||
+      (o.vocab_size && (o.vocab_size < 257 || o.vocab_size > 1 << 20)) ||
+      strchr(o.name, '/')) {
+    fprintf(stderr, "chorus-data: an option is out of range (--threads 1-256, --shard-tokens "
+            "1-2^31, --val-fraction 0-1, --vocab-size 257-2^20, --name without /)\n");
+    return 2;
+  }
+  if (!strcmp(cmd, "prepare")) {
+    if (optind >= argc) die("prepare: no INPUT given");
+    return prepare(&o, argc - optind, argv + optind);
+  }
+  if (!strcmp(cmd, "check")) {
+    if (optind != argc - 1) die("check: give one DIR, GLOB or FILE");
+    return check(&o, argv[optind], vocab);
+  }
+  usage(stderr);
+  return 2;
+}
