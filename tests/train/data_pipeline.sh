@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Data from text to training: chorus-data prepare learns a BPE vocabulary
+# and writes llm.c shards (the same bytes with 1 and 2 threads; llm.c's
+# header as llm.c reads it); bad input is refused naming the file and the
+# offset or line; a shard written the way llm.c's scripts write them
+# trains; and the loader's position resumes exactly: a 2-rank run SIGKILLed
+# mid-epoch and resumed on 3 ranks sees every sequence of the epoch once
+# (none skipped, none twice), resumed on 2 it ends with the uninterrupted
+# run's weights, bit for bit, with or without prefetch workers.
+#   data_pipeline.sh CHORUSRUN CHORUS_TRAIN CHORUS_DATA CMP_WEIGHTS TEXT
+set -u
+run=$1 train=$2 data=$3 cmp=$4 text=$5
+tmp=$(mktemp -d /tmp/chorus-data.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+ok() { echo "ok   $1"; }
+bad() { echo "FAIL $1"; fails=$((fails + 1)); }
+py=/usr/bin/python3
+
+# --- prepare: a vocabulary of 512 on 300 KB of the text, small shards.
+head -c 300000 "$text" >"$tmp/in.txt"
+printf '{"text": "First document\\nwith two lines."}\n{"text": "Second: caf\\u00e9 \\u65e5\\u672c"}\n' \
+  >"$tmp/in.jsonl"
+prep() { # OUT THREADS
+  "$data" prepare "$tmp/in.txt" "$tmp/in.jsonl" -o "$tmp/$1" --vocab-size 512 \
+    --shard-tokens 40000 --threads "$2" >"$tmp/$1.log" 2>&1
+}
+if prep d1 1 && prep d2 2; then ok "prepare ran with 1 and 2 threads"
+else bad "prepare failed"; tail -n 5 "$tmp"/d*.log; fi
+if diff -r "$tmp/d1" "$tmp/d2" >/dev/null; then ok "the shards and the vocabulary do not depend on the threads"
+else bad "1 and 2 threads made different files"; fi
+ls "$tmp/d1" >"$tmp/d1.ls"
+if grep -qx data_val_000000.bin "$tmp/d1.ls" && grep -qx data_train_000001.bin "$tmp/d1.ls" &&
+   grep -qx data_train_000002.bin "$tmp/d1.ls" && grep -qx encoder.json "$tmp/d1.ls" &&
+   grep -qx vocab.bpe "$tmp/d1.ls" && ! grep -q tmp "$tmp/d1.ls"; then
+  ok "llm.c's names (val shard 0, train 1..), the tokenizer beside them, no temporaries"
+else bad "unexpected files: $(tr '\n' ' ' <"$tmp/d1.ls")"; fi
+grep -q "prepared .*tokens.*vocabulary 512 (trained here)" "$tmp/d1.log" &&
+  ok "the summary names tokens, shards and vocabulary" || bad "no summary line"
+# llm.c's own reading of a header (dev/data/data_common.py, train_gpt2.c).
+if $py - "$tmp/d1" <<'EOF'
+import sys, os, glob, numpy as np
+total = 0
+for f in sorted(glob.glob(sys.argv[1] + "/data_*.bin")):
+    h = np.fromfile(f, dtype=np.int32, count=256)
+    assert h[0] == 20240520, (f, "magic", h[0])
+    assert h[1] == 1, (f, "version", h[1])
+    ntok = int(h[2])
+    assert os.path.getsize(f) == 256 * 4 + 2 * ntok, (f, "size")
+    with open(f, "rb") as fh:
+        fh.seek(256 * 4)
+        toks = np.frombuffer(fh.read(), dtype=np.uint16)
+    assert len(toks) == ntok and toks.max() < 512, (f, "tokens")
+    if "_val_" in f:
+        assert toks[0] == 511, (f, "a document starts with <|endoftext|>", toks[0])
+    total += ntok
+print("llm.c header check: %d tokens" % total)
+EOF
+then ok "llm.c's header check reads every shard"; else bad "a shard fails llm.c's header check"; fi
+"$data" check "$tmp/d1" --tokenizer "$tmp/d1" >"$tmp/check.log" 2>&1 &&
+  grep -q "train: 2 shard" "$tmp/check.log" && ok "chorus-data check passes them" ||
+  { bad "chorus-data check"; cat "$tmp/check.log"; }
+
+# --- bad input, each named with where.
+refused() { # WHAT PATTERN ARGS...
+  local what=$1 pat=$2
+  shift 2
+  if "$data" "$@" >"$tmp/r.log" 2>&1; then bad "$what: accepted"
+  elif grep -q -- "$pat" "$tmp/r.log"; then ok "$what: $(tail -n 1 "$tmp/r.log" | cut -c1-110)"
+  else bad "$what: message lacks '$pat': $(tail -n 1 "$tmp/r.log")"; fi
+}
+printf 'good text\nand then \xc3\x28 bad\n' >"$tmp/badutf.txt"
+refused "invalid UTF-8" "badutf.txt: invalid UTF-8 at byte offset 19" prepare "$tmp/badutf.txt" \
+  -o "$tmp/x" --tokenizer "$tmp/d1"
+: >"$tmp/empty.txt"
+refused "an empty file" "empty.txt: an empty file" prepare "$tmp/empty.txt" -o "$tmp/x" \
+  --tokenizer "$tmp/d1"
+printf '{"text": "ok"}\n{"text": 5}\n' >"$tmp/bad.jsonl"
+refused "a JSON line without text" 'bad.jsonl: line 2: no string field "text"' prepare \
+  "$tmp/bad.jsonl" -o "$tmp/x" --tokenizer "$tmp/d1"
+if "$data" prepare "$tmp/badutf.txt" "$tmp/empty.txt" "$tmp/in.txt" -o "$tmp/skip" \
+    --tokenizer "$tmp/d1" --skip-invalid >"$tmp/skip.log" 2>&1 &&
+   grep -q "skipped .*badutf.txt" "$tmp/skip.log"; then ok "--skip-invalid leaves them out, naming them"
+else bad "--skip-invalid"; tail -n 3 "$tmp/skip.log"; fi
+cp "$tmp/d1/data_train_000001.bin" "$tmp/cut_train_000001.bin"
+truncate -s 5000 "$tmp/cut_train_000001.bin"
+refused "a truncated shard" "cut_train_000001.bin: the header (offset 8) says" check \
+  "$tmp/cut_train_000001.bin"
+printf 'XXXX' | dd of="$tmp/cut_train_000001.bin" conv=notrunc 2>/dev/null
+refused "a shard with the wrong magic" "magic 1482184792 at offset 0" check "$tmp/cut_train_000001.bin"
+refused "a token outside the vocabulary" "token .* at byte offset .* outside the vocabulary of 100" \
+  check "$tmp/d1" --vocab 100
+mkdir -p "$tmp/notok" && cp "$tmp"/d1/data_*.bin "$tmp/notok/"
+if "$train" --data "$tmp/notok" --vocab 100 --steps 1 --sample 0 --val-every 0 --layers 1 \
+    --channels 16 --heads 1 --ctx 16 --threads 1 >"$tmp/t.log" 2>&1; then
+  bad "chorus-train took tokens outside its vocabulary"
+elif grep -q "outside the vocabulary of 100" "$tmp/t.log"; then
+  ok "chorus-train stops on a token outside the vocabulary, naming file and offset"
+else bad "chorus-train's message: $(tail -n 1 "$tmp/t.log")"; fi
+
+# --- a shard written as llm.c's scripts write them: exactly 240 sequences
+# of 32 tokens (+1), from the prepared tokens.
+mkdir -p "$tmp/llmc"
+$py - "$tmp/d1" "$tmp/llmc/x_train_000001.bin" <<'EOF'
+import sys, numpy as np
+src = np.fromfile(sys.argv[1] + "/data_train_000001.bin", dtype=np.uint16, offset=1024)
+toks = src[: 240 * 32 + 1]
+header = np.zeros(256, dtype=np.int32)
+header[0], header[1], header[2] = 20240520, 1, len(toks)
+with open(sys.argv[2], "wb") as f:
+    f.write(header.tobytes())
+    f.write(toks.astype(np.uint16).tobytes())
+EOF
+cp "$tmp/d1/encoder.json" "$tmp/d1/vocab.bpe" "$tmp/llmc/"
+model=(--data "$tmp/llmc" --layers 2 --heads 2 --channels 32 --ctx 32 --batch 4 --warmup 3
+       --val-every 0 --sample 0 --log-every 100 --threads 1)
+train_run() { # LOG RANKS ARGS...
+  local log=$1 n=$2
+  shift 2
+  "$run" --standalone -n "$n" -- "$train" "${model[@]}" "$@" >"$tmp/$log.log" 2>&1
+}
+# 240 sequences: an epoch is 30 steps of 2 x 4, or 20 of 3 x 4.
+if train_run straight 2 --steps 30 --dump "$tmp/straight" --log-data "$tmp/straight.idx"; then
+  ok "a shard in llm.c's format trains"
+else bad "training on llm.c's shard failed"; tail -n 5 "$tmp/straight.log"; fi
+grep -q "vocabulary 512" "$tmp/straight.log" && ok "the vocabulary comes from the data's tokenizer" ||
+  bad "vocabulary not taken from encoder.json"
+# Every sequence once in the uninterrupted epoch.
+cat "$tmp"/straight.idx.rank* | cut -d: -f2 | tr ' ' '\n' | grep . | sort -n >"$tmp/epoch.ref"
+if [ "$(wc -l <"$tmp/epoch.ref")" = 240 ] && [ "$(uniq "$tmp/epoch.ref" | wc -l)" = 240 ]; then
+  ok "the uninterrupted epoch sees all 240 sequences once"
+else bad "the uninterrupted epoch: $(wc -l <"$tmp/epoch.ref") sequences"; fi
+# Killed at step 8 (checkpoint at 6: 48 sequences taken; 192 = 16 steps of 3 x 4 left).
+train_run killed 2 --steps 30 --checkpoint-dir "$tmp/ck" --checkpoint-every 6 --kill-at 8 \
+  --log-data "$tmp/killed.idx" --workers 2 --data-prefetch 3
+grep -q "kills itself at step 8" "$tmp/killed.log" && ok "rank 1 was SIGKILLed at step 8" ||
+  bad "the kill did not happen"
+cp -r "$tmp/ck" "$tmp/ck2"
+if train_run three 3 --steps 22 --checkpoint-dir "$tmp/ck" --log-data "$tmp/three.idx" &&
+   grep -q "resumed from .*ckpt-000000006" "$tmp/three.log"; then
+  ok "resumed on 3 ranks from step 6"
+else bad "the 3-rank resume"; tail -n 5 "$tmp/three.log"; fi
+{ cat "$tmp"/killed.idx.rank* | awk -F: '$1 < 6'; cat "$tmp"/three.idx.rank*; } |
+  cut -d: -f2 | tr ' ' '\n' | grep . | sort -n >"$tmp/epoch.res"
+if cmp -s "$tmp/epoch.ref" "$tmp/epoch.res"; then
+  ok "2 ranks then 3: the epoch's sequences are exactly the uninterrupted run's (none twice, none skipped)"
+else bad "the resumed epoch differs: $(comm -3 "$tmp/epoch.ref" "$tmp/epoch.res" | wc -l) sequences"; fi
+if train_run two 2 --steps 30 --checkpoint-dir "$tmp/ck2" --dump "$tmp/resumed" --workers 0 &&
+   "$cmp" "$tmp/straight" "$tmp/resumed" 0; then
+  ok "resumed on 2 ranks (no workers; the killed run had 2 x 3 ahead): bit-identical weights"
+else bad "the 2-rank resume differs from the uninterrupted run"; fi
+[ "$fails" -eq 0 ] && echo "all data checks passed" && exit 0
+echo "$fails data check(s) failed"
+exit 1
