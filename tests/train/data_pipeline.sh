@@ -58,7 +58,8 @@ print("llm.c header check: %d tokens" % total)
 EOF
 then ok "llm.c's header check reads every shard"; else bad "a shard fails llm.c's header check"; fi
 "$data" check "$tmp/d1" --tokenizer "$tmp/d1" >"$tmp/check.log" 2>&1 &&
-  grep -q "train: 2 shard" "$tmp/check.log" && ok "chorus-data check passes them" ||
+  grep -q "train: 4 shard(s), [0-9]* tokens, every one below 512" "$tmp/check.log" &&
+  ok "chorus-data check passes them" ||
   { bad "chorus-data check"; cat "$tmp/check.log"; }
 
 # --- bad input, each named with where.
@@ -66,7 +67,7 @@ refused() { # WHAT PATTERN ARGS...
   local what=$1 pat=$2
   shift 2
   if "$data" "$@" >"$tmp/r.log" 2>&1; then bad "$what: accepted"
-  elif grep -q -- "$pat" "$tmp/r.log"; then ok "$what: $(tail -n 1 "$tmp/r.log" | cut -c1-110)"
+  elif grep -q -- "$pat" "$tmp/r.log"; then ok "$what: $(grep -m1 -- "$pat" "$tmp/r.log" | cut -c1-150)"
   else bad "$what: message lacks '$pat': $(tail -n 1 "$tmp/r.log")"; fi
 }
 printf 'good text\nand then \xc3\x28 bad\n' >"$tmp/badutf.txt"

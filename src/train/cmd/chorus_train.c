@@ -65,12 +65,12 @@ typedef struct {
 } opts_t;
 
 /* What a checkpoint records besides model and optimizer.  The data
- * position is (epoch, pos x world): samples of the epoch the world took.
- * Written with world 1 and pos = that count; older checkpoints hold the
- * position of rank 0 and their world size, which multiplies out the same. */
+ * position: with `taken` set, pos is the samples of the epoch the whole
+ * world consumed; checkpoints from before it (taken 0) hold rank 0's
+ * position in its list, which times world is the same count. */
 typedef struct {
   int64_t steps_done, epoch, pos;
-  int32_t world, pad;
+  int32_t world, taken;
   uint64_t seed;
 } train_state_t;
 
@@ -503,8 +503,8 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
  * complete, so a crash right after still finds it. */
 static chorus_result_t checkpoint(const opts_t *o, chorus_trainer_t *t,
                                   const chorus_loader_t *ld, long steps_done) {
-  train_state_t ts = {steps_done, chorus_loader_epoch(ld), (int64_t)chorus_loader_taken(ld), 1,
-                      0, o->seed};
+  train_state_t ts = {steps_done, chorus_loader_epoch(ld), (int64_t)chorus_loader_taken(ld),
+                      g_size, 1, o->seed};
   chorus_result_t st = chorus_trainer_save(t, o->ckpt_dir, steps_done, &ts, sizeof ts, o->keep);
   if (st != CHORUS_OK)
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
@@ -541,7 +541,7 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
   }
   if (step < 0) return 0;
   if (len != sizeof ts || ts.world < 1 || ts.epoch < 0 || ts.pos < 0 ||
-      loader_place(ld, (long)ts.epoch, (size_t)ts.pos * (size_t)ts.world)) {
+      loader_place(ld, (long)ts.epoch, (size_t)ts.pos * (ts.taken ? 1 : (size_t)ts.world))) {
     say("checkpoint of step %ld: its training state is unreadable; the data order starts "
         "over\n", step);
     return step;
@@ -1684,7 +1684,7 @@ int main(int argc, char **argv) {
   if (o.dump && dump_weights(&r, o.dump, o.dump_all) != 0) return 1;
   if (o.export_path) {
     train_state_t ts = {r.steps_done, chorus_loader_epoch(r.ld),
-                        (int64_t)chorus_loader_taken(r.ld), 1, 0, o.seed};
+                        (int64_t)chorus_loader_taken(r.ld), g_size, 1, o.seed};
     if ((st = chorus_trainer_export(r.trainer, o.export_path, r.steps_done, &ts, sizeof ts)) !=
         CHORUS_OK) {
       fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
