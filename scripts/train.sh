@@ -25,5 +25,5 @@ if [ ! -e "$data/encoder.json" ]; then
   mv "$data.tmp" "$data"
 fi
 exec build/chorusrun --standalone --nproc-per-node "${NPROC:-2}" -- build/chorus-train \
-  --data "$data" --steps 1000 --val-every 200 --log-every 50 --sample 200 \
+  --data "$data" --steps 800 --val-every 200 --log-every 50 --sample 200 \
   --checkpoint-dir runs/shakespeare-bpe --checkpoint-every 400 "$@"
