@@ -341,8 +341,9 @@ TEST(load_errors) {
        "is not in encoder.json; it must be id 258"},
       {"a merge too few", "he ll\n", "", "vocab.bpe", CHORUS_ERR_INVALID_ARG,
        "has 2 merges: expected 256 bytes"},
-      {"a merge too many", "he ll\n", "he ll\nhe l\n", "vocab.bpe", CHORUS_ERR_INVALID_ARG,
-       "more merges than"},
+      {"a merge onto <|endoftext|>'s id", "he ll\n", "he ll\nhe l\n", "vocab.bpe",
+       CHORUS_ERR_INVALID_ARG, "line 5: merge 3 joins ids 256 and 75 into a token that is not in "
+       "encoder.json; it must be id 259"},
       {"empty line", "he ll\n", "\nhe ll\n", "vocab.bpe", CHORUS_ERR_INVALID_ARG,
        "line 4: expected two tokens"},
   };
@@ -384,6 +385,11 @@ TEST(load_errors) {
   ASSERT_EQ(chorus_bpe_vocab(t), 256);
   ASSERT_EQ(chorus_bpe_eot(t), -1);
   chorus_bpe_free(t);
+  make_vocab(dir, merges, results, 3, 0);
+  const char *extra = "#version: 0.2\nh e\nl l\nhe ll\nhe l\n";
+  write_file(dir, "vocab.bpe", extra, strlen(extra));
+  ASSERT_EQ(chorus_bpe_load(dir, &t, err, sizeof err), CHORUS_ERR_INVALID_ARG);
+  if (!strstr(err, "line 5: more merges than")) HARNESS_FAIL("got \"%s\"", err);
   write_file(dir, "vocab.bpe", "#version: 0.2\nh e\n", 18);
   char small[8];
   ASSERT_EQ(chorus_bpe_load(dir, &t, small, sizeof small), CHORUS_ERR_INVALID_ARG);

@@ -37,7 +37,7 @@ fi
 $py "$gen" text 500000 1 "$work/seen.txt"
 $py "$gen" text 200000 7 "$work/unseen.txt"
 $py "$gen" bytes 200000 3 "$work/random.bin"
-$py - "$work/long.txt" <<'EOF'
+$py - "$work/long.txt" "$work/mixed.bin" <<'EOF'
 import random, sys
 r = random.Random(5)
 parts = [b" " * 20000 + b"x", "\u3000 \t".encode() * 3000 + b"\n",
@@ -45,8 +45,11 @@ parts = [b" " * 20000 + b"x", "\u3000 \t".encode() * 3000 + b"\n",
          "".join(r.choice("abcdefgh") for _ in range(5000)).encode(),
          b"9" * 5000, b"'s" * 2000, bytes(range(256)) * 8]
 open(sys.argv[1], "wb").write(b"".join(parts))
+# Short pieces that repeat but seldom merge (the cache's many-token entries).
+alpha = [b"\xff", b"\x80", b"a", b" ", b"1", b"\xc3\xa9", b"!", b"\xe4\xb8", b"\t", b"'s"]
+open(sys.argv[2], "wb").write(b"".join(r.choice(alpha) for _ in range(60000)))
 EOF
-inputs="seen.txt unseen.txt random.bin long.txt"
+inputs="seen.txt unseen.txt random.bin long.txt mixed.bin"
 
 # 3. Pre-split pieces.
 for f in $inputs; do
