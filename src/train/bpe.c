@@ -28,7 +28,9 @@
  * taken together in position order and the pairs they create held back
  * until that rank is done, which is the same sequence of merges in
  * O(n log n).  An encoder remembers the tokens of pieces of up to
- * BPE_CACHE_PIECE bytes in a fixed-size table that is emptied when full.
+ * BPE_CACHE_PIECE bytes in a fixed-size table that is emptied when full,
+ * and those of up to 16 bytes and 2 tokens also in a small direct-mapped
+ * table in front of it (the big table's slots miss the CPU's caches).
  *
  * Ids.  Ids 0..255 are the single bytes, ids 256 + r the result of merge r
  * (the line r + 2 of vocab.bpe), and "<|endoftext|>", if present, the id
@@ -79,6 +81,7 @@ chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
 #define BPE_CACHE_SLOTS (1u << 16)    /* cache entries (at most half used) */
 #define BPE_CACHE_PIECE 64            /* longest piece cached, bytes */
 #define BPE_CACHE_ARENA (2u << 20)    /* cached pieces and tokens, bytes */
+#define BPE_HOT_SLOTS 8192            /* first-level cache entries */
 #define BPE_EOT "<|endoftext|>"
 #define NO_RANK UINT32_MAX
 
@@ -908,8 +911,19 @@ typedef struct {
   uint32_t tok[2];
 } cache_slot_t;
 
+/* The first level: direct-mapped, small enough for the L2 cache, for
+ * pieces of up to 16 bytes and 2 tokens (most of them in prose and code);
+ * the big table's slots are a cache miss each. */
+typedef struct {
+  uint64_t head, head2; /* bytes 0..7 and 8..15, zero-padded */
+  uint16_t len;         /* 0: empty */
+  uint16_t ntok;
+  uint32_t tok[2];
+} hot_slot_t;
+
 struct chorus_bpe_encoder {
   const chorus_bpe_t *t;
+  hot_slot_t *hot;
   cache_slot_t *slot;
   size_t used;
   uint8_t *arena;
@@ -928,10 +942,11 @@ chorus_result_t chorus_bpe_encoder_create(const chorus_bpe_t *t, chorus_bpe_enco
   chorus_bpe_encoder_t *e = calloc(1, sizeof *e);
   if (e) {
     e->t = t;
+    e->hot = calloc(BPE_HOT_SLOTS, sizeof *e->hot);
     e->slot = calloc(BPE_CACHE_SLOTS, sizeof *e->slot);
     e->arena = malloc(BPE_CACHE_ARENA);
   }
-  if (!e || !e->slot || !e->arena) {
+  if (!e || !e->hot || !e->slot || !e->arena) {
     chorus_bpe_encoder_free(e);
     return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_bpe_encoder_create: out of memory");
   }
@@ -952,6 +967,7 @@ static void free_scratch(chorus_bpe_encoder_t *e) {
 
 void chorus_bpe_encoder_free(chorus_bpe_encoder_t *e) {
   if (!e) return;
+  free(e->hot);
   free(e->slot);
   free(e->arena);
   free_scratch(e);
@@ -1032,7 +1048,7 @@ static size_t bpe_long(chorus_bpe_encoder_t *e, const uint8_t *s, size_t n, uint
     e->nxt = malloc(n * sizeof *e->nxt);
     e->prv = malloc(n * sizeof *e->prv);
     e->heap = malloc(3 * n * sizeof *e->heap);
-    e->pend = malloc(2 * n * sizeof *e->pend);
+    e->pend = malloc(n * sizeof *e->pend); /* a pass merges at most n / 2 pairs */
     if (!e->tok || !e->nxt || !e->prv || !e->heap || !e->pend) {
       free_scratch(e);
       e->st = chorus__train_fail(CHORUS_ERR_NO_MEMORY,
@@ -1087,12 +1103,16 @@ static size_t bpe_long(chorus_bpe_encoder_t *e, const uint8_t *s, size_t n, uint
  * load. */
 static inline uint64_t head8(const uint8_t *s, size_t n, const uint8_t *end) {
   uint64_t v = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
   if (end - s >= 8) {
     memcpy(&v, s, 8);
-    if (n < 8) v &= ~(uint64_t)0 >> (64 - 8 * n); /* little-endian: the first n bytes */
-  } else {
-    for (size_t i = 0; i < n && i < 8; i++) v |= (uint64_t)s[i] << (8 * i);
+    if (n < 8) v &= ~(uint64_t)0 >> (64 - 8 * n); /* the first n bytes */
+    return v;
   }
+#else
+  (void)end;
+#endif
+  for (size_t i = 0; i < n && i < 8; i++) v |= (uint64_t)s[i] << (8 * i);
   return v;
 }
 
@@ -1102,24 +1122,36 @@ static size_t bpe_piece(chorus_bpe_encoder_t *e, const uint8_t *s, size_t n, con
                         uint32_t *out) {
   if (n > BPE_CACHE_PIECE)
     return n <= BPE_SHORT ? bpe_short(e->t, s, n, out) : bpe_long(e, s, n, out);
-  uint64_t head = head8(s, n, end);
-  uint64_t h = n <= 8 ? mix64(head ^ ((uint64_t)n << 59)) : hash_bytes(s, n);
+  uint64_t head = head8(s, n, end), head2 = n > 8 ? head8(s + 8, n - 8, end) : 0;
+  uint64_t h = n <= 16 ? mix64((head ^ ((uint64_t)n << 59)) + head2 * 0x9e3779b97f4a7c15ull)
+                       : hash_bytes(s, n);
+  hot_slot_t *hs = n <= 16 ? &e->hot[(h >> 32) & (BPE_HOT_SLOTS - 1)] : NULL;
+  if (hs && hs->len == n && hs->head == head && hs->head2 == head2) {
+    out[0] = hs->tok[0];
+    out[1] = hs->tok[1];
+    return hs->ntok;
+  }
+  size_t m;
   size_t mask = BPE_CACHE_SLOTS - 1, i = (size_t)h & mask;
   for (; e->slot[i].len; i = (i + 1) & mask) {
     cache_slot_t *c = &e->slot[i];
     if (c->h != h || c->head != head || c->len != n ||
         (n > 8 && memcmp(e->arena + c->off, s + 8, n - 8)))
       continue;
-    if (c->ntok <= 2) {
+    m = c->ntok;
+    if (m <= 2) {
       out[0] = c->tok[0];
       out[1] = c->tok[1];
+      if (hs) *hs = (hot_slot_t){head, head2, (uint16_t)n, (uint16_t)m, {out[0], out[1]}};
     } else {
       size_t rest = n > 8 ? (n - 8 + 3) & ~(size_t)3 : 0;
-      memcpy(out, e->arena + c->off + rest, 4 * (size_t)c->ntok);
+      memcpy(out, e->arena + c->off + rest, 4 * m);
     }
-    return c->ntok;
+    return m;
   }
-  size_t m = bpe_short(e->t, s, n, out);
+  m = bpe_short(e->t, s, n, out);
+  if (hs && m <= 2)
+    *hs = (hot_slot_t){head, head2, (uint16_t)n, (uint16_t)m, {out[0], m > 1 ? out[1] : 0}};
   size_t rest = n > 8 ? (n - 8 + 3) & ~(size_t)3 : 0, need = rest + (m > 2 ? 4 * m : 0);
   if (2 * (e->used + 1) > BPE_CACHE_SLOTS || e->arena_used + need > BPE_CACHE_ARENA) {
     memset(e->slot, 0, BPE_CACHE_SLOTS * sizeof *e->slot);
