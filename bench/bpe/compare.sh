@@ -7,7 +7,8 @@
 # reference on the same 5 MB subset (the reference is too slow for all of
 # it in a benchmark).  Medians of RUNS runs.  Not part of the test suite.
 #   bench/bpe/compare.sh [BUILD_DIR [WORK_DIR]]
-#   env: VOCAB (8192), RUNS (3), REF_CHECK (1: run the reference over all
+#   env: VOCAB (8192), VOCAB_BIG (32768: trained once on all the text),
+#        RUNS (3), REF_CHECK (1: run the reference over all
 #        inputs for the identity check; 0: skip that part, ~2 min)
 # Writes bench/results/bpe.md (and .log).
 set -euo pipefail
@@ -51,6 +52,12 @@ for ((r = 0; r < runs; r++)); do
 done
 count_med=$(printf '%s\n' "${count_times[@]}" | median)
 train_med=$(printf '%s\n' "${train_times[@]}" | median)
+
+big=${VOCAB_BIG:-32768}
+say "== training $big ids on all of text.txt ($(mb "$work/text.txt") MB), once"
+big_line=$(/usr/bin/time -f "%M" -o "$work/big.rss" "$tool" train "$big" "$work/v$big" "$work/text.txt")
+big_rss=$(awk '{printf "%.0f", $1 / 1024}' "$work/big.rss")
+say "$big_line (peak RSS $big_rss MB)"
 
 identity="not run (REF_CHECK=0)"
 if ((ref_check)); then
@@ -116,6 +123,7 @@ ${identity}
 ## Training
 
 Counting train.txt ($(mb "$work/train.txt") MB): median $count_med s; learning $vocab ids: median
-$train_med s ($runs runs).  Every run's numbers are in bpe.md.log.
+$train_med s ($runs runs).  A larger vocabulary on all of text.txt: $big_line, peak resident
+memory $big_rss MB.  Every run's numbers are in bpe.md.log.
 EOF
 say "wrote $out"
