@@ -300,24 +300,46 @@ CHORUS_API size_t chorus_loader_sequences(const chorus_loader_t *l);
  * classifies them), each piece's bytes become byte tokens, and adjacent
  * pairs merge by rank (the lowest-ranked pair present, every occurrence of
  * it left to right, until no pair has a rank) -- the same tokens as GPT-2's
- * encoder.py and tiktoken's encode_ordinary.  Bytes that are not UTF-8 each
+ * encoder.py and tiktoken's encode_ordinary.  Bytes that are not UTF-8
+ * (overlong forms, surrogates, beyond U+10FFFF, truncated sequences) each
  * count as one character that is neither letter, number nor space (what
- * Python's surrogateescape makes of them).
+ * Python's surrogateescape makes of them), so every byte string has tokens
+ * and decoding them (the concatenation of chorus_bpe_token's bytes) gives
+ * it back.  The text "<|endoftext|>" is encoded as ordinary text: append
+ * chorus_bpe_eot() yourself between documents.
  *
  * The files are GPT-2's: encoder.json (token text -> id, the text in
  * GPT-2's byte-to-unicode alphabet) and vocab.bpe (one merge "a b" per line
  * in rank order, after a "#version" line).  Ids 0..255 are the byte tokens,
- * then one id per merge, then "<|endoftext|>" (GPT-2: 50257 ids, eot
- * 50256).  A tokenizer is read-only once made: share it between threads; an
- * encoder (its cache) is one per thread. */
+ * then one id per merge (merge r is id 256 + r), then "<|endoftext|>"
+ * (GPT-2: 50257 ids, eot 50256).
+ *
+ * Threads: a tokenizer is read-only once made: share it between threads;
+ * an encoder (its cache) and a counter are one per thread.  Memory: a
+ * tokenizer holds its tokens' bytes and a merge table (GPT-2's: about
+ * 3 MiB); an encoder about 4.3 MiB of cache (emptied when full, never
+ * grown) plus, while it encodes a piece longer than 128 bytes, about 44
+ * bytes per byte of that piece.  Limits: at most 4M ids, tokens of at most
+ * 1024 bytes, files of at most 256 MiB.
+ *
+ * Errors: every function that can fail returns a chorus_result_t and
+ * records why for chorus_train_last_error() (this thread); those with err
+ * and errlen also copy the message there (err may be NULL).  Messages name
+ * the function, the file and line or token, and what to do. */
 typedef struct chorus_bpe chorus_bpe_t;
 typedef struct chorus_bpe_encoder chorus_bpe_encoder_t;
 
-/* Loads dir/encoder.json and dir/vocab.bpe.  Every field is checked; err
- * (errlen bytes) says what is wrong and where. */
+/* Loads dir/encoder.json and dir/vocab.bpe.  Every field is checked (ids
+ * dense and unique, ids 0..255 the 256 bytes, each merge's parts tokens
+ * and its result the token 256 + rank, <|endoftext|> optional and last);
+ * err (errlen bytes) says what is wrong and where.  *out is NULL on
+ * failure.  CHORUS_ERR_SYSTEM: a file cannot be read; INVALID_ARG: its
+ * content; NO_MEMORY. */
 CHORUS_API chorus_result_t chorus_bpe_load(const char *dir, chorus_bpe_t **out, char *err,
                                            size_t errlen);
-/* Writes dir/encoder.json and dir/vocab.bpe (temporary file, rename). */
+/* Writes dir/encoder.json (one line, ASCII, escaped as GPT-2's file) and
+ * dir/vocab.bpe, each through a temporary file and a rename; makes dir
+ * (not its parents) if missing. */
 CHORUS_API chorus_result_t chorus_bpe_save(const chorus_bpe_t *t, const char *dir, char *err,
                                            size_t errlen);
 CHORUS_API void chorus_bpe_free(chorus_bpe_t *t);
@@ -326,21 +348,35 @@ CHORUS_API void chorus_bpe_free(chorus_bpe_t *t);
 CHORUS_API int chorus_bpe_vocab(const chorus_bpe_t *t);
 CHORUS_API int chorus_bpe_eot(const chorus_bpe_t *t);
 /* The bytes of token id (NULL if id is out of range; the eot token gives
- * its text "<|endoftext|>"). */
+ * its text "<|endoftext|>"); valid while t lives.  len may be NULL. */
 CHORUS_API const unsigned char *chorus_bpe_token(const chorus_bpe_t *t, int id, size_t *len);
 
+/* An encoder reads t, which must outlive it. */
 CHORUS_API chorus_result_t chorus_bpe_encoder_create(const chorus_bpe_t *t,
                                                      chorus_bpe_encoder_t **out);
 CHORUS_API void chorus_bpe_encoder_free(chorus_bpe_encoder_t *e);
 /* Appends the tokens of len bytes of text to *toks (a malloc'd array of
- * *cap entries holding *n; grown with realloc as needed). */
+ * *cap entries holding *n; grown with realloc as needed; *toks = NULL,
+ * *n = *cap = 0 to start).  The text is cut as a whole: a piece never
+ * spans two calls, so cut long input where the pattern would (e.g. after
+ * a newline followed by a non-space) to get the tokens of the whole.  On
+ * failure (NO_MEMORY, or INVALID_ARG for a single piece over 4 GiB) the
+ * tokens of the pieces before stay appended. */
 CHORUS_API chorus_result_t chorus_bpe_encode(chorus_bpe_encoder_t *e, const void *text,
                                              size_t len, uint32_t **toks, size_t *n,
                                              size_t *cap);
 
 /* Training a vocabulary: feed text (any number of calls, pieces cut by the
- * pattern above; one counter per thread, merged), then learn merges until
- * the vocabulary has vocab_size ids including "<|endoftext|>". */
+ * pattern above, a piece never spanning two calls; one counter per thread,
+ * merged), then learn merges until the vocabulary has vocab_size ids
+ * including "<|endoftext|>" (257 <= vocab_size <= 4M): the most frequent
+ * adjacent pair over the counted pieces becomes the next merge, ties going
+ * to the smaller left id, then the smaller right id; a pair whose bytes
+ * are already a token, or would be longer than 1024 bytes, is never
+ * merged.  The same counts give the same vocabulary.  Fails with
+ * INVALID_ARG (saying how many ids the text allows) when the text has
+ * too few distinct pairs.  A counter holds every distinct piece once, with
+ * its count. */
 typedef struct chorus_bpe_counter chorus_bpe_counter_t;
 CHORUS_API chorus_result_t chorus_bpe_counter_create(chorus_bpe_counter_t **out);
 CHORUS_API void chorus_bpe_counter_free(chorus_bpe_counter_t *c);

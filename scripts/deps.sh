@@ -22,7 +22,8 @@
 #                            pip + setuptools for the
 #                            `pip install ./python` test; optional like the
 #                            fuzzers (the backend's tests skip and say why).
-# Always: python3-dev and python3-numpy, for `import chorus` (python/).
+# Always: python3-dev and python3-numpy, for `import chorus` (python/), and
+# python3-regex for the tokenizer's reference test.
 set -euo pipefail
 fuzz=0 cluster=0 torch=0
 for arg in "$@"; do
@@ -45,13 +46,19 @@ command -v pgrep >/dev/null 2>&1 || need+=(procps)
 # libcrypto (OpenSSL 3) for authentication and encryption (src/util/crypto.c).
 [[ "$(dpkg-query -W -f='${Status}' libssl-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libssl-dev)
-# libcurl and jansson for chorusrun's etcd client (src/launcher/kv_etcd.c).
+# libcurl and jansson for chorusrun's etcd client (src/launcher/kv_etcd.c);
+# jansson also reads the tokenizer's encoder.json (src/train/bpe.c).
 for p in libcurl4-openssl-dev libjansson-dev; do installed "$p" || need+=("$p"); done
 # UCX for the UCX channel (CHORUS_TRANSPORT=ucx): headers to build it,
 # libucp (libucx0) loaded at run time by the ranks that use it.
 installed libucx-dev || need+=(libucx-dev)
 # The Python package (python/chorus): headers and NumPy.
 for p in python3-dev python3-numpy; do installed "$p" || need+=("$p"); done
+# Python's regex module: the tokenizer's reference (tests/train/bpe_ref.py,
+# GPT-2's pre-split pattern needs \p{L}/\p{N}) and the generator of its
+# Unicode table (tools/gen_bpe_unicode.py); train.bpe_reference skips
+# without it.
+installed python3-regex || need+=(python3-regex)
 # The fuzzers: clang 14 and its runtime libraries (libFuzzer, ASan, UBSan).
 fuzz_need=()
 if ((fuzz)); then
