@@ -54,7 +54,6 @@ struct chorus_loader {
   pthread_cond_t work, done;
   pthread_t *threads;
   int nthreads, stop, busy;
-  double read_s; /* workers' time reading, for the caller's stats */
 };
 
 static double now_s(void) {
@@ -95,10 +94,8 @@ static void *worker(void *arg) {
     s->state = SLOT_BUSY;
     l->busy++;
     pthread_mutex_unlock(&l->mu);
-    double t0 = now_s();
     read_slot(l, s);
     pthread_mutex_lock(&l->mu);
-    l->read_s += now_s() - t0;
     s->state = s->st == CHORUS_OK ? SLOT_READY : SLOT_FAILED;
     l->busy--;
     pthread_cond_broadcast(&l->done);

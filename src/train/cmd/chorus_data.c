@@ -179,35 +179,35 @@ static void add_unit(int file, size_t off, size_t len, long line, int doc_start,
   g_units[g_nunits++] = (unit_t){file, off, len, line, doc_start, val};
 }
 
-/* Cuts every file into units; the first val_bytes of the input are the
- * validation units. */
-static void plan(size_t val_bytes) {
-  size_t seen = 0;
-  for (int i = 0; i < g_nfiles; i++) {
-    file_t *f = &g_files[i];
-    if (!f->len) continue;
-    size_t off = 0;
-    long line = 1;
-    while (off < f->len) {
-      int val = seen < val_bytes;
-      size_t want = off + UNIT_BYTES;
-      if (val && seen + UNIT_BYTES > val_bytes) want = off + (val_bytes - seen);
-      size_t end;
-      if (f->jsonl) { /* whole lines */
-        end = want >= f->len ? f->len : want;
-        const unsigned char *nl = end < f->len ? memchr(f->map + end, '\n', f->len - end) : NULL;
-        end = end >= f->len ? f->len : nl ? (size_t)(nl - f->map) + 1 : f->len;
-      } else {
-        end = want >= f->len ? f->len : safe_cut(f->map, f->len, want);
-      }
-      add_unit(i, off, end - off, line, off == 0, val);
-      if (f->jsonl)
-        for (size_t k = off; k < end; k++) line += f->map[k] == '\n';
-      seen += end - off;
-      off = end;
+/* Cuts file i (mapped) into units; the first val_bytes of the whole input
+ * (*seen so far) are the validation units. */
+static void plan_file(int i, size_t val_bytes, size_t *seen) {
+  file_t *f = &g_files[i];
+  size_t off = 0;
+  long line = 1;
+  while (off < f->len) {
+    int val = *seen < val_bytes;
+    size_t want = off + UNIT_BYTES;
+    if (val && *seen + UNIT_BYTES > val_bytes) want = off + (val_bytes - *seen);
+    size_t end;
+    if (f->jsonl) { /* whole lines */
+      end = want >= f->len ? f->len : want;
+      const unsigned char *nl = end < f->len ? memchr(f->map + end, '\n', f->len - end) : NULL;
+      end = end >= f->len ? f->len : nl ? (size_t)(nl - f->map) + 1 : f->len;
+    } else {
+      end = want >= f->len ? f->len : safe_cut(f->map, f->len, want);
     }
+    add_unit(i, off, end - off, line, off == 0, val);
+    if (f->jsonl)
+      for (size_t k = off; k < end; k++) line += f->map[k] == '\n';
+    *seen += end - off;
+    off = end;
   }
 }
+
+/* A unit's bytes, read into *buf (grown as needed).  NULL on error (r). */
+static const unsigned char *read_unit(const unit_t *u, unsigned char **buf, size_t *cap,
+                                      result_t *r);
 
 /* Strict UTF-8 (what Python's decoder accepts): the offset of the first
  * byte that is not part of a valid sequence, or len. */
@@ -294,10 +294,40 @@ static int one_doc(const unsigned char *text, size_t len, int doc_start, const c
   return 0;
 }
 
+static const unsigned char *read_unit(const unit_t *u, unsigned char **buf, size_t *cap,
+                                      result_t *r) {
+  const char *path = g_files[u->file].path;
+  if (u->len > *cap) {
+    unsigned char *nb = realloc(*buf, u->len);
+    if (!nb) {
+      fail_unit(r, "out of memory");
+      return NULL;
+    }
+    *buf = nb, *cap = u->len;
+  }
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  size_t got = 0;
+  while (fd >= 0 && got < u->len) {
+    ssize_t k = pread(fd, *buf + got, u->len - got, (off_t)(u->off + got));
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    got += (size_t)k;
+  }
+  int e = errno;
+  if (fd >= 0) close(fd);
+  if (got < u->len) {
+    fail_unit(r, "%s: cannot read bytes %zu..%zu (changed while being prepared?): %s", path,
+              u->off, u->off + u->len, got ? "short read" : strerror(e));
+    return NULL;
+  }
+  return *buf;
+}
+
 static int do_unit(work_t *w, const unit_t *u, chorus_bpe_encoder_t *enc,
-                   chorus_bpe_counter_t *cnt, result_t *r) {
+                   chorus_bpe_counter_t *cnt, result_t *r, unsigned char **buf, size_t *cap) {
   const file_t *f = &g_files[u->file];
-  const unsigned char *p = f->map + u->off;
+  const unsigned char *p = read_unit(u, buf, cap, r);
+  if (!p) return -1;
   const int eot = w->bpe ? chorus_bpe_eot(w->bpe) : -1;
   if (!f->jsonl)
     return one_doc(p, u->len, u->doc_start, f->path, u->off, 0, enc, cnt, eot, r);
@@ -334,6 +364,8 @@ static int do_unit(work_t *w, const unit_t *u, chorus_bpe_encoder_t *enc,
 static void *worker(void *arg) {
   work_t *w = arg;
   chorus_bpe_encoder_t *enc = NULL;
+  unsigned char *buf = NULL;
+  size_t cap = 0;
   if (w->bpe && chorus_bpe_encoder_create(w->bpe, &enc) != CHORUS_OK) return NULL;
   pthread_mutex_lock(&w->mu);
   int me = -1;
@@ -346,7 +378,7 @@ static void *worker(void *arg) {
     pthread_mutex_unlock(&w->mu);
     result_t *r = &w->res[u % w->window];
     if (!w->take || w->take[u])
-      do_unit(w, &g_units[u], enc, me >= 0 ? w->counters[me] : NULL, r);
+      do_unit(w, &g_units[u], enc, me >= 0 ? w->counters[me] : NULL, r, &buf, &cap);
     pthread_mutex_lock(&w->mu);
     r->done = 1;
     w->bytes_done += g_units[u].len;
@@ -354,6 +386,7 @@ static void *worker(void *arg) {
   }
   pthread_mutex_unlock(&w->mu);
   chorus_bpe_encoder_free(enc);
+  free(buf);
   return NULL;
 }
 
@@ -480,7 +513,17 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
     else add_file(inputs[i], 0);
   }
   if (!g_nfiles) die("prepare: no input files");
-  size_t total = 0;
+  /* The validation part is a fraction of the sizes; each file is then
+   * mapped in turn (checked, cut into units) and let go: the workers read
+   * their units themselves, so a corpus of many files holds no mappings. */
+  size_t total = 0, est = 0, seen = 0;
+  for (int i = 0; i < g_nfiles; i++) {
+    struct stat sb;
+    if (stat(g_files[i].path, &sb) == 0) est += (size_t)sb.st_size;
+  }
+  double cap = 16.0 * 1048576;
+  size_t val_bytes = (size_t)((double)est * o->val_fraction);
+  if (o->val_fraction > 0 && (double)val_bytes > cap) val_bytes = (size_t)cap;
   int kept = 0;
   for (int i = 0; i < g_nfiles; i++) {
     file_t *f = &g_files[i];
@@ -504,15 +547,14 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
       g_skipped++;
       continue;
     }
-    total += g_files[i].len;
+    plan_file(i, val_bytes, &seen);
+    munmap(f->map, f->len);
+    f->map = NULL;
+    total += f->len;
     kept++;
   }
   if (!total) die("prepare: the input holds no text");
   if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
-  double cap = 16.0 * 1048576;
-  size_t val_bytes = (size_t)((double)total * o->val_fraction);
-  if (o->val_fraction > 0 && (double)val_bytes > cap) val_bytes = (size_t)cap;
-  plan(val_bytes);
   fprintf(stderr, "chorus-data: %d file(s), %.1f MB, %zu unit(s), %d thread(s)\n", kept,
           (double)total / 1e6, g_nunits, o->threads);
 
@@ -567,7 +609,6 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
          (double)total / 1e6 / dt, (double)toks / 1e6 / dt, o->threads);
   chorus_bpe_free(bpe);
   for (int i = 0; i < g_nfiles; i++) {
-    if (g_files[i].map) munmap(g_files[i].map, g_files[i].len);
     free(g_files[i].path);
   }
   free(g_files);

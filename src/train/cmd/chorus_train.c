@@ -627,7 +627,7 @@ static void sample_text(chorus_gpt_t *m, const opts_t *o, const chorus_bpe_t *bp
   int len = 1;
   ctx[0] = bpe && chorus_bpe_eot(bpe) >= 0 ? chorus_bpe_eot(bpe) : V <= 256 ? '\n' : 0;
   uint64_t s = o->seed ^ 0x5eedull;
-  say("---- sample (%d tokens%s) ----\n", n, bpe ? ", GPT-2 BPE" : V <= 256 ? ", bytes" : " ids");
+  say("---- sample (%d tokens%s) ----\n", n, bpe ? ", GPT-2 BPE" : V <= 256 ? ", bytes" : ", ids");
   for (int i = 0; i < n; i++) {
     int t = len < T ? len : T;
     chorus_gpt_forward(m, ctx, NULL, 1, t, NULL);
@@ -643,13 +643,10 @@ static void sample_text(chorus_gpt_t *m, const opts_t *o, const chorus_bpe_t *bp
     }
     size_t tl = 0;
     const unsigned char *tb = bpe ? chorus_bpe_token(bpe, next, &tl) : NULL;
-    if (g_rank) {
-    } else if (tb) {
-      fwrite(tb, 1, tl, stdout);
-    } else if (V <= 256) {
-      putchar(next);
-    } else {
-      printf("%d ", next);
+    if (g_rank == 0) {
+      if (tb) fwrite(tb, 1, tl, stdout);
+      else if (V <= 256) putchar(next);
+      else printf("%d ", next);
     }
     if (len < T) {
       ctx[len++] = next;
@@ -722,35 +719,34 @@ static const char *data_dir(const char *spec, char *buf, size_t len) {
 /* Opens the training and validation data, the tokenizer when there is
  * one, and sets the model's vocabulary.  0, or -1 (reported). */
 static int open_data(opts_t *o, run_t *r) {
-  char dbuf[4096], path[4200];
+  /* What the data is first (text or tokens), then its vocabulary. */
+  chorus_result_t st = chorus_tokens_open(o->data, CHORUS_SPLIT_TRAIN, o->data_format, 1 << 30,
+                                          &r->train);
+  if (st != CHORUS_OK) {
+    fprintf(stderr, "chorus-train: rank %d: the data: %s\n", g_rank, chorus_train_last_error());
+    return -1;
+  }
+  const int text = chorus_tokens_is_text(r->train);
+  chorus_tokens_close(r->train);
+  r->train = NULL;
+  char dbuf[4096], path[4200], err[512];
   const char *tokdir = o->tokenizer;
-  if (!tokdir) { /* the data's own: chorus-data prepare leaves it there */
+  if (!tokdir && !text) { /* the shards' own: chorus-data prepare leaves it there */
     const char *d = data_dir(o->data, dbuf, sizeof dbuf);
     snprintf(path, sizeof path, "%s/encoder.json", d);
     if (access(path, R_OK) == 0) tokdir = d;
   }
-  char err[512];
   if (tokdir && chorus_bpe_load(tokdir, &r->bpe, err, sizeof err) != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank %d: the tokenizer: %s\n", g_rank, err);
     return -1;
   }
-  int vocab = o->vocab;
-  if (!vocab) vocab = r->bpe ? chorus_bpe_vocab(r->bpe) : 0;
+  int vocab = o->vocab ? o->vocab : r->bpe ? chorus_bpe_vocab(r->bpe) : text ? 256 : 50257;
   if (r->bpe && vocab < chorus_bpe_vocab(r->bpe)) {
     fprintf(stderr, "chorus-train: --vocab %d is smaller than the tokenizer's %d tokens (%s)\n",
             vocab, chorus_bpe_vocab(r->bpe), tokdir);
     return -1;
   }
-  /* Without a tokenizer: bytes for text, GPT-2's size for shards (llm.c's
-   * convention); the first open tells which. */
-  chorus_result_t st = chorus_tokens_open(o->data, CHORUS_SPLIT_TRAIN, o->data_format,
-                                          vocab ? vocab : 1 << 30, &r->train);
-  if (st == CHORUS_OK && !vocab) {
-    vocab = chorus_tokens_is_text(r->train) ? 256 : 50257;
-    chorus_tokens_close(r->train);
-    r->train = NULL;
-    st = chorus_tokens_open(o->data, CHORUS_SPLIT_TRAIN, o->data_format, vocab, &r->train);
-  }
+  st = chorus_tokens_open(o->data, CHORUS_SPLIT_TRAIN, o->data_format, vocab, &r->train);
   if (st == CHORUS_OK)
     st = chorus_tokens_open(o->val_data ? o->val_data : o->data, CHORUS_SPLIT_VAL,
                             o->data_format, vocab, &r->val);
