@@ -81,7 +81,7 @@ TEST(position_and_epochs) {
 static void change_world(size_t n, int from, int to, size_t steps, int drop_last) {
   unsigned char *seen = calloc(n, 1);
   ASSERT_TRUE(seen != NULL);
-  chorus_sampler_t *s[8];
+  chorus_sampler_t *s[8] = {0};
   for (int r = 0; r < from; r++) {
     ASSERT_EQ(chorus_sampler_create(n, from, r, 1, 42, drop_last, &s[r]), CHORUS_OK);
     ASSERT_EQ(chorus_sampler_set_epoch(s[r], 3), CHORUS_OK);
