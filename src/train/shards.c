@@ -216,7 +216,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
       }
     }
     closedir(d);
-    qsort(list, (size_t)n, sizeof(char *), cmp_str);
+    if (n) qsort(list, (size_t)n, sizeof(char *), cmp_str);
     *files = list, *nfiles = n;
     return 0;
   nomem:
@@ -247,7 +247,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
     fail(CHORUS_ERR_NO_MEMORY, "listing %s: out of memory", spec);
     return -1;
   }
-  qsort(list, (size_t)n, sizeof(char *), cmp_str);
+  if (n) qsort(list, (size_t)n, sizeof(char *), cmp_str);
   *files = list, *nfiles = n;
   return 0;
 }

@@ -132,7 +132,7 @@ static void walk(const char *dir, int jsonl) {
     snprintf(names[n++], len, "%s/%s", dir, e->d_name);
   }
   closedir(d);
-  qsort(names, n, sizeof(char *), cmp_str);
+  if (n) qsort(names, n, sizeof(char *), cmp_str);
   for (size_t i = 0; i < n; i++) {
     struct stat sb;
     if (lstat(names[i], &sb) == 0) {
