@@ -352,6 +352,11 @@ CHORUS_API int chorus_bpe_eot(const chorus_bpe_t *t);
 CHORUS_API const unsigned char *chorus_bpe_token(const chorus_bpe_t *t, int id, size_t *len);
 
 /* An encoder reads t, which must outlive it. */
+/* The offset of the first byte of text that does not start well-formed
+ * UTF-8 (what Python's decoder accepts: no overlong forms, surrogates or
+ * code points past U+10FFFF), or len when all of it is. */
+CHORUS_API size_t chorus_utf8_check(const void *text, size_t len);
+
 CHORUS_API chorus_result_t chorus_bpe_encoder_create(const chorus_bpe_t *t,
                                                      chorus_bpe_encoder_t **out);
 CHORUS_API void chorus_bpe_encoder_free(chorus_bpe_encoder_t *e);

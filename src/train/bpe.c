@@ -174,42 +174,64 @@ static inline int class_of(uint32_t cp) {
   return (bpe_uni_stage2[bpe_uni_stage1[cp >> 8]][(cp & 255) >> 2] >> (2 * (cp & 3))) & 3;
 }
 
-/* The character at p (p < end): its length in bytes, its class in *cls.
- * Well-formed UTF-8 only (Unicode's table 3-7); any other byte is one
- * "other" character. */
-static inline size_t char_at(const uint8_t *p, const uint8_t *end, int *cls) {
+/* The well-formed UTF-8 character at p (p < end; Unicode's table 3-7): its
+ * length in bytes and code point, or 0 when p does not start one. */
+static inline size_t utf8_char(const uint8_t *p, const uint8_t *end, uint32_t *cp) {
   uint8_t c = p[0];
+  size_t avail = (size_t)(end - p);
   if (c < 0x80) {
-    *cls = k_ascii_class[c];
+    *cp = c;
     return 1;
   }
-  size_t avail = (size_t)(end - p);
-  uint32_t cp;
-  size_t n;
   if (c >= 0xC2 && c <= 0xDF) {
-    if (avail < 2 || (p[1] & 0xC0) != 0x80) goto bad;
-    cp = (uint32_t)(c & 0x1F) << 6 | (p[1] & 0x3F);
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
+    if (avail < 2 || (p[1] & 0xC0) != 0x80) return 0;
+    *cp = (uint32_t)(c & 0x1F) << 6 | (p[1] & 0x3F);
+    return 2;
+  }
+  if (c >= 0xE0 && c <= 0xEF) {
     uint8_t lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
-    if (avail < 3 || p[1] < lo || p[1] > hi || (p[2] & 0xC0) != 0x80) goto bad;
-    cp = (uint32_t)(c & 0x0F) << 12 | (uint32_t)(p[1] & 0x3F) << 6 | (p[2] & 0x3F);
-    n = 3;
-  } else if (c >= 0xF0 && c <= 0xF4) {
+    if (avail < 3 || p[1] < lo || p[1] > hi || (p[2] & 0xC0) != 0x80) return 0;
+    *cp = (uint32_t)(c & 0x0F) << 12 | (uint32_t)(p[1] & 0x3F) << 6 | (p[2] & 0x3F);
+    return 3;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
     uint8_t lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
     if (avail < 4 || p[1] < lo || p[1] > hi || (p[2] & 0xC0) != 0x80 || (p[3] & 0xC0) != 0x80)
-      goto bad;
-    cp = (uint32_t)(c & 0x07) << 18 | (uint32_t)(p[1] & 0x3F) << 12 |
-         (uint32_t)(p[2] & 0x3F) << 6 | (p[3] & 0x3F);
-    n = 4;
-  } else {
-    goto bad;
+      return 0;
+    *cp = (uint32_t)(c & 0x07) << 18 | (uint32_t)(p[1] & 0x3F) << 12 |
+          (uint32_t)(p[2] & 0x3F) << 6 | (p[3] & 0x3F);
+    return 4;
+  }
+  return 0;
+}
+
+/* The character at p (p < end): its length in bytes, its class in *cls.
+ * A byte that does not start a well-formed character is one "other"
+ * character. */
+static inline size_t char_at(const uint8_t *p, const uint8_t *end, int *cls) {
+  if (p[0] < 0x80) {
+    *cls = k_ascii_class[p[0]];
+    return 1;
+  }
+  uint32_t cp;
+  size_t n = utf8_char(p, end, &cp);
+  if (!n) {
+    *cls = C_OTHER;
+    return 1;
   }
   *cls = class_of(cp);
   return n;
-bad:
-  *cls = C_OTHER;
-  return 1;
+}
+
+size_t chorus_utf8_check(const void *text, size_t len) {
+  const uint8_t *s = text, *end = s + len;
+  uint32_t cp;
+  for (const uint8_t *p = s; p < end;) {
+    size_t n = utf8_char(p, end, &cp);
+    if (!n) return (size_t)(p - s);
+    p += n;
+  }
+  return len;
 }
 
 /* The length in bytes of the piece that starts at s (s < end). */

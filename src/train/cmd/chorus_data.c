@@ -209,35 +209,6 @@ static void plan_file(int i, size_t val_bytes, size_t *seen) {
 static const unsigned char *read_unit(const unit_t *u, unsigned char **buf, size_t *cap,
                                       result_t *r);
 
-/* Strict UTF-8 (what Python's decoder accepts): the offset of the first
- * byte that is not part of a valid sequence, or len. */
-static size_t utf8_bad(const unsigned char *s, size_t len) {
-  size_t i = 0;
-  while (i < len) {
-    unsigned c = s[i];
-    if (c < 0x80) {
-      i++;
-      continue;
-    }
-    size_t n;
-    unsigned lo = 0x80, hi = 0xbf;
-    if (c >= 0xc2 && c <= 0xdf) n = 1;
-    else if (c == 0xe0) n = 2, lo = 0xa0;
-    else if (c == 0xed) n = 2, hi = 0x9f;
-    else if (c >= 0xe1 && c <= 0xef) n = 2;
-    else if (c == 0xf0) n = 3, lo = 0x90;
-    else if (c >= 0xf1 && c <= 0xf3) n = 3;
-    else if (c == 0xf4) n = 3, hi = 0x8f;
-    else return i;
-    if (i + n >= len) return i;
-    if (s[i + 1] < lo || s[i + 1] > hi) return i;
-    for (size_t k = 2; k <= n; k++)
-      if (s[i + k] < 0x80 || s[i + k] > 0xbf) return i;
-    i += n + 1;
-  }
-  return len;
-}
-
 /* ------------------------------------------------------------- encoding */
 
 typedef struct {
@@ -278,7 +249,7 @@ static int push_tok(result_t *r, uint32_t t) {
 static int one_doc(const unsigned char *text, size_t len, int doc_start, const char *path,
                    size_t at, long line, chorus_bpe_encoder_t *enc, chorus_bpe_counter_t *cnt,
                    int eot, result_t *r) {
-  size_t bad = utf8_bad(text, len);
+  size_t bad = chorus_utf8_check(text, len);
   if (bad < len) {
     if (line > 0) return fail_unit(r, "%s: line %ld: invalid UTF-8 in the text at its byte %zu "
                                    "(0x%02x)", path, line, bad, text[bad]);
@@ -535,7 +506,7 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
       g_skipped++;
       continue;
     }
-    size_t bad = f->jsonl ? f->len : utf8_bad(f->map, f->len);
+    size_t bad = f->jsonl ? f->len : chorus_utf8_check(f->map, f->len);
     if (bad < f->len) {
       if (!o->skip_invalid)
         die("%s: invalid UTF-8 at byte offset %zu (0x%02x); is it text? (convert it, or "
