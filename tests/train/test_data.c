@@ -271,6 +271,22 @@ TEST(raw16_and_text) {
   unlink(path_of("t.txt"));
 }
 
+/* The loader's next `batches` batches (B x T) hold the sampler's next
+ * indices. */
+static void same_batches(chorus_loader_t *l, chorus_sampler_t *sp, int batches, int B, int T) {
+  int tok[1024], tgt[1024];
+  size_t idx[8];
+  ASSERT_TRUE(B <= 8 && B * T <= 1024);
+  for (int b = 0; b < batches; b++) {
+    ASSERT_EQ(chorus_loader_next(l, tok, tgt, idx, NULL), CHORUS_OK);
+    for (int k = 0; k < B; k++) {
+      size_t want;
+      ASSERT_EQ(chorus_sampler_next(sp, &want), CHORUS_OK);
+      ASSERT_EQ(idx[k], want);
+    }
+  }
+}
+
 /* The loader hands out exactly the sampler's order, whatever its workers
  * and prefetch, across epochs, and seeks back to the consumed position
  * (not the read-ahead one) on any world. */
@@ -321,25 +337,11 @@ TEST(loader_order) {
     chorus_sampler_t *one;
     ASSERT_EQ(chorus_sampler_create(n, 1, 0, 1, 77, 0, &one), CHORUS_OK);
     ASSERT_EQ(chorus_sampler_seek(one, 2, taken), CHORUS_OK);
-    for (int b = 0; b < 5; b++) {
-      ASSERT_EQ(chorus_loader_next(l, tok, tgt, idx, NULL), CHORUS_OK);
-      for (int k = 0; k < B; k++) {
-        size_t want;
-        ASSERT_EQ(chorus_sampler_next(one, &want), CHORUS_OK);
-        ASSERT_EQ(idx[k], want);
-      }
-    }
+    same_batches(l, one, 5, B, T);
     /* Seek back: the same batches again. */
     ASSERT_EQ(chorus_loader_seek(l, 2, taken), CHORUS_OK);
     ASSERT_EQ(chorus_sampler_seek(one, 2, taken), CHORUS_OK);
-    for (int b = 0; b < 5; b++) {
-      ASSERT_EQ(chorus_loader_next(l, tok, tgt, idx, NULL), CHORUS_OK);
-      for (int k = 0; k < B; k++) {
-        size_t want;
-        ASSERT_EQ(chorus_sampler_next(one, &want), CHORUS_OK);
-        ASSERT_EQ(idx[k], want);
-      }
-    }
+    same_batches(l, one, 5, B, T);
     chorus_sampler_destroy(one);
     chorus_loader_destroy(l);
   }
