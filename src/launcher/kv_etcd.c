@@ -452,6 +452,7 @@ typedef struct {
   const char *p;
   size_t n, off;
   int rewind; /* may be sent again */
+  int taken;  /* libcurl has read some of it: it may have reached etcd */
 } body_t;
 
 static size_t on_read(char *out, size_t size, size_t nmemb, void *arg) {
@@ -459,6 +460,7 @@ static size_t on_read(char *out, size_t size, size_t nmemb, void *arg) {
   size_t n = CHORUS__MIN(size * nmemb, b->n - b->off);
   memcpy(out, b->p + b->off, n);
   b->off += n;
+  if (n) b->taken = 1;
   return n;
 }
 
@@ -549,7 +551,7 @@ static int post(kv_etcd_t *k, const char *path, const char *body, int once, int 
    * dies before the reply begins.  A transaction must not be resent as it
    * was (see cas): its body comes from a callback that cannot rewind, so
    * libcurl fails the transfer instead and the caller decides. */
-  body_t src = {body, strlen(body), 0, !once};
+  body_t src = {body, strlen(body), 0, !once, 0};
   curl_easy_setopt(c, CURLOPT_POST, 1L);
   curl_easy_setopt(c, CURLOPT_READFUNCTION, on_read);
   curl_easy_setopt(c, CURLOPT_READDATA, &src);
@@ -558,6 +560,11 @@ static int post(kv_etcd_t *k, const char *path, const char *body, int once, int 
   curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)src.n);
   CURLcode cc = curl_easy_perform(c);
   int rc = cc == CURLE_OK ? reply(k, c, ep, path, root) : transfer_failed(k, c, ep, cc, ms, sent);
+  /* A failed connect is not proof that nothing was sent: when a kept
+   * connection dies before the reply, libcurl opens a new one to send the
+   * request again, and that connect can be what fails (the member was
+   * killed after it took the request). */
+  if (src.taken) *sent = 1;
   curl_easy_cleanup(c);
   curl_slist_free_all(hdr);
   return rc;

@@ -66,6 +66,7 @@ enum {
   ACT_SILENT,      /* read the request, never answer */
   ACT_CLOSE,       /* close the connection without a word */
   ACT_FLOOD,       /* text, then 64 KiB chunks forever */
+  ACT_DIE,         /* read the request, close it and stop listening */
 };
 
 typedef struct {
@@ -157,10 +158,15 @@ static void *fake_main(void *arg) {
       pthread_mutex_unlock(&f->mu);
       memmove(buf, buf + hl + bl, len - hl - bl);
       len -= hl + bl;
-      if (st.text && st.act != ACT_SILENT && st.act != ACT_CLOSE)
+      if (st.act == ACT_DIE) {
+        close(f->lfd); /* later connects are refused */
+        f->lfd = -1;
+      }
+      if (st.text && st.act != ACT_SILENT && st.act != ACT_CLOSE && st.act != ACT_DIE)
         fake_send(f->cfd, st.text, strlen(st.text));
       if (st.act == ACT_FLOOD) fake_flood(f, f->cfd);
-      if (st.act == ACT_REPLY_CLOSE || st.act == ACT_CLOSE || st.act == ACT_FLOOD) {
+      if (st.act == ACT_REPLY_CLOSE || st.act == ACT_CLOSE || st.act == ACT_FLOOD ||
+          st.act == ACT_DIE) {
         close(f->cfd);
         f->cfd = -1;
         len = 0;
@@ -206,7 +212,7 @@ static void fake_stop(fake_t *f) {
   if (!f) return;
   f->stop = 1;
   pthread_join(f->th, NULL);
-  close(f->lfd);
+  if (f->lfd >= 0) close(f->lfd);
   pthread_mutex_destroy(&f->mu);
   free(f);
 }
@@ -435,6 +441,31 @@ TEST(cas_after_lost_reply) {
     ASSERT_CONTAINS(f->last, "\"failure\":[{\"request_range\":{\"key\":\"L3Qvaw==\"}}]");
     kv->ops->close(kv);
   }
+}
+
+TEST(cas_member_killed_after_taking_it) {
+  /* The member takes the txn on a kept connection and dies: libcurl sends
+   * it again on a new connection, whose connect is refused.  That refusal
+   * does not make the txn unsent (it may have been applied): the next
+   * member gets the retry that reads the key, and finds our value. */
+  const char *mine = reply("200 OK", HEADER
+                           ",\"responses\":[{\"response_range\":{\"header\":{},\"kvs\":"
+                           "[{\"key\":\"L3Qvaw==\",\"value\":\"bmV3\"}],\"count\":\"1\"}}]}");
+  fake_t *dying = fake_start();
+  ASSERT_TRUE(dying != NULL);
+  fake_script(dying, ACT_REPLY, OK_EMPTY, ACT_DIE, NULL, -1);
+  fake_script(g_fake, ACT_REPLY, mine, -1);
+  char eps[128], err[700];
+  snprintf(eps, sizeof eps, "127.0.0.1:%d,127.0.0.1:%d", dying->port, g_fake->port);
+  kv_t *kv = NULL;
+  ASSERT_EQ(kv_etcd_open(eps, "/t/", 2000, 2000, NULL, &kv, err, sizeof err), 0);
+  int before = g_fake->requests;
+  ASSERT_EQ(kv->ops->cas(kv, "k", "old", "new"), 1);
+  ASSERT_EQ(dying->requests, 2);
+  ASSERT_EQ(g_fake->requests - before, 1);
+  ASSERT_CONTAINS(g_fake->last, "\"failure\":[{\"request_range\":{\"key\":\"L3Qvaw==\"}}]");
+  kv->ops->close(kv);
+  fake_stop(dying);
 }
 
 TEST(stale_and_closed_connections) {
@@ -731,6 +762,7 @@ static int offline(void) {
   RUN(get_absent_and_empty);
   RUN(set_and_cas_requests);
   RUN(cas_after_lost_reply);
+  RUN(cas_member_killed_after_taking_it);
   RUN(stale_and_closed_connections);
   RUN(failover_past_dead_and_wrong);
   RUN(garbage_replies);
