@@ -704,6 +704,112 @@ CHORUS_API chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float
  * collective when sharded. */
 CHORUS_API chorus_result_t chorus_trainer_full_params(chorus_trainer_t *t, float *dst, int root);
 
+/* ----------------------------------------------------------- resilience
+ *
+ * In-place recovery for a trainer's loop (chorus-train --elastic inplace;
+ * see examples/train_elastic.c): when a rank dies or its host goes away,
+ * the survivors go on from the weights in memory -- no checkpoint read --
+ * and a process that arrives is taken in.  The loop calls
+ *
+ *   for (long step = start; step < steps;) {
+ *     if (chorus_elastic_begin_step(e, &step) != CHORUS_OK) -> recover
+ *     ... chorus_trainer_micro_step / _finish_step ... failed -> recover
+ *     step++;
+ *     continue;
+ *   recover:
+ *     if (chorus_elastic_recover(e, &step) != CHORUS_OK) give up;
+ *   }
+ *
+ * and gets back the step to redo.  The runtime owns the communicator from
+ * chorus_elastic_create on: a recovery shrinks it to the survivors and a
+ * growth widens it, destroying the old one; ask chorus_elastic_comm (or
+ * chorus_trainer_comm) for the current one after either.
+ *
+ * What survives a death:
+ *   DDP (shard 0)  every rank holds everything: each keeps the state at
+ *                  the start of the last two steps (a survivor may have
+ *                  finished the step the others failed in);
+ *   stages 1-3     a rank's shard exists only on it, so each rank keeps a
+ *                  replica of one other rank's shard -- its buddy's, on
+ *                  another host when there is one (from the host map) --
+ *                  masters and optimizer state, brought up to date every
+ *                  replica_every steps: the buddy sends it at the start of
+ *                  the step, over point-to-point messages that run under
+ *                  the step's compute, and the copy is committed when the
+ *                  step's gradients are in (a death in between leaves the
+ *                  previous copy).  Each rank also keeps its own shard as of
+ *                  that step.
+ * A recovery: the survivors shrink the communicator, agree on the newest
+ * step every lost shard has a copy of (the step in progress when the
+ * replicas are current, else up to replica_every - 1 steps back), cut the
+ * model into shards for the new world and send every piece from whoever
+ * holds it (the owner, or its buddy for a dead owner), place the data over
+ * the new world at that step, and make new replicas.  When a shard and its
+ * replica are both lost (a rank and its buddy together), the model is
+ * gone from memory: with cfg.reload the runtime re-shards over the
+ * survivors and calls it to load the last checkpoint (and says why), else
+ * recover fails.  A rank dying during the recovery starts it over without
+ * that rank, at most cfg.attempts times.
+ * A growth (chorus_comm_joiners at the start of a step): the members
+ * widen the communicator, hand the newcomers the step, the data position,
+ * the loss scale and the weights (DDP) or re-shard over the larger world,
+ * and make new replicas.  The newcomer makes its trainer on the
+ * communicator chorus_comm_join gave and calls chorus_elastic_join. */
+typedef struct chorus_elastic chorus_elastic_t;
+
+typedef struct chorus_elastic_config {
+  int replica_every;   /* stages 1-3: replicas brought up to date every K steps (1) */
+  int attempts;        /* shrinks tried while ranks keep dying (8) */
+  int grow_timeout_ms; /* bound on taking newcomers in (10000) */
+  /* Both shards of a pair lost: load the last checkpoint into the trainer
+   * (already over the survivors) and the loader, *step the step to go on
+   * from; NULL: recover fails instead. */
+  chorus_result_t (*reload)(void *arg, long *step);
+  void *reload_arg;
+  /* What happened to the world (a recovery, a growth, a reload), one line
+   * without newline, on rank 0 of the new world; NULL: nothing said. */
+  void (*log)(void *arg, const char *line);
+  void *log_arg;
+} chorus_elastic_config_t;
+
+#define CHORUS_ELASTIC_CONFIG_DEFAULT {1, 8, 10000, NULL, NULL, NULL, NULL}
+
+/* t's communicator and ld (placed over it) are taken over; cfg may be NULL
+ * (the defaults).  Not a collective: the first begin_step pairs the ranks
+ * and makes the first replicas. */
+CHORUS_API chorus_result_t chorus_elastic_create(chorus_trainer_t *t, chorus_loader_t *ld,
+                                                 const chorus_elastic_config_t *cfg,
+                                                 chorus_elastic_t **out);
+CHORUS_API void chorus_elastic_destroy(chorus_elastic_t *e);
+/* At the start of *step, before its first micro-step: takes newcomers in
+ * (*step is then theirs and the members'), keeps the state a recovery
+ * goes back to, and starts the replicas' upkeep when due.  An error is a
+ * failed collective: recover. */
+CHORUS_API chorus_result_t chorus_elastic_begin_step(chorus_elastic_t *e, long *step);
+/* After a failed collective of *step (or of its begin_step): *step becomes
+ * the step to redo.  CHORUS_OK, or an error saying why the job cannot go
+ * on (chorus_train_last_error). */
+CHORUS_API chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step);
+/* A newcomer (made on chorus_comm_join's communicator): receives the
+ * members' state; *step the step to start from. */
+CHORUS_API chorus_result_t chorus_elastic_join(chorus_elastic_t *e, long *step);
+CHORUS_API chorus_comm_t chorus_elastic_comm(const chorus_elastic_t *e);
+
+typedef struct chorus_elastic_stats {
+  size_t replica_bytes;  /* the buddy's shard kept here (0 under DDP) */
+  size_t staging_bytes;  /* the incoming copy while it is not committed */
+  size_t snapshot_bytes; /* this rank's own state kept for going back */
+  int buddy, holder;     /* whose shard this rank keeps; who keeps this rank's (-1: none) */
+  int buddy_same_host;   /* no other host to put it on */
+  long replica_step;     /* the step the committed replicas are the start of (-1) */
+  double upkeep_wait_s;  /* the last upkeep: what the step waited for its transfers */
+  double upkeep_copy_s;  /* ... and for its copies */
+  size_t upkeep_bytes;   /* ... and what it sent */
+  int recoveries, grows, reloads;
+  double last_recovery_s; /* the last recovery, from the failure seen to its end */
+} chorus_elastic_stats_t;
+CHORUS_API void chorus_elastic_get_stats(const chorus_elastic_t *e, chorus_elastic_stats_t *s);
+
 /* ---------------------------------------------- asynchronous data parallel
  *
  * A parameter server (chorus-train --mode async).  World ranks 0 .. S-1

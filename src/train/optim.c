@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "chorus_train.h"
+#include "runtime.h"
 
 struct chorus_optim {
   chorus_optim_config_t cfg;
@@ -82,6 +83,13 @@ void chorus_optim_step(chorus_optim_t *o, float *p, const float *g, float lr) {
 /* Layout of the blob: int64 step count, then m (and v for AdamW). */
 size_t chorus_optim_state_size(const chorus_optim_t *o) {
   return sizeof(int64_t) + sizeof(float) * o->n * (o->v ? 2 : 1);
+}
+
+void chorus__optim_raw(chorus_optim_t *o, long **t, float **m, float **v, size_t *n) {
+  *t = &o->t;
+  *m = o->m;
+  *v = o->v;
+  *n = o->n;
 }
 
 void chorus_optim_state_save(const chorus_optim_t *o, void *dst) {

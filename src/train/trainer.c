@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "chorus_train.h"
+#include "runtime.h"
 
 chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -28,6 +29,9 @@ struct chorus_trainer {
   size_t np;
   chorus_loss_scale_t ls;
   chorus_train_memory_t mem;
+  uint64_t seed;
+  chorus__step_hook_fn hook; /* elastic.c's */
+  void *hook_arg;
   int64_t pass_ns[3]; /* the last micro-step: forward start, backward start, end */
 };
 
@@ -60,6 +64,45 @@ static chorus_result_t refuse_cap(const chorus_trainer_t *t, int rank) {
               t->cfg.mem_cap / 1048576.0);
 }
 
+/* The sharded runtime and the optimizer of its shard over comm. */
+static chorus_result_t make_shards(chorus_trainer_t *t, chorus_comm_t comm) {
+  chorus_fsdp_config_t fc = t->cfg.fsdp;
+  fc.stage = t->cfg.shard;
+  fc.param_dtype = t->cfg.param_dtype;
+  chorus_result_t st = chorus_fsdp_create(comm, t->m, t->seed, &fc, &t->fsdp);
+  if (st != CHORUS_OK) return st;
+  chorus_fsdp_stats_t fs;
+  chorus_fsdp_get_stats(t->fsdp, &fs);
+  t->mem.params = fs.param_bytes;
+  t->mem.grads = fs.grad_bytes;
+  t->mem.optim = fs.shard_floats * 4 * optim_floats(&t->cfg.optim);
+  t->mem.work_bound = fs.work_bound;
+  t->mem.planned = t->mem.params + t->mem.grads + t->mem.optim + t->mem.work_bound +
+                   t->mem.activations;
+  if (t->cfg.mem_cap && t->mem.planned > t->cfg.mem_cap)
+    return refuse_cap(t, chorus_comm_rank(comm));
+  if ((st = chorus_optim_create(&t->cfg.optim, fs.shard_floats, &t->opt)) != CHORUS_OK)
+    return fail(st, "chorus_trainer: cannot make the optimizer (out of memory?)");
+  t->comm = comm;
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__trainer_reshard(chorus_trainer_t *t, chorus_comm_t comm) {
+  if (!t->cfg.shard || !comm)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer: only a sharded trainer re-shards");
+  chorus_fsdp_destroy(t->fsdp);
+  chorus_optim_destroy(t->opt);
+  t->fsdp = NULL;
+  t->opt = NULL;
+  t->comm = NULL;
+  return make_shards(t, comm);
+}
+
+void chorus__trainer_set_hook(chorus_trainer_t *t, chorus__step_hook_fn fn, void *arg) {
+  t->hook = fn;
+  t->hook_arg = arg;
+}
+
 chorus_result_t chorus_trainer_create(chorus_comm_t comm, const chorus_gpt_config_t *model,
                                       int max_batch, uint64_t seed,
                                       const chorus_trainer_config_t *cfg,
@@ -74,6 +117,7 @@ chorus_result_t chorus_trainer_create(chorus_comm_t comm, const chorus_gpt_confi
   chorus_trainer_t *t = calloc(1, sizeof *t);
   if (!t) return fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_create: out of memory");
   t->cfg = *cfg;
+  t->seed = seed;
   t->ls = (chorus_loss_scale_t){cfg->loss_scale ? 65536.0f : 1.0f, 0, 0};
   const int rank = comm ? chorus_comm_rank(comm) : 0;
   /* The model without storage first: its shape gives the plan. */
@@ -109,28 +153,8 @@ chorus_result_t chorus_trainer_create(chorus_comm_t comm, const chorus_gpt_confi
       goto out;
     }
     if (comm && (st = chorus_trainer_set_comm(t, comm)) != CHORUS_OK) goto out;
-  } else {
-    chorus_fsdp_config_t fc = cfg->fsdp;
-    fc.stage = cfg->shard;
-    fc.param_dtype = cfg->param_dtype;
-    if ((st = chorus_fsdp_create(comm, t->m, seed, &fc, &t->fsdp)) != CHORUS_OK) goto out;
-    chorus_fsdp_stats_t fs;
-    chorus_fsdp_get_stats(t->fsdp, &fs);
-    t->mem.params = fs.param_bytes;
-    t->mem.grads = fs.grad_bytes;
-    t->mem.optim = fs.shard_floats * 4 * of;
-    t->mem.work_bound = fs.work_bound;
-    t->mem.planned = t->mem.params + t->mem.grads + t->mem.optim + t->mem.work_bound +
-                     t->mem.activations;
-    if (cfg->mem_cap && t->mem.planned > cfg->mem_cap) {
-      st = refuse_cap(t, rank);
-      goto out;
-    }
-    if ((st = chorus_optim_create(&cfg->optim, fs.shard_floats, &t->opt)) != CHORUS_OK) {
-      fail(st, "chorus_trainer_create: cannot make the optimizer (out of memory?)");
-      goto out;
-    }
-    t->comm = comm;
+  } else if ((st = make_shards(t, comm)) != CHORUS_OK) {
+    goto out;
   }
   *out = t;
   return CHORUS_OK;
@@ -320,9 +344,10 @@ chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float lr,
     st = chorus_fsdp_wait(t->fsdp);
     inf.wait_s = (double)(now_ns() - w0) / 1e9;
   }
+  if (st == CHORUS_OK && t->hook) st = t->hook(t->hook_arg, CHORUS__HOOK_REDUCED);
   if (st != CHORUS_OK) {
     if (info) *info = inf;
-    return st; /* the reducer recorded why */
+    return st; /* the reducer (or the hook) recorded why */
   }
   const int n = nranges(t);
   const int many = t->comm && chorus_comm_size(t->comm) > 1;
@@ -371,6 +396,9 @@ chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float lr,
             CHORUS_OK)
       return comm_fail(t, st, "the gradient norm");
     inf.grad_norm = sqrt(sq);
+  }
+  if (t->hook) t->hook(t->hook_arg, CHORUS__HOOK_UPDATE);
+  if (!inf.skipped) {
     chorus_optim_begin_step(t->opt);
     for (int i = 0; i < n; i++) {
       float *p, *g;

@@ -46,6 +46,7 @@ typedef struct {
   const char *dump, *ckpt_dir, *trace, *export_path;
   int ckpt_every, keep, stop_after, kill_at, kill_rank;
   int elastic; /* --elastic inplace (-1: CHORUS_ELASTIC decides) */
+  int replica_every; /* --elastic inplace, sharded: replicas brought up to date every K steps */
   int skip_rank, skip_layer;     /* --skip-layer R:L */
   int uneven_rank, uneven_steps; /* --uneven R:N */
   int dump_all;
@@ -142,8 +143,12 @@ static void usage(FILE *f) {
           "  --inject-inf N       testing: rank 1 corrupts its gradient at step N\n"
           "  --elastic restart|inplace  when a rank dies: stop (chorusrun restarts the\n"
           "                       group, which resumes from a checkpoint), or shrink to\n"
-          "                       the ranks alive, re-shard the data and go on from the\n"
-          "                       weights in memory (default: chorusrun's --elastic)\n"
+          "                       the ranks alive, re-shard the data (and, with --shard,\n"
+          "                       the model from the replicas) and go on from memory\n"
+          "                       (default: chorusrun's --elastic)\n"
+          "  --replica-every K    --elastic inplace with --shard: each rank's shard is\n"
+          "                       copied to a rank on another host every K steps (1); a\n"
+          "                       death goes back at most K - 1 steps further\n"
           "  --kill-at N          testing: a rank kills itself (SIGKILL) at the start of\n"
           "                       step N of the first generation (CHORUS_RESTART_COUNT 0)\n"
           "  --kill-rank R        testing: the rank --kill-at kills (1)\n"
@@ -201,7 +206,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"staleness-weight", 1, 0, 1008}, {"slowdown", 1, 0, 1009}, {"bad-push", 1, 0, 1010},
       {"val-data", 1, 0, 1011},  {"data-format", 1, 0, 1012}, {"tokenizer", 1, 0, 1013},
       {"vocab", 1, 0, 1014},     {"workers", 1, 0, 1015},     {"data-prefetch", 1, 0, 1016},
-      {"data-delay-ms", 1, 0, 1017}, {"log-data", 1, 0, 1018},
+      {"data-delay-ms", 1, 0, 1017}, {"log-data", 1, 0, 1018}, {"replica-every", 1, 0, 1019},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -298,6 +303,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 1016: o->data_prefetch = atoi(optarg); break;
       case 1017: o->data_delay_ms = strtod(optarg, NULL); break;
       case 1018: o->log_data = optarg; break;
+      case 1019: o->replica_every = atoi(optarg); break;
       case 1007: o->max_staleness = atoi(optarg); break;
       case 1008:
         if (!strcmp(optarg, "inverse")) o->staleness_weight = 1;
@@ -661,23 +667,12 @@ static void sample_text(chorus_gpt_t *m, const opts_t *o, const chorus_bpe_t *bp
 
 /* ------------------------------------------------------------------ a run */
 
-/* --elastic inplace: the state at the start of a step.  Two are kept (the
- * last two steps): when a rank dies, a survivor may already have finished
- * the step the others failed in. */
-typedef struct {
-  long step; /* -1: empty */
-  float *params;
-  unsigned char *optim;
-  long epoch; /* the loader's */
-  size_t taken;
-  chorus_loss_scale_t ls;
-} snap_t;
-
 /* Everything a training run changes as it goes. */
 typedef struct {
   const opts_t *o;
   chorus_comm_t comm;
   chorus_trainer_t *trainer; /* DDP or sharded, optimizer, loss scaling, join */
+  chorus_elastic_t *elastic; /* --elastic inplace: recovery and growth in place */
   chorus_gpt_t *m;           /* the trainer's model */
   chorus_optim_t *opt;       /* the trainer's optimizer */
   chorus_tokens_t *train, *val;
@@ -688,17 +683,13 @@ typedef struct {
   size_t *idx, np;
   int first_generation; /* CHORUS_RESTART_COUNT is 0 */
   /* For the summary. */
-  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm, sum_step, sum_data;
+  double sum_tps, sum_fwd, sum_bwd, sum_exp, sum_opt, sum_comm, sum_step, sum_data, sum_rep;
   int skipped_steps;
   int timed;
   float first_val, last_val;
-  /* The collective that failed a step, and whether the step's update had
-   * been applied by then. */
+  /* The collective that failed a step. */
   const char *fail_what;
   chorus_result_t fail_st;
-  int applied;
-  snap_t snap[2];
-  size_t optim_bytes;
   int64_t failed_ns; /* when a failure was seen; 0 once a step completed after it */
   long steps_done;
 } run_t;
@@ -861,6 +852,21 @@ static void report_memory(run_t *r) {
          g_rank, s, m.params / 1048576.0, m.grads / 1048576.0, m.optim / 1048576.0,
          state / 1048576.0, formula / 1048576.0, state / formula, m.work_peak / 1048576.0,
          m.work_bound / 1048576.0, m.activations / 1048576.0, peak_rss() / 1048576.0);
+  if (r->elastic) {
+    chorus_elastic_stats_t es;
+    chorus_elastic_get_stats(r->elastic, &es);
+    if (s)
+      printf("memory rank %d: replica of rank %d's shard (%s) %.2f MiB = %.3fx the shard's "
+             "masters and optimizer state (%.2f MiB); incoming copy %.2f MiB; own copy %.2f "
+             "MiB\n", g_rank, es.buddy, es.buddy_same_host ? "on this host: no other" :
+             "on another host", es.replica_bytes / 1048576.0,
+             (double)es.replica_bytes / (double)(m.optim + m.optim / (ob / 4)),
+             (m.optim + m.optim / (ob / 4)) / 1048576.0, es.staging_bytes / 1048576.0,
+             es.snapshot_bytes / 1048576.0);
+    else
+      printf("memory rank %d: snapshots for --elastic inplace %.2f MiB (the last two steps)\n",
+             g_rank, es.snapshot_bytes / 1048576.0);
+  }
   fflush(stdout);
 }
 
@@ -883,7 +889,6 @@ static int train_step(run_t *r, long step) {
   const opts_t *o = r->o;
   const int T = o->model.ctx, B = o->batch;
   chorus_result_t st;
-  r->applied = 0;
   if (step == o->kill_at && g_rank == o->kill_rank && r->first_generation) {
     fprintf(stderr, "chorus-train: rank %d kills itself at step %ld (--kill-at) at wall clock "
             "%lld ms\n", g_rank, step, (long long)wall_ms());
@@ -958,14 +963,22 @@ static int train_step(run_t *r, long step) {
         step, info.loss_scale);
   }
   const double norm = info.grad_norm;
-  r->applied = 1;
   r->steps_done = step + 1;
   double t1 = now_s();
   double dt = t1 - t0, tps = (double)g_size * B * T * o->accum / dt;
   /* Sharded runs wait for gathers inside the passes: that time is in
    * fwd/bwd and in exposed comm both. */
   const double opt_s = (w1 - w0) - info.wait_s;
+  /* --elastic inplace, sharded: what the replicas' upkeep cost the step
+   * (waiting for the transfers, copying at the commit). */
+  double rep_s = 0;
+  if (r->elastic && o->shard) {
+    chorus_elastic_stats_t es;
+    chorus_elastic_get_stats(r->elastic, &es);
+    rep_s = es.upkeep_wait_s + es.upkeep_copy_s;
+  }
   if (step >= 3) { /* after warm-up */
+    r->sum_rep += rep_s;
     r->sum_tps += tps, r->sum_fwd += tf, r->sum_bwd += tb, r->sum_exp += info.exposed_s;
     r->sum_opt += opt_s, r->sum_comm += info.comm_s, r->sum_step += dt, r->sum_data += td;
     r->timed++;
@@ -976,10 +989,12 @@ static int train_step(run_t *r, long step) {
     if ((st = chorus_all_reduce(r->comm, &mine, &avg, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL)) !=
         CHORUS_OK)
       return comm_failed(r, "loss all_reduce", st);
+    char rep[48] = "";
+    if (r->elastic && o->shard) snprintf(rep, sizeof rep, "  replica %.1f ms", 1e3 * rep_s);
     say("step %4ld/%d  loss %.4f  lr %.2e  norm %.3f  %.0f tok/s  data %.1f ms  fwd %.1f ms  "
-        "bwd %.1f ms  exposed comm %.1f ms  optim %.1f ms\n",
+        "bwd %.1f ms  exposed comm %.1f ms  optim %.1f ms%s\n",
         step, o->steps, avg, lr, norm, tps, 1e3 * td, 1e3 * tf, 1e3 * tb, 1e3 * info.exposed_s,
-        1e3 * opt_s);
+        1e3 * opt_s, rep);
   }
   if (o->val_every && ((step + 1) % o->val_every == 0 || step == o->steps - 1)) {
     float v;
@@ -1007,182 +1022,36 @@ static int train_step(run_t *r, long step) {
   return STEP_NEXT;
 }
 
-/* Keeps the state at the start of step (in the slot of its parity). */
-static void snap_take(run_t *r, long step) {
-  snap_t *s = &r->snap[step & 1];
-  memcpy(s->params, chorus_trainer_master(r->trainer), r->np * sizeof(float));
-  chorus_optim_state_save(r->opt, s->optim);
-  s->epoch = chorus_loader_epoch(r->ld);
-  s->taken = chorus_loader_taken(r->ld);
-  chorus_trainer_get_loss_scale(r->trainer, &s->ls);
-  s->step = step;
+/* ------------------------------------------------------- --elastic inplace */
+
+/* After a recovery or a growth: the runtime's communicator. */
+static void world_changed(run_t *r) {
+  if (!r->elastic) return;
+  r->comm = chorus_elastic_comm(r->elastic);
+  g_rank = chorus_comm_rank(r->comm);
+  g_size = chorus_comm_size(r->comm);
 }
 
-/* Goes back to the start of step, with the data re-sharded over the
- * current world (g_size, g_rank). */
-static int snap_restore(run_t *r, long step) {
-  const snap_t *s = &r->snap[step & 1];
-  if (s->step != step) return -1;
-  if (chorus_trainer_load_weights(r->trainer, s->params) != CHORUS_OK ||
-      chorus_optim_state_load(r->opt, s->optim, r->optim_bytes) != CHORUS_OK)
-    return -1;
-  chorus_trainer_set_loss_scale(r->trainer, &s->ls);
-  /* The data where the world was at that step, over the new world. */
-  return loader_place(r->ld, s->epoch, s->taken);
+static void log_line(void *arg, const char *line) {
+  (void)arg;
+  printf("%s\n", line);
+  fflush(stdout);
 }
 
-/* --elastic inplace: a collective of step failed (a rank died, or its host
- * went away).  The survivors shrink the communicator to the ranks still
- * alive (chorus_comm_shrink), agree on the first step that not all of them
- * finished (this one, or the next when every survivor had applied it), go
- * back to the state each kept of that step's start, re-shard the data over
- * the smaller world (DistributedSampler's rule) and go on with the weights
- * they hold: no checkpoint is read.  A rank that dies during this makes
- * the agreement fail: it starts over without that rank, a bounded number
- * of times.  Returns the step to go on from, or -1 (reported). */
-static long recover(run_t *r, long step) {
-  int64_t t0 = now_ns();
-  if (!r->failed_ns) r->failed_ns = t0;
-  fprintf(stderr, "chorus-train: rank %d: step %ld failed (%s: %s); going on with the ranks "
-          "still alive (--elastic inplace)\n", g_rank, step, r->fail_what,
-          chorus_comm_last_error(r->comm));
-  chorus_trainer_set_comm(r->trainer, NULL);
-  /* A rank that applied this step's update already has the state of the
-   * next one's start. */
-  if (r->applied) snap_take(r, step + 1);
-  int64_t done = step + r->applied;
-  const int before = g_size;
-  for (int attempt = 0; attempt < 8; attempt++) {
-    chorus_comm_t next = NULL;
-    chorus_result_t st = chorus_comm_shrink(r->comm, 0, &next);
-    if (st != CHORUS_OK) {
-      fprintf(stderr, "chorus-train: rank %d: cannot go on: chorus_comm_shrink: %s: %s\n",
-              g_rank, chorus_result_name(st), chorus_comm_last_error(r->comm));
-      return -1;
-    }
-    chorus_comm_destroy(r->comm);
-    r->comm = next;
-    g_rank = chorus_comm_rank(next);
-    g_size = chorus_comm_size(next);
-    /* The earliest and the latest step done, in one all_reduce. */
-    int64_t mine[2] = {done, -done}, agreed[2];
-    st = chorus_all_reduce(next, mine, agreed, 2, CHORUS_INT64, CHORUS_MIN, NULL);
-    if (st != CHORUS_OK) continue; /* someone else died: shrink again */
-    long to = (long)agreed[0];
-    if (-agreed[1] - agreed[0] > 1) {
-      fprintf(stderr, "chorus-train: rank %d: cannot go on: the survivors are at steps %lld to "
-              "%lld, more than one apart\n", g_rank, (long long)agreed[0],
-              (long long)-agreed[1]);
-      return -1;
-    }
-    if (snap_restore(r, to) != 0) {
-      fprintf(stderr, "chorus-train: rank %d: cannot go on: cannot go back to the start of step "
-              "%ld (kept: steps %ld and %ld)\n", g_rank, to, r->snap[0].step, r->snap[1].step);
-      return -1;
-    }
-    /* chorus_ddp_create broadcasts rank 0's weights: every survivor went
-     * back to the same step, so they are the ones it holds already. */
-    st = chorus_trainer_set_comm(r->trainer, next);
-    if (st != CHORUS_OK) continue;
-    say("elastic: %d of %d rank(s) go on from step %ld with the weights in memory, the data "
-        "re-sharded (recovery took %.0f ms)\n", g_size, before, to, (now_ns() - t0) / 1e6);
-    return to;
+/* The runtime lost a shard with its replica: the last checkpoint (or the
+ * start, without one) over the survivors. */
+static chorus_result_t reload_checkpoint(void *arg, long *step) {
+  run_t *r = arg;
+  world_changed(r);
+  if (!r->o->ckpt_dir) {
+    fprintf(stderr, "chorus-train: rank %d: no --checkpoint-dir to go back to\n", g_rank);
+    return CHORUS_ERR_INVALID_ARG;
   }
-  fprintf(stderr, "chorus-train: rank %d: cannot go on: ranks kept dying during the recovery\n",
-          g_rank);
-  return -1;
-}
-
-/* What a rank that joins a running job gets from rank 0 besides the
- * weights and the optimizer state. */
-typedef struct {
-  int64_t step, epoch, taken; /* taken: samples of the epoch the world took */
-  float scale;
-  int32_t good_steps, skipped_steps, pad;
-} join_state_t;
-
-/* After a grow: rank 0 sends the members' state to the newcomers (every
- * rank calls it; the members hold it already, so only the newcomers'
- * copies change), and everyone re-shards the data over the new world.
- *step gets the
- * step to go on from.  0, or -1 when a broadcast failed. */
-static int share_state(run_t *r, long *step) {
-  join_state_t js = {0};
-  if (g_rank == 0) {
-    js.step = *step;
-    js.epoch = chorus_loader_epoch(r->ld);
-    js.taken = (int64_t)chorus_loader_taken(r->ld);
-    chorus_loss_scale_t ls;
-    chorus_trainer_get_loss_scale(r->trainer, &ls);
-    js.scale = ls.scale;
-    js.good_steps = ls.good_steps;
-    js.skipped_steps = ls.skipped_steps;
-  }
-  unsigned char *optim = malloc(r->optim_bytes ? r->optim_bytes : 1);
-  if (!optim) return -1;
-  if (g_rank == 0) chorus_optim_state_save(r->opt, optim);
-  chorus_result_t st = chorus_broadcast(r->comm, &js, sizeof js, CHORUS_UINT8, 0, NULL);
-  if (st == CHORUS_OK)
-    st = chorus_broadcast(r->comm, optim, r->optim_bytes, CHORUS_UINT8, 0, NULL);
-  if (st == CHORUS_OK && chorus_optim_state_load(r->opt, optim, r->optim_bytes) != CHORUS_OK)
-    st = CHORUS_ERR_INVALID_ARG;
-  free(optim);
-  if (st != CHORUS_OK || js.step < 0 || js.epoch < 0 || js.taken < 0) return -1;
-  *step = (long)js.step;
-  chorus_loss_scale_t ls = {js.scale, js.good_steps, js.skipped_steps};
-  chorus_trainer_set_loss_scale(r->trainer, &ls);
-  /* The data: the epoch, and how far the old world got into it. */
-  if (loader_place(r->ld, (long)js.epoch, (size_t)js.taken) != 0) return -1;
-  /* Making DDP broadcasts rank 0's weights to the newcomers. */
-  return chorus_trainer_set_comm(r->trainer, r->comm) == CHORUS_OK ? 0 : -1;
-}
-
-/* --elastic inplace, at the start of a step: when processes wait to join
- * the job (chorusrun started them on a node it admitted), the ranks grow
- * the communicator to take them in and hand them the state.  A grow that
- * fails on any member (a newcomer died) leaves every member on the old
- * communicator.  1: grown, 0: as before, -1: a collective failed (r->fail_*:
- * recover as from a failed step). */
-static int admit_joiners(run_t *r, long *step) {
-  int waiting = 0;
-  chorus_result_t st = chorus_comm_joiners(r->comm, &waiting);
-  if (st != CHORUS_OK) {
-    comm_failed(r, "looking for new ranks", st);
-    return -1;
-  }
-  if (!waiting) return 0;
-  int64_t t0 = now_ns();
-  chorus_comm_t grown = NULL;
-  st = chorus_comm_grow(r->comm, 10000, &grown);
-  if (st != CHORUS_OK)
-    fprintf(stderr, "chorus-train: rank %d: could not take in %d new rank(s): %s\n", g_rank,
-            waiting, chorus_comm_last_error(r->comm));
-  /* Every member moves to the grown world, or none does (a newcomer that
-   * died half-way may leave it formed on some members only). */
-  int32_t ok = st == CHORUS_OK && grown, all = 0;
-  chorus_result_t vs = chorus_all_reduce(r->comm, &ok, &all, 1, CHORUS_INT32, CHORUS_MIN, NULL);
-  if (vs != CHORUS_OK || !all) {
-    chorus_comm_destroy(grown);
-    if (vs != CHORUS_OK) {
-      comm_failed(r, "the vote on new ranks", vs);
-      return -1;
-    }
-    if (ok) say("elastic: some rank could not take in the new rank(s); going on without them\n");
-    return 0;
-  }
-  const int before = g_size;
-  chorus_trainer_set_comm(r->trainer, NULL);
-  chorus_comm_destroy(r->comm);
-  r->comm = grown;
-  g_rank = chorus_comm_rank(grown);
-  g_size = chorus_comm_size(grown);
-  if (share_state(r, step) != 0) {
-    comm_failed(r, "handing the state to the new ranks", CHORUS_ERR_REMOTE);
-    return -1;
-  }
-  say("elastic: %d new rank(s) joined at step %ld: %d rank(s) now, the data re-sharded "
-      "(took %.0f ms)\n", g_size - before, *step, g_size, (now_ns() - t0) / 1e6);
-  return 1;
+  long s = resume(r->o, r->trainer, r->ld);
+  if (s < 0) return CHORUS_ERR_REMOTE;
+  if (s == 0 && loader_place(r->ld, 0, 0) != 0) return CHORUS_ERR_INVALID_ARG;
+  *step = s;
+  return CHORUS_OK;
 }
 
 /* ------------------------------------------------------------ --mode async */
@@ -1470,7 +1339,7 @@ int main(int argc, char **argv) {
               .kill_rank = 1, .skip_rank = -1, .uneven_rank = -1, .loss_scale = -1,
               .inject_inf = -1, .elastic = -1, .prefetch = 1, .param_dtype = CHORUS_FLOAT32,
               .servers = 1, .max_staleness = 16, .slow_rank = -1, .slow_factor = 1.0,
-              .bad_rank = -1, .bad_step = -1};
+              .bad_rank = -1, .bad_step = -1, .replica_every = 1};
   if (parse(argc, argv, &o) != 0) {
     usage(stderr);
     return 2;
@@ -1508,10 +1377,8 @@ int main(int argc, char **argv) {
             "rank out of data could be the one that dies)\n");
     return 2;
   }
-  if (o.shard && (o.elastic || join)) {
-    fprintf(stderr, "chorus-train: --shard %d and --elastic inplace do not go together yet: the "
-            "survivors would have to redistribute the shards in memory; use --elastic restart "
-            "(a checkpoint)\n", o.shard);
+  if (o.replica_every < 1) {
+    fprintf(stderr, "chorus-train: --replica-every %d: give K >= 1\n", o.replica_every);
     return 2;
   }
   if (o.shard && o.hook == CHORUS_DDP_HOOK_FP16) {
@@ -1562,8 +1429,9 @@ int main(int argc, char **argv) {
   tc.optim.kind = o.optim;
   tc.optim.momentum = o.momentum;
   tc.optim.weight_decay = o.weight_decay;
-  /* A newcomer makes its DDP once it has the members' state (share_state). */
-  st = chorus_trainer_create(join ? NULL : r.comm, &o.model, o.batch, o.seed, &tc, &r.trainer);
+  /* A newcomer makes it on the grown world with the members (who move
+   * theirs to it), then takes their state (chorus_elastic_join). */
+  st = chorus_trainer_create(r.comm, &o.model, o.batch, o.seed, &tc, &r.trainer);
   if (st != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
     if (st != CHORUS_ERR_NO_MEMORY || !o.mem_cap) chorus_comm_abort(r.comm);
@@ -1585,12 +1453,14 @@ int main(int argc, char **argv) {
   r.tok = malloc(sizeof(int) * (size_t)B * T);
   r.tgt = malloc(sizeof(int) * (size_t)B * T);
   r.idx = malloc(sizeof(size_t) * (size_t)B);
-  r.optim_bytes = chorus_optim_state_size(r.opt);
-  for (int k = 0; k < 2 && o.elastic; k++) {
-    r.snap[k].step = -1;
-    r.snap[k].params = malloc(r.np * sizeof(float));
-    r.snap[k].optim = malloc(r.optim_bytes ? r.optim_bytes : 1);
-    if (!r.snap[k].params || !r.snap[k].optim) return die(r.comm, "--elastic inplace", CHORUS_ERR_NO_MEMORY);
+  if (o.elastic) {
+    chorus_elastic_config_t ec = CHORUS_ELASTIC_CONFIG_DEFAULT;
+    ec.replica_every = o.replica_every;
+    ec.reload = reload_checkpoint;
+    ec.reload_arg = &r;
+    ec.log = log_line;
+    if ((st = chorus_elastic_create(r.trainer, r.ld, &ec, &r.elastic)) != CHORUS_OK)
+      return die(r.comm, "--elastic inplace", st);
   }
   if (!r.tok || !r.tgt || !r.idx) return die(r.comm, "buffers", CHORUS_ERR_NO_MEMORY);
   char mode[128];
@@ -1619,7 +1489,8 @@ int main(int argc, char **argv) {
   long start = 0;
   if (join) {
     /* A newcomer: the members hand over their state. */
-    if (share_state(&r, &start) != 0) return die(r.comm, "joining the running job", CHORUS_ERR_REMOTE);
+    if ((st = chorus_elastic_join(r.elastic, &start)) != CHORUS_OK)
+      return die(r.comm, "joining the running job", st);
     fprintf(stderr, "chorus-train: joined the running job as rank %d of %d at step %ld\n", g_rank,
             g_size, start);
   } else if (o.ckpt_dir) {
@@ -1633,17 +1504,20 @@ int main(int argc, char **argv) {
   r.first_generation = !rc || !strcmp(rc, "0");
   const double loop_t0 = now_s();
   for (long step = start; step < o.steps;) {
-    if (o.elastic) snap_take(&r, step);
-    /* After a grow, every rank (the newcomers too) looks again. */
-    int how = o.elastic ? admit_joiners(&r, &step) : 0;
-    if (how == 1) continue;
-    r.applied = 0;
-    how = how < 0 ? STEP_COMM : train_step(&r, step);
+    int how = STEP_NEXT;
+    if (r.elastic && (st = chorus_elastic_begin_step(r.elastic, &step)) != CHORUS_OK)
+      how = comm_failed(&r, "the start of the step (replicas, new ranks)", st);
+    world_changed(&r);
+    if (how == STEP_NEXT) how = train_step(&r, step);
     if (how == STEP_STOP) break;
     if (how == STEP_FATAL) return 1;
     if (how == STEP_COMM) {
-      if (!o.elastic) return die(r.comm, r.fail_what, r.fail_st);
-      if ((step = recover(&r, step)) < 0) return 1;
+      if (!r.elastic) return die(r.comm, r.fail_what, r.fail_st);
+      if (!r.failed_ns) r.failed_ns = now_ns();
+      fprintf(stderr, "chorus-train: rank %d: step %ld failed in %s (%s)\n", g_rank, step,
+              r.fail_what, chorus_result_name(r.fail_st));
+      if (chorus_elastic_recover(r.elastic, &step) != CHORUS_OK) return 1;
+      world_changed(&r);
       continue;
     }
     if (r.failed_ns) {
@@ -1671,6 +1545,9 @@ int main(int argc, char **argv) {
         1e3 * r.sum_comm / r.timed,
         r.sum_comm > 0 && r.sum_exp < r.sum_comm ? 100.0 * (1.0 - r.sum_exp / r.sum_comm) : 0.0,
         o.shard ? "compute" : "backward");
+    if (r.elastic && o.shard)
+      say("replicas: %.2f ms per step waiting for and committing the copies (every %d "
+          "step(s))\n", 1e3 * r.sum_rep / r.timed, o.replica_every);
     if (!isnan(r.first_val)) say("validation loss %.4f -> %.4f\n", r.first_val, r.last_val);
   }
   if (r.tr && trace_write(r.comm, r.tr, o.trace_ping, o.trace) != 0)
@@ -1689,7 +1566,7 @@ int main(int argc, char **argv) {
     say("exported: %s (step %ld)\n", o.export_path, r.steps_done);
   }
   report_memory(&r);
-  for (int k = 0; k < 2; k++) free(r.snap[k].params), free(r.snap[k].optim);
+  chorus_elastic_destroy(r.elastic);
   free(r.tok), free(r.tgt), free(r.idx);
   chorus_loader_destroy(r.ld);
   chorus_trainer_destroy(r.trainer);
