@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# chorus-train --elastic inplace on 3 emulated hosts (tests/fixtures/netns.sh),
-# one worker each, chorusrun's c10d rendezvous on every host:
+# chorus-train --elastic inplace on emulated hosts (tests/fixtures/netns.sh),
+# one worker each, chorusrun's c10d rendezvous on every host.
+#   elastic_inplace.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA FIXTURES_DIR [ddp|shards]
+# ddp (the default), 3 hosts:
 #   1. a worker on a random host is SIGKILLed at a random moment (after a
 #      random step was logged: mid-step, mid-all_reduce or between steps);
 #      the two survivors shrink, re-shard the data and finish the run;
@@ -15,14 +17,27 @@
 #   5. a third host arrives while 2 train (--nnodes 2:3): it is admitted into
 #      the running job, which grows to 3 ranks; the weights equal a run
 #      that switched from 2 to 3 hosts at the step it joined.
-#   elastic_inplace.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA FIXTURES_DIR
+# shards, 4 hosts, sharded (--shard; each rank's replica on the next host):
+#   1. stage 3: a random worker SIGKILLed at a random moment; the three
+#      survivors rebuild its shard from the replica, re-shard over 3 and
+#      finish; weights bit-identical to a checkpoint at the agreed step
+#      resumed on 3 hosts, and different from the uninterrupted run's;
+#   2. a random stage (1 or 2): a random host other than the store's
+#      unplugged; the same comparison;
+#   3. a random stage (1-3): a fourth host arrives while 3 train
+#      (--nnodes 3:4); the model is re-sharded over 4; the weights equal a
+#      run that switched from 3 to 4 hosts at that step;
+#   4. a random stage (1-3): a worker and the one keeping its replica
+#      SIGKILLed together: the shard is gone from memory, so the two
+#      survivors go on from the last checkpoint, and say why; the weights
+#      equal that checkpoint resumed on 2 hosts.
 # Needs root (network namespaces); exits 77 (skipped, reason printed) when the
 # fixture cannot make hosts.  The EXIT trap kills what it started and removes
 # the hosts.
 set -u
-RUN=$1 TRAIN=$2 CMP=$3 DATA=$4 FIXTURES=$5
+RUN=$1 TRAIN=$2 CMP=$3 DATA=$4 FIXTURES=$5 MODE=${6:-ddp}
 . "$FIXTURES/hosts_test.sh"
-hosts_test_begin elastic
+hosts_test_begin "el$MODE"
 FAILS=0
 
 # Private copies, so pkill -f $TMP/ finds exactly our processes.
@@ -32,9 +47,8 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$T
 export CHORUS_JOB_SECRET_FILE=$TMP/key OPENBLAS_NUM_THREADS=1
 unset CHORUS_JOB_SECRET RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
 
-hosts_up 3
-
 STEPS=40
+[[ $MODE == shards ]] && STEPS=30
 MODEL=(--data "$DATA" --layers 2 --heads 4 --channels 128 --ctx 64 --batch 16 --steps "$STEPS"
        --warmup 5 --val-every 0 --sample 0 --log-every 1 --threads 1)
 fail() {
@@ -77,6 +91,45 @@ job_wait() {
   done
 }
 
+# wait_logged NAME STEP: until a host of job NAME logged STEP (60 s at most).
+wait_logged() {
+  local end=$((SECONDS + 60))
+  until grep -qE "step +$2/$STEPS" "$TMP"/$1.h*.out 2>/dev/null || ((SECONDS >= end)); do
+    sleep 0.01
+  done
+}
+# kill_worker NAME HOST: SIGKILLs the worker of job NAME on HOST.
+kill_worker() {
+  local agent worker
+  agent=$(cat "$TMP/$1.h$2.pid" 2>/dev/null)
+  worker=$(pgrep -P "$agent" -f "^$TMP/chorus-train " 2>/dev/null | head -n 1)
+  if [[ -z $worker ]]; then
+    fail "could not find host $2's worker of job $1"
+    return 1
+  fi
+  kill -KILL "$worker"
+}
+# rank_worker NAME RANK: the pid of job NAME's worker of that rank ("" if none).
+rank_worker() {
+  local i agent w
+  for i in "${!PIDS[@]}"; do
+    agent=$(cat "$TMP/$1.h$i.pid" 2>/dev/null)
+    for w in $(pgrep -P "$agent" -f "^$TMP/chorus-train " 2>/dev/null); do
+      tr '\0' '\n' <"/proc/$w/environ" 2>/dev/null | grep -qx "RANK=$2" && echo "$w" && return
+    done
+  done
+}
+# same NAME A B: the dumps A and B must be bit-identical.
+same() {
+  if "$CMP" "$TMP/$2" "$TMP/$3" 0; then
+    echo "ok   $1: bit-identical to the reference"
+  else
+    fail "$1: the weights differ from the reference's"
+  fi
+}
+
+run_ddp() {
+hosts_up 3
 # 1. The elastic run: a random host loses its worker after a random step.
 VICTIM=$((RANDOM % 3)) AFTER=$((3 + RANDOM % 25))
 job el 3 29500 --elastic inplace -- --dump "$TMP/inplace.bin"
@@ -198,6 +251,117 @@ else
   fail "growing: agents ${RCS[*]}, joined at '$G'"
 fi
 
+}
+
+run_shards() {
+hosts_up 4
+local S M V W G C
+# 1. Stage 3, a random worker SIGKILLed after a random step.
+V=$((RANDOM % 4)) AFTER=$((3 + RANDOM % 25))
+job sk 4 29510 --elastic inplace -- --shard 3 --dump "$TMP/sk.bin"
+wait_logged sk "$AFTER"
+kill_worker sk "$V"
+job_wait
+M=$(sed -n 's/.*elastic: 3 of 4 rank(s) go on from step \([0-9]*\) .*/\1/p' "$TMP"/sk.h*.out | head -n 1)
+echo "stage 3: host $V's worker SIGKILLed after step $AFTER was logged; the survivors went on from step ${M:-?}"
+grep -h "recovery took\|after the failure was seen" "$TMP"/sk.h*.out | sed 's/^/  /'
+if [[ -n $M && -s $TMP/sk.bin ]] && ((RCS[V] == 137)); then
+  echo "ok   stage 3: the survivors rebuilt the lost shard and finished on 3 (agents: ${RCS[*]})"
+  job skr1 4 29511 -- --shard 3 --checkpoint-dir "$TMP/skck" --stop-after "$M"
+  job_wait
+  job skr2 3 29512 -- --shard 3 --checkpoint-dir "$TMP/skck" --dump "$TMP/skref.bin"
+  job_wait
+  same "stage 3, a worker killed" sk.bin skref.bin
+  job sks 4 29513 -- --shard 3 --dump "$TMP/sks.bin"
+  job_wait
+  if "$CMP" "$TMP/sk.bin" "$TMP/sks.bin" 0 >/dev/null 2>&1; then
+    fail "stage 3: the survivors' weights equal the uninterrupted run's: the check cannot tell"
+  else
+    echo "ok   ... and differ from the uninterrupted 4-host run's"
+  fi
+else
+  fail "stage 3, a worker killed: agents ${RCS[*]}, resumed at '${M}'"
+fi
+
+# 2. Stage 1 or 2, a host other than the store's unplugged.
+S=$((1 + RANDOM % 2)) V=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 25))
+CHORUS_PEER_TIMEOUT_MS=1500 job su 4 29514 --elastic inplace -- --shard "$S" --dump "$TMP/su.bin"
+wait_logged su "$AFTER"
+bash "$NETNS" link "$V" down >/dev/null
+job_wait
+bash "$NETNS" link "$V" up >/dev/null
+M=$(sed -n 's/.*elastic: 3 of 4 rank(s) go on from step \([0-9]*\) .*/\1/p' "$TMP"/su.h*.out | head -n 1)
+echo "stage $S: host $V unplugged after step $AFTER was logged; the others went on from step ${M:-?}"
+grep -h "went silent\|recovery took\|after the failure was seen" "$TMP"/su.h*.out | grep -v WARN |
+  cut -c1-200 | sed 's/^/  /'
+if [[ -n $M && -s $TMP/su.bin ]] && grep -q "went silent" "$TMP"/su.h*.out; then
+  echo "ok   stage $S: host $V unplugged: the other three finished in place"
+  job sur1 4 29515 -- --shard "$S" --checkpoint-dir "$TMP/suck" --stop-after "$M"
+  job_wait
+  job sur2 3 29516 -- --shard "$S" --checkpoint-dir "$TMP/suck" --dump "$TMP/suref.bin"
+  job_wait
+  same "stage $S, a host unplugged" su.bin suref.bin
+else
+  fail "stage $S, host $V unplugged: agents ${RCS[*]}, resumed at '${M}'"
+fi
+
+# 3. A random stage, a fourth host arriving while 3 train.
+S=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 20))
+NNODES=3:4 job sg 3 29517 --rdzv-conf last_call_timeout=0.2 --elastic inplace -- --shard "$S" \
+  --dump "$TMP/sg.bin"
+local G3=("${PIDS[@]}")
+wait_logged sg "$AFTER"
+(bash "$NETNS" exec 3 "$RUN" --nnodes 3:4 -n 1 --rdzv-backend c10d \
+  --rdzv-endpoint "${ADDR[0]}:29517" --rdzv-id sg --elastic inplace "$TRAIN" "${MODEL[@]}" \
+  --shard "$S" --dump "$TMP/sg.bin" >"$TMP/sg.h3.out" 2>&1 </dev/null; exit $?) &
+PIDS=("${G3[@]}" $!)
+job_wait
+G=$(sed -n 's/.*elastic: 1 new rank(s) joined at step \([0-9]*\):.*/\1/p' "$TMP"/sg.h*.out | head -n 1)
+echo "stage $S: host 3 arrived after step $AFTER was logged; it joined at step ${G:-?}"
+if [[ ${RCS[*]} == "0 0 0 0" && -n $G && -s $TMP/sg.bin ]]; then
+  echo "ok   stage $S: the job grew from 3 to 4 hosts in place, re-sharded, and finished"
+  job sgr1 3 29518 -- --shard "$S" --checkpoint-dir "$TMP/sgck" --stop-after "$G"
+  job_wait
+  job sgr2 4 29519 -- --shard "$S" --checkpoint-dir "$TMP/sgck" --dump "$TMP/sgref.bin"
+  job_wait
+  same "stage $S, grown from 3 to 4" sg.bin sgref.bin
+else
+  fail "stage $S, growing: agents ${RCS[*]}, joined at '$G'"
+fi
+
+# 4. A random stage, a rank and the one keeping its replica (the next
+# rank: one per host) killed together: from the last checkpoint (every 5
+# steps).
+S=$((1 + RANDOM % 3)) V=$((RANDOM % 4)) AFTER=$((6 + RANDOM % 18))
+W=$(((V + 1) % 4))
+job sd 4 29520 --elastic inplace -- --shard "$S" --checkpoint-dir "$TMP/sdck" \
+  --checkpoint-every 5 --dump "$TMP/sd.bin"
+wait_logged sd "$AFTER"
+local pv pw
+pv=$(rank_worker sd "$V") pw=$(rank_worker sd "$W")
+if [[ -n $pv && -n $pw ]]; then kill -KILL "$pv" "$pw"; else fail "ranks $V and $W of job sd not found"; fi
+job_wait
+C=$(sed -n 's/.*resumed from .*ckpt-0*\([0-9][0-9]*\) .*/\1/p' "$TMP"/sd.h*.out | head -n 1)
+echo "stage $S: ranks $V and $W (which kept $V's replica) killed after step $AFTER; the survivors went back to the checkpoint of step ${C:-?}"
+grep -h "no longer in memory" "$TMP"/sd.h*.out | head -n 1 | cut -c1-250 | sed 's/^/  /'
+if [[ -n $C && -s $TMP/sd.bin ]] && grep -q "no longer in memory" "$TMP"/sd.h*.out &&
+  grep -q "elastic: 2 of 4 rank(s) go on" "$TMP"/sd.h*.out; then
+  echo "ok   stage $S: shard and replica lost: the two survivors went on from the checkpoint"
+  job sdr1 4 29521 -- --shard "$S" --checkpoint-dir "$TMP/sdrck" --stop-after "$C"
+  job_wait
+  job sdr2 2 29522 -- --shard "$S" --checkpoint-dir "$TMP/sdrck" --dump "$TMP/sdref.bin"
+  job_wait
+  same "stage $S, a shard and its replica lost" sd.bin sdref.bin
+else
+  fail "stage $S, a shard and its replica lost: agents ${RCS[*]}, checkpoint '${C}'"
+fi
+}
+
+case $MODE in
+  ddp) run_ddp ;;
+  shards) run_shards ;;
+  *) echo "unknown mode $MODE (ddp or shards)"; exit 2 ;;
+esac
 ((FAILS == 0)) && echo "all elastic checks passed" && exit 0
 echo "$FAILS elastic check(s) FAILED"
 exit 1
