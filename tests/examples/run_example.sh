@@ -13,15 +13,19 @@
 #                       order (a trailing " */" is not part of a line)
 #   --lines K           standard output must have exactly K lines
 #   --max-seconds S     the run must take at most S seconds
+#   --launcher-arg A    an argument for chorusrun (repeatable)
+#   --arg A             an argument for BINARY (repeatable)
 # Standard output and error are printed in full, for ctest's log.
 set -u
 
-src="" lines="" max_s=""
+src="" lines="" max_s="" largs=() bargs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --from-source) src="$2"; shift 2 ;;
     --lines) lines="$2"; shift 2 ;;
     --max-seconds) max_s="$2"; shift 2 ;;
+    --launcher-arg) largs+=("$2"); shift 2 ;;
+    --arg) bargs+=("$2"); shift 2 ;;
     --) shift; break ;;
     -*) echo "run_example.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
@@ -38,12 +42,12 @@ tmp=$(mktemp -d) || exit 1
 trap 'rm -rf "$tmp"' EXIT
 
 start=$(date +%s%N)
-"$chorusrun" --standalone -n "$n" -- "$binary" >"$tmp/out" 2>"$tmp/err"
+"$chorusrun" --standalone -n "$n" "${largs[@]}" -- "$binary" "${bargs[@]}" >"$tmp/out" 2>"$tmp/err"
 rc=$?
 end=$(date +%s%N)
 ms=$(( (end - start) / 1000000 ))
 
-echo "--- $chorusrun --standalone -n $n -- $binary: exit $rc after $ms ms"
+echo "--- $chorusrun --standalone -n $n ${largs[*]} -- $binary ${bargs[*]}: exit $rc after $ms ms"
 echo "--- stdout:"
 cat "$tmp/out"
 echo "--- stderr:"
