@@ -211,13 +211,10 @@ static chorus_result_t drain(chorus_elastic_t *e) {
 
 /* Starts the transfers of a replica point: the live shard to the holder,
  * the buddy's into `incoming`. */
-static chorus_result_t upkeep_start(chorus_elastic_t *e, long step) {
+static chorus_result_t upkeep_start(chorus_elastic_t *e) {
   const layout_t *L = &e->lay;
   chorus_result_t st = CHORUS_OK;
-  live_meta(e, step, &e->pending);
   e->incoming_ok = 0;
-  e->st.upkeep_wait_s = e->st.upkeep_copy_s = 0;
-  e->st.upkeep_bytes = 0;
   for (int a = 0; a < e->A && st == CHORUS_OK; a++)
     for (int i = 0; i < L->nu && st == CHORUS_OK; i++) {
       size_t n;
@@ -241,6 +238,14 @@ static chorus_result_t upkeep_start(chorus_elastic_t *e, long step) {
 
 static chorus_result_t on_step(void *arg, int when) {
   chorus_elastic_t *e = arg;
+  if (when == CHORUS__HOOK_FORWARD) {
+    /* The replica point's transfers start under the backward: at the
+     * step's start they would hold up the forward's first gathers on the
+     * same links. */
+    if (!e->sharded || e->pending.step != e->cur || e->nworks || e->incoming_ok)
+      return CHORUS_OK;
+    return upkeep_start(e);
+  }
   if (when == CHORUS__HOOK_UPDATE) {
     e->applied = 1;
     if (!e->sharded || e->pending.step != e->cur || !e->incoming_ok) return CHORUS_OK;
@@ -258,9 +263,11 @@ static chorus_result_t on_step(void *arg, int when) {
     e->st.upkeep_copy_s += (double)(now_ns() - t0) / 1e9;
     return CHORUS_OK;
   }
-  if (!e->sharded || e->pending.step != e->cur || !e->nworks) return CHORUS_OK;
+  if (!e->sharded || e->pending.step != e->cur || e->incoming_ok) return CHORUS_OK;
   int64_t t0 = now_ns();
-  chorus_result_t st = drain(e);
+  /* (A step without a forward of its own has not started them.) */
+  chorus_result_t st = e->nworks ? CHORUS_OK : upkeep_start(e);
+  if (st == CHORUS_OK) st = drain(e);
   e->st.upkeep_wait_s += (double)(now_ns() - t0) / 1e9;
   return st;
 }
@@ -332,7 +339,8 @@ static chorus_result_t replicas_make(chorus_elastic_t *e, long step) {
   /* The first copies, at once. */
   e->cur = step;
   live_copy(e, e->own);
-  if ((st = upkeep_start(e, step)) == CHORUS_OK) st = drain(e);
+  live_meta(e, step, &e->pending);
+  if ((st = upkeep_start(e)) == CHORUS_OK) st = drain(e);
   if (st != CHORUS_OK) return st;
   float *x = e->replica;
   e->replica = e->incoming;
@@ -688,12 +696,15 @@ chorus_result_t chorus_elastic_begin_step(chorus_elastic_t *e, long *step) {
     return CHORUS_OK;
   }
   if (!e->own) return replicas_make(e, *step);
-  if (*step >= e->next_point) {
-    e->next_point = *step + e->cfg.replica_every;
-    return upkeep_start(e, *step);
-  }
   e->st.upkeep_wait_s = e->st.upkeep_copy_s = 0;
   e->st.upkeep_bytes = 0;
+  if (*step >= e->next_point) {
+    /* A replica point: the state now is what the copies will hold; the
+     * transfers start once the forward is done (hook FORWARD). */
+    e->next_point = *step + e->cfg.replica_every;
+    live_meta(e, *step, &e->pending);
+    e->incoming_ok = 0;
+  }
   return CHORUS_OK;
 }
 
@@ -812,7 +823,7 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
   const int64_t done = s + e->applied;
   chorus_result_t st = CHORUS_ERR_REMOTE;
   long to = -1;
-  int *supplier = NULL;
+  int reloaded = 0, *supplier = NULL;
   const float **src = NULL;
   for (int attempt = 0; attempt < e->cfg.attempts; attempt++) {
     chorus_comm_t next = NULL;
@@ -863,6 +874,7 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
     if (to < 0) {
       free(info);
       st = reload(e, why, &to);
+      reloaded = 1;
       if (st == CHORUS_OK && used) chorus_comm_destroy(used);
       used = NULL;
       break;
@@ -920,11 +932,16 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
   e->cur = to;
   e->st.recoveries++;
   e->st.last_recovery_s = (double)(now_ns() - t0) / 1e9;
-  say(e, "elastic: %d of %d rank(s) go on from step %ld with the %s in memory, %s (recovery "
-      "took %.0f ms)", chorus_comm_size(e->comm), before, to,
-      e->sharded ? "shards" : "weights",
-      e->sharded ? "the model re-sharded from the replicas and the data over the survivors"
-                 : "the data re-sharded",
-      (now_ns() - t0) / 1e6);
+  if (reloaded)
+    say(e, "elastic: %d of %d rank(s) go on from step %ld, loaded from the last checkpoint "
+        "(recovery took %.0f ms)", chorus_comm_size(e->comm), before, to,
+        (now_ns() - t0) / 1e6);
+  else
+    say(e, "elastic: %d of %d rank(s) go on from step %ld with the %s in memory, %s "
+        "(recovery took %.0f ms)", chorus_comm_size(e->comm), before, to,
+        e->sharded ? "shards" : "weights",
+        e->sharded ? "the model re-sharded from the replicas and the data over the survivors"
+                   : "the data re-sharded",
+        (now_ns() - t0) / 1e6);
   return CHORUS_OK;
 }

@@ -9,13 +9,15 @@
 
 #include "chorus_train.h"
 
-/* Points of chorus_trainer_finish_step a hook hears:
+/* Points of a step a hook hears:
+ *   FORWARD  the forward pass of the step's last micro-step is done (its
+ *            backward follows);
  *   REDUCED  the gradients are final (the reductions waited for), before
  *            the step's last collectives (the loss-scale vote, the norm);
  *   UPDATE   those collectives are done: the update (or the skip) follows
  *            and cannot fail.
- * A hook's error fails the step (REDUCED only; UPDATE's is ignored). */
-enum { CHORUS__HOOK_REDUCED = 0, CHORUS__HOOK_UPDATE = 1 };
+ * A hook's error fails the step (UPDATE's is ignored). */
+enum { CHORUS__HOOK_REDUCED = 0, CHORUS__HOOK_UPDATE = 1, CHORUS__HOOK_FORWARD = 2 };
 typedef chorus_result_t (*chorus__step_hook_fn)(void *arg, int when);
 void chorus__trainer_set_hook(chorus_trainer_t *t, chorus__step_hook_fn fn, void *arg);
 

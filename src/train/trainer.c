@@ -293,6 +293,8 @@ static chorus_result_t micro_step(chorus_trainer_t *t, const int *tokens, const 
   t->pass_ns[0] = now_ns();
   if ((st = chorus_gpt_forward(t->m, tokens, targets, B, T, loss)) != CHORUS_OK) return st;
   t->pass_ns[1] = t->pass_ns[2] = now_ns();
+  if (last && t->hook && (st = t->hook(t->hook_arg, CHORUS__HOOK_FORWARD)) != CHORUS_OK)
+    return st;
   const float scale = t->ls.scale * weight;
   if (t->ddp) {
     chorus_ddp_set_sync(t->ddp, last);
