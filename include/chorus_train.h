@@ -926,6 +926,40 @@ CHORUS_API chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *gr
  * one float too many (2), or a NaN in server 0's slice (3). */
 CHORUS_API void chorus_ps_inject(chorus_ps_t *ps, int fault);
 
+/* A worker's whole loop (chorus-train --mode async): makes the model and
+ * a loader over data (this worker's share: DistributedSampler's rule over
+ * the workers), pulls, then computes a gradient of accum micro-steps of
+ * batch x seq tokens and pushes it -- each server's slice as soon as the
+ * last backward has finished it -- until a server says the budget is
+ * applied.  A resumed worker goes on in its data where its own steps left
+ * it.  before_step (may be NULL) is called at the start of each step, and
+ * after_compute with the seconds its compute took (testing: faults, a
+ * slower machine); log (may be NULL) hears a refused gradient, one line. */
+typedef struct chorus_ps_train_config {
+  int seq, batch, accum;
+  int workers, prefetch; /* the loader's (chorus_loader_config_t) */
+  uint64_t seed;         /* the model's initial weights and the data order */
+  double read_delay_s;
+  void (*before_step)(void *arg, chorus_ps_t *ps, long step);
+  void (*after_compute)(void *arg, double compute_s);
+  void (*log)(void *arg, const char *line);
+  void *arg;
+} chorus_ps_train_config_t;
+
+typedef struct chorus_ps_train_stats {
+  long steps;      /* gradients of this worker applied */
+  long refused;    /* refused by a server (it went on from fresh parameters) */
+  long staleness_max;
+  double staleness_mean, mean_loss; /* over the applied ones */
+  double seconds, compute_s, wait_s; /* the loop; compute and push-and-pull summed */
+  double tokens;   /* of the applied gradients */
+} chorus_ps_train_stats_t;
+
+CHORUS_API chorus_result_t chorus_ps_train(chorus_ps_t *ps, const chorus_gpt_config_t *model,
+                                           const chorus_tokens_t *data,
+                                           const chorus_ps_train_config_t *cfg,
+                                           chorus_ps_train_stats_t *out);
+
 /* ---------------------------------------------------------------- sampler
  *
  * torch.utils.data.DistributedSampler, index for index: each epoch a

@@ -137,7 +137,7 @@ has "and the others finish without it" stop "summary: async.*(0 refused, 1 worke
 train_run stale 4 --elastic inplace -- --mode async --steps 30 --max-staleness 2 --bad-push 2:stale:8
 has "a too-old gradient is refused, saying why" stale \
   "server 0 refused the gradient of step 8: it was computed on version [0-9]*, [3-9] versions old, and --max-staleness is 2"
-has "its worker hears why and goes on" stale "rank 2 (worker 1): server 0 refused the gradient of step 8.*going on"
+has "its worker hears why and goes on" stale "rank 2: worker 1: server 0 refused the gradient of step 8.*going on"
 has "the server keeps serving" stale "summary: async.*(1 refused, 0 worker(s) dropped)"
 train_run nan 4 --elastic inplace -- --mode async --steps 30 --bad-push 2:nan:6
 has "a gradient holding NaN is refused, saying why" nan "server 0 refused the gradient of step 6: it holds inf or NaN"

@@ -1150,139 +1150,54 @@ static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps, co
   return rc;
 }
 
-/* A worker's backward: which tensors are final, and from where on the
- * layout is (its tail completes first: backward runs from the head). */
+/* A worker's test knobs around chorus_ps_train's loop. */
 typedef struct {
-  chorus_ps_t *ps;
-  chorus_gpt_t *m;
-  const float *grads;
-  float loss;
-  uint32_t tokens;
-  unsigned char *done;
-  int ntensors, front; /* tensors front .. ntensors - 1 are final */
-} ready_t;
+  const opts_t *o;
+  int first_generation;
+  double slow; /* --slowdown's factor on this rank */
+} knobs_t;
 
-static void push_ready(void *arg, int i) {
-  ready_t *r = arg;
-  if (i < 0 || i >= r->ntensors) return;
-  r->done[i] = 1;
-  int f = r->front;
-  while (f > 0 && r->done[f - 1]) f--;
-  if (f == r->front) return;
-  r->front = f;
-  chorus_ps_push_early(r->ps, r->grads, r->loss, r->tokens, chorus_gpt_tensor(r->m, f)->offset);
+static void worker_step(void *arg, chorus_ps_t *ps, long step) {
+  const knobs_t *k = arg;
+  if (step == k->o->kill_at && g_rank == k->o->kill_rank && k->first_generation) {
+    fprintf(stderr, "chorus-train: rank %d kills itself at step %ld (--kill-at) at wall clock "
+            "%lld ms\n", g_rank, step, (long long)wall_ms());
+    raise(SIGKILL);
+  }
+  if (step == k->o->bad_step && g_rank == k->o->bad_rank) chorus_ps_inject(ps, k->o->bad_kind);
 }
 
-/* A worker: computes gradients on its share of the data and pushes them
- * until a server says the budget is applied. */
+static void worker_computed(void *arg, double compute_s) {
+  const knobs_t *k = arg;
+  sleep_s((k->slow - 1.0) * compute_s); /* --slowdown: a slower machine */
+}
+
+static void worker_log(void *arg, const char *line) {
+  (void)arg;
+  fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, line);
+}
+
+/* A worker: the runtime's loop, then its line. */
 static int async_worker(const opts_t *o, chorus_ps_t *ps, const run_t *run) {
-  const int W = chorus_ps_workers(ps), me = chorus_ps_worker(ps);
-  const int T = o->model.ctx, B = o->batch;
-  chorus_gpt_t *m = NULL;
-  chorus_loader_t *ld = NULL;
-  chorus_loader_config_t lc = {T, B, o->workers, o->data_prefetch, 1, 0, o->seed,
-                               o->data_delay_ms / 1e3};
-  if (chorus_gpt_create(&o->model, B, o->seed, &m) != CHORUS_OK ||
-      chorus_loader_create(run->train, &lc, W, me, &ld) != CHORUS_OK) {
+  const char *rcount = getenv("CHORUS_RESTART_COUNT");
+  knobs_t k = {o, !rcount || !strcmp(rcount, "0"), g_rank == o->slow_rank ? o->slow_factor : 1.0};
+  chorus_ps_train_config_t wc = {o->model.ctx, o->batch, o->accum, o->workers, o->data_prefetch,
+                                 o->seed, o->data_delay_ms / 1e3, worker_step, worker_computed,
+                                 worker_log, &k};
+  chorus_ps_train_stats_t s;
+  if (chorus_ps_train(ps, &o->model, run->train, &wc, &s) != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
-    chorus_gpt_destroy(m);
     return 1;
   }
-  int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);
-  size_t *idx = malloc(sizeof(size_t) * (size_t)B);
-  float *params = chorus_gpt_params(m), *grads = chorus_gpt_grads(m);
-  const int nt = chorus_gpt_num_tensors(m);
-  unsigned char *done = calloc((size_t)nt + 1, 1);
-  long step = 0;
-  chorus_result_t st = tok && tgt && idx && done ? chorus_ps_pull(ps, params, &step)
-                                                 : CHORUS_ERR_NO_MEMORY;
-  int rc = 0;
-  if (st != CHORUS_OK) {
-    fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
-    rc = 1;
-  }
-  /* A resumed worker goes on in its data where it was: its own count of
-   * samples taken, over whole epochs of its list. */
-  if (rc == 0 && step > 0) {
-    size_t mine = (size_t)step * (size_t)o->accum * (size_t)B, len = chorus_loader_len(ld);
-    if (chorus_loader_seek(ld, (long)(mine / len), mine % len * (size_t)W) != CHORUS_OK) {
-      fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
-      rc = 1;
-    }
-  }
-  const char *rcount = getenv("CHORUS_RESTART_COUNT");
-  const int first_generation = !rcount || !strcmp(rcount, "0");
-  const double slow = g_rank == o->slow_rank ? o->slow_factor : 1.0;
-  long steps = 0, refused = 0, smax = 0;
-  double ssum = 0, t_comp = 0, t_wait = 0, loss_sum = 0;
-  const double t_start = now_s();
-  for (; rc == 0; step++) {
-    if (step == o->kill_at && g_rank == o->kill_rank && first_generation) {
-      fprintf(stderr, "chorus-train: rank %d kills itself at step %ld (--kill-at) at wall clock "
-              "%lld ms\n", g_rank, step, (long long)wall_ms());
-      raise(SIGKILL);
-    }
-    if (step == o->bad_step && g_rank == o->bad_rank) chorus_ps_inject(ps, o->bad_kind);
-    const double t0 = now_s();
-    chorus_gpt_zero_grad(m);
-    float loss = 0;
-    for (int a = 0; a < o->accum && st == CHORUS_OK; a++) {
-      float l = 0;
-      st = chorus_loader_next(ld, tok, tgt, idx, NULL);
-      if (st == CHORUS_OK) st = chorus_gpt_forward(m, tok, tgt, B, T, &l);
-      loss += l / (float)o->accum;
-      /* The last micro-step's backward hands the servers their slices as
-       * they become final. */
-      const int last = a == o->accum - 1;
-      ready_t rd = {ps, m, grads, loss, (uint32_t)(B * T * o->accum), done, nt, nt};
-      if (last) memset(done, 0, (size_t)nt);
-      if (st == CHORUS_OK)
-        st = chorus_gpt_backward(m, 1.0f / (float)o->accum, last ? push_ready : NULL, &rd);
-    }
-    if (st != CHORUS_OK) {
-      fprintf(stderr, "chorus-train: rank %d: forward/backward: %s\n", g_rank,
-              chorus_train_last_error());
-      rc = 1;
-      break;
-    }
-    const double t1 = now_s();
-    sleep_s((slow - 1.0) * (t1 - t0)); /* --slowdown: a slower machine */
-    const double t2 = now_s();
-    chorus_ps_reply_t rep;
-    st = chorus_ps_push(ps, grads, loss, (uint32_t)(B * T * o->accum), params, &rep);
-    const double t3 = now_s();
-    if (st != CHORUS_OK) {
-      fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
-      rc = 1;
-      break;
-    }
-    t_comp += t2 - t0, t_wait += t3 - t2;
-    if (rep.refused) {
-      refused++;
-      fprintf(stderr, "chorus-train: rank %d (worker %d): %s; going on from the fresh "
-              "parameters\n", g_rank, me, rep.why);
-    } else if (!rep.unused) {
-      steps++;
-      loss_sum += loss;
-      ssum += (double)rep.staleness;
-      if (rep.staleness > smax) smax = rep.staleness;
-    }
-    if (rep.stop) break;
-  }
-  const double dt = now_s() - t_start;
-  if (rc == 0)
-    printf("worker %d (rank %d): %ld step(s) applied, %.0f tok/s, compute %.1f ms/step%s, "
-           "push and pull %.1f ms/step, staleness mean %.2f max %ld, %ld refused, mean loss "
-           "%.4f\n", me, g_rank, steps, dt > 0 ? (double)steps * B * T * o->accum / dt : 0.0,
-           steps ? 1e3 * t_comp / (double)(steps + refused) : 0.0,
-           slow > 1 ? " (slowed down)" : "", steps ? 1e3 * t_wait / (double)(steps + refused) : 0.0,
-           steps ? ssum / (double)steps : 0.0, smax, refused,
-           steps ? loss_sum / (double)steps : NAN);
+  const long n = s.steps + s.refused;
+  printf("worker %d (rank %d): %ld step(s) applied, %.0f tok/s, compute %.1f ms/step%s, push and "
+         "pull %.1f ms/step, staleness mean %.2f max %ld, %ld refused, mean loss %.4f\n",
+         chorus_ps_worker(ps), g_rank, s.steps, s.seconds > 0 ? s.tokens / s.seconds : 0.0,
+         n ? 1e3 * s.compute_s / (double)n : 0.0, k.slow > 1 ? " (slowed down)" : "",
+         n ? 1e3 * s.wait_s / (double)n : 0.0, s.staleness_mean, s.staleness_max, s.refused,
+         s.mean_loss);
   fflush(stdout);
-  free(tok), free(tgt), free(idx), free(done);
-  chorus_loader_destroy(ld);
-  chorus_gpt_destroy(m);
-  return rc;
+  return 0;
 }
 
 /* --mode async: servers and workers instead of one data-parallel group. */
