@@ -236,6 +236,22 @@ static chorus_result_t upkeep_start(chorus_elastic_t *e) {
   return st;
 }
 
+/* The pending replica point becomes the committed one: own = the live
+ * shard (still as at that point: the update has not run), and the buddy's
+ * incoming copy, when whole, the replica. */
+static void commit(chorus_elastic_t *e) {
+  live_copy(e, e->own);
+  if (e->incoming_ok) {
+    float *x = e->replica;
+    e->replica = e->incoming;
+    e->incoming = x;
+  }
+  e->committed = e->pending;
+  e->pending.step = -1;
+  e->incoming_ok = 0;
+  e->st.replica_step = e->committed.step;
+}
+
 static chorus_result_t on_step(void *arg, int when) {
   chorus_elastic_t *e = arg;
   if (when == CHORUS__HOOK_FORWARD) {
@@ -249,17 +265,8 @@ static chorus_result_t on_step(void *arg, int when) {
   if (when == CHORUS__HOOK_UPDATE) {
     e->applied = 1;
     if (!e->sharded || e->pending.step != e->cur || !e->incoming_ok) return CHORUS_OK;
-    /* Commit: own is the live shard (as at the replica point: the update
-     * has not run), the buddy's copy becomes the replica. */
     int64_t t0 = now_ns();
-    live_copy(e, e->own);
-    float *x = e->replica;
-    e->replica = e->incoming;
-    e->incoming = x;
-    e->committed = e->pending;
-    e->pending.step = -1;
-    e->incoming_ok = 0;
-    e->st.replica_step = e->committed.step;
+    commit(e);
     e->st.upkeep_copy_s += (double)(now_ns() - t0) / 1e9;
     return CHORUS_OK;
   }
@@ -338,17 +345,10 @@ static chorus_result_t replicas_make(chorus_elastic_t *e, long step) {
   e->st.buddy_same_host = e->same_host;
   /* The first copies, at once. */
   e->cur = step;
-  live_copy(e, e->own);
   live_meta(e, step, &e->pending);
   if ((st = upkeep_start(e)) == CHORUS_OK) st = drain(e);
   if (st != CHORUS_OK) return st;
-  float *x = e->replica;
-  e->replica = e->incoming;
-  e->incoming = x;
-  e->committed = e->pending;
-  e->pending.step = -1;
-  e->incoming_ok = 0;
-  e->st.replica_step = step;
+  commit(e);
   e->next_point = step + e->cfg.replica_every;
   return CHORUS_OK;
 }
@@ -880,16 +880,7 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
       break;
     }
     /* This rank's shard as of `to`, and its buddy's, into own and replica. */
-    if (e->committed.step != to) {
-      live_copy(e, e->own);
-      if (e->incoming_ok) {
-        float *x = e->replica;
-        e->replica = e->incoming;
-        e->incoming = x;
-      }
-      e->committed = e->pending;
-      e->incoming_ok = 0;
-    }
+    if (e->committed.step != to) commit(e);
     e->pending.step = -1;
     const int n = e->lay.n;
     free(supplier), free(src);

@@ -120,12 +120,20 @@ rank_worker() {
     done
   done
 }
-# same NAME A B: the dumps A and B must be bit-identical.
-same() {
-  if "$CMP" "$TMP/$2" "$TMP/$3" 0; then
-    echo "ok   $1: bit-identical to the reference"
+# reference WHAT NAME PORT N1 N2 M STAGE: the run NAME must equal, bit for
+# bit, a reference that checkpointed after step M on N1 hosts and resumed
+# on N2 (ports PORT and PORT + 1).
+reference() {
+  local what=$1 name=$2 port=$3 n1=$4 n2=$5 m=$6 s=$7
+  job "${name}r1" "$n1" "$port" -- --shard "$s" --checkpoint-dir "$TMP/${name}ck" --stop-after "$m"
+  job_wait
+  job "${name}r2" "$n2" $((port + 1)) -- --shard "$s" --checkpoint-dir "$TMP/${name}ck" \
+    --dump "$TMP/${name}ref.bin"
+  job_wait
+  if "$CMP" "$TMP/$name.bin" "$TMP/${name}ref.bin" 0; then
+    echo "ok   $what: bit-identical to the reference"
   else
-    fail "$1: the weights differ from the reference's"
+    fail "$what: the weights differ from the reference's"
   fi
 }
 
@@ -268,11 +276,7 @@ echo "stage 3: host $V's worker SIGKILLed after step $AFTER was logged; the surv
 grep -h "recovery took\|after the failure was seen" "$TMP"/sk.h*.out | sed 's/^/  /'
 if [[ -n $M && -s $TMP/sk.bin ]] && ((RCS[V] == 137)); then
   echo "ok   stage 3: the survivors rebuilt the lost shard and finished on 3 (agents: ${RCS[*]})"
-  job skr1 4 29511 -- --shard 3 --checkpoint-dir "$TMP/skck" --stop-after "$M"
-  job_wait
-  job skr2 3 29512 -- --shard 3 --checkpoint-dir "$TMP/skck" --dump "$TMP/skref.bin"
-  job_wait
-  same "stage 3, a worker killed" sk.bin skref.bin
+  reference "stage 3, a worker killed" sk 29511 4 3 "$M" 3
 else
   fail "stage 3, a worker killed: agents ${RCS[*]}, resumed at '${M}'"
 fi
@@ -290,11 +294,7 @@ grep -h "went silent\|recovery took\|after the failure was seen" "$TMP"/su.h*.ou
   cut -c1-200 | sed 's/^/  /'
 if [[ -n $M && -s $TMP/su.bin ]] && grep -q "went silent" "$TMP"/su.h*.out; then
   echo "ok   stage $S: host $V unplugged: the other three finished in place"
-  job sur1 4 29515 -- --shard "$S" --checkpoint-dir "$TMP/suck" --stop-after "$M"
-  job_wait
-  job sur2 3 29516 -- --shard "$S" --checkpoint-dir "$TMP/suck" --dump "$TMP/suref.bin"
-  job_wait
-  same "stage $S, a host unplugged" su.bin suref.bin
+  reference "stage $S, a host unplugged" su 29515 4 3 "$M" "$S"
 else
   fail "stage $S, host $V unplugged: agents ${RCS[*]}, resumed at '${M}'"
 fi
@@ -314,11 +314,7 @@ G=$(sed -n 's/.*elastic: 1 new rank(s) joined at step \([0-9]*\):.*/\1/p' "$TMP"
 echo "stage $S: host 3 arrived after step $AFTER was logged; it joined at step ${G:-?}"
 if [[ ${RCS[*]} == "0 0 0 0" && -n $G && -s $TMP/sg.bin ]]; then
   echo "ok   stage $S: the job grew from 3 to 4 hosts in place, re-sharded, and finished"
-  job sgr1 3 29518 -- --shard "$S" --checkpoint-dir "$TMP/sgck" --stop-after "$G"
-  job_wait
-  job sgr2 4 29519 -- --shard "$S" --checkpoint-dir "$TMP/sgck" --dump "$TMP/sgref.bin"
-  job_wait
-  same "stage $S, grown from 3 to 4" sg.bin sgref.bin
+  reference "stage $S, grown from 3 to 4" sg 29518 3 4 "$G" "$S"
 else
   fail "stage $S, growing: agents ${RCS[*]}, joined at '$G'"
 fi
@@ -328,7 +324,7 @@ fi
 # steps).
 S=$((1 + RANDOM % 3)) V=$((RANDOM % 4)) AFTER=$((6 + RANDOM % 18))
 W=$(((V + 1) % 4))
-job sd 4 29520 --elastic inplace -- --shard "$S" --checkpoint-dir "$TMP/sdck" \
+job sd 4 29520 --elastic inplace -- --shard "$S" --checkpoint-dir "$TMP/sdrun" \
   --checkpoint-every 5 --dump "$TMP/sd.bin"
 wait_logged sd "$AFTER"
 local pv pw
@@ -341,11 +337,7 @@ grep -h "no longer in memory" "$TMP"/sd.h*.out | head -n 1 | cut -c1-250 | sed '
 if [[ -n $C && -s $TMP/sd.bin ]] && grep -q "no longer in memory" "$TMP"/sd.h*.out &&
   grep -q "elastic: 2 of 4 rank(s) go on" "$TMP"/sd.h*.out; then
   echo "ok   stage $S: shard and replica lost: the two survivors went on from the checkpoint"
-  job sdr1 4 29521 -- --shard "$S" --checkpoint-dir "$TMP/sdrck" --stop-after "$C"
-  job_wait
-  job sdr2 2 29522 -- --shard "$S" --checkpoint-dir "$TMP/sdrck" --dump "$TMP/sdref.bin"
-  job_wait
-  same "stage $S, a shard and its replica lost" sd.bin sdref.bin
+  reference "stage $S, a shard and its replica lost" sd 29521 4 2 "$C" "$S"
 else
   fail "stage $S, a shard and its replica lost: agents ${RCS[*]}, checkpoint '${C}'"
 fi
