@@ -49,8 +49,8 @@ export CHORUS_JOB_SECRET_FILE=$TMP/key OPENBLAS_NUM_THREADS=1
 unset CHORUS_JOB_SECRET RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
 
 STEPS=40
-[[ $MODE == shards ]] && STEPS=30
-MODEL=(--data "$DATA" --layers 2 --heads 4 --channels 128 --ctx 64 --batch 16 --steps "$STEPS"
+[[ $MODE == shards ]] && STEPS=24
+MODEL=(--data "$DATA" --layers 2 --heads 4 --channels 128 --ctx 64 --batch 8 --steps "$STEPS"
        --warmup 5 --val-every 0 --sample 0 --log-every 1 --threads 1)
 fail() {
   echo "FAIL $*"
@@ -266,7 +266,7 @@ run_shards() {
 hosts_up 4
 local S M V W G C
 # 1. Stage 3, a random worker SIGKILLed after a random step.
-V=$((RANDOM % 4)) AFTER=$((3 + RANDOM % 25))
+V=$((RANDOM % 4)) AFTER=$((3 + RANDOM % 18))
 job sk 4 29510 --elastic inplace -- --shard 3 --dump "$TMP/sk.bin"
 wait_logged sk "$AFTER"
 kill_worker sk "$V"
@@ -282,7 +282,7 @@ else
 fi
 
 # 2. Stage 1 or 2, a host other than the store's unplugged.
-S=$((1 + RANDOM % 2)) V=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 25))
+S=$((1 + RANDOM % 2)) V=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 18))
 CHORUS_PEER_TIMEOUT_MS=1500 job su 4 29514 --elastic inplace -- --shard "$S" --dump "$TMP/su.bin"
 wait_logged su "$AFTER"
 bash "$NETNS" link "$V" down >/dev/null
@@ -300,7 +300,7 @@ else
 fi
 
 # 3. A random stage, a fourth host arriving while 3 train.
-S=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 20))
+S=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 14))
 NNODES=3:4 job sg 3 29517 --rdzv-conf last_call_timeout=0.2 --elastic inplace -- --shard "$S" \
   --dump "$TMP/sg.bin"
 local G3=("${PIDS[@]}")
@@ -322,7 +322,7 @@ fi
 # 4. A random stage, a rank and the one keeping its replica (the next
 # rank: one per host) killed together: from the last checkpoint (every 5
 # steps).
-S=$((1 + RANDOM % 3)) V=$((RANDOM % 4)) AFTER=$((6 + RANDOM % 18))
+S=$((1 + RANDOM % 3)) V=$((RANDOM % 4)) AFTER=$((6 + RANDOM % 12))
 W=$(((V + 1) % 4))
 job sd 4 29520 --elastic inplace -- --shard "$S" --checkpoint-dir "$TMP/sdrun" \
   --checkpoint-every 5 --dump "$TMP/sd.bin"
