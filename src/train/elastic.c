@@ -723,7 +723,13 @@ static long choose(const chorus_elastic_t *e, const int64_t *info, int m, char *
   for (int o = 0; o < n; o++) at[o] = -1;
   for (int x = 0; x < m; x++) {
     int64_t o = info[x * I_N + I_OLD];
-    if (o >= 0 && o < n) at[o] = x;
+    if (o < 0 || o >= n || at[o] >= 0) {
+      snprintf(why, cap, "survivor %d says it was rank %lld of %d (malformed or twice)", x,
+               (long long)o, n);
+      free(at);
+      return -1;
+    }
+    at[o] = x;
   }
   long best = -1;
   why[0] = '\0';
@@ -892,7 +898,8 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
       break;
     }
     for (int o = 0; o < n; o++) supplier[o] = -1;
-    for (int x = 0; x < m; x++) supplier[info[x * I_N + I_OLD]] = x;
+    for (int x = 0; x < m; x++) /* choose() checked them: 0 <= old < n, once each */
+      supplier[info[x * I_N + I_OLD]] = x;
     for (int o = 0; o < n; o++)
       if (supplier[o] < 0) {
         const int h = e->holder_of[o];
