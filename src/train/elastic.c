@@ -94,7 +94,6 @@ struct chorus_elastic {
   int rank;          /* in that world */
   int *holder_of;    /* lay.n entries: who keeps rank o's replica */
   int buddy, holder; /* whose replica this rank keeps; who keeps its */
-  int same_host;
   float *own, *replica, *incoming; /* A * lay.shard floats each */
   meta_t committed;                /* own and replica: the start of this step */
   meta_t pending;                  /* a replica point begun, not committed */
@@ -102,8 +101,7 @@ struct chorus_elastic {
   chorus_work_t *works;
   int nworks, nsends;
   long next_point;
-  int64_t failed_ns;
-  chorus_elastic_stats_t st;
+  chorus_elastic_stats_t st; /* buddy, holder: see chorus_elastic_get_stats */
 };
 
 static int64_t now_ns(void) {
@@ -331,18 +329,14 @@ static chorus_result_t replicas_make(chorus_elastic_t *e, long step) {
     shift = on > shift ? on : shift;
   }
   if (shift >= n) shift = 1;
-  e->same_host = 0;
   for (int p = 0; p < n; p++) {
     int o = order[p], h = order[(p + shift) % n];
     e->holder_of[o] = h;
     if (o == me) e->holder = h;
     if (h == me) e->buddy = o;
   }
-  e->same_host = n > 1 && leads[e->holder] == leads[me];
+  e->st.buddy_same_host = n > 1 && leads[e->holder] == leads[me];
   free(leads), free(order);
-  e->st.buddy = e->buddy;
-  e->st.holder = e->holder;
-  e->st.buddy_same_host = e->same_host;
   /* The first copies, at once. */
   e->cur = step;
   live_meta(e, step, &e->pending);
@@ -536,7 +530,6 @@ chorus_result_t chorus_elastic_create(chorus_trainer_t *t, chorus_loader_t *ld,
   }
   e->cur = -1;
   e->committed.step = e->pending.step = -1;
-  e->st.buddy = e->st.holder = -1;
   e->st.replica_step = -1;
   chorus_result_t st = CHORUS_OK;
   if (!e->sharded) {
@@ -572,6 +565,8 @@ chorus_comm_t chorus_elastic_comm(const chorus_elastic_t *e) { return e->comm; }
 
 void chorus_elastic_get_stats(const chorus_elastic_t *e, chorus_elastic_stats_t *s) {
   *s = e->st;
+  s->buddy = e->own ? e->buddy : -1;
+  s->holder = e->own ? e->holder : -1;
   if (!e->sharded) s->replica_bytes = s->staging_bytes = 0;
 }
 
@@ -684,7 +679,6 @@ chorus_result_t chorus_elastic_join(chorus_elastic_t *e, long *step) {
 chorus_result_t chorus_elastic_begin_step(chorus_elastic_t *e, long *step) {
   int grown = 0;
   chorus_result_t st;
-  e->failed_ns = 0;
   /* After a grow, every rank (the newcomers too) looks again. */
   do {
     if ((st = admit(e, step, &grown)) != CHORUS_OK) return st;
@@ -811,11 +805,8 @@ static chorus_result_t reload(chorus_elastic_t *e, const char *why, long *step) 
 
 chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
   int64_t t0 = now_ns();
-  if (!e->failed_ns) e->failed_ns = t0;
   const long s = *step;
   const int before = chorus_comm_size(e->comm);
-  fprintf(stderr, "chorus_elastic: rank %d: step %ld failed (%s); going on with the ranks "
-          "still alive\n", my_rank(e), s, chorus_comm_last_error(e->comm));
   /* No transfer may still write the copies (and the receives' outcome says
    * whether the incoming copies are whole). */
   if (e->sharded) drain(e);
@@ -829,9 +820,9 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
   const int64_t done = s + e->applied;
   chorus_result_t st = CHORUS_ERR_REMOTE;
   long to = -1;
-  int reloaded = 0, *supplier = NULL;
+  int reloaded = 0, *supplier = NULL, attempt;
   const float **src = NULL;
-  for (int attempt = 0; attempt < e->cfg.attempts; attempt++) {
+  for (attempt = 0; attempt < e->cfg.attempts; attempt++) {
     chorus_comm_t next = NULL;
     st = chorus_comm_shrink(e->comm, 0, &next);
     if (st != CHORUS_OK) {
@@ -920,12 +911,10 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
   }
   free(supplier), free(src);
   if (used && used != e->comm) chorus_comm_destroy(used);
-  if (st != CHORUS_OK) {
-    if (st != CHORUS_ERR_REMOTE || !strstr(chorus_train_last_error(), "cannot go on"))
-      fprintf(stderr, "chorus_elastic: rank %d: cannot go on: %s\n", my_rank(e),
-              chorus_train_last_error());
-    return st;
-  }
+  if (st != CHORUS_OK && attempt == e->cfg.attempts)
+    fail(st, "chorus_elastic: rank %d: cannot go on: ranks kept dying during the recovery "
+         "(%d attempts; the last: %s)", my_rank(e), attempt, chorus_comm_last_error(e->comm));
+  if (st != CHORUS_OK) return st;
   *step = to;
   e->cur = to;
   e->st.recoveries++;

@@ -1429,9 +1429,13 @@ int main(int argc, char **argv) {
     if (how == STEP_COMM) {
       if (!r.elastic) return die(r.comm, r.fail_what, r.fail_st);
       if (!r.failed_ns) r.failed_ns = now_ns();
-      fprintf(stderr, "chorus-train: rank %d: step %ld failed in %s (%s)\n", g_rank, step,
-              r.fail_what, chorus_result_name(r.fail_st));
-      if (chorus_elastic_recover(r.elastic, &step) != CHORUS_OK) return 1;
+      fprintf(stderr, "chorus-train: rank %d: step %ld failed in %s (%s: %s); going on with "
+              "the ranks still alive\n", g_rank, step, r.fail_what, chorus_result_name(r.fail_st),
+              chorus_comm_last_error(r.comm));
+      if (chorus_elastic_recover(r.elastic, &step) != CHORUS_OK) {
+        fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
+        return 1;
+      }
       world_changed(&r);
       continue;
     }
