@@ -36,6 +36,7 @@
 
 #include "chorus_train.h"
 #include "train/ckpt.h"
+#include "runtime.h"
 
 chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -146,10 +147,10 @@ static span_t *my_spans(const ctx_t *c, int saving, int *n) {
   for (int i = 0; i < nu; i++) {
     const chorus_gpt_unit_t *u = chorus_gpt_unit(m, i);
     float *p = NULL, *g;
-    size_t slice = (u->size + (size_t)c->size - 1) / (size_t)c->size, so = 0;
-    if (f) chorus_fsdp_slice(f, i, &p, &g, &slice, &so);
-    size_t lo = (size_t)c->rank * slice, hi = lo + slice < u->size ? lo + slice : u->size;
+    size_t lo, hi, so = 0, slice;
+    chorus__slice(u->size, c->size, c->rank, &lo, &hi);
     if (lo >= hi) continue;
+    if (f) chorus_fsdp_slice(f, i, &p, &g, &slice, &so);
     if (f) s[(*n)++] = (span_t){u->offset + lo, hi - lo, p, so};
     else s[(*n)++] = (span_t){u->offset + lo, hi - lo, master + u->offset + lo, u->offset + lo};
   }
@@ -801,7 +802,7 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
   const int nu = chorus_gpt_num_units(m);
   size_t biggest = 0;
   for (int i = 0; i < nu; i++) {
-    size_t sl = (chorus_gpt_unit(m, i)->size + (size_t)c.size - 1) / (size_t)c.size;
+    size_t sl = chorus__slice(chorus_gpt_unit(m, i)->size, c.size, 0, NULL, NULL);
     biggest = sl > biggest ? sl : biggest;
   }
   float *unit = c.rank == 0 && f ? malloc((size_t)c.size * biggest * sizeof(float) + 1) : NULL;

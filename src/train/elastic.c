@@ -132,18 +132,11 @@ static int layout_make(layout_t *L, const chorus_gpt_t *m, int n) {
   }
   for (int i = 0; i < L->nu; i++) {
     L->count[i] = chorus_gpt_unit(m, i)->size;
-    L->s[i] = (L->count[i] + (size_t)n - 1) / (size_t)n;
+    L->s[i] = chorus__slice(L->count[i], n, 0, NULL, NULL);
     L->soff[i] = L->shard;
     L->shard += L->s[i];
   }
   return 0;
-}
-
-/* Floats [lo, hi) of unit i that rank r of L holds (padding left out). */
-static void slice_of(const layout_t *L, int i, int r, size_t *lo, size_t *hi) {
-  *lo = (size_t)r * L->s[i];
-  *hi = *lo + L->s[i] < L->count[i] ? *lo + L->s[i] : L->count[i];
-  if (*lo > *hi) *lo = *hi;
 }
 
 /* ---------------------------------------------------- the live shard */
@@ -360,11 +353,11 @@ static void walk(const layout_t *old, const layout_t *nw, int A, const int *supp
   for (int a = 0; a < A; a++)
     for (int i = 0; i < nw->nu; i++) {
       size_t nlo, nhi;
-      slice_of(nw, i, to, &nlo, &nhi);
+      chorus__slice(nw->count[i], nw->n, to, &nlo, &nhi);
       for (int o = 0; o < old->n; o++) {
         if (supplier[o] != from) continue;
         size_t olo, ohi;
-        slice_of(old, i, o, &olo, &ohi);
+        chorus__slice(old->count[i], old->n, o, &olo, &ohi);
         size_t lo = olo > nlo ? olo : nlo, hi = ohi < nhi ? ohi : nhi;
         if (lo < hi) fn(arg, a, i, o, lo, hi);
       }

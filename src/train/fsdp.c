@@ -41,6 +41,7 @@
 #include <time.h>
 
 #include "chorus_train.h"
+#include "runtime.h"
 
 chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -510,7 +511,7 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
     unit_t *u = &f->u[v];
     u->count = gu->size;
     u->off = gu->offset;
-    u->s = (gu->size + N - 1) / N;
+    u->s = chorus__slice(gu->size, f->size, 0, NULL, NULL);
     u->soff = f->shard;
     u->foff = f->flat;
     f->shard += u->s;

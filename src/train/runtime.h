@@ -27,6 +27,18 @@ void chorus__trainer_set_hook(chorus_trainer_t *t, chorus__step_hook_fn fn, void
  * communicator is no longer used. */
 chorus_result_t chorus__trainer_reshard(chorus_trainer_t *t, chorus_comm_t comm);
 
+/* The sharding rule (fsdp.c; the checkpoints and the recovery cut the
+ * same way): a unit of count floats is cut into n slices of ceil(count / n)
+ * floats, rank r holding floats [lo, hi) of it -- the last slices short or
+ * empty, the rest padding.  Returns the slice length; lo and hi may be
+ * NULL. */
+static inline size_t chorus__slice(size_t count, int n, int r, size_t *lo, size_t *hi) {
+  const size_t s = (count + (size_t)n - 1) / (size_t)n, a = (size_t)r * s;
+  if (lo) *lo = a < count ? a : count;
+  if (hi) *hi = a + s < count ? a + s : count;
+  return s;
+}
+
 /* The optimizer's state in place: the step count and the arrays (m; v
  * for AdamW, else NULL) of n floats. */
 void chorus__optim_raw(chorus_optim_t *o, long **t, float **m, float **v, size_t *n);
