@@ -108,6 +108,7 @@ kill_worker() {
     fail "could not find host $2's worker of job $1"
     return 1
   fi
+  echo "killing pid $worker ($(tr "\0" " " </proc/$worker/cmdline 2>/dev/null | cut -c1-80)) of agent $agent"
   kill -KILL "$worker"
 }
 # rank_worker NAME RANK: the pid of job NAME's worker of that rank ("" if none).
@@ -142,18 +143,8 @@ hosts_up 3
 # 1. The elastic run: a random host loses its worker after a random step.
 VICTIM=$((RANDOM % 3)) AFTER=$((3 + RANDOM % 25))
 job el 3 29500 --elastic inplace -- --dump "$TMP/inplace.bin"
-end=$((SECONDS + 60))
-until grep -qE "step +$AFTER/$STEPS" "$TMP"/el.h*.out 2>/dev/null || ((SECONDS >= end)); do
-  sleep 0.01
-done
-agent=$(cat "$TMP/el.h$VICTIM.pid" 2>/dev/null)
-worker=$(pgrep -P "$agent" -f "^$TMP/chorus-train " 2>/dev/null | head -n 1)
-if [[ -z $worker ]]; then
-  fail "could not find host $VICTIM's worker after step $AFTER"
-else
-  echo "killing pid $worker ($(tr "\0" " " </proc/$worker/cmdline 2>/dev/null | cut -c1-80)) of agent $agent"
-  kill -KILL "$worker"
-fi
+wait_logged el "$AFTER"
+kill_worker el "$VICTIM"
 job_wait
 M=$(sed -n 's/.*elastic: 2 of 3 rank(s) go on from step \([0-9]*\) .*/\1/p' "$TMP"/el.h*.out | head -n 1)
 echo "host $VICTIM's worker SIGKILLed after step $AFTER was logged; the survivors went on from step ${M:-?}"
@@ -202,10 +193,7 @@ fi
 # 1.5 s here) and go on without it; its own agent loses the store and stops.
 VICTIM=$((RANDOM % 2 + 1)) AFTER=$((3 + RANDOM % 25))
 CHORUS_PEER_TIMEOUT_MS=1500 job link 3 29504 --elastic inplace -- --dump "$TMP/link.bin"
-end=$((SECONDS + 60))
-until grep -qE "step +$AFTER/$STEPS" "$TMP"/link.h*.out 2>/dev/null || ((SECONDS >= end)); do
-  sleep 0.01
-done
+wait_logged link "$AFTER"
 bash "$NETNS" link "$VICTIM" down >/dev/null
 job_wait
 bash "$NETNS" link "$VICTIM" up >/dev/null
@@ -233,10 +221,7 @@ AFTER=$((3 + RANDOM % 20))
 NNODES=2:3 job grow 2 29505 --rdzv-conf last_call_timeout=0.2 --elastic inplace -- \
   --dump "$TMP/grow.bin"
 GROW2=("${PIDS[@]}")
-end=$((SECONDS + 60))
-until grep -qE "step +$AFTER/$STEPS" "$TMP"/grow.h*.out 2>/dev/null || ((SECONDS >= end)); do
-  sleep 0.01
-done
+wait_logged grow "$AFTER"
 (bash "$NETNS" exec 2 "$RUN" --nnodes 2:3 -n 1 --rdzv-backend c10d \
   --rdzv-endpoint "${ADDR[0]}:29505" --rdzv-id grow --elastic inplace "$TRAIN" "${MODEL[@]}" \
   >"$TMP/grow.h2.out" 2>&1 </dev/null; exit $?) &
