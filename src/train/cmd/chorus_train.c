@@ -1032,6 +1032,7 @@ static void world_changed(run_t *r) {
   g_size = chorus_comm_size(r->comm);
 }
 
+/* The runtime's lines (elastic events, the servers' reports), as they come. */
 static void log_line(void *arg, const char *line) {
   (void)arg;
   printf("%s\n", line);
@@ -1055,12 +1056,6 @@ static chorus_result_t reload_checkpoint(void *arg, long *step) {
 }
 
 /* ------------------------------------------------------------ --mode async */
-
-static void ps_log(void *arg, const char *line) {
-  (void)arg;
-  printf("%s\n", line);
-  fflush(stdout);
-}
 
 /* The validation loss DDP's validate() reports on `world` ranks (the same
  * samples), computed here alone. */
@@ -1215,7 +1210,7 @@ static int run_async(const opts_t *o, chorus_comm_t comm, const run_t *run) {
                            .ckpt_every = o->ckpt_every,
                            .keep = o->keep,
                            .log_every = o->log_every,
-                           .log = ps_log};
+                           .log = log_line};
   pc.optim.kind = o->optim;
   pc.optim.momentum = o->momentum;
   pc.optim.weight_decay = o->weight_decay;
