@@ -672,16 +672,16 @@ chorus_result_t chorus_elastic_join(chorus_elastic_t *e, long *step) {
 chorus_result_t chorus_elastic_begin_step(chorus_elastic_t *e, long *step) {
   int grown = 0;
   chorus_result_t st;
-  /* After a grow, every rank (the newcomers too) looks again. */
+  /* After a grow, every rank (the newcomers too) looks again.  What a
+   * recovery needs is in place before the check, which can fail too: no
+   * update applied yet, and under DDP the snapshot of this step. */
   do {
+    e->cur = *step;
+    e->applied = 0;
+    if (!e->sharded) snap_take(e, *step);
     if ((st = admit(e, step, &grown)) != CHORUS_OK) return st;
   } while (grown);
-  e->cur = *step;
-  e->applied = 0;
-  if (!e->sharded) {
-    snap_take(e, *step);
-    return CHORUS_OK;
-  }
+  if (!e->sharded) return CHORUS_OK;
   if (!e->own) return replicas_make(e, *step);
   e->st.upkeep_wait_s = e->st.upkeep_copy_s = 0;
   e->st.upkeep_bytes = 0;
