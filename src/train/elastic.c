@@ -644,7 +644,11 @@ static chorus_result_t admit(chorus_elastic_t *e, long *step, int *grown_out) {
   live_meta(e, *step, &m); /* before the optimizer is made again */
   if (e->sharded) {
     m.world = e->lay.n;
-    live_copy(e, e->own); /* the shard as at this step, in the old layout */
+    /* own takes the shard as at this step, in the old layout; the replica
+     * no longer pairs with it.  Until the new world's replicas exist a
+     * death can only be recovered from disk: no copy is claimed. */
+    e->committed.step = e->pending.step = -1;
+    live_copy(e, e->own);
     st = chorus__trainer_reshard(e->t, grown);
   } else {
     st = chorus_trainer_set_comm(e->t, grown);
@@ -719,7 +723,7 @@ static long choose(const chorus_elastic_t *e, const int64_t *info, int m, char *
     at[o] = x;
   }
   long best = -1;
-  why[0] = '\0';
+  snprintf(why, cap, "no copies of the shards exist yet (a growth or a recovery was under way)");
   /* Every step someone can produce, newest first. */
   long cands[64];
   int nc = 0;
