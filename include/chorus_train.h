@@ -820,9 +820,27 @@ CHORUS_API void chorus_elastic_get_stats(const chorus_elastic_t *e, chorus_elast
  * parameters once its gradient went into an update.  Every (server, worker)
  * pair talks over a communicator of its own, so a worker that dies, hangs
  * past the timeout or sends a malformed message fails only its pairs: the
- * server drops it and goes on with the others.  A server that dies fails
- * every worker (its parameters are gone): the job stops, and a restart
- * resumes from the servers' last checkpoint.
+ * server drops it and goes on with the others.
+ *
+ * Mirrors.  Without them a server that dies fails every worker (its
+ * parameters are gone): the job stops, and a restart resumes from the
+ * servers' last checkpoint.  With cfg->mirror, server processes 0 .. P-1
+ * (P = servers + standby) hold the S = servers ranges: process r serves
+ * range r, and process (r + 1) % P keeps a copy of it (a standby, process
+ * S, keeps the last range's copy and serves nothing at first).  The primary sends its copy
+ * the range's whole state once, then every update -- the averaged
+ * gradient and the learning rate, which the copy applies with the same
+ * optimizer step, so it stays bit for bit the primary's -- and answers no
+ * worker with parameters the copy has not acknowledged.  So every update
+ * a worker heard of is on two processes.  When a server process dies, the
+ * survivors agree on it (chorus_comm_shrink over the servers: the job's
+ * store must outlive it, as chorusrun's does), the process holding the
+ * copy of each of its ranges serves that range from then on, and the
+ * workers send that range's gradients there, again where the answer did
+ * not come (a gradient already applied is recognised by its step and not
+ * applied twice).  A range that lost its copy (or was taken over) has
+ * none from then on: a second death that hits it ends the job, saying
+ * which range is gone.  Checkpoints go on, a file per range.
  *
  * Staleness.  A gradient computed on version u and applied at version v
  * has staleness v - u.  Gradients are added up as they arrive; an update
@@ -845,7 +863,9 @@ CHORUS_API void chorus_elastic_get_stats(const chorus_elastic_t *e, chorus_elast
 typedef struct chorus_ps chorus_ps_t;
 
 typedef struct chorus_ps_config {
-  int servers;           /* ranks 0 .. servers - 1 serve; >= 1 and < world size */
+  int servers;           /* ranges (S); ranks 0 .. servers + standby - 1 are servers */
+  int mirror;            /* 1: every range has a copy on another server process */
+  int standby;           /* with mirror, 0 or 1: a process that keeps a copy only, at first */
   int max_staleness;     /* >= 0 */
   int staleness_weight;  /* 1: gradients weighted 1 / (1 + staleness) */
   chorus_optim_config_t optim;
@@ -875,6 +895,9 @@ typedef struct chorus_ps_stats {
   long loss_n;
   double tail_loss;        /* mean loss of the last tenth of the budget's gradients (NaN: none) */
   long resumed_step;       /* the checkpoint's step the run resumed from; 0: fresh */
+  int takeovers;           /* ranges this process took over from a dead one */
+  int ranges;              /* ranges this process serves at the end */
+  double mirror_wait_s;    /* summed over updates: from the update to its copy's ack */
 } chorus_ps_stats_t;
 
 /* Every rank of world calls it with the same arguments (it makes the
@@ -892,9 +915,14 @@ CHORUS_API int chorus_ps_workers(const chorus_ps_t *ps);
  * was told, or no worker is left; saves the final checkpoint.  Collective
  * over the servers.  Fails when another server died. */
 CHORUS_API chorus_result_t chorus_ps_serve(chorus_ps_t *ps);
+/* The statistics of the run (applied, updates, tokens, losses, staleness)
+ * are those of range 0, on the process that serves it: the leader. */
 CHORUS_API void chorus_ps_get_stats(const chorus_ps_t *ps, chorus_ps_stats_t *out);
-/* After serve: server 0 receives the whole parameters into dst (num
- * params floats); collective over the servers. */
+/* 1 on the server process serving range 0 (server 0, or the one that took
+ * its range over), 0 elsewhere: it reports, and receives the parameters. */
+CHORUS_API int chorus_ps_leader(const chorus_ps_t *ps);
+/* After serve: the leader receives the whole parameters into dst (num
+ * params floats; NULL elsewhere); collective over the surviving servers. */
 CHORUS_API chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst);
 
 /* A worker: the current parameters into params (num params floats) and the

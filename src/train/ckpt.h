@@ -63,4 +63,17 @@ chorus_result_t chorus__ckpt_load_range(chorus_comm_t comm, chorus_gpt_t *m, cho
                                         long *step, void *extra, size_t extra_cap,
                                         size_t *extra_len, chorus_ckpt_info_t *info);
 
+/* One range a rank holds for chorus__ckpt_save_ranges: the floats [lo, lo + n)
+ * in par, opt's state over those n floats, written as file `file` of the
+ * checkpoint's `files`. */
+typedef struct {
+  chorus_optim_t *opt;
+  float *par;
+  size_t lo, n;
+  int file;
+} chorus__ck_range_t;
+chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, int nr,
+                                         const chorus__ck_range_t *r, int files, const char *dir,
+                                         long step, const void *extra, size_t extra_len, int keep);
+
 #endif

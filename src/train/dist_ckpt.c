@@ -883,3 +883,13 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
             : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_export: rank %d: %s", c.rank,
                    c.rank == 0 ? why : "rank 0 could not write the file (see its output)");
 }
+
+/* TEMPORARY SHIM (replaced by the helper's multi-range save). */
+chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, int nr,
+                                         const chorus__ck_range_t *r, int files, const char *dir,
+                                         long step, const void *extra, size_t extra_len, int keep) {
+  (void)files;
+  if (nr != 1) return fail(CHORUS_ERR_INVALID_ARG, "shim: nr %d", nr);
+  return chorus__ckpt_save_range(comm, m, r->opt, r->par, r->lo, r->n, dir, step, extra,
+                                 extra_len, keep);
+}

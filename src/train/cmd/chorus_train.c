@@ -59,7 +59,7 @@ typedef struct {
   chorus_dtype_t param_dtype;
   size_t mem_cap;  /* bytes per rank; 0: none */
   int async;       /* --mode async: parameter servers and workers */
-  int servers, max_staleness, staleness_weight;
+  int servers, max_staleness, staleness_weight, mirror, standby;
   int slow_rank;   /* testing: --slowdown RANK:FACTOR */
   double slow_factor;
   int bad_rank, bad_kind, bad_step; /* testing: --bad-push RANK:stale|size|nan:STEP */
@@ -173,6 +173,11 @@ static void usage(FILE *f) {
           "                       (split by range), the others push gradients and pull\n"
           "                       parameters each at its own pace (sync)\n"
           "  --servers N          async: parameter servers (1)\n"
+          "  --mirror             async: each server's range also on the next server\n"
+          "                       process, updated with every step; a server that dies\n"
+          "                       loses nothing: the one with its copy serves its range\n"
+          "  --standby            async, with --mirror: one more server process, which\n"
+          "                       keeps the last range's copy (--servers 1 survives)\n"
           "  --max-staleness S    async: no gradient is applied more than S updates after\n"
           "                       the parameters it was computed on were handed out; 0 is\n"
           "                       synchronous (16)\n"
@@ -207,6 +212,7 @@ static int parse(int argc, char **argv, opts_t *o) {
       {"val-data", 1, 0, 1011},  {"data-format", 1, 0, 1012}, {"tokenizer", 1, 0, 1013},
       {"vocab", 1, 0, 1014},     {"workers", 1, 0, 1015},     {"data-prefetch", 1, 0, 1016},
       {"data-delay-ms", 1, 0, 1017}, {"log-data", 1, 0, 1018}, {"replica-every", 1, 0, 1019},
+      {"mirror", 0, 0, 1020},    {"standby", 0, 0, 1021},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -304,6 +310,8 @@ static int parse(int argc, char **argv, opts_t *o) {
       case 1017: o->data_delay_ms = strtod(optarg, NULL); break;
       case 1018: o->log_data = optarg; break;
       case 1019: o->replica_every = atoi(optarg); break;
+      case 1020: o->mirror = 1; break;
+      case 1021: o->standby = 1; break;
       case 1007: o->max_staleness = atoi(optarg); break;
       case 1008:
         if (!strcmp(optarg, "inverse")) o->staleness_weight = 1;
@@ -1077,7 +1085,11 @@ static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps, co
   }
   chorus_ps_stats_t s;
   chorus_ps_get_stats(ps, &s);
-  if (g_rank == 0) {
+  const int lead = chorus_ps_leader(ps);
+  if (s.takeovers)
+    printf("rank %d took %d range(s) over from a dead server; it serves %d\n", g_rank,
+           s.takeovers, s.ranges);
+  if (lead) {
     long total = 0, mx = 0;
     double mean = 0;
     for (int i = 0; i < CHORUS_PS_HIST; i++) {
@@ -1096,34 +1108,38 @@ static int async_server(const opts_t *o, chorus_comm_t comm, chorus_ps_t *ps, co
     const double tok = s.tokens;
     printf("summary: async, %d server(s), %d worker(s), --max-staleness %d: %.0f tokens in "
            "%.2f s = %.0f tok/s; %ld update(s) of %ld gradient(s) (%ld refused, %d worker(s) "
-           "dropped)\n", g_size - W, W, o->max_staleness, tok, s.seconds,
+           "dropped)\n", o->servers, W, o->max_staleness, tok, s.seconds,
            s.seconds > 0 ? tok / s.seconds : 0.0, s.updates, s.applied, s.refused, s.dropped);
+    if (o->mirror)
+      printf("mirror: every update acknowledged by range 0's copy before its workers heard "
+             "of it, %.2f ms on average\n", s.updates ? 1e3 * s.mirror_wait_s / s.updates : 0.0);
     printf("staleness: %s; mean %.2f, max %ld%s\n", total ? hist : "none",
            total ? mean / total : 0.0, mx, mx == CHORUS_PS_HIST - 1 ? " or more" : "");
     printf("training loss: %.4f (mean of all %ld gradients), %.4f (the last tenth)\n",
            s.loss_n ? s.loss_sum / s.loss_n : NAN, s.loss_n, s.tail_loss);
     fflush(stdout);
   }
-  /* Server 0 puts the whole model together for the last words. */
+  /* The leader (server 0, or the one serving its range now) puts the
+   * whole model together for the last words. */
   const int want = o->val_every || o->sample > 0 || o->dump;
   chorus_gpt_t *m = NULL;
-  if (g_rank == 0 && want &&
+  if (lead && want &&
       chorus_gpt_create(&o->model, o->batch > 1 ? o->batch : 1, o->seed, &m) != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank 0: %s\n", chorus_train_last_error());
     m = NULL;
   }
   int rc = 0;
   if (want) {
-    /* Server 0 without a model passes no buffer: the call then fails on
+    /* The leader without a model passes no buffer: the call then fails on
      * every server at once. */
     st = chorus_ps_full_params(ps, m ? chorus_gpt_params(m) : NULL);
-    if (st != CHORUS_OK || (g_rank == 0 && !m)) {
+    if (st != CHORUS_OK || (lead && !m)) {
       if (st != CHORUS_OK) fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank,
                                    chorus_train_last_error());
       rc = 1;
     }
   }
-  if (g_rank == 0 && m && rc == 0) {
+  if (lead && m && rc == 0) {
     const size_t np = chorus_gpt_num_params(m);
     int *tok = malloc(sizeof(int) * (size_t)o->batch * o->model.ctx);
     int *tgt = malloc(sizeof(int) * (size_t)o->batch * o->model.ctx);
@@ -1198,6 +1214,8 @@ static int async_worker(const opts_t *o, chorus_ps_t *ps, const run_t *run) {
 /* --mode async: servers and workers instead of one data-parallel group. */
 static int run_async(const opts_t *o, chorus_comm_t comm, const run_t *run) {
   chorus_ps_config_t pc = {.servers = o->servers,
+                           .mirror = o->mirror,
+                           .standby = o->standby,
                            .max_staleness = o->max_staleness,
                            .staleness_weight = o->staleness_weight,
                            .optim = CHORUS_OPTIM_ADAMW_DEFAULT,
@@ -1214,9 +1232,9 @@ static int run_async(const opts_t *o, chorus_comm_t comm, const run_t *run) {
   pc.optim.kind = o->optim;
   pc.optim.momentum = o->momentum;
   pc.optim.weight_decay = o->weight_decay;
-  if (o->servers >= g_size) {
-    fprintf(stderr, "chorus-train: --mode async needs more ranks than --servers (%d): at least "
-            "one worker\n", o->servers);
+  if (o->servers + o->standby >= g_size) {
+    fprintf(stderr, "chorus-train: --mode async needs more ranks than server processes (%d): "
+            "at least one worker\n", o->servers + o->standby);
     return 2;
   }
   chorus_ps_t *ps = NULL;
@@ -1226,10 +1244,12 @@ static int run_async(const opts_t *o, chorus_comm_t comm, const run_t *run) {
     return 1;
   }
   const int W = chorus_ps_workers(ps);
-  say("chorus-train: asynchronous data parallel: %d server(s), %d worker(s), --max-staleness "
+  say("chorus-train: asynchronous data parallel: %d server(s)%s, %d worker(s), --max-staleness "
       "%d%s; model %d layers, %d heads, %d channels, context %d; batch %d x %d per worker, "
       "%d micro-step(s); a budget of %d steps x %d workers = %ld gradients%s\n",
-      o->servers, W, o->max_staleness, o->staleness_weight ? ", stale gradients weighted "
+      o->servers, !o->mirror ? "" : o->standby ? " mirrored (the last range on a standby)"
+      : " mirrored (each range's copy on the next server)", W, o->max_staleness,
+      o->staleness_weight ? ", stale gradients weighted "
       "1 / (1 + staleness)" : "", o->model.layers, o->model.heads, o->model.channels,
       o->model.ctx, o->batch, o->model.ctx, o->accum, o->steps, W, (long)o->steps * W,
       o->slow_rank >= 0 ? "; --slowdown" : "");
@@ -1265,9 +1285,19 @@ int main(int argc, char **argv) {
             "that it lets them)\n");
     return 2;
   }
-  if (!o.async && (o.servers != 1 || o.bad_rank >= 0 || o.staleness_weight)) {
-    fprintf(stderr, "chorus-train: --servers, --staleness-weight and --bad-push need --mode "
-            "async\n");
+  if (!o.async && (o.servers != 1 || o.bad_rank >= 0 || o.staleness_weight || o.mirror ||
+                   o.standby)) {
+    fprintf(stderr, "chorus-train: --servers, --mirror, --standby, --staleness-weight and "
+            "--bad-push need --mode async\n");
+    return 2;
+  }
+  if (o.standby && !o.mirror) {
+    fprintf(stderr, "chorus-train: --standby keeps a copy: it needs --mirror\n");
+    return 2;
+  }
+  if (o.mirror && o.servers + o.standby < 2) {
+    fprintf(stderr, "chorus-train: --mirror keeps each range's copy on another server process: "
+            "give --servers 2 or more, or --standby\n");
     return 2;
   }
   if (o.elastic < 0 && o.async) o.elastic = 0;
