@@ -256,33 +256,28 @@ static chorus_result_t agree(const ctx_t *c, int *ok) {
   return CHORUS_OK;
 }
 
-static chorus_result_t save(const ctx_t *cp, const char *dir, long step, const void *extra,
-                            size_t extra_len, int keep) {
-  const ctx_t c = *cp;
-  char sdir[4096], tmp[4200], final[4200], why[4400] = "";
-  snprintf(sdir, sizeof sdir, "%s/ckpt-%09ld", dir, step);
+/* Writes c's ranges as file `file` of `files` into sdir: its size and
+ * checksum into *fbytes, *fsum.  0, or -1 with why. */
+static int write_shard(const ctx_t *c, const char *sdir, long step, int file, int files,
+                       uint64_t *fbytes, uint64_t *fsum, char *why, size_t cap) {
+  char tmp[4200], final[4200];
   int n = 0, ok = 1;
-  span_t *sp = my_spans(&c, 1, &n);
-  const size_t blob_bytes = chorus_optim_state_size(c.opt);
+  span_t *sp = my_spans(c, 1, &n);
+  const size_t blob_bytes = chorus_optim_state_size(c->opt);
   unsigned char *blob = malloc(blob_bytes);
   uint64_t *table = calloc(2 * (size_t)n + 1, sizeof *table);
   chunk_t *ch = calloc(2 + 3 * (size_t)n, sizeof *ch);
-  uint64_t fbytes = 0, fsum = 0;
   if (!sp || !blob || !table || !ch) {
     ok = 0;
-    snprintf(why, sizeof why, "out of memory");
-  }
-  if (ok && mkdirs(sdir) != 0) {
-    ok = 0;
-    snprintf(why, sizeof why, "mkdir %s: %s", sdir, strerror(errno));
+    snprintf(why, cap, "out of memory");
   }
   if (ok) {
-    chorus_optim_state_save(c.opt, blob);
+    chorus_optim_state_save(c->opt, blob);
     int64_t opt_steps;
     memcpy(&opt_steps, blob, sizeof opt_steps);
-    sh_header_t h = {SH_MAGIC, DC_VERSION, sizeof h, step, {0}, c.of, opt_steps,
-                     (uint32_t)c.rank, (uint32_t)c.size, (uint64_t)n, c.np};
-    memcpy(h.shape, c.shape, sizeof h.shape);
+    sh_header_t h = {SH_MAGIC, DC_VERSION, sizeof h, step, {0}, c->of, opt_steps,
+                     (uint32_t)file, (uint32_t)files, (uint64_t)n, c->np};
+    memcpy(h.shape, c->shape, sizeof h.shape);
     int k = 0;
     ch[k++] = (chunk_t){&h, sizeof h};
     for (int i = 0; i < n; i++) table[2 * i] = sp[i].off, table[2 * i + 1] = sp[i].count;
@@ -290,54 +285,96 @@ static chorus_result_t save(const ctx_t *cp, const char *dir, long step, const v
     const float *mom = (const float *)(blob + sizeof(int64_t));
     for (int i = 0; i < n; i++) {
       ch[k++] = (chunk_t){sp[i].par, sp[i].count * sizeof(float)};
-      for (int j = 0; j < c.of; j++)
-        ch[k++] = (chunk_t){mom + (size_t)j * c.nstate + sp[i].soff, sp[i].count * sizeof(float)};
+      for (int j = 0; j < c->of; j++)
+        ch[k++] = (chunk_t){mom + (size_t)j * c->nstate + sp[i].soff, sp[i].count * sizeof(float)};
     }
-    snprintf(tmp, sizeof tmp, "%s/.shard-%05d-of-%05d.tmp.%d", sdir, c.rank, c.size, (int)getpid());
-    snprintf(final, sizeof final, "%s/shard-%05d-of-%05d.bin", sdir, c.rank, c.size);
-    if (write_file(tmp, final, ch, k, &fbytes, &fsum) != 0) {
+    snprintf(tmp, sizeof tmp, "%s/.shard-%05d-of-%05d.tmp.%d", sdir, file, files, (int)getpid());
+    snprintf(final, sizeof final, "%s/shard-%05d-of-%05d.bin", sdir, file, files);
+    if (write_file(tmp, final, ch, k, fbytes, fsum) != 0) {
       ok = 0;
-      snprintf(why, sizeof why, "writing %s: %s", final, strerror(errno));
+      snprintf(why, cap, "writing %s: %s", final, strerror(errno));
     }
   }
   free(sp), free(blob), free(table), free(ch);
-  /* Rank 0's table of every file, made before the agreement so that its
-   * failure is part of it (the gather below must not be skipped alone). */
-  uint64_t *all = c.rank == 0 ? calloc(2 * (size_t)c.size, sizeof *all) : NULL;
-  if (c.rank == 0 && !all && ok) {
+  return ok ? 0 : -1;
+}
+
+/* A checkpoint of `files` files: this rank writes nf of them (cs[i] as
+ * file fid[i]), base names its communicator; together the ranks write
+ * each file once.  Rank 0 then writes the index. */
+static chorus_result_t save_files(const ctx_t *base, int nf, const ctx_t *cs, const int *fid,
+                                  int files, const char *dir, long step, const void *extra,
+                                  size_t extra_len, int keep) {
+  const ctx_t c = *base;
+  char sdir[4096], tmp[4200], final[4200], why[4400] = "";
+  snprintf(sdir, sizeof sdir, "%s/ckpt-%09ld", dir, step);
+  int ok = 1;
+  /* per file: bytes, checksum, writers; summed over the ranks */
+  int64_t *tab = calloc(3 * (size_t)files + 1, sizeof *tab);
+  int32_t of = c.of;
+  if (!tab) {
     ok = 0;
     snprintf(why, sizeof why, "out of memory");
   }
+  if (ok && mkdirs(sdir) != 0) {
+    ok = 0;
+    snprintf(why, sizeof why, "mkdir %s: %s", sdir, strerror(errno));
+  }
+  for (int i = 0; i < nf && ok; i++) {
+    uint64_t b = 0, h = 0;
+    if (fid[i] < 0 || fid[i] >= files || tab[3 * fid[i] + 2]) {
+      ok = 0;
+      snprintf(why, sizeof why, "file %d of %d named twice or out of range", fid[i], files);
+    } else if (write_shard(&cs[i], sdir, step, fid[i], files, &b, &h, why, sizeof why) != 0) {
+      ok = 0;
+    } else {
+      tab[3 * fid[i]] = (int64_t)b, tab[3 * fid[i] + 1] = (int64_t)h, tab[3 * fid[i] + 2] = 1;
+      if (cs[i].of > of) of = cs[i].of;
+    }
+  }
   if (!ok) fprintf(stderr, "chorus_trainer_save: rank %d: %s\n", c.rank, why);
   chorus_result_t st = agree(&c, &ok);
-  if (st != CHORUS_OK || !ok) free(all);
+  if (st != CHORUS_OK || !ok) free(tab);
   if (st != CHORUS_OK) return st;
   if (!ok)
     return fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: checkpoint %s not written: %s",
                 c.rank, sdir, why[0] ? why : "another rank could not write its shard (see its "
                 "output)");
-  /* Rank 0 learns every file's size and checksum, and writes the index. */
-  uint64_t mine[2] = {fbytes, fsum};
+  /* Every rank learns every file's size, checksum and writers (one
+   * writer each: adding the others' zeros changes nothing). */
   if (c.comm && c.size > 1) {
-    st = chorus_gather(c.comm, mine, all, 2, CHORUS_INT64, 0, NULL);
+    st = chorus_all_reduce(c.comm, tab, tab, 3 * (size_t)files, CHORUS_INT64, CHORUS_SUM, NULL);
+    if (st == CHORUS_OK)
+      st = chorus_all_reduce(c.comm, &of, &of, 1, CHORUS_INT32, CHORUS_MAX, NULL);
     if (st != CHORUS_OK) {
-      free(all);
-      return coll_fail(&c, st, "gathering the shard files' checksums");
+      free(tab);
+      return coll_fail(&c, st, "learning the shard files' checksums");
     }
-  } else if (all) {
-    memcpy(all, mine, sizeof mine);
   }
-  if (c.rank == 0 && ok) {
-    ix_header_t h = {IX_MAGIC, DC_VERSION, sizeof h, step, {0}, c.of, c.np, (uint32_t)c.size,
+  int missing = -1;
+  for (int f = 0; f < files && missing < 0; f++)
+    if (tab[3 * f + 2] != 1) missing = f;
+  if (missing >= 0) {
+    const int64_t writers = tab[3 * missing + 2];
+    free(tab);
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: rank %d: checkpoint %s not "
+                "written: file %d of %d was written by %lld ranks, not one", c.rank, sdir,
+                missing, files, (long long)writers);
+  }
+  if (c.rank == 0) {
+    uint64_t *all = calloc(2 * (size_t)files, sizeof *all);
+    for (int f = 0; all && f < files; f++)
+      all[2 * f] = (uint64_t)tab[3 * f], all[2 * f + 1] = (uint64_t)tab[3 * f + 1];
+    ix_header_t h = {IX_MAGIC, DC_VERSION, sizeof h, step, {0}, of, c.np, (uint32_t)files,
                      (uint32_t)c.stage, extra_len};
     memcpy(h.shape, c.shape, sizeof h.shape);
-    chunk_t ich[3] = {{&h, sizeof h}, {all, 2 * sizeof *all * (size_t)c.size}, {extra, extra_len}};
+    chunk_t ich[3] = {{&h, sizeof h}, {all, 2 * sizeof *all * (size_t)files}, {extra, extra_len}};
     snprintf(tmp, sizeof tmp, "%s/.index.tmp.%d", sdir, (int)getpid());
     snprintf(final, sizeof final, "%s/index.bin", sdir);
     uint64_t b, s;
-    if (write_file(tmp, final, ich, 3, &b, &s) != 0) {
+    if (!all || write_file(tmp, final, ich, 3, &b, &s) != 0) {
       ok = 0;
-      snprintf(why, sizeof why, "writing %s: %s", final, strerror(errno));
+      snprintf(why, sizeof why, "writing %s: %s", final, all ? strerror(errno) : "out of memory");
       fprintf(stderr, "chorus_trainer_save: rank 0: %s\n", why);
     } else {
       fsync_dir(sdir);
@@ -345,26 +382,32 @@ static chorus_result_t save(const ctx_t *cp, const char *dir, long step, const v
       /* Keep the newest `keep` complete checkpoints; anything older goes,
        * incomplete ones (a crash while writing) included. */
       int nc;
-      chorus__ckpt_cand_t *cs = chorus__ckpt_list(dir, &nc);
+      chorus__ckpt_cand_t *cands = chorus__ckpt_list(dir, &nc);
       int complete = 0;
       for (int i = 0; i < nc; i++) {
-        int whole = !cs[i].dir || index_exists(dir, cs[i].step);
-        if (cs[i].step > step) continue; /* newer ones are someone else's business */
+        int whole = !cands[i].dir || index_exists(dir, cands[i].step);
+        if (cands[i].step > step) continue; /* newer ones are someone else's business */
         if (whole && complete < keep) {
           complete++;
           continue;
         }
-        if (cs[i].step == step) continue;
-        remove_ckpt(dir, &cs[i]);
+        if (cands[i].step == step) continue;
+        remove_ckpt(dir, &cands[i]);
       }
-      free(cs);
+      free(cands);
     }
+    free(all);
   }
-  free(all);
+  free(tab);
   if ((st = agree(&c, &ok)) != CHORUS_OK) return st;
   return ok ? CHORUS_OK
             : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: the index of %s was not "
                    "written (see rank 0's output)", c.rank, sdir);
+}
+
+static chorus_result_t save(const ctx_t *c, const char *dir, long step, const void *extra,
+                            size_t extra_len, int keep) {
+  return save_files(c, 1, c, &c->rank, c->size, dir, step, extra, extra_len, keep);
 }
 
 chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
@@ -386,6 +429,46 @@ chorus_result_t chorus__ckpt_save_range(chorus_comm_t comm, chorus_gpt_t *m, cho
   ctx_t c;
   ctx_init_range(&c, comm, m, opt, par, lo, n);
   return save(&c, dir, step, extra, extra_len, keep);
+}
+
+chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, int nr,
+                                         const chorus__ck_range_t *r, int files, const char *dir,
+                                         long step, const void *extra, size_t extra_len,
+                                         int keep) {
+  const size_t np = m ? chorus_gpt_num_params(m) : 0;
+  int bad = !m || !dir || step < 0 || keep < 1 || nr < 0 || files < 1 || (nr && !r) ||
+            (extra_len && !extra) || extra_len > MAX_EXTRA || (size_t)files > MAX_WORLD;
+  for (int i = 0; !bad && i < nr; i++)
+    bad = !r[i].opt || (r[i].n && !r[i].par) || r[i].lo > np || r[i].n > np - r[i].lo;
+  ctx_t base, *cs = calloc((size_t)nr + 1, sizeof *cs);
+  int *fid = calloc((size_t)nr + 1, sizeof *fid);
+  if (bad || !cs || !fid) {
+    free(cs), free(fid);
+    /* the others must not wait for this rank's part of the agreement */
+    if (comm) chorus_comm_abort(comm);
+    return fail(bad ? CHORUS_ERR_INVALID_ARG : CHORUS_ERR_NO_MEMORY,
+                "chorus_trainer_save: %s", bad ? "bad arguments" : "out of memory");
+  }
+  for (int i = 0; i < nr; i++) {
+    ctx_init_range(&cs[i], comm, m, r[i].opt, r[i].par, r[i].lo, r[i].n);
+    fid[i] = r[i].file;
+  }
+  /* A rank holding nothing still names the communicator and the layout. */
+  if (nr) {
+    base = cs[0];
+  } else {
+    memset(&base, 0, sizeof base);
+    base.m = m;
+    base.comm = comm;
+    base.rank = comm ? chorus_comm_rank(comm) : 0;
+    base.size = comm ? chorus_comm_size(comm) : 1;
+    base.np = np;
+    chorus__ckpt_shape(m, base.shape);
+    base.nunits = (uint32_t)chorus_gpt_num_units(m);
+  }
+  chorus_result_t st = save_files(&base, nr, cs, fid, files, dir, step, extra, extra_len, keep);
+  free(cs), free(fid);
+  return st;
 }
 
 /* ---------------------------------------------------------------- load */
@@ -884,12 +967,3 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
                    c.rank == 0 ? why : "rank 0 could not write the file (see its output)");
 }
 
-/* TEMPORARY SHIM (replaced by the helper's multi-range save). */
-chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, int nr,
-                                         const chorus__ck_range_t *r, int files, const char *dir,
-                                         long step, const void *extra, size_t extra_len, int keep) {
-  (void)files;
-  if (nr != 1) return fail(CHORUS_ERR_INVALID_ARG, "shim: nr %d", nr);
-  return chorus__ckpt_save_range(comm, m, r->opt, r->par, r->lo, r->n, dir, step, extra,
-                                 extra_len, keep);
-}

@@ -95,6 +95,7 @@ typedef struct {
 /* A range's statistics, shipped with every update. */
 typedef struct {
   double tokens, loss_sum, tail_sum;
+  double seconds; /* from the first worker's arrival to this update, on its server */
   int64_t loss_n, tail_n, refused;
   int64_t hist[CHORUS_PS_HIST];
 } rstat_t;
@@ -177,7 +178,7 @@ struct chorus_ps {
   int fault;
   chorus_work_t *wk; /* the push under way: its messages, per range */
   msg_t *hd;
-  int *sent, *pending, *pdead, *talked;
+  int *sent, *pending, *pdead;
   chorus_result_t early_st; /* a send of chorus_ps_push_early that failed */
   /* server */
   pthread_mutex_t mu;
@@ -303,7 +304,7 @@ void chorus_ps_destroy(chorus_ps_t *ps) {
   free(ps->slots);
   free(ps->pair), free(ps->spair);
   free(ps->lo), free(ps->cnt), free(ps->owner), free(ps->mholder), free(ps->ver);
-  free(ps->wk), free(ps->hd), free(ps->sent), free(ps->pending), free(ps->pdead), free(ps->talked);
+  free(ps->wk), free(ps->hd), free(ps->sent), free(ps->pending), free(ps->pdead);
   free(ps->crank), free(ps->start_step), free(ps->ck_pushes);
   chorus_optim_destroy(ps->opt0);
   chorus_gpt_destroy(ps->shape);
@@ -400,9 +401,7 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
     ps->sent = calloc((size_t)S, sizeof *ps->sent);
     ps->pending = calloc((size_t)S, sizeof *ps->pending);
     ps->pdead = calloc((size_t)P, sizeof *ps->pdead);
-    ps->talked = calloc((size_t)P, sizeof *ps->talked);
-    if (!ps->ver || !ps->wk || !ps->hd || !ps->sent || !ps->pending || !ps->pdead ||
-        !ps->talked) {
+    if (!ps->ver || !ps->wk || !ps->hd || !ps->sent || !ps->pending || !ps->pdead) {
       chorus_ps_destroy(ps);
       return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
     }
@@ -652,10 +651,11 @@ static void apply(range_t *r) {
       r->wr[w].ver = r->version;
       r->pend[w] = -1;
     }
-  /* The copy takes the same step; the gradient goes on its way first. */
-  if (r->mproc >= 0) pack(r, X_UPDATE, r->avg, k, lr);
   memset(r->acc, 0, n * sizeof(double));
   ps->t_last = now_ns();
+  r->st.seconds = (double)(ps->t_last - ps->t_first) / 1e9;
+  /* The copy takes the same step. */
+  if (r->mproc >= 0) pack(r, X_UPDATE, r->avg, k, lr);
   const long step = r->applied / ps->nwork;
   if (r->id == 0 && c->log_every > 0 && step >= ps->log_next && ps->log_n) {
     const double dt = (double)(ps->t_last - ps->t_log) / 1e9;
@@ -668,9 +668,16 @@ static void apply(range_t *r) {
     ps->t_log = ps->t_last;
     while (ps->log_next <= step) ps->log_next += c->log_every;
   }
-  if (c->ckpt_dir && c->ckpt_every > 0 && step / c->ckpt_every > before / c->ckpt_every &&
-      step < c->steps && step / c->ckpt_every > ps->ck_crossed)
-    ps->ck_crossed = step / c->ckpt_every; /* ck_main writes it */
+  if (c->ckpt_dir && c->ckpt_every > 0 && step / c->ckpt_every > before / c->ckpt_every) {
+    /* A checkpoint step is passed once every range served here passed it
+     * (the snapshot must be at or after it for each); ck_main writes it. */
+    long least = step;
+    for (int q = 0; q < ps->nrange; q++)
+      if (ps->rg[q].role == R_PRIMARY && ps->rg[q].applied / ps->nwork < least)
+        least = ps->rg[q].applied / ps->nwork;
+    if (least < c->steps && least / c->ckpt_every > ps->ck_crossed)
+      ps->ck_crossed = least / c->ckpt_every;
+  }
   pthread_cond_broadcast(&ps->cv);
 }
 
@@ -829,9 +836,9 @@ static int push(slot_t *sl, const msg_t *h) {
   range_t *r = &ps->rg[h->range];
   const size_t n = r->n;
   if (h->count != n) {
-    fatal(sl, "a gradient of %llu floats, but range %d holds %zu (floats [%zu, %zu) of %zu): "
-          "the worker's model is not the servers'", (unsigned long long)h->count, r->id, n,
-          r->lo, r->lo + n, ps->np);
+    fatal(sl, "a gradient of %llu floats, but server %d holds %zu for range %d (floats [%zu, "
+          "%zu) of %zu): the worker's model is not the servers'", (unsigned long long)h->count,
+          ps->me, n, r->id, r->lo, r->lo + n, ps->np);
     return -1;
   }
   if (chorus_recv(sl->comm, sl->g, n, CHORUS_FLOAT32, 1, TAG_DATA, NULL) != CHORUS_OK) {
@@ -852,6 +859,11 @@ static int push(slot_t *sl, const msg_t *h) {
     pthread_mutex_unlock(&ps->mu);
     fatal(sl, "a push for range %d, which server process %d does not serve%s", r->id, ps->me,
           role == R_MIRROR ? " (it keeps the range's copy, and its server is alive)" : "");
+    return -1;
+  }
+  if (r->wst[w] == W_NEW) {
+    pthread_mutex_unlock(&ps->mu);
+    fatal(sl, "a push before its hello");
     return -1;
   }
   if (r->wst[w] == W_GONE) {
@@ -1212,6 +1224,10 @@ static void adopt(chorus_ps_t *ps, range_t *r) {
     r->u[w] = r->wr[w].ver >= 0 ? r->wr[w].ver : r->version0;
   }
   ps->takeovers++;
+  /* A standby's clock starts where the dead server's stood. */
+  const int64_t now = now_ns();
+  if (ps->t_first == 0) ps->t_first = ps->t_log = now - (int64_t)(r->st.seconds * 1e9);
+  if (ps->t_last < now) ps->t_last = now;
   if (ps->cfg.ckpt_dir && range_ck_alloc(ps, r) != 0)
     say(ps, "async: server %d: no memory for range %d's checkpoints: the checkpoints from now "
         "on fail", ps->me, r->id);
@@ -1611,7 +1627,6 @@ static chorus_result_t send_slice(chorus_ps_t *ps, int r, const float *src, uint
   h->tokens = tokens;
   h->step = ps->wstep;
   ps->sent[r] = 1;
-  ps->talked[p] = 1;
   chorus_result_t st =
       chorus_send(ps->pair[p], h, sizeof *h, CHORUS_UINT8, 0, TAG_HDR, &ps->wk[2 * r]);
   if (st == CHORUS_OK)
@@ -1678,7 +1693,9 @@ static chorus_result_t answer(chorus_ps_t *ps, int p, float *params, chorus_ps_r
       !ps->pending[r] || h.version < ps->ver[r] || h.staleness < 0 ||
       h.mirror < -1 || h.mirror >= ps->nproc || h.mirror == p ||
       h.count != (data ? ps->cnt[r] : 0) || (!start && h.step != 0 && h.step != 1) ||
-      (start && (h.step < 0 || h.step > ps->cfg.steps))) {
+      (start && (h.step < 0 || h.step > ps->cfg.steps * (long)ps->nwork))) {
+    /* (a fast worker may have done more than steps of the budget's
+     * steps * workers gradients) */
     chorus_comm_abort(c);
     return fail(CHORUS_ERR_PROTOCOL, "async: worker %d: server %d sent a malformed answer (kind "
                 "%u, range %d, version %lld after %lld, %llu floats, step %lld)", ps->me, p,
@@ -1728,7 +1745,6 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
     memset(&h, 0, sizeof h);
     h.magic = PS_MAGIC;
     h.kind = M_HELLO;
-    ps->talked[p] = 1;
     st = chorus_send(ps->pair[p], &h, sizeof h, CHORUS_UINT8, 0, TAG_HDR, NULL);
     if (st != CHORUS_OK) {
       server_gone(ps, p, st, "the job fails before it started");
@@ -1816,9 +1832,10 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
                                         "servers' last checkpoint)");
     }
   }
-  /* The processes this worker talked to learn that it leaves. */
+  /* Every server process learns that this worker leaves (a standby too:
+   * it may have taken a range over). */
   for (int p = 0; p < ps->nproc && st == CHORUS_OK && rep->stop; p++) {
-    if (!ps->talked[p] || ps->pdead[p]) continue;
+    if (ps->pdead[p]) continue;
     msg_t bye;
     memset(&bye, 0, sizeof bye);
     bye.magic = PS_MAGIC;

@@ -16,6 +16,14 @@
 #      one of the wrong size is refused and its worker dropped; the server
 #      serves the others;
 #   5. a server SIGKILLed mid-run fails every worker fast, saying so;
+#      with --mirror it loses nothing: two mirrored servers, S = 0, one of
+#      them SIGKILLed at a random moment -- the survivor takes its range
+#      over and the weights are bit for bit those of the run nobody killed
+#      (itself bit for bit the unmirrored run's); one server and a standby,
+#      asynchronous, the server SIGKILLed -- the standby serves on, the
+#      budget is applied to the gradient and the gradients the workers
+#      heard were applied add up to it; checkpoints go on after the
+#      take-over, and a run resumes from them;
 #   6. two servers checkpoint their ranges; a run resumed from the first
 #      checkpoint ends at the uninterrupted run's weights (S = 0); two
 #      asynchronous servers write every checkpoint and resume; DDP resumes
@@ -28,7 +36,7 @@ run=$1 train=$2 cmp=$3 data=$4 sanitizer=${5:-}
 tmp=$(mktemp -d /tmp/chorus-async.XXXXXX)
 # A private copy, so that pkill -f "$tmp/" finds exactly our processes.
 cp "$train" "$tmp/chorus-train" && train=$tmp/chorus-train || exit 1
-trap 'pkill -9 -f "$tmp/" 2>/dev/null; rm -rf "$tmp"' EXIT
+trap 'pkill -9 -f "$tmp/" 2>/dev/null; [ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
 fails=0
 model=(--layers 2 --heads 4 --channels 64 --ctx 64 --batch 8 --warmup 5 --sample 0
        --log-every 10 --threads 1 --data "$data")
@@ -162,6 +170,58 @@ if [ -n "$victim" ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$ms" -lt 30000
   ok "the server's death fails the job (exit $rc) in $ms ms"
 else bad "server killed ('$victim'): exit $rc after $ms ms"; fi
 has "every worker names the dead server" skill "server 0 (rank 0) is gone or failed: .*the job fails"
+
+# 5b. Mirrored servers: a server SIGKILLed at a random moment loses nothing.
+mkill() { # NAME VICTIM_RANK RANKS ARGS...: runs, kills the victim soon after step 10, waits
+  local name=$1 v=$2 n=$3
+  shift 3
+  timeout 180 "$run" --standalone -n "$n" --elastic inplace -- "$train" "${model[@]}" "$@" \
+    >"$tmp/$name.log" 2>&1 &
+  local job=$!
+  wait_log "$name" "async step  *[1-9][0-9]/"
+  sleep "0.$((RANDOM % 3))"
+  local pid
+  pid=$(rank_pid "$v")
+  [ -n "$pid" ] && kill -9 "$pid" && echo "     killed server rank $v (pid $pid)"
+  wait "$job" || { bad "$name: the run failed"; tail -n 8 "$tmp/$name.log" | cut -c1-300; }
+}
+mir=(--mode async --servers 2 --mirror --max-staleness 0 --steps 60)
+train_run mref 5 "${mir[@]}" --dump "$tmp/mref"
+if [ -z "$sanitizer" ]; then
+  train_run mplain 5 --mode async --servers 2 --max-staleness 0 --steps 60 --dump "$tmp/mplain"
+  same "--mirror leaves the result as it was (bit for bit)" mplain mref 0
+fi
+v=$((RANDOM % 2))
+mkill mkill "$v" 5 "${mir[@]}" --checkpoint-dir "$tmp/ck8" --checkpoint-every 10 --keep 10 \
+  --dump "$tmp/mkill"
+has "the other server takes the dead one's range over from its copy" mkill \
+  "server process $v died; server $((1 - v)) took its range $v over from its copy"
+has "the workers send that range there" mkill "range $v goes to server $((1 - v)), which kept its copy"
+has "every gradient of the budget is applied" mkill "summary: async.* 60 update(s) of 180 gradient(s) (0 refused, 0 worker(s) dropped)"
+same "and the weights are bit for bit the run's nobody killed" mref mkill 0
+has "the survivor checkpoints both ranges, a file each" mkill \
+  "checkpoint: .*ckpt-000000040 (2 server file(s)"
+if [ -z "$sanitizer" ]; then
+  mkdir -p "$tmp/ck9" && cp -r "$tmp/ck8/ckpt-000000040" "$tmp/ck9/"
+  train_run mres2 5 "${mir[@]}" --checkpoint-dir "$tmp/ck9" --dump "$tmp/mres2"
+  same "a run resumed from that checkpoint ends at the same weights, bit for bit" mref mres2 0
+fi
+
+# 5c. One server and a standby, asynchronous: the standby serves on.
+stb=(--mode async --servers 1 --mirror --standby --steps 60)
+mkill mstand 0 5 "${stb[@]}" --checkpoint-dir "$tmp/ck6" --checkpoint-every 10 --keep 10
+has "the standby takes the range over" mstand "server process 0 died; server 1 took its range 0 over"
+has "the budget is applied" mstand "summary: async.* of 180 gradient(s) (0 refused, 0 worker(s) dropped)"
+heard=$(sed -n 's/.*worker [0-9]* (rank [0-9]*): \([0-9]*\) step(s) applied.*/\1/p' "$tmp/mstand.log" |
+        awk '{ s += $1 } END { print s + 0 }')
+[ "$heard" -eq 180 ] && ok "the gradients the workers heard were applied add up to it ($heard)" ||
+  bad "the workers heard of $heard applied gradients, not 180"
+has "checkpoints go on after the take-over" mstand "checkpoint: .*ckpt-000000050 (1 server file(s)"
+if [ -z "$sanitizer" ]; then
+  mkdir -p "$tmp/ck7" && cp -r "$tmp/ck6/ckpt-000000050" "$tmp/ck7/"
+  train_run mres 4 --mode async --servers 1 --steps 60 --checkpoint-dir "$tmp/ck7"
+  has "and a run resumes from them" mres "resumed from .*ckpt-000000050 (written by 1 rank(s), asynchronous): 150 of 180"
+fi
 
 # 6. Checkpoints of two servers, and a resume.
 ck=(--mode async --servers 2 --max-staleness 0 --steps 20 --clip 0 --checkpoint-every 10)
