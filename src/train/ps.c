@@ -179,6 +179,7 @@ struct chorus_ps {
   chorus_work_t *wk; /* the push under way: its messages, per range */
   msg_t *hd;
   int *sent, *pending, *pdead;
+  int64_t lost_at; /* when a server was found gone in this push (0: none) */
   chorus_result_t early_st; /* a send of chorus_ps_push_early that failed */
   /* server */
   pthread_mutex_t mu;
@@ -1242,6 +1243,7 @@ static void adopt(chorus_ps_t *ps, range_t *r) {
  * agreement). */
 static int failover(chorus_ps_t *ps, char *why, size_t cap) {
   const int P = ps->nproc, S = ps->nrange;
+  const int64_t t0 = now_ns();
   pthread_mutex_lock(&ps->mu);
   ps->ck_hold = 1;
   pthread_mutex_unlock(&ps->mu);
@@ -1358,8 +1360,9 @@ static int failover(chorus_ps_t *ps, char *why, size_t cap) {
       if (nowner[k] == ps->me) {
         adopt(ps, r);
         say(ps, "async: server process %d died; server %d took its range %d over from its copy "
-            "(version %lld, %ld gradients applied); the range has no copy from now on", dead,
-            ps->me, k, (long long)r->version, r->applied);
+            "(version %lld, %ld gradients applied) %.0f ms after the failure was seen; the range "
+            "has no copy from now on", dead, ps->me, k, (long long)r->version, r->applied,
+            (double)(now_ns() - t0) / 1e6);
       }
     }
     if (r->role == R_PRIMARY && !taken[k] && ps->mholder[k] >= 0 && nmirror[k] < 0)
@@ -1643,6 +1646,7 @@ static chorus_result_t lost_server(chorus_ps_t *ps, int p, chorus_result_t why_s
   snprintf(why, sizeof why, "%s", chorus_comm_last_error(ps->pair[p]));
   pair_words(why);
   ps->pdead[p] = 1;
+  if (!ps->lost_at) ps->lost_at = now_ns();
   chorus_comm_abort(ps->pair[p]);
   for (int r = 0; r < ps->nrange; r++) {
     if (ps->owner[r] != p) continue;
@@ -1832,6 +1836,10 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
                                         "servers' last checkpoint)");
     }
   }
+  if (ps->lost_at && st == CHORUS_OK)
+    say(ps, "async: worker %d: every range answered %.0f ms after a server was found gone",
+        ps->me, (double)(now_ns() - ps->lost_at) / 1e6);
+  ps->lost_at = 0;
   /* Every server process learns that this worker leaves (a standby too:
    * it may have taken a range over). */
   for (int p = 0; p < ps->nproc && st == CHORUS_OK && rep->stop; p++) {
