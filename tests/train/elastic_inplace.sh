@@ -32,6 +32,11 @@
 #      SIGKILLed together: the shard is gone from memory, so the two
 #      survivors go on from the last checkpoint, and say why; the weights
 #      equal that checkpoint resumed on 2 hosts.
+#   5. mirrored parameter servers (--mode async --servers 2 --mirror,
+#      S = 0, 2 workers): the host of a server other than the store's
+#      unplugged after a random step; the other server takes its range
+#      over, the workers send it there, the job applies its whole budget and
+#      ends at the weights of the run nobody unplugged, bit for bit.
 # Needs root (network namespaces); exits 77 (skipped, reason printed) when the
 # fixture cannot make hosts.  The EXIT trap kills what it started and removes
 # the hosts.
@@ -111,13 +116,16 @@ kill_worker() {
   echo "killing pid $worker ($(tr "\0" " " </proc/$worker/cmdline 2>/dev/null | cut -c1-80)) of agent $agent"
   kill -KILL "$worker"
 }
-# rank_worker NAME RANK: the pid of job NAME's worker of that rank ("" if none).
+# rank_worker NAME RANK: the pid of job NAME's worker of that rank ("" if
+# none); RANK_HOST is set to its host.
 rank_worker() {
   local i agent w
+  RANK_HOST=
   for i in "${!PIDS[@]}"; do
     agent=$(cat "$TMP/$1.h$i.pid" 2>/dev/null)
     for w in $(pgrep -P "$agent" -f "^$TMP/chorus-train " 2>/dev/null); do
-      tr '\0' '\n' <"/proc/$w/environ" 2>/dev/null | grep -qx "RANK=$2" && echo "$w" && return
+      tr '\0' '\n' <"/proc/$w/environ" 2>/dev/null | grep -qx "RANK=$2" && RANK_HOST=$i &&
+        echo "$w" && return
     done
   done
 }
@@ -325,6 +333,42 @@ if [[ -n $C && -s $TMP/sd.bin ]] && grep -q "no longer in memory" "$TMP"/sd.h*.o
   reference "stage $S, a shard and its replica lost" sd 29521 4 2 "$C" "$S"
 else
   fail "stage $S, a shard and its replica lost: agents ${RCS[*]}, checkpoint '${C}'"
+fi
+
+# 5. Mirrored parameter servers: a server's host unplugged.
+local PS=(--mode async --servers 2 --mirror --max-staleness 0)
+AFTER=$((3 + RANDOM % 15))
+CHORUS_PEER_TIMEOUT_MS=1500 job pu 4 29523 --elastic inplace -- "${PS[@]}" --dump "$TMP/pu.bin"
+wait_logged pu "$AFTER"
+local R=0 H=
+rank_worker pu 0 >/dev/null
+((RANK_HOST == 0)) && R=1 && rank_worker pu 1 >/dev/null
+H=$RANK_HOST
+if [[ -z $H ]]; then
+  fail "mirrored servers: could not find server $R's host"
+else
+  bash "$NETNS" link "$H" down >/dev/null
+  job_wait
+  bash "$NETNS" link "$H" up >/dev/null
+  echo "mirrored servers: server $R's host $H unplugged after step $AFTER was logged"
+  grep -h "took its range\|every range answered" "$TMP"/pu.h*.out | cut -c1-200 | sed 's/^/  /'
+  local ok_ps=1
+  for i in 0 1 2 3; do ((i == H)) || ((RCS[i] == 0)) || ok_ps=0; done
+  if ((ok_ps)) && [[ -s $TMP/pu.bin ]] &&
+    grep -q "server process $R died; server $((1 - R)) took its range $R over" "$TMP"/pu.h*.out &&
+    grep -q "summary: async.* $STEPS update(s) of $((2 * STEPS)) gradient(s) (0 refused" \
+      "$TMP"/pu.h*.out; then
+    echo "ok   mirrored servers: the other server took the range over, the budget was applied"
+    job pr 4 29524 -- "${PS[@]}" --dump "$TMP/pr.bin"
+    job_wait
+    if "$CMP" "$TMP/pu.bin" "$TMP/pr.bin" 0; then
+      echo "ok   mirrored servers, a host unplugged: bit-identical to the run nobody unplugged"
+    else
+      fail "mirrored servers, a host unplugged: the weights differ from the unplugged-free run's"
+    fi
+  else
+    fail "mirrored servers, server $R's host $H unplugged: agents ${RCS[*]}"
+  fi
 fi
 }
 
