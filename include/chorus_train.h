@@ -670,7 +670,8 @@ CHORUS_API chorus_result_t chorus_trainer_weights_changed(chorus_trainer_t *t);
 CHORUS_API chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
                                                const void *extra, size_t extra_len, int keep);
 typedef struct chorus_ckpt_info {
-  int world;   /* ranks that wrote it; 0 for a single file */
+  int world;   /* its files: the ranks that wrote it (parameter servers: their
+                * ranges); 0 for a single file */
   int stage;   /* their stage */
   int sharded; /* 1: dir/ckpt-N/, 0: dir/ckpt-N.bin (chorus_ckpt_save, an export) */
 } chorus_ckpt_info_t;

@@ -53,8 +53,10 @@ chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n);
  * layout, the floats [lo, lo + n), in par, with opt's state over those n
  * floats (a parameter server, ps.c).  Collective over comm (NULL: alone),
  * whose ranks' ranges must not overlap; a load fills the range from any
- * checkpoint whatever wrote it.  The files are those of chorus_trainer_save
- * (the index records stage 0). */
+ * checkpoint whatever wrote it (n = 0: it only takes part).  The files are
+ * those of chorus_trainer_save (the index records stage 0): the save is
+ * chorus__ckpt_save_ranges with the range as file <comm rank> of <comm
+ * size>. */
 chorus_result_t chorus__ckpt_save_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
                                         float *par, size_t lo, size_t n, const char *dir,
                                         long step, const void *extra, size_t extra_len, int keep);
@@ -72,6 +74,14 @@ typedef struct {
   size_t lo, n;
   int file;
 } chorus__ck_range_t;
+/* Like chorus__ckpt_save_range for a rank holding nr >= 0 ranges (a rank may
+ * hold none: it only takes part in the agreement).  Collective over comm (NULL:
+ * alone); together the ranks hold files 0 .. files - 1, each exactly once, and
+ * their ranges do not overlap.  Comm rank 0 writes the index with its extra.
+ * Bad ranges on any rank (a file outside 0 .. files - 1 or given twice, a
+ * range outside the layout or overlapping another of the rank's, an optimizer
+ * not over its range), the ranks disagreeing on files, or a file no rank or
+ * two ranks hold, fail the save on every rank before any file is written. */
 chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, int nr,
                                          const chorus__ck_range_t *r, int files, const char *dir,
                                          long step, const void *extra, size_t extra_len, int keep);

@@ -2,16 +2,19 @@
  * dist_ckpt.c - checkpoints of a data-parallel run, written by every rank
  * and readable by any number of ranks at any stage (see chorus_train.h).
  *
- * dir/ckpt-<step, 9 digits>/ holds shard-<r>-of-<N>.bin, one per rank, and
- * index.bin, written last by rank 0.  A shard file holds ranges of the
- * parameter layout: the rank's slices when sharded, a 1/N share of
- * everything under DDP (every rank writes at once).  For each range: the
- * master weights, then the optimizer's m (and v) for them.
+ * dir/ckpt-<step, 9 digits>/ holds shard-<f>-of-<N>.bin, files 0 .. N - 1,
+ * and index.bin, written last by rank 0.  A trainer's rank r writes file r
+ * of its world's; parameter servers write one file per range, each from the
+ * server holding it (chorus__ckpt_save_ranges).  A shard file holds ranges
+ * of the parameter layout: the rank's slices when sharded, a 1/N share of
+ * everything under DDP (every rank writes at once), a server's one range.
+ * For each range: the master weights, then the optimizer's m (and v) for
+ * them.
  *
  *   shard file: sh_header_t, nranges x {u64 offset, u64 count} (floats of
  *               the layout), the ranges' data in table order, u64 FNV-1a of
  *               all before it.
- *   index:      ix_header_t, world x {u64 bytes, u64 FNV} (each shard file's
+ *   index:      ix_header_t, files x {u64 bytes, u64 FNV} (each shard file's
  *               size and stored checksum), the caller's extra bytes, u64
  *               FNV-1a of all before it.
  *
@@ -54,7 +57,7 @@ typedef struct {
   int64_t step;
   int32_t shape[5], of; /* of: optimizer floats per parameter (AdamW 2, SGD 1) */
   int64_t opt_steps;
-  uint32_t rank, world;
+  uint32_t file, files; /* this is file `file` of the checkpoint's `files` */
   uint64_t nranges, nparams;
 } sh_header_t;
 
@@ -64,7 +67,7 @@ typedef struct {
   int64_t step;
   int32_t shape[5], of;
   uint64_t nparams;
-  uint32_t world, stage;
+  uint32_t files, stage;
   uint64_t extrabytes;
 } ix_header_t;
 
@@ -90,29 +93,37 @@ typedef struct {
   size_t rlo;
   chorus_comm_t comm;
   int rank, size, stage, of;
+  int file;          /* saving: which of the checkpoint's files its ranges go to */
   uint32_t nunits;
   size_t np, nstate; /* floats of the layout; of the optimizer state */
   int32_t shape[5];
 } ctx_t;
 
-/* A rank that holds the floats [lo, lo + n) of the layout (a parameter
- * server's range, chorus_ps_*): par, and opt over n floats. */
-static void ctx_init_range(ctx_t *c, chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
-                           float *par, size_t lo, size_t n) {
+/* A rank of comm with no state of its own yet: the model and the rank. */
+static void ctx_init_comm(ctx_t *c, chorus_comm_t comm, chorus_gpt_t *m) {
   memset(c, 0, sizeof *c);
   c->m = m;
-  c->opt = opt;
-  c->rpar = par;
-  c->rlo = lo;
   c->comm = comm;
   c->rank = comm ? chorus_comm_rank(comm) : 0;
   c->size = comm ? chorus_comm_size(comm) : 1;
+  c->file = c->rank;
   c->np = chorus_gpt_num_params(m);
+  chorus__ckpt_shape(m, c->shape);
+  c->nunits = (uint32_t)chorus_gpt_num_units(m);
+}
+
+/* A rank that holds the floats [lo, lo + n) of the layout (a parameter
+ * server's range, chorus_ps_*): par, and opt over n floats.  An empty
+ * range cannot show its optimizer's kind: of is 0. */
+static void ctx_init_range(ctx_t *c, chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                           float *par, size_t lo, size_t n) {
+  ctx_init_comm(c, comm, m);
+  c->opt = opt;
+  c->rpar = par;
+  c->rlo = lo;
   c->nstate = n;
   size_t blob = chorus_optim_state_size(opt);
   c->of = (int)((blob - sizeof(int64_t)) / (sizeof(float) * (n ? n : 1)));
-  chorus__ckpt_shape(m, c->shape);
-  c->nunits = (uint32_t)chorus_gpt_num_units(m);
 }
 
 /* A trainer's rank: its optimizer state covers its shard (sharded) or the
@@ -256,15 +267,28 @@ static chorus_result_t agree(const ctx_t *c, int *ok) {
   return CHORUS_OK;
 }
 
-/* Writes c's ranges as file `file` of `files` into sdir: its size and
- * checksum into *fbytes, *fsum.  0, or -1 with why. */
-static int write_shard(const ctx_t *c, const char *sdir, long step, int file, int files,
-                       uint64_t *fbytes, uint64_t *fsum, char *why, size_t cap) {
+/* n int64s of every rank combined by op into out (a copy when alone).
+ * SUM wraps (src/reduce), so a slot only one rank fills arrives exact,
+ * whatever its bits: the checksums travel this way. */
+static chorus_result_t reduce64(const ctx_t *c, const void *in, void *out, size_t n,
+                                chorus_op_t op, const char *what) {
+  if (!c->comm || c->size == 1) {
+    if (n) memcpy(out, in, n * sizeof(int64_t));
+    return CHORUS_OK;
+  }
+  chorus_result_t st = chorus_all_reduce(c->comm, in, out, n, CHORUS_INT64, op, NULL);
+  return st == CHORUS_OK ? CHORUS_OK : coll_fail(c, st, what);
+}
+
+/* Writes fc's ranges (my_spans) as file fc->file of `files` into sdir, with
+ * `of` optimizer floats per parameter; *bytes and *sum get its size and
+ * checksum.  0, or -1 with why. */
+static int write_shard(const ctx_t *fc, const char *sdir, long step, int files, int of,
+                       uint64_t *bytes, uint64_t *sum, char *why, size_t cap) {
   char tmp[4200], final[4200];
   int n = 0, ok = 1;
-  span_t *sp = my_spans(c, 1, &n);
-  const size_t blob_bytes = chorus_optim_state_size(c->opt);
-  unsigned char *blob = malloc(blob_bytes);
+  span_t *sp = my_spans(fc, 1, &n);
+  unsigned char *blob = malloc(chorus_optim_state_size(fc->opt));
   uint64_t *table = calloc(2 * (size_t)n + 1, sizeof *table);
   chunk_t *ch = calloc(2 + 3 * (size_t)n, sizeof *ch);
   if (!sp || !blob || !table || !ch) {
@@ -272,12 +296,12 @@ static int write_shard(const ctx_t *c, const char *sdir, long step, int file, in
     snprintf(why, cap, "out of memory");
   }
   if (ok) {
-    chorus_optim_state_save(c->opt, blob);
+    chorus_optim_state_save(fc->opt, blob);
     int64_t opt_steps;
     memcpy(&opt_steps, blob, sizeof opt_steps);
-    sh_header_t h = {SH_MAGIC, DC_VERSION, sizeof h, step, {0}, c->of, opt_steps,
-                     (uint32_t)file, (uint32_t)files, (uint64_t)n, c->np};
-    memcpy(h.shape, c->shape, sizeof h.shape);
+    sh_header_t h = {SH_MAGIC, DC_VERSION, sizeof h, step, {0}, of, opt_steps,
+                     (uint32_t)fc->file, (uint32_t)files, (uint64_t)n, fc->np};
+    memcpy(h.shape, fc->shape, sizeof h.shape);
     int k = 0;
     ch[k++] = (chunk_t){&h, sizeof h};
     for (int i = 0; i < n; i++) table[2 * i] = sp[i].off, table[2 * i + 1] = sp[i].count;
@@ -285,12 +309,13 @@ static int write_shard(const ctx_t *c, const char *sdir, long step, int file, in
     const float *mom = (const float *)(blob + sizeof(int64_t));
     for (int i = 0; i < n; i++) {
       ch[k++] = (chunk_t){sp[i].par, sp[i].count * sizeof(float)};
-      for (int j = 0; j < c->of; j++)
-        ch[k++] = (chunk_t){mom + (size_t)j * c->nstate + sp[i].soff, sp[i].count * sizeof(float)};
+      for (int j = 0; j < of; j++)
+        ch[k++] = (chunk_t){mom + (size_t)j * fc->nstate + sp[i].soff, sp[i].count * sizeof(float)};
     }
-    snprintf(tmp, sizeof tmp, "%s/.shard-%05d-of-%05d.tmp.%d", sdir, file, files, (int)getpid());
-    snprintf(final, sizeof final, "%s/shard-%05d-of-%05d.bin", sdir, file, files);
-    if (write_file(tmp, final, ch, k, fbytes, fsum) != 0) {
+    snprintf(tmp, sizeof tmp, "%s/.shard-%05d-of-%05d.tmp.%d", sdir, fc->file, files,
+             (int)getpid());
+    snprintf(final, sizeof final, "%s/shard-%05d-of-%05d.bin", sdir, fc->file, files);
+    if (write_file(tmp, final, ch, k, bytes, sum) != 0) {
       ok = 0;
       snprintf(why, cap, "writing %s: %s", final, strerror(errno));
     }
@@ -299,82 +324,120 @@ static int write_shard(const ctx_t *c, const char *sdir, long step, int file, in
   return ok ? 0 : -1;
 }
 
-/* A checkpoint of `files` files: this rank writes nf of them (cs[i] as
- * file fid[i]), base names its communicator; together the ranks write
- * each file once.  Rank 0 then writes the index. */
-static chorus_result_t save_files(const ctx_t *base, int nf, const ctx_t *cs, const int *fid,
-                                  int files, const char *dir, long step, const void *extra,
-                                  size_t extra_len, int keep) {
-  const ctx_t c = *base;
+/* Names, into why, the files not held exactly once (n[f] ranks hold file f):
+ * a few of each kind, and how many there are. */
+static void name_files(const int64_t *n, int files, char *why, size_t cap) {
+  size_t at = 0;
+  for (int dup = 0; dup < 2; dup++) {
+    int count = 0;
+    for (int f = 0; f < files; f++) count += dup ? n[f] > 1 : n[f] < 1;
+    if (!count) continue;
+    at += (size_t)snprintf(why + at, at < cap ? cap - at : 0, "%s%d file(s) %s:", at ? "; " : "",
+                           count, dup ? "held by more than one rank" : "held by no rank");
+    int shown = 0;
+    for (int f = 0; f < files && shown < 8; f++)
+      if (dup ? n[f] > 1 : n[f] < 1)
+        at += (size_t)snprintf(why + at, at < cap ? cap - at : 0, " %d", f), shown++;
+    if (count > shown) at += (size_t)snprintf(why + at, at < cap ? cap - at : 0, " ...");
+  }
+  if (at < cap) snprintf(why + at, cap - at, " (of %d)", files);
+}
+
+/* The checkpoint of step.  This rank writes nf files, fc[i]'s ranges as
+ * file fc[i].file of `files` (none: it only takes part in the agreements);
+ * rank 0 writes the index, c (the communicator, model and stage) the same
+ * on every rank.  bad: why this rank's arguments are wrong (NULL: they are
+ * not); every rank then fails before any file is written. */
+static chorus_result_t save(const ctx_t *c, const ctx_t *fc, int nf, int files, const char *bad,
+                            const char *dir, long step, const void *extra, size_t extra_len,
+                            int keep) {
   char sdir[4096], tmp[4200], final[4200], why[4400] = "";
   snprintf(sdir, sizeof sdir, "%s/ckpt-%09ld", dir, step);
-  int ok = 1;
-  /* per file: bytes, checksum, writers; summed over the ranks */
-  int64_t *tab = calloc(3 * (size_t)files + 1, sizeof *tab);
-  int32_t of = c.of;
-  if (!tab) {
-    ok = 0;
-    snprintf(why, sizeof why, "out of memory");
+  if (bad) snprintf(why, sizeof why, "%s", bad);
+  else if (files < 1 || (unsigned)files > MAX_WORLD)
+    snprintf(why, sizeof why, "%d files: not in 1..%u", files, MAX_WORLD);
+  /* The agreements' buffers, made before the first so that its verdict
+   * covers their failure: no rank may skip one alone.  Per rank: how many
+   * times it holds each file, then each file's {bytes, checksum}, then
+   * whether its writing failed; and as much for the sums. */
+  const size_t nslot = 3 * (size_t)files + 1;
+  uint64_t *mine = why[0] ? NULL : calloc(2 * nslot, sizeof *mine);
+  if (!why[0] && !mine) snprintf(why, sizeof why, "out of memory");
+  /* 1. Every rank's arguments are good, and all say the same number of
+   * files and the same optimizer kind (which an empty range cannot show).
+   * The maximum of: -files, files, bad, AdamW held, SGD held. */
+  int64_t a[5] = {-(int64_t)files, files, why[0] != 0, 0, 0}, b[5];
+  for (int i = 0; i < nf && !why[0]; i++)
+    if (fc[i].nstate) a[fc[i].of == 2 ? 3 : 4] = 1;
+  if (why[0]) fprintf(stderr, "chorus_trainer_save: rank %d: %s\n", c->rank, why);
+  chorus_result_t st = reduce64(c, a, b, 5, CHORUS_MAX, "agreeing on the checkpoint's files");
+  if (st == CHORUS_OK && !why[0]) {
+    if (b[2]) snprintf(why, sizeof why, "another rank's arguments are bad (see its output)");
+    else if (-b[0] != b[1])
+      snprintf(why, sizeof why, "the ranks disagree on the number of files (%lld to %lld)",
+               (long long)-b[0], (long long)b[1]);
+    else if (b[3] && b[4])
+      snprintf(why, sizeof why, "the ranges' optimizers are of different kinds (AdamW and SGD)");
+    else if (!b[3] && !b[4]) snprintf(why, sizeof why, "no range holds any parameter");
   }
-  if (ok && mkdirs(sdir) != 0) {
+  /* 2. Each file is held by exactly one rank (each rank's own were checked
+   * apart); one missing would leave a checkpoint no load can use. */
+  if (st == CHORUS_OK && !why[0]) {
+    uint64_t *cnt = mine;
+    int64_t *held = (int64_t *)(mine + nslot);
+    for (int i = 0; i < nf; i++) cnt[fc[i].file]++;
+    st = reduce64(c, cnt, held, (size_t)files, CHORUS_SUM, "counting the checkpoint's files");
+    int whole = 1;
+    for (int f = 0; st == CHORUS_OK && f < files; f++) whole = whole && held[f] == 1;
+    if (st == CHORUS_OK && !whole) name_files(held, files, why, sizeof why);
+  }
+  if (st != CHORUS_OK || why[0]) {
+    free(mine);
+    return st != CHORUS_OK ? st
+                           : fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: rank %d: "
+                                  "checkpoint %s not written: %s", c->rank, sdir, why);
+  }
+  /* 3. This rank's files, then every file's size and checksum everywhere
+   * (each slot filled by its one writer), with the count of failures. */
+  const int of = b[3] ? 2 : 1;
+  uint64_t *tab = mine + files, *sum = mine + nslot;
+  int ok = 1;
+  if (mkdirs(sdir) != 0) {
     ok = 0;
     snprintf(why, sizeof why, "mkdir %s: %s", sdir, strerror(errno));
   }
-  for (int i = 0; i < nf && ok; i++) {
-    uint64_t b = 0, h = 0;
-    if (fid[i] < 0 || fid[i] >= files || tab[3 * fid[i] + 2]) {
-      ok = 0;
-      snprintf(why, sizeof why, "file %d of %d named twice or out of range", fid[i], files);
-    } else if (write_shard(&cs[i], sdir, step, fid[i], files, &b, &h, why, sizeof why) != 0) {
-      ok = 0;
-    } else {
-      tab[3 * fid[i]] = (int64_t)b, tab[3 * fid[i] + 1] = (int64_t)h, tab[3 * fid[i] + 2] = 1;
-      if (cs[i].of > of) of = cs[i].of;
-    }
+  for (int i = 0; ok && i < nf; i++) {
+    const int f = fc[i].file;
+    ok = write_shard(&fc[i], sdir, step, files, of, &tab[2 * f], &tab[2 * f + 1], why,
+                     sizeof why) == 0;
   }
-  if (!ok) fprintf(stderr, "chorus_trainer_save: rank %d: %s\n", c.rank, why);
-  chorus_result_t st = agree(&c, &ok);
-  if (st != CHORUS_OK || !ok) free(tab);
-  if (st != CHORUS_OK) return st;
-  if (!ok)
+  tab[2 * (size_t)files] = !ok;
+  if (!ok) fprintf(stderr, "chorus_trainer_save: rank %d: %s\n", c->rank, why);
+  st = reduce64(c, tab, sum + files, 2 * (size_t)files + 1, CHORUS_SUM,
+                "gathering the files' sizes and checksums");
+  if (st != CHORUS_OK) {
+    free(mine);
+    return st;
+  }
+  const uint64_t *all = sum + files;
+  if (all[2 * (size_t)files]) {
+    free(mine);
     return fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: checkpoint %s not written: %s",
-                c.rank, sdir, why[0] ? why : "another rank could not write its shard (see its "
+                c->rank, sdir, why[0] ? why : "another rank could not write its file(s) (see its "
                 "output)");
-  /* Every rank learns every file's size, checksum and writers (one
-   * writer each: adding the others' zeros changes nothing). */
-  if (c.comm && c.size > 1) {
-    st = chorus_all_reduce(c.comm, tab, tab, 3 * (size_t)files, CHORUS_INT64, CHORUS_SUM, NULL);
-    if (st == CHORUS_OK)
-      st = chorus_all_reduce(c.comm, &of, &of, 1, CHORUS_INT32, CHORUS_MAX, NULL);
-    if (st != CHORUS_OK) {
-      free(tab);
-      return coll_fail(&c, st, "learning the shard files' checksums");
-    }
   }
-  int missing = -1;
-  for (int f = 0; f < files && missing < 0; f++)
-    if (tab[3 * f + 2] != 1) missing = f;
-  if (missing >= 0) {
-    const int64_t writers = tab[3 * missing + 2];
-    free(tab);
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: rank %d: checkpoint %s not "
-                "written: file %d of %d was written by %lld ranks, not one", c.rank, sdir,
-                missing, files, (long long)writers);
-  }
-  if (c.rank == 0) {
-    uint64_t *all = calloc(2 * (size_t)files, sizeof *all);
-    for (int f = 0; all && f < files; f++)
-      all[2 * f] = (uint64_t)tab[3 * f], all[2 * f + 1] = (uint64_t)tab[3 * f + 1];
-    ix_header_t h = {IX_MAGIC, DC_VERSION, sizeof h, step, {0}, of, c.np, (uint32_t)files,
-                     (uint32_t)c.stage, extra_len};
-    memcpy(h.shape, c.shape, sizeof h.shape);
+  /* 4. Rank 0 writes the index. */
+  if (c->rank == 0) {
+    ix_header_t h = {IX_MAGIC, DC_VERSION, sizeof h, step, {0}, of, c->np, (uint32_t)files,
+                     (uint32_t)c->stage, extra_len};
+    memcpy(h.shape, c->shape, sizeof h.shape);
     chunk_t ich[3] = {{&h, sizeof h}, {all, 2 * sizeof *all * (size_t)files}, {extra, extra_len}};
     snprintf(tmp, sizeof tmp, "%s/.index.tmp.%d", sdir, (int)getpid());
     snprintf(final, sizeof final, "%s/index.bin", sdir);
-    uint64_t b, s;
-    if (!all || write_file(tmp, final, ich, 3, &b, &s) != 0) {
+    uint64_t ib, is;
+    if (write_file(tmp, final, ich, 3, &ib, &is) != 0) {
       ok = 0;
-      snprintf(why, sizeof why, "writing %s: %s", final, all ? strerror(errno) : "out of memory");
+      snprintf(why, sizeof why, "writing %s: %s", final, strerror(errno));
       fprintf(stderr, "chorus_trainer_save: rank 0: %s\n", why);
     } else {
       fsync_dir(sdir);
@@ -382,32 +445,26 @@ static chorus_result_t save_files(const ctx_t *base, int nf, const ctx_t *cs, co
       /* Keep the newest `keep` complete checkpoints; anything older goes,
        * incomplete ones (a crash while writing) included. */
       int nc;
-      chorus__ckpt_cand_t *cands = chorus__ckpt_list(dir, &nc);
+      chorus__ckpt_cand_t *cs = chorus__ckpt_list(dir, &nc);
       int complete = 0;
       for (int i = 0; i < nc; i++) {
-        int whole = !cands[i].dir || index_exists(dir, cands[i].step);
-        if (cands[i].step > step) continue; /* newer ones are someone else's business */
+        int whole = !cs[i].dir || index_exists(dir, cs[i].step);
+        if (cs[i].step > step) continue; /* newer ones are someone else's business */
         if (whole && complete < keep) {
           complete++;
           continue;
         }
-        if (cands[i].step == step) continue;
-        remove_ckpt(dir, &cands[i]);
+        if (cs[i].step == step) continue;
+        remove_ckpt(dir, &cs[i]);
       }
-      free(cands);
+      free(cs);
     }
-    free(all);
   }
-  free(tab);
-  if ((st = agree(&c, &ok)) != CHORUS_OK) return st;
+  free(mine);
+  if ((st = agree(c, &ok)) != CHORUS_OK) return st;
   return ok ? CHORUS_OK
             : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: the index of %s was not "
-                   "written (see rank 0's output)", c.rank, sdir);
-}
-
-static chorus_result_t save(const ctx_t *c, const char *dir, long step, const void *extra,
-                            size_t extra_len, int keep) {
-  return save_files(c, 1, c, &c->rank, c->size, dir, step, extra, extra_len, keep);
+                   "written (see rank 0's output)", c->rank, sdir);
 }
 
 chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
@@ -416,59 +473,106 @@ chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long s
     return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
   ctx_t c;
   ctx_init(&c, t);
-  return save(&c, dir, step, extra, extra_len, keep);
+  return save(&c, &c, 1, c.size, NULL, dir, step, extra, extra_len, keep);
 }
 
-chorus_result_t chorus__ckpt_save_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
-                                        float *par, size_t lo, size_t n, const char *dir,
-                                        long step, const void *extra, size_t extra_len, int keep) {
-  if (!m || !opt || !dir || step < 0 || keep < 1 || (extra_len && !extra) ||
-      extra_len > MAX_EXTRA || lo > chorus_gpt_num_params(m) ||
-      n > chorus_gpt_num_params(m) - lo)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
-  ctx_t c;
-  ctx_init_range(&c, comm, m, opt, par, lo, n);
-  return save(&c, dir, step, extra, extra_len, keep);
+/* For ordering a rank's ranges by file and by offset. */
+typedef struct {
+  size_t key;
+  int i;
+} order_t;
+static int cmp_order(const void *a, const void *b) {
+  const order_t *x = a, *y = b;
+  return x->key < y->key ? -1 : x->key > y->key ? 1 : (x->i > y->i) - (x->i < y->i);
+}
+
+/* Checks a rank's ranges and makes their contexts (fc, nr of them).  0, or
+ * -1 with why. */
+static int ranges_ctx(const ctx_t *c, const chorus__ck_range_t *r, int nr, int files, ctx_t *fc,
+                      char *why, size_t cap) {
+  const size_t np = c->np;
+  for (int i = 0; i < nr; i++) {
+    const chorus__ck_range_t *g = &r[i];
+    if (g->file < 0 || g->file >= files) {
+      snprintf(why, cap, "range %d: file %d is not one of the checkpoint's %d", i, g->file, files);
+      return -1;
+    }
+    if (g->lo > np || g->n > np - g->lo) {
+      snprintf(why, cap, "range %d (file %d): %zu floats from %zu are outside the model's %zu",
+               i, g->file, g->n, g->lo, np);
+      return -1;
+    }
+    /* The optimizer must be over exactly these n floats (AdamW: 2 state
+     * floats per parameter, SGD 1): its state is written as theirs. */
+    const size_t sb = g->opt ? chorus_optim_state_size(g->opt) : 0;
+    const size_t per = g->n ? (sb - sizeof(int64_t)) / (sizeof(float) * g->n) : 0;
+    if (!g->opt || (g->n && !g->par) || sb < sizeof(int64_t) ||
+        sb != sizeof(int64_t) + sizeof(float) * g->n * per || per > 2 || (g->n && per < 1)) {
+      snprintf(why, cap, "range %d (file %d): %s", i, g->file,
+               !g->opt ? "no optimizer" : g->n && !g->par ? "no parameters"
+                       : "its optimizer's state is not over the range's floats");
+      return -1;
+    }
+    ctx_init_range(&fc[i], c->comm, c->m, g->opt, g->par, g->lo, g->n);
+    fc[i].file = g->file;
+  }
+  order_t *o = calloc((size_t)nr + 1, sizeof *o);
+  if (!o) {
+    snprintf(why, cap, "out of memory");
+    return -1;
+  }
+  int rc = 0;
+  for (int i = 0; i < nr; i++) o[i] = (order_t){(size_t)r[i].file, i};
+  qsort(o, (size_t)nr, sizeof *o, cmp_order);
+  for (int i = 1; i < nr && rc == 0; i++)
+    if (o[i].key == o[i - 1].key) {
+      snprintf(why, cap, "ranges %d and %d are both file %d", o[i - 1].i, o[i].i, r[o[i].i].file);
+      rc = -1;
+    }
+  /* Empty ranges hold nothing to overlap. */
+  int k = 0;
+  for (int i = 0; i < nr; i++)
+    if (r[i].n) o[k++] = (order_t){r[i].lo, i};
+  qsort(o, (size_t)k, sizeof *o, cmp_order);
+  for (int i = 1; i < k && rc == 0; i++) {
+    const chorus__ck_range_t *p = &r[o[i - 1].i], *q = &r[o[i].i];
+    if (p->lo + p->n > q->lo) {
+      snprintf(why, cap, "ranges %d and %d overlap (at float %zu)", o[i - 1].i, o[i].i, q->lo);
+      rc = -1;
+    }
+  }
+  free(o);
+  return rc;
 }
 
 chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, int nr,
                                          const chorus__ck_range_t *r, int files, const char *dir,
                                          long step, const void *extra, size_t extra_len,
                                          int keep) {
-  const size_t np = m ? chorus_gpt_num_params(m) : 0;
-  int bad = !m || !dir || step < 0 || keep < 1 || nr < 0 || files < 1 || (nr && !r) ||
-            (extra_len && !extra) || extra_len > MAX_EXTRA || (size_t)files > MAX_WORLD;
-  for (int i = 0; !bad && i < nr; i++)
-    bad = !r[i].opt || (r[i].n && !r[i].par) || r[i].lo > np || r[i].n > np - r[i].lo;
-  ctx_t base, *cs = calloc((size_t)nr + 1, sizeof *cs);
-  int *fid = calloc((size_t)nr + 1, sizeof *fid);
-  if (bad || !cs || !fid) {
-    free(cs), free(fid);
-    /* the others must not wait for this rank's part of the agreement */
-    if (comm) chorus_comm_abort(comm);
-    return fail(bad ? CHORUS_ERR_INVALID_ARG : CHORUS_ERR_NO_MEMORY,
-                "chorus_trainer_save: %s", bad ? "bad arguments" : "out of memory");
-  }
-  for (int i = 0; i < nr; i++) {
-    ctx_init_range(&cs[i], comm, m, r[i].opt, r[i].par, r[i].lo, r[i].n);
-    fid[i] = r[i].file;
-  }
-  /* A rank holding nothing still names the communicator and the layout. */
-  if (nr) {
-    base = cs[0];
-  } else {
-    memset(&base, 0, sizeof base);
-    base.m = m;
-    base.comm = comm;
-    base.rank = comm ? chorus_comm_rank(comm) : 0;
-    base.size = comm ? chorus_comm_size(comm) : 1;
-    base.np = np;
-    chorus__ckpt_shape(m, base.shape);
-    base.nunits = (uint32_t)chorus_gpt_num_units(m);
-  }
-  chorus_result_t st = save_files(&base, nr, cs, fid, files, dir, step, extra, extra_len, keep);
-  free(cs), free(fid);
+  if (!m || !dir || step < 0 || keep < 1 || (extra_len && !extra) || extra_len > MAX_EXTRA)
+    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
+  ctx_t c;
+  ctx_init_comm(&c, comm, m);
+  /* Bad ranges still take part in the agreements: every rank fails. */
+  char why[512] = "";
+  ctx_t *fc = NULL;
+  if (nr < 0 || (nr > 0 && !r))
+    snprintf(why, sizeof why, "a list of %d ranges at %p", nr, (const void *)r);
+  else if (!(fc = calloc((size_t)nr + 1, sizeof *fc))) snprintf(why, sizeof why, "out of memory");
+  else ranges_ctx(&c, r, nr, files, fc, why, sizeof why);
+  chorus_result_t st = save(&c, fc, why[0] ? 0 : nr, files, why[0] ? why : NULL, dir, step,
+                            extra, extra_len, keep);
+  free(fc);
   return st;
+}
+
+/* One range, as file <comm rank> of <comm size>. */
+chorus_result_t chorus__ckpt_save_range(chorus_comm_t comm, chorus_gpt_t *m, chorus_optim_t *opt,
+                                        float *par, size_t lo, size_t n, const char *dir,
+                                        long step, const void *extra, size_t extra_len, int keep) {
+  const chorus__ck_range_t r = {opt, par, lo, n, comm ? chorus_comm_rank(comm) : 0};
+  return chorus__ckpt_save_ranges(comm, m, 1, &r, comm ? chorus_comm_size(comm) : 1, dir, step,
+                                  extra, extra_len, keep);
 }
 
 /* ---------------------------------------------------------------- load */
@@ -485,7 +589,8 @@ typedef struct {
   int64_t opt_steps;    /* -1: not seen yet */
   unsigned char *extra; /* the caller's bytes */
   uint64_t extra_len;
-  int world, stage;     /* who wrote it */
+  int files, stage;     /* how many files it has; the writers' stage */
+  int of;               /* its optimizer floats per parameter */
   uint64_t *seen;       /* every range of every file: offset, count */
   size_t nseen, capseen;
   char why[512];
@@ -600,8 +705,9 @@ static int note_opt_steps(stage_t *s, int64_t n, const char *path) {
   return 0;
 }
 
-/* One shard file of a sharded checkpoint; bytes and sum from the index. */
-static int read_shard(stage_t *s, const char *path, long step, uint32_t rank, uint32_t world,
+/* File `file` of a sharded checkpoint's `files`; bytes and sum from the
+ * index. */
+static int read_shard(stage_t *s, const char *path, long step, uint32_t file, uint32_t files,
                       uint64_t bytes, uint64_t sum) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
@@ -616,12 +722,12 @@ static int read_shard(stage_t *s, const char *path, long step, uint32_t rank, ui
   } else if (pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h || h.magic != SH_MAGIC ||
              h.version != DC_VERSION || h.header != sizeof h || h.step != step ||
              memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != s->c->np ||
-             h.nranges > s->c->nunits || h.world != world || h.rank != rank ||
+             h.nranges > s->c->nunits || h.files != files || h.file != file ||
              sizeof h + 16 * h.nranges + 8 > bytes) {
     rc = bad(s, "%s: not a shard of this checkpoint and model", path);
-  } else if (h.of != s->c->of) {
-    rc = bad(s, "%s: written with an optimizer of %d state floats per parameter, this run's "
-             "has %d (AdamW 2, SGD 1)", path, h.of, s->c->of);
+  } else if (h.of != s->of) {
+    rc = bad(s, "%s: written with an optimizer of %d state floats per parameter, the index "
+             "says %d", path, h.of, s->of);
   }
   if (rc == 0) {
     table = calloc(2 * h.nranges + 1, sizeof *table);
@@ -684,29 +790,33 @@ static int read_sharded(stage_t *s, const char *dir, long step) {
     if (chorus__fnv(FNV0, buf, (size_t)stt.st_size - 8) != stored)
       rc = bad(s, "%s: checksum mismatch", path);
     else if (h.magic != IX_MAGIC || h.version != DC_VERSION || h.header != sizeof h ||
-             h.step != step || h.world < 1 || h.world > MAX_WORLD || h.extrabytes > MAX_EXTRA ||
-             (uint64_t)stt.st_size != sizeof h + 16 * (uint64_t)h.world + h.extrabytes + 8)
+             h.step != step || h.files < 1 || h.files > MAX_WORLD || h.of < 1 || h.of > 2 ||
+             h.extrabytes > MAX_EXTRA ||
+             (uint64_t)stt.st_size != sizeof h + 16 * (uint64_t)h.files + h.extrabytes + 8)
       rc = bad(s, "%s: not an index of this form", path);
     else if (memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != s->c->np)
       rc = bad(s, "%s: written for another model shape", path);
-    else if (h.of != s->c->of)
+    else if (s->c->of && h.of != s->c->of) /* of 0: an empty range, nothing to fill */
       rc = bad(s, "%s: written with an optimizer of %d state floats per parameter, this run's "
                "has %d (AdamW 2, SGD 1)", path, h.of, s->c->of);
   }
   if (rc == 0) {
-    s->world = (int)h.world;
+    s->files = (int)h.files;
     s->stage = (int)h.stage;
+    s->of = h.of;
     s->extra_len = h.extrabytes;
     s->extra = malloc(h.extrabytes + 1);
     if (!s->extra) rc = bad(s, "out of memory");
-    else memcpy(s->extra, buf + sizeof h + 16 * (size_t)h.world, h.extrabytes);
+    else memcpy(s->extra, buf + sizeof h + 16 * (size_t)h.files, h.extrabytes);
   }
-  for (uint32_t r = 0; rc == 0 && r < h.world; r++) {
+  /* File f of the index's table is shard-f-of-<files>, which says so in
+   * its header: a trainer's rank f, or a parameter server's range. */
+  for (uint32_t f = 0; rc == 0 && f < h.files; f++) {
     uint64_t fb, fs;
-    memcpy(&fb, buf + sizeof h + 16 * (size_t)r, 8);
-    memcpy(&fs, buf + sizeof h + 16 * (size_t)r + 8, 8);
-    snprintf(path, sizeof path, "%s/ckpt-%09ld/shard-%05u-of-%05u.bin", dir, step, r, h.world);
-    rc = read_shard(s, path, step, r, h.world, fb, fs);
+    memcpy(&fb, buf + sizeof h + 16 * (size_t)f, 8);
+    memcpy(&fs, buf + sizeof h + 16 * (size_t)f + 8, 8);
+    snprintf(path, sizeof path, "%s/ckpt-%09ld/shard-%05u-of-%05u.bin", dir, step, f, h.files);
+    rc = read_shard(s, path, step, f, h.files, fb, fs);
   }
   if (rc == 0) rc = ranges_disjoint(s);
   free(buf);
@@ -722,9 +832,13 @@ static int read_single(stage_t *s, const char *dir, long step) {
   struct stat stt = {0};
   ck_header_t h = {0};
   int rc = 0;
-  const uint64_t np = s->c->np, opt = 8 + 4 * (uint64_t)s->c->of * np;
-  if (fstat(fd, &stt) != 0 || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
-      h.magic != CK_MAGIC || h.version != CK_VERSION || h.header != sizeof h || h.step != step)
+  const int ok = fstat(fd, &stt) == 0 && pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h;
+  /* An empty range (of 0) has nothing to fill: the file's own kind. */
+  const uint64_t np = s->c->np;
+  const int of = s->c->of ? s->c->of : h.optbytes == 8 + 8 * np ? 2 : 1;
+  const uint64_t opt = 8 + 4 * (uint64_t)of * np;
+  if (!ok || h.magic != CK_MAGIC || h.version != CK_VERSION || h.header != sizeof h ||
+      h.step != step)
     rc = bad(s, "%s: not a checkpoint", path);
   else if (memcmp(h.shape, s->c->shape, sizeof h.shape) || h.nparams != np)
     rc = bad(s, "%s: written for another model shape", path);
@@ -739,8 +853,9 @@ static int read_single(stage_t *s, const char *dir, long step) {
     rc = bad(s, "%s: short read", path);
   if (rc == 0) rc = note_opt_steps(s, steps, path);
   if (rc == 0) {
-    s->world = 0;
+    s->files = 0;
     s->stage = 0;
+    s->of = of;
     s->extra_len = h.extrabytes;
     s->extra = malloc(h.extrabytes + 1);
     if (!s->extra ||
@@ -749,7 +864,7 @@ static int read_single(stage_t *s, const char *dir, long step) {
       rc = bad(s, "%s: cannot read its extra bytes", path);
   }
   const uint64_t fpar = sizeof h, fm = fpar + 4 * np + 8;
-  piece_t pc = {0, np, fpar, fm, s->c->of > 1 ? fm + 4 * np : 0};
+  piece_t pc = {0, np, fpar, fm, of > 1 ? fm + 4 * np : 0};
   uint64_t stored;
   if (rc == 0) rc = read_pieces(s, path, fd, (uint64_t)stt.st_size, &pc, 1, &stored);
   close(fd);
@@ -830,6 +945,8 @@ static chorus_result_t load(const ctx_t *cp, const char *dir, long *step, void *
     }
     for (int k = 0; k < s.nsp; k++)
       memcpy(s.sp[k].par, s.par + s.par_at[k], s.sp[k].count * sizeof(float));
+    /* No file covers an empty range: its count stays 0. */
+    if (s.opt_steps < 0) s.opt_steps = 0;
     memcpy(s.blob, &s.opt_steps, sizeof s.opt_steps);
     st = chorus_optim_state_load(c.opt, s.blob, chorus_optim_state_size(c.opt));
     if (st == CHORUS_OK && t) st = chorus_trainer_weights_changed(t);
@@ -838,7 +955,7 @@ static chorus_result_t load(const ctx_t *cp, const char *dir, long *step, void *
       size_t nx = s.extra_len < extra_cap ? (size_t)s.extra_len : extra_cap;
       if (nx) memcpy(extra, s.extra, nx);
       if (extra_len) *extra_len = (size_t)s.extra_len;
-      if (info) *info = (chorus_ckpt_info_t){s.world, s.stage, (pick & 1) != 0};
+      if (info) *info = (chorus_ckpt_info_t){s.files, s.stage, (pick & 1) != 0};
     }
     stage_free(&s);
     break;
@@ -966,4 +1083,3 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
             : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_export: rank %d: %s", c.rank,
                    c.rank == 0 ? why : "rank 0 could not write the file (see its output)");
 }
-
