@@ -122,8 +122,9 @@ typedef struct range {
   int id, role; /* R_* on this process */
   size_t lo, n;
   float *par, *avg;
-  double *acc; /* the gradients' sum: in double, where the order they came in hardly matters
-                * (the sum of a few floats is exact unless their scales are 2^29 apart) */
+  double *acc;  /* the gradients' sum, in double */
+  float **held; /* --max-staleness 0: each worker's gradient until the update, which adds
+                 * them in worker order (the sum does not depend on who came first) */
   chorus_optim_t *opt;
   int acc_k;
   int64_t version, version0; /* version0: when the copy was made */
@@ -243,6 +244,9 @@ static size_t update_bytes(const chorus_ps_t *ps, const range_t *r) {
 static void range_free(range_t *r) {
   free(r->par), free(r->acc), free(r->avg), free(r->hand), free(r->wr), free(r->wst), free(r->u);
   free(r->pend), free(r->mbuf), free(r->rbuf), free(r->ck_par), free(r->ck_blob);
+  for (int w = 0; r->held && w < r->ps->nwork; w++) free(r->held[w]);
+  free(r->held);
+  r->held = NULL;
   chorus_optim_destroy(r->opt);
   chorus_optim_destroy(r->ck_opt);
   r->par = r->avg = r->hand = r->ck_par = NULL;
@@ -629,6 +633,10 @@ static void apply(range_t *r) {
   chorus_ps_t *ps = r->ps;
   const size_t n = r->n;
   const chorus_ps_config_t *c = &ps->cfg;
+  if (r->held)
+    for (int w = 0; w < ps->nwork; w++)
+      if (r->pend[w] >= 0)
+        for (size_t i = 0; i < n; i++) r->acc[i] += r->held[w][i];
   const double inv = 1.0 / (double)r->acc_k;
   for (size_t i = 0; i < n; i++) r->avg[i] = (float)(r->acc[i] * inv);
   if (c->clip > 0) chorus_grad_clip(r->avg, n, chorus_grad_norm(r->avg, n), c->clip);
@@ -687,8 +695,15 @@ static void apply(range_t *r) {
  * update.  Lock held. */
 static void maybe_apply(range_t *r) {
   if (r->role != R_PRIMARY || r->acc_k == 0 || r->inflight) return;
-  for (int w = 0; w < r->ps->nwork; w++)
-    if (r->wst[w] == W_COMPUTING && r->version + 1 - r->u[w] > r->ps->cfg.max_staleness) return;
+  for (int w = 0; w < r->ps->nwork; w++) {
+    /* A worker whose gradient is applied but who was not answered yet
+     * (its thread has not woken) computes next on what it will be
+     * handed: at least hand_ver. */
+    const int64_t u = r->wst[w] == W_COMPUTING                     ? r->u[w]
+                      : r->wst[w] == W_WAITING && r->pend[w] < 0 ? hand_ver(r)
+                                                                 : INT64_MAX;
+    if (u != INT64_MAX && r->version + 1 - u > r->ps->cfg.max_staleness) return;
+  }
   apply(r);
 }
 
@@ -943,7 +958,15 @@ static int push(slot_t *sl, const msg_t *h) {
     return 0;
   }
   const float wgt = ps->cfg.staleness_weight ? 1.0f / (1.0f + (float)tau) : 1.0f;
-  if (wgt == 1.0f)
+  if (S == 0 && !r->held) r->held = calloc((size_t)ps->nwork, sizeof *r->held);
+  if (S == 0 && r->held && !r->held[w]) r->held[w] = malloc(n * sizeof(float) + 1);
+  if (S == 0 && r->held && r->held[w])
+    memcpy(r->held[w], sl->g, n * sizeof(float)); /* added at the update, in worker order */
+  else if (S == 0) {
+    pthread_mutex_unlock(&ps->mu);
+    fatal(sl, "server %d is out of memory for a gradient of range %d", ps->me, r->id);
+    return -1;
+  } else if (wgt == 1.0f)
     for (size_t i = 0; i < n; i++) r->acc[i] += sl->g[i];
   else
     for (size_t i = 0; i < n; i++) r->acc[i] += (double)(wgt * sl->g[i]);
