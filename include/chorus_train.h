@@ -947,8 +947,9 @@ CHORUS_API chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, f
  * end), so the servers whose ranges lie there get their slices now, while
  * backward goes on; chorus_ps_push then sends the rest.  grads must stay
  * as they are until chorus_ps_push returns.  Loss and tokens as for that
- * call.  Returns the first failed send's error (chorus_ps_push reports it
- * too). */
+ * call.  A send that fails is taken up by chorus_ps_push (the server may
+ * be gone: with mirrors the slice goes to its copy); CHORUS_OK unless the
+ * arguments are bad. */
 CHORUS_API chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *grads, float loss,
                                                 uint32_t tokens, size_t final_from);
 /* Testing: the next push claims a version staler than allowed (1), sends

@@ -181,7 +181,6 @@ struct chorus_ps {
   msg_t *hd;
   int *sent, *pending, *pdead;
   int64_t lost_at; /* when a server was found gone in this push (0: none) */
-  chorus_result_t early_st; /* a send of chorus_ps_push_early that failed */
   /* server */
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -1883,7 +1882,6 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
     ps->wk[i] = NULL;
   }
   for (int r = 0; r < S; r++) ps->sent[r] = 0;
-  ps->early_st = CHORUS_OK;
   free(extra);
   /* The other servers learn at once that this worker is out. */
   if (st != CHORUS_OK) abort_pairs(ps);
