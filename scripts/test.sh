@@ -11,7 +11,7 @@
 #      scenario once (tests/CMakeLists.txt says which and why);
 #   3. a TSan build and the same tests but the launcher's;
 #   4. the fuzzers (fuzz/, clang + libFuzzer + ASan/UBSan, build dir
-#      build-fuzz), each for CHORUS_FUZZ_SECONDS (default 20), two at a time
+#      build-fuzz), each for CHORUS_FUZZ_SECONDS (default 16), two at a time
 #      (scripts/fuzz.sh; a crash fails the script and names the reproducer).
 # It prints how long each pass took.
 #
@@ -107,7 +107,7 @@ else
   # because ...".  Anything else non-zero is a finding or a broken build.
   t0=$SECONDS
   fuzz_rc=0
-  fuzz_s=${CHORUS_FUZZ_SECONDS:-20}
+  fuzz_s=${CHORUS_FUZZ_SECONDS:-16}
   ((full)) && fuzz_s=${CHORUS_FUZZ_SECONDS:-120}
   CHORUS_FUZZ_PARALLEL="${CHORUS_FUZZ_PARALLEL:-2}" scripts/fuzz.sh "$fuzz_s" || fuzz_rc=$?
   if [[ "$fuzz_rc" != 0 && "$fuzz_rc" != 2 ]]; then

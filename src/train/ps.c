@@ -138,7 +138,7 @@ typedef struct range {
   int mproc, inflight, tx_stop, tx_started;
   int64_t acked;             /* the copy has every update up to it (-1: not even the start) */
   float *hand;               /* the parameters at acked */
-  unsigned char *mbuf;       /* what is on its way */
+  unsigned char *mbuf;       /* an update on its way (the FULL goes from a buffer of its own) */
   mhdr_t mh;
   int64_t t_sent;
   double mwait;
@@ -260,21 +260,26 @@ static int range_alloc(chorus_ps_t *ps, range_t *r, int role) {
   const size_t n = r->n, W = (size_t)ps->nwork;
   r->role = role;
   r->par = malloc(n * sizeof(float) + 1);
-  r->acc = calloc(n + 1, sizeof(double));
-  r->avg = malloc(n * sizeof(float) + 1);
+  if (role == R_PRIMARY) { /* a copy gets them if it takes its range over */
+    r->acc = calloc(n + 1, sizeof(double));
+    r->avg = malloc(n * sizeof(float) + 1);
+  }
   r->wr = calloc(W, sizeof *r->wr);
   r->wst = calloc(W, sizeof *r->wst);
   r->u = calloc(W, sizeof *r->u);
   r->pend = calloc(W, sizeof *r->pend);
   if (chorus_optim_create(&ps->cfg.optim, n, &r->opt) != CHORUS_OK) r->opt = NULL;
-  if (!r->par || !r->acc || !r->avg || !r->wr || !r->wst || !r->u || !r->pend || !r->opt) return -1;
+  if (!r->par || (role == R_PRIMARY && (!r->acc || !r->avg)) || !r->wr || !r->wst || !r->u ||
+      !r->pend || !r->opt)
+    return -1;
   for (size_t w = 0; w < W; w++) r->wr[w] = (wrec_t){0, -1, -1}, r->pend[w] = -1;
   r->mproc = -1;
   r->acked = -1;
   r->from = -1;
   if (ps->cfg.mirror) {
-    /* the primary ships from mbuf and keeps hand; the copy receives in rbuf */
-    const size_t bytes = full_bytes(ps, r);
+    /* the primary ships updates from mbuf and keeps hand; the copy
+     * receives them in rbuf (the FULL, three times as big, only once) */
+    const size_t bytes = update_bytes(ps, r);
     if (role == R_PRIMARY) {
       r->mbuf = malloc(bytes);
       r->hand = malloc(n * sizeof(float) + 1);
@@ -608,9 +613,9 @@ static void *ck_main(void *arg) {
  * the floats first (parameters, or the averaged gradient), then for a
  * FULL the optimizer state, then the per-worker records and statistics.
  * Lock held. */
-static void pack(range_t *r, int kind, const float *g, int acc_k, float lr) {
+static void pack(range_t *r, unsigned char *dst, int kind, const float *g, int acc_k, float lr) {
   chorus_ps_t *ps = r->ps;
-  unsigned char *p = r->mbuf;
+  unsigned char *p = dst;
   memcpy(p, g, r->n * sizeof(float));
   p += r->n * sizeof(float);
   if (kind == X_FULL) {
@@ -622,7 +627,7 @@ static void pack(range_t *r, int kind, const float *g, int acc_k, float lr) {
   memcpy(p, &r->st, sizeof r->st);
   p += sizeof r->st;
   r->mh = (mhdr_t){MIR_MAGIC, (uint32_t)kind, r->id, acc_k, r->version, r->applied, lr, 0,
-                   (uint64_t)(p - r->mbuf)};
+                   (uint64_t)(p - dst)};
   r->inflight = 1;
   r->t_sent = now_ns();
 }
@@ -663,7 +668,7 @@ static void apply(range_t *r) {
   ps->t_last = now_ns();
   r->st.seconds = (double)(ps->t_last - ps->t_first) / 1e9;
   /* The copy takes the same step. */
-  if (r->mproc >= 0) pack(r, X_UPDATE, r->avg, k, lr);
+  if (r->mproc >= 0) pack(r, r->mbuf, X_UPDATE, r->avg, k, lr);
   const long step = r->applied / ps->nwork;
   if (r->id == 0 && c->log_every > 0 && step >= ps->log_next && ps->log_n) {
     const double dt = (double)(ps->t_last - ps->t_log) / 1e9;
@@ -1097,14 +1102,17 @@ static void *tx_main(void *arg) {
   const int q = r->mproc, peer = speer(ps, q);
   chorus_comm_t c = ps->spair[q];
   char why[600] = "";
+  unsigned char *full = malloc(full_bytes(ps, r));
   pthread_mutex_lock(&ps->mu);
-  pack(r, X_FULL, r->par, 0, 0.0f);
-  for (;;) {
+  if (full) pack(r, full, X_FULL, r->par, 0, 0.0f);
+  else snprintf(why, sizeof why, "out of memory for the range's state");
+  for (; !why[0];) {
     const mhdr_t mh = r->mh;
     pthread_mutex_unlock(&ps->mu);
     chorus_result_t st = chorus_send(c, &mh, sizeof mh, CHORUS_UINT8, peer, TAG_MHDR(r->id), NULL);
     if (st == CHORUS_OK && mh.kind != X_END)
-      st = chorus_send(c, r->mbuf, mh.bytes, CHORUS_UINT8, peer, TAG_MDATA(r->id), NULL);
+      st = chorus_send(c, mh.kind == X_FULL ? full : r->mbuf, mh.bytes, CHORUS_UINT8, peer,
+                       TAG_MDATA(r->id), NULL);
     mhdr_t ack;
     memset(&ack, 0, sizeof ack);
     if (st == CHORUS_OK && mh.kind != X_END)
@@ -1116,6 +1124,8 @@ static void *tx_main(void *arg) {
                "for %lld)", ack.kind, ack.range, (long long)ack.version, (long long)mh.version);
     pthread_mutex_lock(&ps->mu);
     if (why[0] || mh.kind == X_END) break;
+    free(full); /* the FULL is through */
+    full = NULL;
     r->acked = mh.version;
     memcpy(r->hand, r->par, r->n * sizeof(float)); /* no update since: inflight held it */
     if (mh.kind == X_UPDATE) r->mwait += (double)(now_ns() - r->t_sent) / 1e9;
@@ -1128,6 +1138,7 @@ static void *tx_main(void *arg) {
     if (!r->inflight) r->mh = (mhdr_t){MIR_MAGIC, X_END, r->id, 0, r->version, r->applied, 0, 0, 0};
   }
   /* Lock held. */
+  free(full);
   const int lost = why[0] && !ps->quit && !r->tx_stop;
   r->mproc = -1;
   r->inflight = 0;
@@ -1173,13 +1184,22 @@ static void *rx_main(void *arg) {
       chorus_comm_abort(c);
       break;
     }
-    if (chorus_recv(c, r->rbuf, h.bytes, CHORUS_UINT8, peer, TAG_MDATA(r->id), NULL) != CHORUS_OK)
+    unsigned char *in = full ? malloc(h.bytes) : r->rbuf; /* the FULL comes once */
+    if (!in) {
+      snprintf(why, sizeof why, "a state too big for this process's memory (%llu bytes)",
+               (unsigned long long)h.bytes);
+      chorus_comm_abort(c);
       break;
+    }
+    if (chorus_recv(c, in, h.bytes, CHORUS_UINT8, peer, TAG_MDATA(r->id), NULL) != CHORUS_OK) {
+      if (full) free(in);
+      break;
+    }
     const mhdr_t ack = {MIR_MAGIC, X_ACK, r->id, 0, h.version, h.applied, 0, 0, 0};
     const int acked = chorus_send(c, &ack, sizeof ack, CHORUS_UINT8, peer, TAG_MACK(r->id),
                                   NULL) == CHORUS_OK;
     /* Applied whether or not the ACK went: the update is whole. */
-    const unsigned char *b = r->rbuf;
+    const unsigned char *b = in;
     const float *g = (const float *)b;
     b += r->n * sizeof(float);
     if (full) {
@@ -1188,6 +1208,7 @@ static void *rx_main(void *arg) {
       if (chorus_optim_state_load(r->opt, b, blob) != CHORUS_OK) {
         snprintf(why, sizeof why, "an optimizer state that does not load");
         chorus_comm_abort(c);
+        free(in);
         break;
       }
       b += blob;
@@ -1197,6 +1218,7 @@ static void *rx_main(void *arg) {
     }
     memcpy(r->wr, b, sizeof(wrec_t) * W);
     memcpy(&r->st, b + sizeof(wrec_t) * W, sizeof r->st);
+    if (full) free(in);
     r->version = h.version;
     r->applied = (long)h.applied;
     /* A standby serves nothing, but takes part in every checkpoint: the
@@ -1231,7 +1253,10 @@ static void *rx_main(void *arg) {
 
 /* This process serves range r from now on, from its copy.  Lock held;
  * its rx thread has ended. */
-static void adopt(chorus_ps_t *ps, range_t *r) {
+static int adopt(chorus_ps_t *ps, range_t *r) {
+  if (!r->acc) r->acc = calloc(r->n + 1, sizeof(double));
+  if (!r->avg) r->avg = malloc(r->n * sizeof(float) + 1);
+  if (!r->acc || !r->avg) return -1;
   r->role = R_PRIMARY;
   r->adopted = 1;
   r->mproc = -1;
@@ -1256,6 +1281,7 @@ static void adopt(chorus_ps_t *ps, range_t *r) {
         "on fail", ps->me, r->id);
   if (!ps->quit) start_slots(ps);
   pthread_cond_broadcast(&ps->cv);
+  return 0;
 }
 
 /* After a server process died: the survivors agree on who is left (a
@@ -1379,8 +1405,15 @@ static int failover(chorus_ps_t *ps, char *why, size_t cap) {
     range_t *r = &ps->rg[k];
     if (taken[k]) {
       const int dead = ps->owner[k];
+      if (nowner[k] == ps->me && adopt(ps, r) != 0) {
+        /* every survivor must hear that the range is gone: it fails the
+         * servers' communicator, and they stop at their next look */
+        snprintf(why, cap, "server %d is out of memory to take range %d over", ps->me, k);
+        pthread_mutex_unlock(&ps->mu);
+        chorus_comm_abort(nc);
+        goto out;
+      }
       if (nowner[k] == ps->me) {
-        adopt(ps, r);
         say(ps, "async: server process %d died; server %d took its range %d over from its copy "
             "(version %lld, %ld gradients applied) %.0f ms after the failure was seen; the range "
             "has no copy from now on", dead, ps->me, k, (long long)r->version, r->applied,
