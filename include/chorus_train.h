@@ -875,7 +875,7 @@ typedef struct chorus_ps_config {
   long warmup, steps;    /* in steps of all workers (the budget: steps * workers gradients) */
   const char *ckpt_dir;  /* servers save every ckpt_every steps and at the end; NULL: never */
   int ckpt_every, keep;
-  int log_every;         /* server 0 reports progress every log_every steps (0: never) */
+  int log_every;         /* range 0's server reports progress every log_every steps (0: never) */
   /* Servers report here (progress, dropped workers, refused gradients,
    * checkpoints), from their threads, one line at a time; NULL: stderr. */
   void (*log)(void *arg, const char *line);
