@@ -758,11 +758,15 @@ static void drop(slot_t *sl, const char *fmt, ...) {
         ps->nproc + sl->w, why, alive);
 }
 
-static chorus_result_t send_msg(slot_t *sl, msg_t *m, const float *data) {
+/* Sends the worker an answer (m, then m->count floats of data): 0, or -1
+ * when it could not go (the worker is dropped). */
+static int reply(slot_t *sl, msg_t *m, const float *data) {
   chorus_result_t st = chorus_send(sl->comm, m, sizeof *m, CHORUS_UINT8, 1, TAG_HDR, NULL);
   if (st == CHORUS_OK && m->count)
     st = chorus_send(sl->comm, data, m->count, CHORUS_FLOAT32, 1, TAG_DATA, NULL);
-  return st;
+  if (st == CHORUS_OK) return 0;
+  drop(sl, "%s", chorus_comm_last_error(sl->comm));
+  return -1;
 }
 
 /* Tells the worker it is refused for good, and drops it. */
@@ -833,10 +837,7 @@ static int hello(slot_t *sl) {
     hand_out(sl, r, &m, M_PARAMS);
     m.step = ps->start_step[sl->w];
     pthread_mutex_unlock(&ps->mu);
-    if (send_msg(sl, &m, sl->out) != CHORUS_OK) {
-      drop(sl, "%s", chorus_comm_last_error(sl->comm));
-      return -1;
-    }
+    if (reply(sl, &m, sl->out) != 0) return -1;
     pthread_mutex_lock(&ps->mu);
   }
   pthread_mutex_unlock(&ps->mu);
@@ -890,11 +891,7 @@ static int push(slot_t *sl, const msg_t *h) {
     /* Told to stop already: it is again. */
     pthread_mutex_unlock(&ps->mu);
     m = (msg_t){.magic = PS_MAGIC, .kind = M_STOP, .range = r->id, .mirror = -1};
-    if (send_msg(sl, &m, NULL) != CHORUS_OK) {
-      drop(sl, "%s", chorus_comm_last_error(sl->comm));
-      return -1;
-    }
-    return 0;
+    return reply(sl, &m, NULL);
   }
   if (h->step <= r->wr[w].last_step) {
     /* Sent again after a take-over, but already applied (the copy has
@@ -904,11 +901,7 @@ static int push(slot_t *sl, const msg_t *h) {
     m.step = 1;
     if (stop) m.count = 0, r->wst[w] = W_GONE, maybe_apply(r);
     pthread_mutex_unlock(&ps->mu);
-    if (send_msg(sl, &m, sl->out) != CHORUS_OK) {
-      drop(sl, "%s", chorus_comm_last_error(sl->comm));
-      return -1;
-    }
-    return 0;
+    return reply(sl, &m, sl->out);
   }
   const int64_t v = r->version;
   /* A range taken over does not know what its dead server handed out
@@ -942,11 +935,7 @@ static int push(slot_t *sl, const msg_t *h) {
     maybe_apply(r); /* it computes on the newest version now */
     pthread_mutex_unlock(&ps->mu);
     say(ps, "async: %s (worker %d)", m.text, w);
-    if (send_msg(sl, &m, sl->out) != CHORUS_OK) {
-      drop(sl, "%s", chorus_comm_last_error(sl->comm));
-      return -1;
-    }
-    return 0;
+    return reply(sl, &m, sl->out);
   }
   if (r->applied + r->acc_k >= ps->budget) {
     /* The budget is full: this one is not needed. */
@@ -955,11 +944,7 @@ static int push(slot_t *sl, const msg_t *h) {
     pthread_cond_broadcast(&ps->cv);
     pthread_mutex_unlock(&ps->mu);
     m = (msg_t){.magic = PS_MAGIC, .kind = M_STOP, .range = r->id, .mirror = -1, .version = v};
-    if (send_msg(sl, &m, NULL) != CHORUS_OK) {
-      drop(sl, "%s", chorus_comm_last_error(sl->comm));
-      return -1;
-    }
-    return 0;
+    return reply(sl, &m, NULL);
   }
   const float wgt = ps->cfg.staleness_weight ? 1.0f / (1.0f + (float)tau) : 1.0f;
   if (S == 0 && !r->held) r->held = calloc((size_t)ps->nwork, sizeof *r->held);
@@ -1021,11 +1006,7 @@ static int push(slot_t *sl, const msg_t *h) {
     maybe_apply(r);
   }
   pthread_mutex_unlock(&ps->mu);
-  if (send_msg(sl, &m, sl->out) != CHORUS_OK) {
-    drop(sl, "%s", chorus_comm_last_error(sl->comm));
-    return -1;
-  }
-  return 0;
+  return reply(sl, &m, sl->out);
 }
 
 static void *serve_worker(void *arg) {
