@@ -632,6 +632,16 @@ static void pack(range_t *r, unsigned char *dst, int kind, const float *g, int a
   r->t_sent = now_ns();
 }
 
+/* The updates seen here have passed `step` of the budget: the checkpoint
+ * steps up to it are due (ck_main writes them).  Lock held. */
+static void ck_pass(chorus_ps_t *ps, long step) {
+  const long every = ps->cfg.ckpt_every;
+  if (!ps->cfg.ckpt_dir || every <= 0 || step >= ps->cfg.steps || step / every <= ps->ck_crossed)
+    return;
+  ps->ck_crossed = step / every;
+  pthread_cond_broadcast(&ps->cv);
+}
+
 /* One update from the gradients summed so far.  Lock held. */
 static void apply(range_t *r) {
   chorus_ps_t *ps = r->ps;
@@ -653,7 +663,6 @@ static void apply(range_t *r) {
                    (float)k / (float)ps->nwork;
   chorus_optim_begin_step(r->opt);
   chorus_optim_update(r->opt, 0, r->par, r->avg, n, lr);
-  const long before = r->applied / ps->nwork;
   r->applied += k;
   r->acc_k = 0;
   r->version++;
@@ -681,16 +690,13 @@ static void apply(range_t *r) {
     ps->t_log = ps->t_last;
     while (ps->log_next <= step) ps->log_next += c->log_every;
   }
-  if (c->ckpt_dir && c->ckpt_every > 0 && step / c->ckpt_every > before / c->ckpt_every) {
-    /* A checkpoint step is passed once every range served here passed it
-     * (the snapshot must be at or after it for each); ck_main writes it. */
-    long least = step;
-    for (int q = 0; q < ps->nrange; q++)
-      if (ps->rg[q].role == R_PRIMARY && ps->rg[q].applied / ps->nwork < least)
-        least = ps->rg[q].applied / ps->nwork;
-    if (least < c->steps && least / c->ckpt_every > ps->ck_crossed)
-      ps->ck_crossed = least / c->ckpt_every;
-  }
+  /* A checkpoint step is passed once every range served here passed it
+   * (the snapshot must be at or after it for each). */
+  long least = step;
+  for (int q = 0; q < ps->nrange; q++)
+    if (ps->rg[q].role == R_PRIMARY && ps->rg[q].applied / ps->nwork < least)
+      least = ps->rg[q].applied / ps->nwork;
+  ck_pass(ps, least);
   pthread_cond_broadcast(&ps->cv);
 }
 
@@ -1204,11 +1210,9 @@ static void *rx_main(void *arg) {
     r->applied = (long)h.applied;
     /* A standby serves nothing, but takes part in every checkpoint: the
      * updates of the range it keeps tell it when. */
-    const long step = r->applied / ps->nwork, every = ps->cfg.ckpt_every;
-    if (!full && ps->cfg.ckpt_dir && every > 0 && step < ps->cfg.steps) {
+    if (!full) {
       pthread_mutex_lock(&ps->mu);
-      if (step / every > ps->ck_crossed) ps->ck_crossed = step / every;
-      pthread_cond_broadcast(&ps->cv);
+      ck_pass(ps, r->applied / ps->nwork);
       pthread_mutex_unlock(&ps->mu);
     }
     if (full) {
