@@ -738,6 +738,12 @@ static void pair_words(char *why) {
   if (cut) memmove(cut, cut + sizeof group - 1, strlen(cut + sizeof group - 1) + 1);
 }
 
+/* A pair communicator's last error, in a pair's words. */
+static void pair_error(chorus_comm_t c, char *why, size_t cap) {
+  snprintf(why, cap, "%s", chorus_comm_last_error(c));
+  pair_words(why);
+}
+
 static void drop(slot_t *sl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void drop(slot_t *sl, const char *fmt, ...) {
   chorus_ps_t *ps = sl->ps;
@@ -1104,7 +1110,7 @@ static void *tx_main(void *arg) {
     memset(&ack, 0, sizeof ack);
     if (st == CHORUS_OK && mh.kind != X_END)
       st = chorus_recv(c, &ack, sizeof ack, CHORUS_UINT8, peer, TAG_MACK(r->id), NULL);
-    if (st != CHORUS_OK) snprintf(why, sizeof why, "%s", chorus_comm_last_error(c));
+    if (st != CHORUS_OK) pair_error(c, why, sizeof why);
     else if (mh.kind != X_END && (ack.magic != MIR_MAGIC || ack.kind != X_ACK ||
                                   ack.range != r->id || ack.version != mh.version))
       snprintf(why, sizeof why, "a malformed acknowledgement (kind %u, range %d, version %lld "
@@ -1134,7 +1140,6 @@ static void *tx_main(void *arg) {
   pthread_mutex_unlock(&ps->mu);
   if (lost) {
     chorus_comm_abort(c); /* the copy must know it is one no more */
-    pair_words(why);
     say(ps, "async: server %d: range %d's copy on server process %d is gone: %s; the range goes "
         "on without a copy", ps->me, r->id, q, why);
   }
@@ -1649,8 +1654,7 @@ static void abort_pairs(chorus_ps_t *ps) {
 /* A pair with a server process failed: it died, hung, or aborted. */
 static chorus_result_t server_gone(chorus_ps_t *ps, int p, chorus_result_t st, const char *more) {
   char why[600];
-  snprintf(why, sizeof why, "%s", chorus_comm_last_error(ps->pair[p]));
-  pair_words(why);
+  pair_error(ps->pair[p], why, sizeof why);
   return fail(st, "async: worker %d (rank %d): server %d (rank %d) is gone or failed: %s; %s",
               ps->me, ps->rank, p, p, why, more);
 }
@@ -1683,8 +1687,7 @@ static chorus_result_t send_slice(chorus_ps_t *ps, int r, const float *src, uint
 static chorus_result_t lost_server(chorus_ps_t *ps, int p, chorus_result_t why_st,
                                    const float *grads, float loss, uint32_t tokens) {
   char why[600];
-  snprintf(why, sizeof why, "%s", chorus_comm_last_error(ps->pair[p]));
-  pair_words(why);
+  pair_error(ps->pair[p], why, sizeof why);
   ps->pdead[p] = 1;
   if (!ps->lost_at) ps->lost_at = now_ns();
   chorus_comm_abort(ps->pair[p]);
