@@ -8,7 +8,6 @@
  * number of files, or bad ranges on one rank fail the save on every rank,
  * naming why, with nothing written; the communicator goes on working.
  */
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +17,7 @@
 #include "chorus_train.h"
 #include "harness.h"
 #include "train/ckpt.h"
+#include "ck_range.h"
 
 static const chorus_gpt_config_t k_cfg = {37, 9, 3, 3, 15};
 enum { SEED = 91, NF = 4 };
@@ -30,43 +30,11 @@ static char g_dir[512];
 
 /* File f's range and its state: the same on every rank (seeded by f), so
  * each can check what another wrote. */
-typedef struct {
-  size_t lo, n;
-  float *par;
-  chorus_optim_t *opt;
-} range_t;
 static range_t g_r[NF];
 
 static void file_bounds(int f, size_t *lo, size_t *n) {
   const size_t cut[NF + 1] = {0, g_np / 5, g_np / 2 + 3, g_np - 101, g_np};
   *lo = cut[f], *n = cut[f + 1] - cut[f];
-}
-
-static int range_make(range_t *r, size_t lo, size_t n, int steps, unsigned long long seed) {
-  const chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
-  r->lo = lo, r->n = n;
-  r->par = malloc(n * sizeof(float) + 1);
-  float *g = malloc(n * sizeof(float) + 1);
-  if (!r->par || !g || chorus_optim_create(&oc, n, &r->opt) != CHORUS_OK) {
-    free(g);
-    return -1;
-  }
-  chorus_gpt_init_range(g_m, SEED, lo, n, r->par);
-  for (int s = 0; s < steps; s++) {
-    for (size_t i = 0; i < n; i++) {
-      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-      g[i] = (float)((seed >> 40) & 0xffffff) / (float)0x1000000 - 0.5f;
-    }
-    chorus_optim_step(r->opt, r->par, g, 1e-2f);
-  }
-  free(g);
-  return 0;
-}
-
-static void range_free(range_t *r) {
-  free(r->par);
-  chorus_optim_destroy(r->opt);
-  memset(r, 0, sizeof *r);
 }
 
 /* Rank 0 holds nothing; file f goes to rank 1 + f % (N - 1). */
@@ -83,14 +51,6 @@ static int my_ranges(chorus__ck_range_t *cr) {
   return k;
 }
 
-static int64_t steps_of(const chorus_optim_t *o) {
-  unsigned char *b = malloc(chorus_optim_state_size(o));
-  int64_t t = -1;
-  if (b) chorus_optim_state_save(o, b), memcpy(&t, b, sizeof t);
-  free(b);
-  return t;
-}
-
 TEST(ranges_over_ranks_round_trip) {
   chorus__ck_range_t cr[NF];
   const int nr = my_ranges(cr);
@@ -103,7 +63,8 @@ TEST(ranges_over_ranks_round_trip) {
   else if (g_rank > 0)
     lo = g_r[1 + (g_rank - 1) % (NF - 1)].lo - 17, n = 40;
   range_t got = {0};
-  ASSERT_EQ(range_make(&got, lo, n, 0, 0), 0);
+  unsigned long long none = 0;
+  ASSERT_EQ(range_make(&got, g_m, SEED, lo, n, 0, &none), 0);
   long step = -1;
   char x[16] = "";
   size_t xlen = 0;
@@ -167,11 +128,6 @@ TEST(bad_saves_fail_everywhere) {
                                       : "another rank's arguments are bad (see its output)");
 }
 
-static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f) {
-  (void)st, (void)flag, (void)f;
-  return remove(p);
-}
-
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (chorus_comm_init_env(&g_comm) != CHORUS_OK) {
@@ -200,7 +156,8 @@ int main(void) {
   for (int f = 0; made && f < NF; f++) {
     size_t lo, n;
     file_bounds(f, &lo, &n);
-    made = range_make(&g_r[f], lo, n, 2 + 3 * f, 1000 + (unsigned long long)f) == 0;
+    unsigned long long rng = 1000 + (unsigned long long)f;
+    made = range_make(&g_r[f], g_m, SEED, lo, n, 2 + 3 * f, &rng) == 0;
   }
   if (!made) {
     fprintf(stderr, "rank %d: model or ranges: %s\n", g_rank, chorus_train_last_error());
@@ -211,7 +168,7 @@ int main(void) {
   for (int f = 0; f < NF; f++) range_free(&g_r[f]);
   chorus_gpt_destroy(g_m);
   chorus_barrier(g_comm, NULL);
-  if (g_rank == 0) nftw(g_dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+  if (g_rank == 0) rm_tree(g_dir);
   chorus_comm_destroy(g_comm);
   return HARNESS_DONE();
 }

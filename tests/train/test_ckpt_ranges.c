@@ -8,7 +8,6 @@
  * writes for the same range.
  */
 #include <errno.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +17,7 @@
 #include "chorus_train.h"
 #include "harness.h"
 #include "train/ckpt.h"
+#include "ck_range.h"
 
 /* Odd sizes: ranges that start and end inside units. */
 static const chorus_gpt_config_t k_cfg = {37, 9, 3, 3, 15};
@@ -27,65 +27,13 @@ static char g_dir[4096];
 static chorus_gpt_t *g_m;
 static size_t g_np;
 
-static unsigned long long g_rng = 12345;
-static float rnd(void) {
-  g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-  return (float)((g_rng >> 40) & 0xffffff) / (float)0x1000000 - 0.5f;
-}
-
-/* One range's state: parameters from the model's initialisation, then
- * `steps` AdamW updates with random gradients. */
-typedef struct {
-  size_t lo, n;
-  float *par;
-  chorus_optim_t *opt;
-} range_t;
-
-static int range_make(range_t *r, size_t lo, size_t n, int steps) {
-  const chorus_optim_config_t oc = CHORUS_OPTIM_ADAMW_DEFAULT;
-  r->lo = lo, r->n = n;
-  r->par = malloc(n * sizeof(float) + 1);
-  float *g = malloc(n * sizeof(float) + 1);
-  if (!r->par || !g || chorus_optim_create(&oc, n, &r->opt) != CHORUS_OK) {
-    free(g);
-    return -1;
-  }
-  chorus_gpt_init_range(g_m, SEED, lo, n, r->par);
-  for (int s = 0; s < steps; s++) {
-    for (size_t i = 0; i < n; i++) g[i] = rnd();
-    chorus_optim_step(r->opt, r->par, g, 1e-2f);
-  }
-  free(g);
-  return 0;
-}
-
-static void range_free(range_t *r) {
-  free(r->par);
-  chorus_optim_destroy(r->opt);
-  memset(r, 0, sizeof *r);
-}
+static unsigned long long g_rng = 12345; /* the gradients of range_make */
 
 /* The optimizer's state as chorus_optim_state_save gives it. */
 static unsigned char *blob_of(const chorus_optim_t *o) {
   unsigned char *b = malloc(chorus_optim_state_size(o));
   if (b) chorus_optim_state_save(o, b);
   return b;
-}
-
-static int64_t steps_of(const chorus_optim_t *o) {
-  unsigned char *b = blob_of(o);
-  int64_t t = -1;
-  if (b) memcpy(&t, b, sizeof t);
-  free(b);
-  return t;
-}
-
-static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f) {
-  (void)st, (void)flag, (void)f;
-  return remove(p);
-}
-static void rm_tree(const char *p) {
-  nftw(p, rm_one, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 static int exists(const char *fmt, const char *a, long step, const char *name) {
@@ -115,7 +63,7 @@ static int make_ranges(void) {
   const size_t cut1 = g_np / 3 + 7, cut2 = 2 * g_np / 3 - 5;
   const size_t lo[NR] = {0, cut1, cut2}, hi[NR] = {cut1, cut2, g_np};
   for (int k = 0; k < NR; k++)
-    if (range_make(&g_r[k], lo[k], hi[k] - lo[k], k_steps[k]) != 0) return -1;
+    if (range_make(&g_r[k], g_m, SEED, lo[k], hi[k] - lo[k], k_steps[k], &g_rng) != 0) return -1;
   return 0;
 }
 
@@ -124,7 +72,7 @@ static int make_ranges(void) {
 static int load_and_compare(const char *dir, size_t lo, size_t n, long want_step, const float *want,
                             const unsigned char *wblob, int64_t want_t) {
   range_t got = {0};
-  if (range_make(&got, lo, n, 0) != 0) return 0;
+  if (range_make(&got, g_m, SEED, lo, n, 0, &g_rng) != 0) return 0;
   for (size_t i = 0; i < n; i++) got.par[i] = -1.0f;
   long step = -2;
   char x[64] = "";
@@ -244,7 +192,7 @@ TEST(bad_saves_fail) {
  * multi-range save writes for that range, and it loads back. */
 TEST(one_range_wrapper) {
   range_t a;
-  ASSERT_EQ(range_make(&a, 0, g_np, 4), 0);
+  ASSERT_EQ(range_make(&a, g_m, SEED, 0, g_np, 4, &g_rng), 0);
   char d1[4200], d2[4200];
   snprintf(d1, sizeof d1, "%s/one", g_dir);
   snprintf(d2, sizeof d2, "%s/many", g_dir);
