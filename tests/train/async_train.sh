@@ -66,9 +66,9 @@ same() { # WHAT A B TOL
   if "$cmp" "$tmp/$2" "$tmp/$3" "$4"; then ok "$1"; else bad "$1"; fi
 }
 num() { sed -n "s/$2/\1/p" "$tmp/$1.log" | tail -n 1; }
-wait_log() { # LOG PATTERN: up to 60 s for the pattern in LOG
-  for _ in $(seq 600); do grep -q -- "$2" "$tmp/$1.log" && return 0; sleep 0.1; done
-  return 1
+wait_log() { # LOG PATTERN [POLL_S]: up to 60 s for the pattern in LOG, a look every POLL_S (0.1)
+  local poll=${3:-0.1} end=$((SECONDS + 60))
+  until grep -q -- "$2" "$tmp/$1.log"; do ((SECONDS < end)) || return 1; sleep "$poll"; done
 }
 rank_pid() { # RANK: the pid of our chorus-train process of that rank
   local p
@@ -187,8 +187,7 @@ mkill() { # NAME VICTIM_RANK RANKS ARGS...: runs, kills the victim soon after st
   timeout 180 "$run" --standalone -n "$n" --elastic inplace -- "$train" "${model[@]}" "$@" \
     >"$tmp/$name.log" 2>&1 &
   local job=$!
-  local i
-  for i in $(seq 3000); do grep -q "async step  *[1-9][0-9]/" "$tmp/$name.log" && break; sleep 0.01; done
+  wait_log "$name" "async step  *[1-9][0-9]/" 0.01
   sleep "0.0$((RANDOM % 5))" # a random moment of the next few steps
   local pid
   pid=$(rank_pid "$v")
