@@ -183,7 +183,9 @@ static char *train_to_val(const char *path) {
 }
 
 /* The files of a split: a directory's NAME_train_*.bin / NAME_val_*.bin
- * (or nanoGPT's train.bin / val.bin), a glob, or one file.  *files is a
+ * and NAME_train.bin / NAME_val.bin (llm.c's one-shard datasets, such as
+ * tiny_shakespeare_train.bin), or else nanoGPT's train.bin / val.bin; a
+ * glob; or one file.  *files is a
  * sorted malloc'd list (possibly empty).  0, or -1 (reported). */
 static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   *files = NULL, *nfiles = 0;
@@ -191,6 +193,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   int n = 0, cap = 0;
   struct stat sb;
   const char *want = split == CHORUS_SPLIT_VAL ? "_val_" : "_train_";
+  const char *whole = split == CHORUS_SPLIT_VAL ? "_val.bin" : "_train.bin";
   if (!has_glob(spec) && stat(spec, &sb) == 0 && S_ISDIR(sb.st_mode)) {
     DIR *d = opendir(spec);
     if (!d) {
@@ -201,7 +204,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
       rewinddir(d);
       for (struct dirent *e; (e = readdir(d));) {
         const char *nm = e->d_name;
-        int take = pass == 0 ? strstr(nm, want) && ends_with(nm, ".bin")
+        int take = pass == 0 ? (strstr(nm, want) && ends_with(nm, ".bin")) || ends_with(nm, whole)
                              : !strcmp(nm, split == CHORUS_SPLIT_VAL ? "val.bin" : "train.bin");
         if (!take) continue;
         if (n == cap) {
@@ -290,8 +293,8 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
     free(files);
     if (stat(spec, &sb) != 0 && !has_glob(spec))
       return fail(CHORUS_ERR_INVALID_ARG, "%s: %s", spec, strerror(errno));
-    return fail(CHORUS_ERR_INVALID_ARG, "%s: no token shards there (llm.c's NAME_train_*.bin, "
-                "nanoGPT's train.bin; make them with chorus-data prepare)", spec);
+    return fail(CHORUS_ERR_INVALID_ARG, "%s: no token shards there (llm.c's NAME_train_*.bin or "
+                "NAME_train.bin, nanoGPT's train.bin; make them with chorus-data prepare)", spec);
   }
   chorus_tokens_t *d = calloc(1, sizeof *d);
   span_t *s = calloc((size_t)(nf ? nf : 1), sizeof *s);

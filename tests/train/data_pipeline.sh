@@ -99,18 +99,20 @@ elif grep -q "outside the vocabulary of 100" "$tmp/t.log"; then
   ok "chorus-train stops on a token outside the vocabulary, naming file and offset"
 else bad "chorus-train's message: $(tail -n 1 "$tmp/t.log")"; fi
 
-# --- a shard written as llm.c's scripts write them: exactly 240 sequences
-# of 32 tokens (+1), from the prepared tokens.
+# --- shards written as llm.c's scripts write them (write_datafile), named
+# as its one-shard datasets are (tiny_shakespeare_train.bin / _val.bin):
+# exactly 240 sequences of 32 tokens (+1), from the prepared tokens, and a
+# validation file of 100 tokens.
 mkdir -p "$tmp/llmc"
-$py - "$tmp/d1" "$tmp/llmc/x_train_000001.bin" <<'EOF'
+$py - "$tmp/d1" "$tmp/llmc/x_train.bin" "$tmp/llmc/x_val.bin" <<'EOF'
 import sys, numpy as np
 src = np.fromfile(sys.argv[1] + "/data_train_000001.bin", dtype=np.uint16, offset=1024)
-toks = src[: 240 * 32 + 1]
-header = np.zeros(256, dtype=np.int32)
-header[0], header[1], header[2] = 20240520, 1, len(toks)
-with open(sys.argv[2], "wb") as f:
-    f.write(header.tobytes())
-    f.write(toks.astype(np.uint16).tobytes())
+for path, toks in ((sys.argv[2], src[: 240 * 32 + 1]), (sys.argv[3], src[-100:])):
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(toks)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(toks.astype(np.uint16).tobytes())
 EOF
 cp "$tmp/d1/encoder.json" "$tmp/d1/vocab.bpe" "$tmp/llmc/"
 model=(--data "$tmp/llmc" --layers 2 --heads 2 --channels 32 --ctx 32 --batch 4 --warmup 3
@@ -126,6 +128,9 @@ if train_run straight 2 --steps 30 --dump "$tmp/straight" --log-data "$tmp/strai
 else bad "training on llm.c's shard failed"; tail -n 5 "$tmp/straight.log"; fi
 grep -q "vocabulary 512" "$tmp/straight.log" && ok "the vocabulary comes from the data's tokenizer" ||
   bad "vocabulary not taken from encoder.json"
+grep -q "data: $tmp/llmc: 7681 tokens in 1 file(s); validation 100 tokens" "$tmp/straight.log" &&
+  ok "llm.c's NAME_train.bin and NAME_val.bin found in the directory" ||
+  bad "the directory's one-shard train and val files: $(grep -m1 '^data:' "$tmp/straight.log")"
 # Every sequence once in the uninterrupted epoch.
 cat "$tmp"/straight.idx.rank* | cut -d: -f2 | tr ' ' '\n' | grep . | sort -n >"$tmp/epoch.ref"
 if [ "$(wc -l <"$tmp/epoch.ref")" = 240 ] && [ "$(uniq "$tmp/epoch.ref" | wc -l)" = 240 ]; then
