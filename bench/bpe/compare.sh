@@ -9,7 +9,12 @@
 #   bench/bpe/compare.sh [BUILD_DIR [WORK_DIR]]
 #   env: VOCAB (8192), VOCAB_BIG (32768: trained once on all the text),
 #        RUNS (3), REF_CHECK (1: run the reference over all
-#        inputs for the identity check; 0: skip that part, ~2 min)
+#        inputs for the identity check; 0: skip that part, ~2 min),
+#        GPT2_DIR (a folder with GPT-2's own encoder.json and vocab.bpe,
+#        which no Debian package ships: also the identity and speed with
+#        GPT-2's 50257 tokens), GPT2_ENCODER_PY (OpenAI's encoder.py from
+#        the gpt-2 repository: with GPT2_DIR, the identity against it too,
+#        through bench/bpe/openai_ref.py, and its speed)
 # Writes bench/results/bpe.md (and .log).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -94,6 +99,37 @@ echo "$res" >> "$log"
 ref_speed=$(tail -1 <<< "$res" | awk '{print $2}')
 say "reference subset.txt: median $ref_speed MB/s"
 
+gpt2=""
+if [[ -n "${GPT2_DIR:-}" ]]; then
+  say "== GPT-2's own vocabulary ($GPT2_DIR)"
+  gpt2=$'\n'"## GPT-2's own vocabulary (50257 tokens, GPT2_DIR)"$'\n\n'
+  gpt2+="| input | MB | tokens | C vs bpe_ref.py | C vs OpenAI's encoder.py | C MB/s | encoder.py MB/s |"$'\n'
+  gpt2+="|---|---|---|---|---|---|---|"$'\n'
+  for f in text.txt random.bin english.txt; do
+    "$tool" encode "$GPT2_DIR" "$work/$f" "$work/$f.g.tok"
+    n=$(($(stat -c %s "$work/$f.g.tok") / 4))
+    same() { cmp -s "$work/$f.g.tok" "$1" && echo identical || echo "DIFFERENT ($(cmp "$work/$f.g.tok" "$1" 2>&1 || true))"; }
+    vs_ref="not run" vs_openai="not run (GPT2_ENCODER_PY)" ospeed=""
+    if ((ref_check)) && [[ $f != english.txt ]]; then
+      $py "$ref" encode "$GPT2_DIR" "$work/$f" "$work/$f.gr.tok"
+      vs_ref=$(same "$work/$f.gr.tok")
+    fi
+    if [[ -n "${GPT2_ENCODER_PY:-}" ]]; then
+      line=$($py "$here/openai_ref.py" "$GPT2_ENCODER_PY" "$GPT2_DIR" "$work/$f" "$work/$f.go.tok")
+      echo "$line" >> "$log"
+      vs_openai=$(same "$work/$f.go.tok")
+      ospeed=$(sed -E 's/.*: ([0-9.]+) MB\/s$/\1/' <<< "$line")
+    fi
+    res=$("$tool" bench "$GPT2_DIR" "$work/$f" "$runs")
+    echo "$res" >> "$log"
+    cspeed=$(tail -1 <<< "$res" | awk '{print $2}')
+    say "GPT-2 $f: $n tokens; vs bpe_ref.py: $vs_ref; vs encoder.py: $vs_openai; C $cspeed MB/s, encoder.py ${ospeed:-?} MB/s"
+    gpt2+="| $f | $(mb "$work/$f") | $n | $vs_ref | $vs_openai | $cspeed | $ospeed |"$'\n'
+  done
+  gpt2+=$'\n'"C: median of $runs runs on one core (a new encoder each run); encoder.py: one pass over the"
+  gpt2+=$'\n'"whole file with its own cache, so its speed there is the best case."$'\n'
+fi
+
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
 cat > "$out" <<EOF
 # Tokenizer: C (src/train/bpe.c) against the Python reference
@@ -125,5 +161,6 @@ ${identity}
 Counting train.txt ($(mb "$work/train.txt") MB): median $count_med s; learning $vocab ids: median
 $train_med s ($runs runs).  A larger vocabulary on all of text.txt: $big_line, peak resident
 memory $big_rss MB.  Every run's numbers are in bpe.md.log.
+$gpt2
 EOF
 say "wrote $out"

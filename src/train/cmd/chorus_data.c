@@ -473,6 +473,7 @@ static void consume_nothing(work_t *w, size_t u, result_t *r, void *arg) {
 /* --------------------------------------------------------------- prepare */
 
 static int prepare(const opts_t *o, int ninputs, char **inputs) {
+  const double start = now_s();
   if (!o->out) die("prepare: give the output directory with -o DIR");
   if (!o->tokenizer && !o->vocab_size)
     die("prepare: give --tokenizer DIR (encoder.json and vocab.bpe, e.g. GPT-2's) or "
@@ -573,11 +574,11 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
   const size_t toks = s.val_toks + s.train_toks;
   printf("prepared %s: %.1f MB of text in %d file(s)%s -> %zu tokens (%.2f bytes a token): "
          "train %zu in %d shard(s), validation %zu in %d; vocabulary %d (%s), uint%d tokens; "
-         "%.1f s, %.1f MB/s, %.2f M tok/s with %d thread(s)\n",
+         "%.1f s, %.1f MB/s, %.2f M tok/s with %d thread(s); %.1f s in all\n",
          o->out, (double)total / 1e6, kept, g_skipped ? " (some skipped, see above)" : "", toks,
          toks ? (double)total / (double)toks : 0.0, s.train_toks, s.train_shards, s.val_toks,
          s.val_shards, chorus_bpe_vocab(bpe), how, s.version == 1 ? 16 : 32, dt,
-         (double)total / 1e6 / dt, (double)toks / 1e6 / dt, o->threads);
+         (double)total / 1e6 / dt, (double)toks / 1e6 / dt, o->threads, now_s() - start);
   chorus_bpe_free(bpe);
   for (int i = 0; i < g_nfiles; i++) {
     free(g_files[i].path);
