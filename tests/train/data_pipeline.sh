@@ -7,9 +7,9 @@
 # mid-epoch and resumed on 3 ranks sees every sequence of the epoch once
 # (none skipped, none twice), resumed on 2 it ends with the uninterrupted
 # run's weights, bit for bit, with or without prefetch workers.
-#   data_pipeline.sh CHORUSRUN CHORUS_TRAIN CHORUS_DATA CMP_WEIGHTS TEXT
+#   data_pipeline.sh CHORUSRUN CHORUS_TRAIN CHORUS_DATA CMP_WEIGHTS TEXT BPE_TOOL
 set -u
-run=$1 train=$2 data=$3 cmp=$4 text=$5
+run=$1 train=$2 data=$3 cmp=$4 text=$5 bpe=$6
 tmp=$(mktemp -d /tmp/chorus-data.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 fails=0
@@ -61,6 +61,56 @@ then ok "llm.c's header check reads every shard"; else bad "a shard fails llm.c'
   grep -q "train: 4 shard(s), [0-9]* tokens, every one below 512" "$tmp/check.log" &&
   ok "chorus-data check passes them" ||
   { bad "chorus-data check"; cat "$tmp/check.log"; }
+
+# --- cut anywhere: CRLF lines and one long line are cut into units of
+# 256 KiB like any text, and the tokens are those of the whole file.
+tr '\n' ' ' <"$tmp/in.txt" >"$tmp/oneline.txt"
+sed 's/$/\r/' "$tmp/in.txt" >"$tmp/crlf.txt"
+for f in crlf oneline; do
+  if "$data" prepare "$tmp/$f.txt" -o "$tmp/cut-$f" --tokenizer "$tmp/d1" --val-fraction 0.05 \
+      >"$tmp/cut-$f.log" 2>&1 && grep -q "1 file(s), 0.3 MB, 3 unit(s)" "$tmp/cut-$f.log" &&
+     "$bpe" encode "$tmp/d1" "$tmp/$f.txt" "$tmp/$f.whole" &&
+     $py - "$tmp/cut-$f" "$tmp/$f.whole" <<'EOF'
+import sys, glob, numpy as np
+files = sorted(glob.glob(sys.argv[1] + "/data_val_*.bin")) + sorted(glob.glob(sys.argv[1] + "/data_train_*.bin"))
+assert len(files) >= 2, files
+toks = np.concatenate([np.fromfile(f, dtype=np.uint16, offset=1024) for f in files]).astype(np.uint32)
+whole = np.fromfile(sys.argv[2], dtype=np.uint32)
+assert toks[0] == 511 and np.array_equal(toks[1:], whole), (len(toks), len(whole))
+EOF
+  then ok "$f text: 3 units (validation, 256 KiB, the rest), the tokens of the whole file"
+  else bad "$f text: $(tail -n 2 "$tmp/cut-$f.log")"; fi
+done
+
+# --- a prepare that fails leaves nothing that looks like a dataset; one
+# that succeeds replaces an earlier run's shards; the output folder inside
+# an input folder is not read as input.
+printf '{"text": "ok"}\n{"text": 5}\n' >"$tmp/late.jsonl"
+mkdir -p "$tmp/failed"
+if "$data" prepare "$tmp/in.txt" "$tmp/late.jsonl" -o "$tmp/failed" --tokenizer "$tmp/d1" \
+    --shard-tokens 10000 --threads 1 >"$tmp/failed.log" 2>&1; then
+  bad "a prepare with a bad last line succeeded"
+elif [ -z "$(ls -A "$tmp/failed")" ]; then
+  ok "a prepare that fails after writing shards leaves the folder empty"
+else bad "a failed prepare left: $(ls -A "$tmp/failed" | tr '\n' ' ')"; fi
+"$data" prepare "$tmp/in.txt" -o "$tmp/again" --tokenizer "$tmp/d1" --shard-tokens 20000 \
+  >/dev/null 2>&1
+first=$(ls "$tmp/again" | grep -c '_.*\.bin$')
+"$data" prepare "$tmp/in.txt" -o "$tmp/again" --tokenizer "$tmp/d1" --shard-tokens 40000 \
+  >"$tmp/again.log" 2>&1
+"$data" prepare "$tmp/in.txt" -o "$tmp/fresh" --tokenizer "$tmp/d1" --shard-tokens 40000 \
+  >/dev/null 2>&1
+if diff -r "$tmp/again" "$tmp/fresh" >/dev/null &&
+   grep -q "replaced $first shard(s) named data_\* of an earlier run" "$tmp/again.log"; then
+  ok "a second prepare replaces the first one's $first shards: the folder is a fresh one's"
+else bad "after two prepares: $(ls -A "$tmp/again" | tr '\n' ' ') $(grep replaced "$tmp/again.log")"; fi
+mkdir -p "$tmp/corpus" && cp "$tmp/in.txt" "$tmp/corpus/"
+"$data" prepare "$tmp/corpus" -o "$tmp/corpus/out" --tokenizer "$tmp/d1" >/dev/null 2>&1
+if "$data" prepare "$tmp/corpus" -o "$tmp/corpus/out" --tokenizer "$tmp/d1" \
+    >"$tmp/inside.log" 2>&1 && grep -q "leaving out .*corpus/out: it is the output folder" \
+    "$tmp/inside.log" && grep -q "in 1 file(s)" "$tmp/inside.log"; then
+  ok "the output folder inside the input folder is left out"
+else bad "output inside input: $(tail -n 2 "$tmp/inside.log")"; fi
 
 # --- bad input, each named with where.
 refused() { # WHAT PATTERN ARGS...

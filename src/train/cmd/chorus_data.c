@@ -11,8 +11,9 @@
  * The first --val-fraction of the input bytes goes to DIR/NAME_val_000000.bin,
  * the rest to NAME_train_000001.bin, ... of --shard-tokens each.  The input
  * is cut into units of about 256 KiB at places where GPT-2's pre-split has
- * a boundary whatever follows (a newline between two printable ASCII
- * characters), so the tokens do not depend on the cut, and the units are
+ * a boundary whatever comes before or after (a printable ASCII character
+ * followed by ASCII whitespace), so the tokens do not depend on the cut,
+ * and the units are
  * encoded by --threads threads; shards are written in input order, so the
  * result does not depend on the thread count either.  The tokenizer is
  * DIR's encoder.json + vocab.bpe, given or trained here (--vocab-size, on a
@@ -24,6 +25,7 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,6 +74,13 @@ static int g_nfiles;
 static unit_t *g_units;
 static size_t g_nunits;
 static size_t g_skipped;
+/* prepare writes into DIR/.prepare-NAME-PID and moves the files into DIR
+ * once all are complete: a prepare that fails or is killed never leaves a
+ * dataset that looks whole, nor a mix with an earlier run's shards. */
+static char g_stage[4096];
+static struct stat g_out; /* the output folder, when it exists already: never an input */
+static int g_out_known;
+static void remove_stage(void);
 
 static double now_s(void) {
   struct timespec ts;
@@ -87,6 +96,7 @@ static void die(const char *fmt, ...) {
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
   va_end(ap);
+  remove_stage();
   exit(1);
 }
 
@@ -136,7 +146,10 @@ static void walk(const char *dir, int jsonl) {
   for (size_t i = 0; i < n; i++) {
     struct stat sb;
     if (lstat(names[i], &sb) == 0) {
-      if (S_ISDIR(sb.st_mode)) walk(names[i], jsonl);
+      if (S_ISDIR(sb.st_mode) && g_out_known && sb.st_dev == g_out.st_dev &&
+          sb.st_ino == g_out.st_ino)
+        fprintf(stderr, "chorus-data: leaving out %s: it is the output folder\n", names[i]);
+      else if (S_ISDIR(sb.st_mode)) walk(names[i], jsonl);
       else if (S_ISREG(sb.st_mode)) add_file(names[i], jsonl);
     }
     free(names[i]);
@@ -158,15 +171,23 @@ static void map_input(file_t *f) {
   close(fd);
 }
 
+static int ascii_space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+
 /* A place p where GPT-2's pre-split has a boundary that does not depend on
- * what comes after: "\n" between two printable ASCII characters other than
- * space.  The first at or after p, or len. */
+ * what comes after or before: a printable ASCII character other than space
+ * at p - 1, an ASCII whitespace at p.  No pattern of the pre-split matches
+ * a non-space followed by a space (letters, digits and punctuation runs
+ * take a space only in front), so a piece ends at p in the whole text; it
+ * ends there too when the text stops at p (a run of one class stops where
+ * its class does, a contraction is fixed); and matching from p on does not
+ * look behind.  So the unit before p and the text from p have exactly the
+ * pieces of the whole.  This is the end of nearly every word: CRLF files,
+ * lines ending in spaces and one-line texts are cut as easily as any.  The
+ * first such place at or after p, or len. */
 static size_t safe_cut(const unsigned char *s, size_t len, size_t p) {
-  if (p < 2) p = 2;
-  for (; p < len; p++) {
-    if (s[p - 1] != '\n') continue;
-    if (s[p - 2] > 0x20 && s[p - 2] < 0x7f && s[p] > 0x20 && s[p] < 0x7f) return p;
-  }
+  if (p < 1) p = 1;
+  for (; p < len; p++)
+    if (ascii_space(s[p]) && s[p - 1] > 0x20 && s[p - 1] < 0x7f) return p;
   return len;
 }
 
@@ -306,7 +327,9 @@ static int do_unit(work_t *w, const unit_t *u, chorus_bpe_encoder_t *enc,
   for (size_t i = 0; i < u->len; line++) {
     const unsigned char *nl = memchr(p + i, '\n', u->len - i);
     size_t end = nl ? (size_t)(nl - p) : u->len;
-    if (end > i) {
+    size_t first = i; /* a blank line (CRLF's "\r" too) is no document */
+    while (first < end && ascii_space(p[first])) first++;
+    if (first < end) {
       json_error_t je;
       json_t *doc = json_loadb((const char *)p + i, end - i, 0, &je);
       json_t *t = doc ? json_object_get(doc, w->o->field) : NULL;
@@ -337,7 +360,9 @@ static void *worker(void *arg) {
   chorus_bpe_encoder_t *enc = NULL;
   unsigned char *buf = NULL;
   size_t cap = 0;
-  if (w->bpe && chorus_bpe_encoder_create(w->bpe, &enc) != CHORUS_OK) return NULL;
+  /* Without an encoder this thread still takes units, failing each: the
+   * caller waits for every unit in turn and must hear of it. */
+  const int no_enc = w->bpe && chorus_bpe_encoder_create(w->bpe, &enc) != CHORUS_OK;
   pthread_mutex_lock(&w->mu);
   int me = -1;
   if (w->counters) me = w->counters_taken++; /* counting: a counter of its own */
@@ -348,7 +373,9 @@ static void *worker(void *arg) {
     size_t u = w->next++;
     pthread_mutex_unlock(&w->mu);
     result_t *r = &w->res[u % w->window];
-    if (!w->take || w->take[u])
+    if (no_enc)
+      fail_unit(r, "cannot make an encoder: %s", chorus_train_last_error());
+    else if (!w->take || w->take[u])
       do_unit(w, &g_units[u], enc, me >= 0 ? w->counters[me] : NULL, r, &buf, &cap);
     pthread_mutex_lock(&w->mu);
     r->done = 1;
@@ -440,8 +467,9 @@ static void put(sink_t *s, int val, const uint32_t *t, size_t n) {
       close_shard(s);
     if (!s->w) {
       char path[4096];
-      snprintf(path, sizeof path, "%s/%s_%s_%06d.bin", s->o->out, s->o->name,
-               val ? "val" : "train", s->shard);
+      if (snprintf(path, sizeof path, "%s/%s_%s_%06d.bin", g_stage, s->o->name,
+                   val ? "val" : "train", s->shard) >= (int)sizeof path)
+        die("%s: the output path is too long", s->o->out);
       if (chorus_shard_writer_open(path, s->version, &s->w) != CHORUS_OK)
         die("%s", chorus_train_last_error());
       s->in_val = val;
@@ -470,6 +498,103 @@ static void consume_nothing(work_t *w, size_t u, result_t *r, void *arg) {
   (void)w, (void)u, (void)r, (void)arg;
 }
 
+/* --------------------------------------------------------------- staging */
+
+/* Removes every file in dir (no subdirectories are made there) and dir. */
+static void remove_dir_files(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  char path[4200];
+  for (struct dirent *e; (e = readdir(d));) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    unlink(path);
+  }
+  closedir(d);
+  rmdir(dir);
+}
+
+static void remove_stage(void) {
+  if (!g_stage[0]) return;
+  remove_dir_files(g_stage);
+  g_stage[0] = 0;
+}
+
+/* A shard of this dataset by its name: NAME_train_*.bin, NAME_val_*.bin,
+ * NAME_train.bin, NAME_val.bin. */
+static int own_shard(const char *nm, const char *name) {
+  size_t k = strlen(name);
+  if (strncmp(nm, name, k) || nm[k] != '_' || !ends_with(nm, ".bin")) return 0;
+  const char *rest = nm + k + 1;
+  return !strncmp(rest, "train_", 6) || !strncmp(rest, "val_", 4) ||
+         !strcmp(rest, "train.bin") || !strcmp(rest, "val.bin");
+}
+
+/* Makes the staging folder, after removing those that killed runs left
+ * (their process is gone). */
+static void make_stage(const opts_t *o) {
+  if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
+  char prefix[512];
+  snprintf(prefix, sizeof prefix, ".prepare-%s-", o->name);
+  DIR *d = opendir(o->out);
+  if (!d) die("%s: cannot list: %s", o->out, strerror(errno));
+  for (struct dirent *e; (e = readdir(d));) {
+    if (strncmp(e->d_name, prefix, strlen(prefix))) continue;
+    long pid = strtol(e->d_name + strlen(prefix), NULL, 10);
+    if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
+      char old[4200];
+      snprintf(old, sizeof old, "%s/%s", o->out, e->d_name);
+      remove_dir_files(old);
+    }
+  }
+  closedir(d);
+  if (snprintf(g_stage, sizeof g_stage, "%s/%s%ld", o->out, prefix, (long)getpid()) >=
+      (int)sizeof g_stage - 64)
+    g_stage[0] = 0, die("%s: the output path is too long", o->out);
+  if (mkdir(g_stage, 0755) != 0) {
+    int e = errno;
+    g_stage[0] = 0;
+    die("%s: cannot make a staging folder there: %s", o->out, strerror(e));
+  }
+}
+
+/* Moves the finished files into DIR: first the shards of an earlier run
+ * under the same name go (they would mix with these), then each file is
+ * renamed in. */
+static void publish(const opts_t *o) {
+  DIR *d = opendir(o->out);
+  if (!d) die("%s: cannot list: %s", o->out, strerror(errno));
+  char path[4200];
+  int replaced = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (!own_shard(e->d_name, o->name)) continue;
+    snprintf(path, sizeof path, "%s/%s", o->out, e->d_name);
+    if (unlink(path) != 0) die("%s: cannot remove an earlier run's shard: %s", path,
+                               strerror(errno));
+    replaced++;
+  }
+  closedir(d);
+  if (replaced)
+    fprintf(stderr, "chorus-data: replaced %d shard(s) named %s_* of an earlier run in %s\n",
+            replaced, o->name, o->out);
+  if (!(d = opendir(g_stage))) die("%s: cannot list: %s", g_stage, strerror(errno));
+  char to[4200];
+  for (struct dirent *e; (e = readdir(d));) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(path, sizeof path, "%s/%s", g_stage, e->d_name);
+    snprintf(to, sizeof to, "%s/%s", o->out, e->d_name);
+    if (rename(path, to) != 0) die("%s: cannot move to %s: %s", path, to, strerror(errno));
+  }
+  closedir(d);
+  rmdir(g_stage);
+  g_stage[0] = 0;
+  int fd = open(o->out, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    fsync(fd); /* the renames survive a crash */
+    close(fd);
+  }
+}
+
 /* --------------------------------------------------------------- prepare */
 
 static int prepare(const opts_t *o, int ninputs, char **inputs) {
@@ -478,9 +603,13 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
   if (!o->tokenizer && !o->vocab_size)
     die("prepare: give --tokenizer DIR (encoder.json and vocab.bpe, e.g. GPT-2's) or "
         "--vocab-size N to train a vocabulary on the input");
+  g_out_known = stat(o->out, &g_out) == 0;
   for (int i = 0; i < ninputs; i++) {
     struct stat sb;
     if (stat(inputs[i], &sb) != 0) die("%s: %s", inputs[i], strerror(errno));
+    if (S_ISDIR(sb.st_mode) && g_out_known && sb.st_dev == g_out.st_dev &&
+        sb.st_ino == g_out.st_ino)
+      die("%s: the input is the output folder", inputs[i]);
     if (S_ISDIR(sb.st_mode)) walk(inputs[i], 0);
     else add_file(inputs[i], 0);
   }
@@ -526,7 +655,7 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
     kept++;
   }
   if (!total) die("prepare: the input holds no text");
-  if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
+  make_stage(o);
   fprintf(stderr, "chorus-data: %d file(s), %.1f MB, %zu unit(s), %d thread(s)\n", kept,
           (double)total / 1e6, g_nunits, o->threads);
 
@@ -536,7 +665,7 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
   if (o->tokenizer) {
     if (chorus_bpe_load(o->tokenizer, &bpe, err, sizeof err) != CHORUS_OK) die("%s", err);
     how = o->tokenizer;
-    if (strcmp(o->tokenizer, o->out) && chorus_bpe_save(bpe, o->out, err, sizeof err) != CHORUS_OK)
+    if (strcmp(o->tokenizer, o->out) && chorus_bpe_save(bpe, g_stage, err, sizeof err) != CHORUS_OK)
       die("%s", err);
   } else {
     /* Count a sample spread evenly over the input, then learn merges. */
@@ -562,7 +691,7 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
     for (int i = 0; i < o->threads; i++) chorus_bpe_counter_free(w.counters[i]);
     free(w.counters);
     free(take);
-    if (chorus_bpe_save(bpe, o->out, err, sizeof err) != CHORUS_OK) die("%s", err);
+    if (chorus_bpe_save(bpe, g_stage, err, sizeof err) != CHORUS_OK) die("%s", err);
     how = "trained here";
   }
   work_t w = {.o = o, .bpe = bpe};
@@ -570,6 +699,11 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
   const double t0 = now_s();
   run_units(&w, "prepare", total, consume_tokens, &s);
   close_shard(&s);
+  if (!s.train_toks)
+    die("prepare: no tokens for training: all %.1f MB of the input went to validation "
+        "(--val-fraction %g); give more text or a smaller --val-fraction",
+        (double)total / 1e6, o->val_fraction);
+  publish(o);
   const double dt = now_s() - t0;
   const size_t toks = s.val_toks + s.train_toks;
   printf("prepared %s: %.1f MB of text in %d file(s)%s -> %zu tokens (%.2f bytes a token): "
