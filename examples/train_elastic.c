@@ -47,7 +47,7 @@ int main(int argc, char **argv) {
   chorus_tokens_t *train = NULL;
   chorus_loader_t *ld = NULL;
   chorus_elastic_t *e = NULL;
-  chorus_loader_config_t lc = {model.ctx, BATCH, 1, 2, 1, 0, 1337, 0};
+  chorus_loader_config_t lc = {model.ctx, BATCH, 1, 2, 1, 0, 1337, 0, 0};
   if (chorus_trainer_create(comm, &model, BATCH, 1337, &tc, &t) != CHORUS_OK ||
       chorus_tokens_open(data, 0, CHORUS_TOKENS_TEXT, 256, &train) != CHORUS_OK ||
       chorus_loader_create(train, &lc, chorus_comm_size(comm), chorus_comm_rank(comm), &ld) !=

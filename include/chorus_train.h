@@ -272,6 +272,12 @@ typedef struct chorus_loader_config {
   int shuffle, drop_last;
   uint64_t seed;
   double read_delay_s; /* benchmarks: a batch takes at least this long to read (slow storage) */
+  /* next() fails with CHORUS_ERR_TIMEOUT when the batch it waits for is
+   * not read within this many seconds (storage stalled: a hung network
+   * file system); 0: CHORUS_TIMEOUT's value, or 300.  The worker stuck in
+   * the read cannot be stopped; destroy() then waits for it as long again
+   * and, failing that, leaves the loader's memory to the process. */
+  double read_timeout_s;
 } chorus_loader_config_t;
 
 CHORUS_API chorus_result_t chorus_loader_create(const chorus_tokens_t *data,

@@ -35,7 +35,7 @@ typedef struct {
   long epoch; /* the sampler after this batch */
   size_t taken;
   chorus_result_t st;
-  char err[256];
+  char err[512]; /* the library's messages are up to 512 bytes: the offset comes last */
 } slot_t;
 
 struct chorus_loader {
@@ -60,6 +60,16 @@ static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static struct timespec deadline_in(double s) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + s;
+  ts.tv_sec = (time_t)t;
+  ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+  if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+  return ts;
 }
 
 static void sleep_s(double s) {
@@ -138,6 +148,11 @@ chorus_result_t chorus_loader_create(const chorus_tokens_t *data,
   chorus_loader_t *l = calloc(1, sizeof *l);
   if (!l) return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
   l->data = data, l->cfg = *cfg, l->nseq = nseq, l->world = world, l->rank = rank;
+  if (!(l->cfg.read_timeout_s > 0)) {
+    const char *e = getenv("CHORUS_TIMEOUT");
+    double v = e ? strtod(e, NULL) : 0;
+    l->cfg.read_timeout_s = v > 0 ? v : 300;
+  }
   l->nslots = cfg->workers ? cfg->workers * cfg->prefetch : 1;
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->work, NULL);
@@ -179,7 +194,17 @@ void chorus_loader_destroy(chorus_loader_t *l) {
   l->stop = 1;
   pthread_cond_broadcast(&l->work);
   pthread_mutex_unlock(&l->mu);
-  for (int i = 0; i < l->nthreads; i++) pthread_join(l->threads[i], NULL);
+  /* A worker stuck in a read (see next()) is waited for once more as long;
+   * after that its slot may still be written, so nothing is freed. */
+  int stuck = 0;
+  for (int i = 0; i < l->nthreads; i++) {
+    struct timespec until = deadline_in(l->cfg.read_timeout_s);
+    if (stuck || pthread_timedjoin_np(l->threads[i], NULL, &until) != 0) {
+      pthread_detach(l->threads[i]);
+      stuck = 1;
+    }
+  }
+  if (stuck) return;
   free(l->threads);
   for (int i = 0; l->slots && i < l->nslots; i++) {
     free(l->slots[i].idx);
@@ -211,7 +236,18 @@ chorus_result_t chorus_loader_next(chorus_loader_t *l, int *tokens, int *targets
   slot_t *s = &l->slots[l->head % (unsigned long)l->nslots];
   if (l->nthreads) {
     pthread_cond_broadcast(&l->work);
-    while (s->state != SLOT_READY && s->state != SLOT_FAILED) pthread_cond_wait(&l->done, &l->mu);
+    struct timespec until = deadline_in(l->cfg.read_timeout_s);
+    while (s->state != SLOT_READY && s->state != SLOT_FAILED)
+      if (pthread_cond_timedwait(&l->done, &l->mu, &until) == ETIMEDOUT &&
+          s->state != SLOT_READY && s->state != SLOT_FAILED) {
+        st = fail(CHORUS_ERR_TIMEOUT, "the batch of sequences %zu, ... (tokens from %zu on) "
+                  "was not read within %.0f s (%s): is the storage stalled? (a slower disk: "
+                  "raise CHORUS_TIMEOUT)", s->idx[0], s->idx[0] * (size_t)l->cfg.seq,
+                  l->cfg.read_timeout_s, s->state == SLOT_BUSY ? "a worker is still in the read"
+                                                               : "no worker took it");
+        pthread_mutex_unlock(&l->mu);
+        return st;
+      }
   } else {
     pthread_mutex_unlock(&l->mu);
     read_slot(l, s);
@@ -242,6 +278,11 @@ chorus_result_t chorus_loader_next(chorus_loader_t *l, int *tokens, int *targets
  * sampler at (epoch, taken) over world/rank.  Caller holds the lock. */
 static chorus_result_t reposition(chorus_loader_t *l, long epoch, size_t taken, int world,
                                   int rank) {
+  /* Batches not yet started are dropped first, so a worker finishing its
+   * read does not go on to the next one: only the reads under way are
+   * waited for, not the whole ring. */
+  for (int i = 0; i < l->nslots; i++)
+    if (l->slots[i].state == SLOT_QUEUED) l->slots[i].state = SLOT_FREE;
   while (l->busy) pthread_cond_wait(&l->done, &l->mu);
   for (int i = 0; i < l->nslots; i++) l->slots[i].state = SLOT_FREE;
   l->head = l->tail = 0;

@@ -58,7 +58,7 @@ chorus_result_t chorus_ps_train(chorus_ps_t *ps, const chorus_gpt_config_t *mode
   chorus_gpt_t *m = NULL;
   chorus_loader_t *ld = NULL;
   chorus_loader_config_t lc = {T, B, cfg->workers, cfg->prefetch, 1, 0, cfg->seed,
-                               cfg->read_delay_s};
+                               cfg->read_delay_s, 0};
   chorus_result_t st = chorus_gpt_create(model, B, cfg->seed, &m);
   if (st == CHORUS_OK) st = chorus_loader_create(data, &lc, W, me, &ld);
   int *tok = malloc(sizeof(int) * (size_t)B * T), *tgt = malloc(sizeof(int) * (size_t)B * T);

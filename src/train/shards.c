@@ -266,6 +266,20 @@ static int looks_like_text(const char *path) {
   return !shard;
 }
 
+/* The offset of the first NUL byte in the first 64 KiB of path, or -1. */
+static long first_nul(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return -1; /* opening reports it */
+  static const size_t N = 1 << 16;
+  unsigned char *b = malloc(N);
+  size_t n = b ? fread(b, 1, N, f) : 0;
+  fclose(f);
+  const unsigned char *z = n ? memchr(b, 0, n) : NULL;
+  long at = z ? (long)(z - b) : -1;
+  free(b);
+  return at;
+}
+
 chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int vocab,
                                    chorus_tokens_t **out) {
   *out = NULL;
@@ -275,8 +289,15 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
   struct stat sb;
   int text = format == CHORUS_TOKENS_TEXT;
   if (format == CHORUS_TOKENS_AUTO && !has_glob(spec) && stat(spec, &sb) == 0 &&
-      S_ISREG(sb.st_mode))
-    text = looks_like_text(spec);
+      S_ISREG(sb.st_mode) && (text = looks_like_text(spec))) {
+    /* Text has no NUL bytes; token files without a header (nanoGPT's
+     * train.bin under another name) are full of them. */
+    long at = first_nul(spec);
+    if (at >= 0)
+      return fail(CHORUS_ERR_INVALID_ARG, "%s: a NUL byte at offset %ld: not text, and not an "
+                  "llm.c shard (no magic 20240520); nanoGPT's headerless uint16 tokens: "
+                  "--data-format raw16; its bytes as text anyway: --data-format text", spec, at);
+  }
   char **files = NULL;
   int nf = 0;
   if (text) {

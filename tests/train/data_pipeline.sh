@@ -192,6 +192,7 @@ train_run killed 2 --steps 30 --checkpoint-dir "$tmp/ck" --checkpoint-every 6 --
 grep -q "kills itself at step 8" "$tmp/killed.log" && ok "rank 1 was SIGKILLed at step 8" ||
   bad "the kill did not happen"
 cp -r "$tmp/ck" "$tmp/ck2"
+cp -r "$tmp/ck" "$tmp/ck3"
 if train_run three 3 --steps 22 --checkpoint-dir "$tmp/ck" --log-data "$tmp/three.idx" &&
    grep -q "resumed from .*ckpt-000000006" "$tmp/three.log"; then
   ok "resumed on 3 ranks from step 6"
@@ -205,6 +206,11 @@ if train_run two 2 --steps 30 --checkpoint-dir "$tmp/ck2" --dump "$tmp/resumed" 
    "$cmp" "$tmp/straight" "$tmp/resumed" 0; then
   ok "resumed on 2 ranks (no workers; the killed run had 2 x 3 ahead): bit-identical weights"
 else bad "the 2-rank resume differs from the uninterrupted run"; fi
+# A position in another order (here another seed) is not taken as is.
+if train_run reseeded 2 --steps 8 --checkpoint-dir "$tmp/ck3" --seed 9 &&
+   grep -q "its data position is in another order (240 sequences, seed 1337; this run: 240, seed 9): epoch 0 starts over" "$tmp/reseeded.log"; then
+  ok "resumed with another seed: the epoch starts over, saying why"
+else bad "resume with another seed: $(grep -m1 'checkpoint of step\|resumed' "$tmp/reseeded.log")"; fi
 [ "$fails" -eq 0 ] && echo "all data checks passed" && exit 0
 echo "$fails data check(s) failed"
 exit 1

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "chorus_train.h"
@@ -187,7 +188,7 @@ TEST(bad_files) {
   ASSERT_EQ(chorus_tokens_open(path_of("t_train_000001.bin"), CHORUS_SPLIT_TRAIN,
                                CHORUS_TOKENS_AUTO, 50257, &d), CHORUS_OK);
   for (int workers = 0; workers < 3; workers += 2) {
-    chorus_loader_config_t lc = {10, 9, workers, 2, 0, 0, 1, 0};
+    chorus_loader_config_t lc = {10, 9, workers, 2, 0, 0, 1, 0, 0};
     chorus_loader_t *l;
     ASSERT_EQ(chorus_loader_create(d, &lc, 1, 0, &l), CHORUS_OK);
     int tok[90], tgt[90];
@@ -269,6 +270,15 @@ TEST(raw16_and_text) {
   ASSERT_EQ(tok[0], 'a' + (900 + 24) % 26);
   chorus_tokens_close(d);
   unlink(path_of("t.txt"));
+  /* A headerless token file not named .bin is not taken for text (NUL
+   * bytes), unless text is asked for. */
+  write_bytes("tokens.dat", raw, sizeof raw);
+  refused(path_of("tokens.dat"), 0, 256, "a NUL byte at offset", "--data-format raw16");
+  ASSERT_EQ(chorus_tokens_open(path_of("tokens.dat"), CHORUS_SPLIT_TRAIN, CHORUS_TOKENS_TEXT,
+                               256, &d), CHORUS_OK);
+  ASSERT_EQ(chorus_tokens_count(d), 540);
+  chorus_tokens_close(d);
+  unlink(path_of("tokens.dat"));
 }
 
 /* The loader's next `batches` batches (B x T) hold the sampler's next
@@ -305,7 +315,7 @@ TEST(loader_order) {
   ASSERT_EQ(chorus_sampler_create(n, W, 1, 1, 77, 0, &sp), CHORUS_OK);
   int workers[] = {0, 1, 3}, prefetch[] = {1, 2, 4};
   for (int c = 0; c < 3; c++) {
-    chorus_loader_config_t lc = {T, B, workers[c], prefetch[c], 1, 0, 77, 0};
+    chorus_loader_config_t lc = {T, B, workers[c], prefetch[c], 1, 0, 77, 0, 0};
     chorus_loader_t *l;
     ASSERT_EQ(chorus_loader_create(d, &lc, W, 1, &l), CHORUS_OK);
     ASSERT_EQ(chorus_sampler_set_epoch(sp, 0), CHORUS_OK);
@@ -347,12 +357,57 @@ TEST(loader_order) {
   }
   chorus_sampler_destroy(sp);
   /* Fewer sequences than ranks. */
-  chorus_loader_config_t lc = {T, B, 0, 1, 1, 0, 77, 0};
+  chorus_loader_config_t lc = {T, B, 0, 1, 1, 0, 77, 0, 0};
   chorus_loader_t *l;
   ASSERT_EQ(chorus_loader_create(d, &lc, 300, 0, &l), CHORUS_ERR_INVALID_ARG);
   chorus_tokens_close(d);
   unlink(path_of("l_train_000001.bin"));
   unlink(path_of("l_train_000002.bin"));
+}
+
+static double mono_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A read slower than the loader's deadline fails next() in time, naming
+ * the batch, and the batch still comes once read; a seek waits only for
+ * the read under way, not for every batch queued behind it. */
+TEST(loader_deadline_and_seek) {
+  write_shard("s_train_000001.bin", 1, 0, 3001, 50257);
+  chorus_tokens_t *d;
+  ASSERT_EQ(chorus_tokens_open(path_of("s_train_000001.bin"), CHORUS_SPLIT_TRAIN,
+                               CHORUS_TOKENS_AUTO, 50257, &d), CHORUS_OK);
+  const double delay = 0.5;
+  chorus_loader_config_t lc = {20, 1, 1, 6, 1, 0, 5, delay, 0.7 * delay};
+  chorus_loader_t *l;
+  ASSERT_EQ(chorus_loader_create(d, &lc, 1, 0, &l), CHORUS_OK);
+  int tok[20], tgt[20];
+  size_t idx, first;
+  double t0 = mono_s();
+  ASSERT_EQ(chorus_loader_next(l, tok, tgt, &idx, NULL), CHORUS_ERR_TIMEOUT);
+  double waited = mono_s() - t0;
+  ASSERT_TRUE(waited >= 0.69 * delay && waited < delay);
+  ASSERT_TRUE(strstr(chorus_train_last_error(), "was not read within") != NULL);
+  ASSERT_EQ(chorus_loader_next(l, tok, tgt, &first, NULL), CHORUS_OK);
+  ASSERT_TRUE(mono_s() - t0 >= delay * 0.9);
+  /* Six batches queued, one being read: the seek takes one read, not six. */
+  t0 = mono_s();
+  ASSERT_EQ(chorus_loader_seek(l, 0, 0), CHORUS_OK);
+  double seek_s = mono_s() - t0;
+  if (seek_s > 3 * delay)
+    HARNESS_FAIL("the seek took %.2f s: it waited for the queued batches (each %.1f s)",
+                 seek_s, delay);
+  chorus_loader_destroy(l);
+  /* With a deadline that holds, back at the start: the first batch again. */
+  lc.read_timeout_s = 30;
+  ASSERT_EQ(chorus_loader_create(d, &lc, 1, 0, &l), CHORUS_OK);
+  ASSERT_EQ(chorus_loader_next(l, tok, tgt, &idx, NULL), CHORUS_OK);
+  ASSERT_EQ(idx, first);
+  chorus_loader_destroy(l);
+  chorus_tokens_close(d);
+  unlink(path_of("s_train_000001.bin"));
 }
 
 int main(void) {
@@ -366,6 +421,7 @@ int main(void) {
   RUN(bad_files);
   RUN(raw16_and_text);
   RUN(loader_order);
+  RUN(loader_deadline_and_seek);
   unlink(path_of("d_train_000001.bin"));
   unlink(path_of("d_train_000002.bin"));
   unlink(path_of("d_train_000003.bin"));

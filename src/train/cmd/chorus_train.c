@@ -16,6 +16,7 @@
 #include <getopt.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,9 +74,19 @@ typedef struct {
   int64_t steps_done, epoch, pos;
   int32_t world, taken;
   uint64_t seed;
+  /* What the position counts in (absent from checkpoints written before
+   * it, which end at nseq): the dataset's sequences. */
+  int64_t nseq;
 } train_state_t;
+#define TS_OLD_LEN offsetof(train_state_t, nseq)
 
 static int g_rank, g_size;
+
+static train_state_t train_state(const opts_t *o, const chorus_loader_t *ld, long steps_done) {
+  return (train_state_t){.steps_done = steps_done, .epoch = chorus_loader_epoch(ld),
+                         .pos = (int64_t)chorus_loader_taken(ld), .world = g_size, .taken = 1,
+                         .seed = o->seed, .nseq = (int64_t)chorus_loader_sequences(ld)};
+}
 
 static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void say(const char *fmt, ...) {
@@ -517,8 +528,7 @@ static int trace_write(chorus_comm_t comm, const trace_t *tr, int ping, const ch
  * complete, so a crash right after still finds it. */
 static chorus_result_t checkpoint(const opts_t *o, chorus_trainer_t *t,
                                   const chorus_loader_t *ld, long steps_done) {
-  train_state_t ts = {steps_done, chorus_loader_epoch(ld), (int64_t)chorus_loader_taken(ld),
-                      g_size, 1, o->seed};
+  train_state_t ts = train_state(o, ld, steps_done);
   chorus_result_t st = chorus_trainer_save(t, o->ckpt_dir, steps_done, &ts, sizeof ts, o->keep);
   if (st != CHORUS_OK)
     fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
@@ -554,12 +564,23 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
     return -1;
   }
   if (step < 0) return 0;
-  if (len != sizeof ts || ts.world < 1 || ts.epoch < 0 || ts.pos < 0 ||
-      loader_place(ld, (long)ts.epoch, (size_t)ts.pos * (ts.taken ? 1 : (size_t)ts.world))) {
+  if ((len != sizeof ts && len != TS_OLD_LEN) || ts.world < 1 || ts.epoch < 0 || ts.pos < 0) {
     say("checkpoint of step %ld: its training state is unreadable; the data order starts "
         "over\n", step);
     return step;
   }
+  /* A position in another order (other data or seed) would skip and
+   * repeat sequences without a word: that epoch starts over instead. */
+  const train_state_t now = train_state(o, ld, 0);
+  size_t pos = (size_t)ts.pos * (ts.taken ? 1 : (size_t)ts.world);
+  if (ts.seed != now.seed || (len == sizeof ts && ts.nseq != now.nseq)) {
+    say("checkpoint of step %ld: its data position is in another order (%lld sequences, seed "
+        "%llu; this run: %lld, seed %llu): epoch %lld starts over\n", step,
+        len == sizeof ts ? (long long)ts.nseq : -1LL, (unsigned long long)ts.seed,
+        (long long)now.nseq, (unsigned long long)now.seed, (long long)ts.epoch);
+    pos = 0;
+  }
+  if (loader_place(ld, (long)ts.epoch, pos)) return -1;
   say("resumed from %s/ckpt-%09ld%s (saved by %d rank(s)%s%s, epoch %ld)\n", o->ckpt_dir, step,
       info.sharded ? "" : ".bin", (int)ts.world, info.sharded ? " at stage " : "",
       info.sharded ? (const char *[]){"0", "1", "2", "3"}[info.stage & 3] : "", (long)ts.epoch);
@@ -1386,7 +1407,7 @@ int main(int argc, char **argv) {
 
   const int T = o.model.ctx, B = o.batch;
   chorus_loader_config_t lc = {T, B, o.workers, o.data_prefetch, 1, 0, o.seed,
-                               o.data_delay_ms / 1e3};
+                               o.data_delay_ms / 1e3, 0};
   if ((st = chorus_loader_create(r.train, &lc, g_size, g_rank, &r.ld)) != CHORUS_OK)
     return die(r.comm, o.data, st);
   const size_t nsamples = chorus_loader_sequences(r.ld);
@@ -1500,8 +1521,7 @@ int main(int argc, char **argv) {
   if (o.sample > 0) sample_text(r.m, &o, r.bpe, o.sample);
   if (o.dump && dump_weights(&r, o.dump, o.dump_all) != 0) return 1;
   if (o.export_path) {
-    train_state_t ts = {r.steps_done, chorus_loader_epoch(r.ld),
-                        (int64_t)chorus_loader_taken(r.ld), g_size, 1, o.seed};
+    train_state_t ts = train_state(&o, r.ld, r.steps_done);
     if ((st = chorus_trainer_export(r.trainer, o.export_path, r.steps_done, &ts, sizeof ts)) !=
         CHORUS_OK) {
       fprintf(stderr, "chorus-train: rank %d: %s\n", g_rank, chorus_train_last_error());
