@@ -1,10 +1,14 @@
 /*
  * sampler.c - DistributedSampler with PyTorch's exact index lists.
  *
- * torch.randperm(n, generator) on the CPU (torch 1.x, n < 2^32 / 20): the
- * generator is MT19937 seeded with the low 32 bits of the seed (the
- * reference init_genrand), and for i = 0 .. n-2 the i-th element is swapped
- * with element i + (next 32-bit output mod (n - i)).
+ * torch.randperm(n, generator) on the CPU as Debian 12's torch 1.13 draws
+ * it for every n below 2^32 (compared with the real torch.randperm on both
+ * sides of 2^32 / 20 = 214,748,364): the generator is MT19937 seeded with
+ * the low 32 bits of the seed (the reference init_genrand), and for
+ * i = 0 .. n-2 the i-th element is swapped with element i + (next 32-bit
+ * output mod (n - i)).  Later torch releases draw 64-bit numbers from
+ * n >= 2^32 / 20 on, so their lists differ from there; datasets that long
+ * (214 M sequences: 27 G tokens at context 128) are not shuffled their way.
  */
 #include <stdint.h>
 #include <stdlib.h>
