@@ -500,6 +500,12 @@ static void consume_nothing(work_t *w, size_t u, result_t *r, void *arg) {
 
 /* --------------------------------------------------------------- staging */
 
+/* dir/name into buf (cap bytes); 0, or -1 when it does not fit. */
+static int join_path(char *buf, size_t cap, const char *dir, const char *name) {
+  int n = snprintf(buf, cap, "%s/%s", dir, name);
+  return n < 0 || (size_t)n >= cap ? -1 : 0;
+}
+
 /* Removes every file in dir (no subdirectories are made there) and dir. */
 static void remove_dir_files(const char *dir) {
   DIR *d = opendir(dir);
@@ -507,8 +513,7 @@ static void remove_dir_files(const char *dir) {
   char path[4200];
   for (struct dirent *e; (e = readdir(d));) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    unlink(path);
+    if (join_path(path, sizeof path, dir, e->d_name) == 0) unlink(path);
   }
   closedir(d);
   rmdir(dir);
@@ -543,8 +548,7 @@ static void make_stage(const opts_t *o) {
     long pid = strtol(e->d_name + strlen(prefix), NULL, 10);
     if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
       char old[4200];
-      snprintf(old, sizeof old, "%s/%s", o->out, e->d_name);
-      remove_dir_files(old);
+      if (join_path(old, sizeof old, o->out, e->d_name) == 0) remove_dir_files(old);
     }
   }
   closedir(d);
@@ -568,9 +572,8 @@ static void publish(const opts_t *o) {
   int replaced = 0;
   for (struct dirent *e; (e = readdir(d));) {
     if (!own_shard(e->d_name, o->name)) continue;
-    snprintf(path, sizeof path, "%s/%s", o->out, e->d_name);
-    if (unlink(path) != 0) die("%s: cannot remove an earlier run's shard: %s", path,
-                               strerror(errno));
+    if (join_path(path, sizeof path, o->out, e->d_name) != 0 || unlink(path) != 0)
+      die("%s: cannot remove an earlier run's shard: %s", path, strerror(errno));
     replaced++;
   }
   closedir(d);
@@ -581,9 +584,19 @@ static void publish(const opts_t *o) {
   char to[4200];
   for (struct dirent *e; (e = readdir(d));) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(path, sizeof path, "%s/%s", g_stage, e->d_name);
-    snprintf(to, sizeof to, "%s/%s", o->out, e->d_name);
-    if (rename(path, to) != 0) die("%s: cannot move to %s: %s", path, to, strerror(errno));
+    if (join_path(path, sizeof path, g_stage, e->d_name) != 0 ||
+        join_path(to, sizeof to, o->out, e->d_name) != 0 || rename(path, to) != 0) {
+      int err = errno;
+      closedir(d);
+      /* The shards moved in so far go too: a part must not look whole. */
+      if ((d = opendir(o->out))) {
+        for (struct dirent *m; (m = readdir(d));)
+          if (own_shard(m->d_name, o->name) && join_path(to, sizeof to, o->out, m->d_name) == 0)
+            unlink(to);
+        closedir(d);
+      }
+      die("%s: cannot move it into %s: %s", path, o->out, strerror(err));
+    }
   }
   closedir(d);
   rmdir(g_stage);
