@@ -185,8 +185,8 @@ static char *train_to_val(const char *path) {
 /* The files of a split: a directory's NAME_train_*.bin / NAME_val_*.bin
  * and NAME_train.bin / NAME_val.bin (llm.c's one-shard datasets, such as
  * tiny_shakespeare_train.bin), or else nanoGPT's train.bin / val.bin; a
- * glob; or one file.  *files is a
- * sorted malloc'd list (possibly empty).  0, or -1 (reported). */
+ * glob; or one file.  *files is a sorted malloc'd list (possibly empty).
+ * 0, or -1 (reported). */
 static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   *files = NULL, *nfiles = 0;
   char **list = NULL;
