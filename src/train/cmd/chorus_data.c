@@ -13,9 +13,10 @@
  * is cut into units of about 256 KiB at places where GPT-2's pre-split has
  * a boundary whatever comes before or after (a printable ASCII character
  * followed by ASCII whitespace), so the tokens do not depend on the cut,
- * and the units are
- * encoded by --threads threads; shards are written in input order, so the
- * result does not depend on the thread count either.  The tokenizer is
+ * and the units are encoded by --threads threads; shards are written in
+ * input order, so the result does not depend on the thread count either.
+ * Everything is written into a staging folder and moved into DIR at the
+ * end (see "staging").  The tokenizer is
  * DIR's encoder.json + vocab.bpe, given or trained here (--vocab-size, on a
  * sample of the input spread evenly over it) and saved beside the shards.
  */
