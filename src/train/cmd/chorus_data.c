@@ -539,7 +539,10 @@ static int own_shard(const char *nm, const char *name) {
 /* Makes the staging folder, after removing those that killed runs left
  * (their process is gone). */
 static void make_stage(const opts_t *o) {
+  struct stat sb;
   if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
+  if (stat(o->out, &sb) != 0 || !S_ISDIR(sb.st_mode))
+    die("%s: not a folder (-o names the folder for the shards)", o->out);
   char prefix[512];
   snprintf(prefix, sizeof prefix, ".prepare-%s-", o->name);
   DIR *d = opendir(o->out);
