@@ -362,6 +362,15 @@ CHORUS_API const unsigned char *chorus_bpe_token(const chorus_bpe_t *t, int id, 
  * UTF-8 (what Python's decoder accepts: no overlong forms, surrogates or
  * code points past U+10FFFF), or len when all of it is. */
 CHORUS_API size_t chorus_utf8_check(const void *text, size_t len);
+/* The first place p >= from (and >= 1) in text where GPT-2's pre-split has
+ * a boundary that does not depend on anything before or after: a character
+ * other than whitespace followed by ASCII whitespace.  No pattern of the
+ * pre-split matches such a pair (runs of letters, digits and other
+ * characters take a space only in front), so a piece ends at p both in the
+ * whole text and in the text cut at p, and matching from p on looks at
+ * nothing before it: encoding text[0, p) and text[p, len) apart gives the
+ * tokens of the whole.  len when there is none. */
+CHORUS_API size_t chorus_bpe_cut(const void *text, size_t len, size_t from);
 
 CHORUS_API chorus_result_t chorus_bpe_encoder_create(const chorus_bpe_t *t,
                                                      chorus_bpe_encoder_t **out);

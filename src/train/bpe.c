@@ -234,6 +234,26 @@ size_t chorus_utf8_check(const void *text, size_t len) {
   return len;
 }
 
+size_t chorus_bpe_cut(const void *text, size_t len, size_t from) {
+  const uint8_t *s = text;
+  for (size_t p = from ? from : 1; p < len; p++) {
+    if (s[p] >= 0x80 || k_ascii_class[s[p]] != C_SPACE) continue;
+    /* The character that ends at p - 1: ASCII, or a well-formed sequence
+     * whose lead byte is at most 3 bytes back. */
+    if (s[p - 1] < 0x80) {
+      if (k_ascii_class[s[p - 1]] != C_SPACE) return p;
+      continue;
+    }
+    size_t q = p - 1;
+    while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) q--;
+    uint32_t cp;
+    int cls;
+    if (utf8_char(s + q, s + p, &cp) == p - q && char_at(s + q, s + p, &cls) && cls != C_SPACE)
+      return p;
+  }
+  return len;
+}
+
 /* The length in bytes of the piece that starts at s (s < end). */
 static size_t piece_len(const uint8_t *s, const uint8_t *end) {
   const uint8_t *p = s;

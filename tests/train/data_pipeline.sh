@@ -62,11 +62,17 @@ then ok "llm.c's header check reads every shard"; else bad "a shard fails llm.c'
   ok "chorus-data check passes them" ||
   { bad "chorus-data check"; cat "$tmp/check.log"; }
 
-# --- cut anywhere: CRLF lines and one long line are cut into units of
-# 256 KiB like any text, and the tokens are those of the whole file.
+# --- cut anywhere: CRLF lines, one long line and Chinese text are cut into
+# units of 256 KiB like any text, and the tokens are those of the whole file.
 tr '\n' ' ' <"$tmp/in.txt" >"$tmp/oneline.txt"
 sed 's/$/\r/' "$tmp/in.txt" >"$tmp/crlf.txt"
-for f in crlf oneline; do
+$py -c '
+import random, sys
+r = random.Random(7)
+lines = ["".join(chr(r.randrange(0x4e00, 0x9fa5)) for _ in range(r.randrange(5, 40))) + "\u3002"
+         for _ in range(4000)]
+sys.stdout.write("\n".join(lines) + "\n")' >"$tmp/cjk.txt" # no ASCII but the newlines
+for f in crlf oneline cjk; do
   if "$data" prepare "$tmp/$f.txt" -o "$tmp/cut-$f" --tokenizer "$tmp/d1" --val-fraction 0.05 \
       >"$tmp/cut-$f.log" 2>&1 && grep -q "1 file(s), 0.3 MB, 3 unit(s)" "$tmp/cut-$f.log" &&
      "$bpe" encode "$tmp/d1" "$tmp/$f.txt" "$tmp/$f.whole" &&

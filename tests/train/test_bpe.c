@@ -198,6 +198,67 @@ TEST(scanner_cases) {
   }
 }
 
+/* The piece boundaries of text[0, len) as flags in at[0..len]. */
+static void boundaries(const uint8_t *text, size_t len, char *at) {
+  memset(at, 0, len + 1);
+  for (const uint8_t *p = text; p < text + len;) {
+    at[p - text] = 1;
+    p += chorus__bpe_piece_len(p, text + len);
+  }
+  at[len] = 1;
+}
+
+/* A place chorus_bpe_cut gives is a boundary of the whole text, and the
+ * text cut there has the same pieces before it: checked at every place of
+ * random mixtures of letters, digits, contractions, ASCII and Unicode
+ * spaces, \x1c, marks and bytes that are not UTF-8; and hand cases. */
+TEST(cut_places) {
+  static const char *const frag[] = {
+      "a", "Z", "\xc3\xa9", "\xe6\x97\xa5", "1", "\xd9\xa3", "'", "s", "ll", " ", "  ", "\n",
+      "\r\n", "\t", "\xc2\xa0", "\xe3\x80\x80", "\xe3\x80\x82", "\x1c", ".", "!", "\xcc\x81",
+      "\xff", "\xc3"};
+  const size_t nfrag = sizeof frag / sizeof *frag;
+  uint8_t text[256];
+  char whole[257], part[257];
+  unsigned seed = 12345;
+  size_t cuts = 0;
+  for (int round = 0; round < 3000; round++) {
+    size_t len = 0;
+    for (int k = 0; k < 40; k++) {
+      seed = seed * 1103515245u + 12345u;
+      const char *f = frag[(seed >> 16) % nfrag];
+      size_t n = strlen(f);
+      if (len + n > sizeof text) break;
+      memcpy(text + len, f, n);
+      len += n;
+    }
+    boundaries(text, len, whole);
+    for (size_t p = 0; p < len; p++) {
+      size_t c = chorus_bpe_cut(text, len, p);
+      ASSERT_TRUE(c >= p && c <= len);
+      if (c == len) break;
+      cuts++;
+      boundaries(text, c, part);
+      if (!whole[c] || memcmp(whole, part, c)) {
+        HARNESS_FAIL("round %d: a cut at %zu of \"%.*s\" changes the pieces", round, c,
+                     (int)len, (const char *)text);
+        return;
+      }
+      p = c; /* the next one after this */
+    }
+  }
+  ASSERT_TRUE(cuts > 10000);
+  /* CRLF, Chinese full stop before a newline, the non-breaking and the
+   * ideographic space (\s in GPT-2's pattern) and \x1c (not \s). */
+  ASSERT_EQ(chorus_bpe_cut("a\r\nb", 4, 0), 1);
+  ASSERT_EQ(chorus_bpe_cut("\xe6\x97\xa5\xe3\x80\x82\n\xe6\x97\xa5", 10, 0), 6);
+  ASSERT_EQ(chorus_bpe_cut("\xc2\xa0 x", 4, 0), 4);
+  ASSERT_EQ(chorus_bpe_cut("\xe3\x80\x80\nx", 5, 0), 5);
+  ASSERT_EQ(chorus_bpe_cut("\x1c x", 3, 0), 1);
+  ASSERT_EQ(chorus_bpe_cut("word", 4, 0), 4);
+  ASSERT_EQ(chorus_bpe_cut("ab cd ef", 8, 3), 5);
+}
+
 /* --------------------------------------------------- hand-made vocabulary */
 
 TEST(hand_vocab) {
@@ -585,6 +646,7 @@ int main(void) {
     return 1;
   }
   RUN(scanner_cases);
+  RUN(cut_places);
   RUN(hand_vocab);
   RUN(rank_order_rule);
   RUN(load_errors);

@@ -11,10 +11,10 @@
  * The first --val-fraction of the input bytes goes to DIR/NAME_val_000000.bin,
  * the rest to NAME_train_000001.bin, ... of --shard-tokens each.  The input
  * is cut into units of about 256 KiB at places where GPT-2's pre-split has
- * a boundary whatever comes before or after (a printable ASCII character
- * followed by ASCII whitespace), so the tokens do not depend on the cut,
- * and the units are encoded by --threads threads; shards are written in
- * input order, so the result does not depend on the thread count either.
+ * a boundary whatever comes before or after (chorus_bpe_cut), so the
+ * tokens do not depend on the cut, and the units are encoded by --threads
+ * threads; shards are written in input order, so the result does not
+ * depend on the thread count either.
  * Everything is written into a staging folder and moved into DIR at the
  * end (see "staging").  The tokenizer is
  * DIR's encoder.json + vocab.bpe, given or trained here (--vocab-size, on a
@@ -174,24 +174,6 @@ static void map_input(file_t *f) {
 
 static int ascii_space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
 
-/* A place p where GPT-2's pre-split has a boundary that does not depend on
- * what comes after or before: a printable ASCII character other than space
- * at p - 1, an ASCII whitespace at p.  No pattern of the pre-split matches
- * a non-space followed by a space (letters, digits and punctuation runs
- * take a space only in front), so a piece ends at p in the whole text; it
- * ends there too when the text stops at p (a run of one class stops where
- * its class does, a contraction is fixed); and matching from p on does not
- * look behind.  So the unit before p and the text from p have exactly the
- * pieces of the whole.  This is the end of nearly every word: CRLF files,
- * lines ending in spaces and one-line texts are cut as easily as any.  The
- * first such place at or after p, or len. */
-static size_t safe_cut(const unsigned char *s, size_t len, size_t p) {
-  if (p < 1) p = 1;
-  for (; p < len; p++)
-    if (ascii_space(s[p]) && s[p - 1] > 0x20 && s[p - 1] < 0x7f) return p;
-  return len;
-}
-
 static void add_unit(int file, size_t off, size_t len, long line, int doc_start, int val) {
   static size_t cap;
   if (g_nunits == cap) {
@@ -217,7 +199,10 @@ static void plan_file(int i, size_t val_bytes, size_t *seen) {
       const unsigned char *nl = end < f->len ? memchr(f->map + end, '\n', f->len - end) : NULL;
       end = end >= f->len ? f->len : nl ? (size_t)(nl - f->map) + 1 : f->len;
     } else {
-      end = want >= f->len ? f->len : safe_cut(f->map, f->len, want);
+      /* Cut where the pre-split has a boundary whatever is around it (a
+       * non-space character followed by ASCII whitespace: the end of nearly
+       * every word or sentence, in any script). */
+      end = want >= f->len ? f->len : chorus_bpe_cut(f->map, f->len, want);
     }
     add_unit(i, off, end - off, line, off == 0, val);
     if (f->jsonl)
