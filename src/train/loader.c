@@ -62,15 +62,20 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static struct timespec deadline_in(double s) {
+/* A deadline s seconds from now on clock.  The loader's waits use the
+ * monotonic clock (its condition variable is set to it), so a step of the
+ * wall clock neither fires nor holds them. */
+static struct timespec deadline_on(clockid_t clock, double s) {
   struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
+  clock_gettime(clock, &ts);
   double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + s;
   ts.tv_sec = (time_t)t;
   ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
   if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
   return ts;
 }
+
+static struct timespec deadline_in(double s) { return deadline_on(CLOCK_MONOTONIC, s); }
 
 static void sleep_s(double s) {
   if (s <= 0) return;
@@ -153,10 +158,15 @@ chorus_result_t chorus_loader_create(const chorus_tokens_t *data,
     double v = e ? strtod(e, NULL) : 0;
     l->cfg.read_timeout_s = v > 0 ? v : 300;
   }
+  if (l->cfg.read_timeout_s > 1e8) l->cfg.read_timeout_s = 1e8; /* about 3 years: a time_t */
   l->nslots = cfg->workers ? cfg->workers * cfg->prefetch : 1;
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->work, NULL);
-  pthread_cond_init(&l->done, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&l->done, &ca);
+  pthread_condattr_destroy(&ca);
   l->slots = calloc((size_t)l->nslots, sizeof *l->slots);
   chorus_result_t st = l->slots ? CHORUS_OK : CHORUS_ERR_NO_MEMORY;
   const size_t bt = (size_t)cfg->batch * (size_t)cfg->seq;
@@ -198,7 +208,9 @@ void chorus_loader_destroy(chorus_loader_t *l) {
    * after that its slot may still be written, so nothing is freed. */
   int stuck = 0;
   for (int i = 0; i < l->nthreads; i++) {
-    struct timespec until = deadline_in(l->cfg.read_timeout_s);
+    /* pthread_timedjoin_np (the wall clock): ThreadSanitizer knows it for
+     * a join, not pthread_clockjoin_np. */
+    struct timespec until = deadline_on(CLOCK_REALTIME, l->cfg.read_timeout_s);
     if (stuck || pthread_timedjoin_np(l->threads[i], NULL, &until) != 0) {
       pthread_detach(l->threads[i]);
       stuck = 1;
@@ -283,7 +295,11 @@ static chorus_result_t reposition(chorus_loader_t *l, long epoch, size_t taken, 
    * waited for, not the whole ring. */
   for (int i = 0; i < l->nslots; i++)
     if (l->slots[i].state == SLOT_QUEUED) l->slots[i].state = SLOT_FREE;
-  while (l->busy) pthread_cond_wait(&l->done, &l->mu);
+  struct timespec until = deadline_in(l->cfg.read_timeout_s);
+  while (l->busy)
+    if (pthread_cond_timedwait(&l->done, &l->mu, &until) == ETIMEDOUT && l->busy)
+      return fail(CHORUS_ERR_TIMEOUT, "a read under way did not end within %.0f s (is the "
+                  "storage stalled?): the loader cannot move", l->cfg.read_timeout_s);
   for (int i = 0; i < l->nslots; i++) l->slots[i].state = SLOT_FREE;
   l->head = l->tail = 0;
   chorus_result_t st = CHORUS_OK;

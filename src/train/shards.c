@@ -182,18 +182,35 @@ static char *train_to_val(const char *path) {
   return out;
 }
 
-/* The files of a split: a directory's NAME_train_*.bin / NAME_val_*.bin
- * and NAME_train.bin / NAME_val.bin (llm.c's one-shard datasets, such as
- * tiny_shakespeare_train.bin), or else nanoGPT's train.bin / val.bin; a
- * glob; or one file.  *files is a sorted malloc'd list (possibly empty).
- * 0, or -1 (reported). */
+/* Whether a file name in a directory is a shard of split: NAME_S_<n>.bin
+ * or NAME_S.bin (llm.c's one-shard datasets, such as
+ * tiny_shakespeare_train.bin), S being train or val and NAME not empty.
+ * *key gets the length of "NAME_S" and *numbered which form it is, so a
+ * directory holding two datasets is told from one. */
+static int in_split(const char *nm, int split, size_t *key, int *numbered) {
+  const char *s = split == CHORUS_SPLIT_VAL ? "_val" : "_train";
+  size_t n = strlen(nm), k = strlen(s);
+  if (n < 5 || strcmp(nm + n - 4, ".bin")) return 0;
+  n -= 4;
+  size_t d = n;
+  while (d > 0 && nm[d - 1] >= '0' && nm[d - 1] <= '9') d--;
+  *numbered = d < n && d > 0 && nm[d - 1] == '_';
+  if (*numbered) n = d - 1;
+  if (n <= k || strncmp(nm + n - k, s, k)) return 0;
+  *key = n;
+  return 1;
+}
+
+/* The files of a split: a directory's shards of one dataset (in_split), or
+ * else nanoGPT's train.bin / val.bin; a glob; or one file.  *files is a
+ * sorted malloc'd list (possibly empty).  0, or -1 (reported). */
 static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   *files = NULL, *nfiles = 0;
   char **list = NULL;
   int n = 0, cap = 0;
   struct stat sb;
-  const char *want = split == CHORUS_SPLIT_VAL ? "_val_" : "_train_";
-  const char *whole = split == CHORUS_SPLIT_VAL ? "_val.bin" : "_train.bin";
+  char first[256] = ""; /* the dataset of the first shard taken: NAME_S and its form */
+  int first_numbered = 0;
   if (!has_glob(spec) && stat(spec, &sb) == 0 && S_ISDIR(sb.st_mode)) {
     DIR *d = opendir(spec);
     if (!d) {
@@ -204,9 +221,25 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
       rewinddir(d);
       for (struct dirent *e; (e = readdir(d));) {
         const char *nm = e->d_name;
-        int take = pass == 0 ? (strstr(nm, want) && ends_with(nm, ".bin")) || ends_with(nm, whole)
+        size_t key = 0;
+        int numbered = 0;
+        int take = pass == 0 ? in_split(nm, split, &key, &numbered)
                              : !strcmp(nm, split == CHORUS_SPLIT_VAL ? "val.bin" : "train.bin");
         if (!take) continue;
+        if (pass == 0 && !first[0]) {
+          snprintf(first, sizeof first, "%.*s", (int)key, nm);
+          first_numbered = numbered;
+        } else if (pass == 0 && (strlen(first) != key || strncmp(first, nm, key) ||
+                                 first_numbered != numbered)) {
+          fail(CHORUS_ERR_INVALID_ARG, "%s holds the shards of more than one dataset (%s%s and "
+               "%s): give a glob, such as '%s/%s%s'", spec, first,
+               first_numbered ? "_*.bin" : ".bin", nm, spec, first,
+               first_numbered ? "_*.bin" : ".bin");
+          closedir(d);
+          for (int i = 0; i < n; i++) free(list[i]);
+          free(list);
+          return -1;
+        }
         if (n == cap) {
           cap = cap ? 2 * cap : 16;
           char **nl = realloc(list, sizeof(char *) * (size_t)cap);

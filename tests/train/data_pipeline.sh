@@ -102,13 +102,16 @@ else bad "a failed prepare left: $(ls -A "$tmp/failed" | tr '\n' ' ')"; fi
 "$data" prepare "$tmp/in.txt" -o "$tmp/again" --tokenizer "$tmp/d1" --shard-tokens 20000 \
   >/dev/null 2>&1
 first=$(ls "$tmp/again" | grep -c '_.*\.bin$')
+# Another dataset whose name starts like this one's stays.
+cp "$tmp/d1/data_train_000001.bin" "$tmp/again/data_val_train_000001.bin"
 "$data" prepare "$tmp/in.txt" -o "$tmp/again" --tokenizer "$tmp/d1" --shard-tokens 40000 \
   >"$tmp/again.log" 2>&1
 "$data" prepare "$tmp/in.txt" -o "$tmp/fresh" --tokenizer "$tmp/d1" --shard-tokens 40000 \
   >/dev/null 2>&1
-if diff -r "$tmp/again" "$tmp/fresh" >/dev/null &&
+if diff -r -x data_val_train_000001.bin "$tmp/again" "$tmp/fresh" >/dev/null &&
+   cmp -s "$tmp/d1/data_train_000001.bin" "$tmp/again/data_val_train_000001.bin" &&
    grep -q "replaced $first shard(s) named data_\* of an earlier run" "$tmp/again.log"; then
-  ok "a second prepare replaces the first one's $first shards: the folder is a fresh one's"
+  ok "a second prepare replaces the first one's $first shards (the folder is a fresh one's), not data_val_train_*"
 else bad "after two prepares: $(ls -A "$tmp/again" | tr '\n' ' ') $(grep replaced "$tmp/again.log")"; fi
 mkdir -p "$tmp/corpus" && cp "$tmp/in.txt" "$tmp/corpus/"
 "$data" prepare "$tmp/corpus" -o "$tmp/corpus/out" --tokenizer "$tmp/d1" >/dev/null 2>&1

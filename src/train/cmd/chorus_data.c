@@ -39,6 +39,7 @@
 #include "chorus_train.h"
 
 #define UNIT_BYTES (256u << 10)
+#define PATH_CAP 4608 /* a folder of up to 4096 - 320 bytes, a name of up to 255 */
 
 typedef struct {
   char *path;
@@ -452,7 +453,7 @@ static void put(sink_t *s, int val, const uint32_t *t, size_t n) {
     if (s->w && (s->in_val != val || chorus_shard_writer_count(s->w) >= s->o->shard_tokens))
       close_shard(s);
     if (!s->w) {
-      char path[4096];
+      char path[PATH_CAP];
       if (snprintf(path, sizeof path, "%s/%s_%s_%06d.bin", g_stage, s->o->name,
                    val ? "val" : "train", s->shard) >= (int)sizeof path)
         die("%s: the output path is too long", s->o->out);
@@ -496,7 +497,7 @@ static int join_path(char *buf, size_t cap, const char *dir, const char *name) {
 static void remove_dir_files(const char *dir) {
   DIR *d = opendir(dir);
   if (!d) return;
-  char path[4200];
+  char path[PATH_CAP];
   for (struct dirent *e; (e = readdir(d));) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
     if (join_path(path, sizeof path, dir, e->d_name) == 0) unlink(path);
@@ -511,39 +512,61 @@ static void remove_stage(void) {
   g_stage[0] = 0;
 }
 
-/* A shard of this dataset by its name: NAME_train_*.bin, NAME_val_*.bin,
- * NAME_train.bin, NAME_val.bin. */
-static int own_shard(const char *nm, const char *name) {
-  size_t k = strlen(name);
-  if (strncmp(nm, name, k) || nm[k] != '_' || !ends_with(nm, ".bin")) return 0;
-  const char *rest = nm + k + 1;
-  return !strncmp(rest, "train_", 6) || !strncmp(rest, "val_", 4) ||
-         !strcmp(rest, "train.bin") || !strcmp(rest, "val.bin");
+/* s is one or more decimal digits followed by tail. */
+static int digits_then(const char *s, const char *tail) {
+  const char *p = s;
+  while (*p >= '0' && *p <= '9') p++;
+  return p > s && !strcmp(p, tail);
 }
 
-/* Makes the staging folder, after removing those that killed runs left
- * (their process is gone). */
+/* A shard of the dataset NAME, exactly as prepare names them or llm.c's
+ * one-shard datasets are named: NAME_train_<n>.bin, NAME_val_<n>.bin,
+ * NAME_train.bin, NAME_val.bin (not NAME_val_train_1.bin, another
+ * dataset's). */
+static int own_shard(const char *nm, const char *name) {
+  size_t k = strlen(name);
+  if (strncmp(nm, name, k) || nm[k] != '_') return 0;
+  const char *r = nm + k + 1;
+  return !strcmp(r, "train.bin") || !strcmp(r, "val.bin") ||
+         (!strncmp(r, "train_", 6) && digits_then(r + 6, ".bin")) ||
+         (!strncmp(r, "val_", 4) && digits_then(r + 4, ".bin"));
+}
+
+/* ".prepare-NAME-HOST-": the staging folders of this dataset made on this
+ * host (a folder shared between hosts holds others' too). */
+static void stage_prefix(const opts_t *o, char *buf, size_t cap) {
+  char host[65] = "host";
+  if (gethostname(host, sizeof host - 1) == 0) host[sizeof host - 1] = 0;
+  for (char *c = host; *c; c++)
+    if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+          *c == '.'))
+      *c = '_';
+  snprintf(buf, cap, ".prepare-%s-%s-", o->name, host);
+}
+
+/* Makes the staging folder DIR/.prepare-NAME-HOST-PID, after removing
+ * those of killed runs on this host (their process is gone). */
 static void make_stage(const opts_t *o) {
   struct stat sb;
+  if (strlen(o->out) > sizeof g_stage - 320) die("%s: the output path is too long", o->out);
   if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
   if (stat(o->out, &sb) != 0 || !S_ISDIR(sb.st_mode))
     die("%s: not a folder (-o names the folder for the shards)", o->out);
-  char prefix[512];
-  snprintf(prefix, sizeof prefix, ".prepare-%s-", o->name);
+  char prefix[320];
+  stage_prefix(o, prefix, sizeof prefix);
+  const size_t k = strlen(prefix);
   DIR *d = opendir(o->out);
   if (!d) die("%s: cannot list: %s", o->out, strerror(errno));
   for (struct dirent *e; (e = readdir(d));) {
-    if (strncmp(e->d_name, prefix, strlen(prefix))) continue;
-    long pid = strtol(e->d_name + strlen(prefix), NULL, 10);
-    if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
-      char old[4200];
-      if (join_path(old, sizeof old, o->out, e->d_name) == 0) remove_dir_files(old);
-    }
+    if (strncmp(e->d_name, prefix, k) || !digits_then(e->d_name + k, "")) continue;
+    long pid = strtol(e->d_name + k, NULL, 10);
+    char old[PATH_CAP];
+    if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH &&
+        join_path(old, sizeof old, o->out, e->d_name) == 0)
+      remove_dir_files(old);
   }
   closedir(d);
-  if (snprintf(g_stage, sizeof g_stage, "%s/%s%ld", o->out, prefix, (long)getpid()) >=
-      (int)sizeof g_stage - 64)
-    g_stage[0] = 0, die("%s: the output path is too long", o->out);
+  snprintf(g_stage, sizeof g_stage, "%s/%s%ld", o->out, prefix, (long)getpid());
   if (mkdir(g_stage, 0755) != 0) {
     int e = errno;
     g_stage[0] = 0;
@@ -551,45 +574,80 @@ static void make_stage(const opts_t *o) {
   }
 }
 
-/* Moves the finished files into DIR: first the shards of an earlier run
- * under the same name go (they would mix with these), then each file is
- * renamed in. */
+/* Renames dir_a/a to dir_b/b.  0, or -1 with errno. */
+static int move(const char *dir_a, const char *a, const char *dir_b, const char *b) {
+  char from[PATH_CAP], to[PATH_CAP];
+  if (join_path(from, sizeof from, dir_a, a) || join_path(to, sizeof to, dir_b, b)) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  return rename(from, to);
+}
+
+/* Puts the earlier run's shards back (the staging folder's old-*) after
+ * removing the shards of this run already moved into DIR. */
+static void roll_back(const opts_t *o) {
+  DIR *d = opendir(o->out);
+  char path[PATH_CAP];
+  for (struct dirent *e; d && (e = readdir(d));)
+    if (own_shard(e->d_name, o->name) && join_path(path, sizeof path, o->out, e->d_name) == 0)
+      unlink(path);
+  if (d) closedir(d);
+  if (!(d = opendir(g_stage))) return;
+  for (struct dirent *e; (e = readdir(d));)
+    if (!strncmp(e->d_name, "old-", 4)) move(g_stage, e->d_name, o->out, e->d_name + 4);
+  closedir(d);
+}
+
+/* Moves the finished files into DIR.  The shards an earlier run left under
+ * the same name (they would mix with these) first go into the staging
+ * folder as old-*, then the new shards and the tokenizer are renamed in,
+ * then the staging folder goes.  A failure on the way puts DIR back as it
+ * was; only a kill in the middle of these renames (a few system calls) can
+ * leave a part of the new shards. */
 static void publish(const opts_t *o) {
   DIR *d = opendir(o->out);
   if (!d) die("%s: cannot list: %s", o->out, strerror(errno));
-  char path[4200];
   int replaced = 0;
+  char old[PATH_CAP];
   for (struct dirent *e; (e = readdir(d));) {
     if (!own_shard(e->d_name, o->name)) continue;
-    if (join_path(path, sizeof path, o->out, e->d_name) != 0 || unlink(path) != 0)
-      die("%s: cannot remove an earlier run's shard: %s", path, strerror(errno));
+    snprintf(old, sizeof old, "old-%s", e->d_name);
+    if (move(o->out, e->d_name, g_stage, old) != 0) {
+      int err = errno;
+      closedir(d);
+      roll_back(o);
+      die("%s/%s: cannot move an earlier run's shard aside: %s", o->out, e->d_name,
+          strerror(err));
+    }
     replaced++;
   }
   closedir(d);
+  /* Shards first, the tokenizer's files last. */
+  for (int pass = 0; pass < 2; pass++) {
+    if (!(d = opendir(g_stage))) {
+      int err = errno;
+      roll_back(o);
+      die("%s: cannot list: %s", g_stage, strerror(err));
+    }
+    for (struct dirent *e; (e = readdir(d));) {
+      const char *nm = e->d_name;
+      if (!strcmp(nm, ".") || !strcmp(nm, "..") || !strncmp(nm, "old-", 4) ||
+          (pass == 0) != own_shard(nm, o->name))
+        continue;
+      if (move(g_stage, nm, o->out, nm) != 0) {
+        int err = errno;
+        closedir(d);
+        roll_back(o);
+        die("%s/%s: cannot move it into %s: %s", g_stage, nm, o->out, strerror(err));
+      }
+    }
+    closedir(d);
+  }
+  remove_stage(); /* and the earlier run's shards with it */
   if (replaced)
     fprintf(stderr, "chorus-data: replaced %d shard(s) named %s_* of an earlier run in %s\n",
             replaced, o->name, o->out);
-  if (!(d = opendir(g_stage))) die("%s: cannot list: %s", g_stage, strerror(errno));
-  char to[4200];
-  for (struct dirent *e; (e = readdir(d));) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    if (join_path(path, sizeof path, g_stage, e->d_name) != 0 ||
-        join_path(to, sizeof to, o->out, e->d_name) != 0 || rename(path, to) != 0) {
-      int err = errno;
-      closedir(d);
-      /* The shards moved in so far go too: a part must not look whole. */
-      if ((d = opendir(o->out))) {
-        for (struct dirent *m; (m = readdir(d));)
-          if (own_shard(m->d_name, o->name) && join_path(to, sizeof to, o->out, m->d_name) == 0)
-            unlink(to);
-        closedir(d);
-      }
-      die("%s: cannot move it into %s: %s", path, o->out, strerror(err));
-    }
-  }
-  closedir(d);
-  rmdir(g_stage);
-  g_stage[0] = 0;
   int fd = open(o->out, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd >= 0) {
     fsync(fd); /* the renames survive a crash */
@@ -806,9 +864,10 @@ int main(int argc, char **argv) {
   if (o.threads < 1 || o.threads > 256 || o.shard_tokens < 1 || o.shard_tokens > INT32_MAX ||
       o.val_fraction < 0 || o.val_fraction >= 1 || o.vocab_sample_mb <= 0 ||
       (o.vocab_size && (o.vocab_size < 257 || o.vocab_size > 1 << 20)) ||
-      strchr(o.name, '/')) {
+      strchr(o.name, '/') || strlen(o.name) > 200) {
     fprintf(stderr, "chorus-data: an option is out of range (--threads 1-256, --shard-tokens "
-            "1-2^31, --val-fraction 0-1, --vocab-size 257-2^20, --name without /)\n");
+            "1-2^31, --val-fraction 0-1, --vocab-size 257-2^20, --name without / and of at "
+            "most 200 bytes)\n");
     return 2;
   }
   if (!strcmp(cmd, "prepare")) {

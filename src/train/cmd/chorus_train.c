@@ -580,7 +580,11 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
         (long long)now.nseq, (unsigned long long)now.seed, (long long)ts.epoch);
     pos = 0;
   }
-  if (loader_place(ld, (long)ts.epoch, pos)) return -1;
+  if (loader_place(ld, (long)ts.epoch, pos)) {
+    say("checkpoint of step %ld: the data position could not be restored; the data order "
+        "starts over\n", step);
+    return step;
+  }
   say("resumed from %s/ckpt-%09ld%s (saved by %d rank(s)%s%s, epoch %ld)\n", o->ckpt_dir, step,
       info.sharded ? "" : ".bin", (int)ts.world, info.sharded ? " at stage " : "",
       info.sharded ? (const char *[]){"0", "1", "2", "3"}[info.stage & 3] : "", (long)ts.epoch);
