@@ -14,9 +14,8 @@
  * a boundary whatever comes before or after (chorus_bpe_cut), so the
  * tokens do not depend on the cut, and the units are encoded by --threads
  * threads; shards are written in input order, so the result does not
- * depend on the thread count either.
- * Everything is written into a staging folder and moved into DIR at the
- * end (see "staging").  The tokenizer is
+ * depend on the thread count either.  Everything is written into a staging
+ * folder and moved into DIR at the end (see "staging").  The tokenizer is
  * DIR's encoder.json + vocab.bpe, given or trained here (--vocab-size, on a
  * sample of the input spread evenly over it) and saved beside the shards.
  */
