@@ -399,8 +399,9 @@ static double mono_s(void) {
 
 /* A read slower than the loader's deadline fails next() in time, naming
  * the batch, and a seek that would wait longer than the deadline for that
- * read fails too (the read takes 2 s, the deadline is 0.8 s: 0.4 s of
- * slack at each step).  With a deadline that holds, a seek waits only for
+ * read fails too.  The read takes 2.5 deadlines (3 s against 1.2 s): the
+ * seek gives up at 2 deadlines and destroy() waits until 3, 0.6 s of slack
+ * either way.  With a deadline that holds, a seek waits only for
  * the read under way, not for every batch queued behind it, and the first
  * batch comes again after it. */
 TEST(loader_deadline_and_seek) {
@@ -408,7 +409,7 @@ TEST(loader_deadline_and_seek) {
   chorus_tokens_t *d;
   ASSERT_EQ(chorus_tokens_open(path_of("s_train_000001.bin"), CHORUS_SPLIT_TRAIN,
                                CHORUS_TOKENS_AUTO, 50257, &d), CHORUS_OK);
-  chorus_loader_config_t lc = {20, 1, 1, 1, 1, 0, 5, 2.0, 0.8};
+  chorus_loader_config_t lc = {20, 1, 1, 1, 1, 0, 5, 3.0, 1.2};
   chorus_loader_t *l;
   ASSERT_EQ(chorus_loader_create(d, &lc, 1, 0, &l), CHORUS_OK);
   int tok[20], tgt[20];
@@ -416,7 +417,7 @@ TEST(loader_deadline_and_seek) {
   double t0 = mono_s();
   ASSERT_EQ(chorus_loader_next(l, tok, tgt, &idx, NULL), CHORUS_ERR_TIMEOUT);
   double waited = mono_s() - t0;
-  if (waited < 0.79 || waited > 1.6) HARNESS_FAIL("next() gave up after %.2f s", waited);
+  if (waited < 1.19 || waited > 2.5) HARNESS_FAIL("next() gave up after %.2f s", waited);
   ASSERT_TRUE(strstr(chorus_train_last_error(), "was not read within") != NULL);
   ASSERT_EQ(chorus_loader_seek(l, 0, 0), CHORUS_ERR_TIMEOUT);
   ASSERT_TRUE(strstr(chorus_train_last_error(), "did not end within") != NULL);
