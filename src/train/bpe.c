@@ -246,10 +246,8 @@ size_t chorus_bpe_cut(const void *text, size_t len, size_t from) {
     }
     size_t q = p - 1;
     while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) q--;
-    uint32_t cp;
-    int cls;
-    if (utf8_char(s + q, s + p, &cp) == p - q && char_at(s + q, s + p, &cls) && cls != C_SPACE)
-      return p;
+    uint32_t cp = 0;
+    if (utf8_char(s + q, s + p, &cp) == p - q && class_of(cp) != C_SPACE) return p;
   }
   return len;
 }
