@@ -288,29 +288,24 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   return 0;
 }
 
-/* Text, unless it is named like a shard or starts with llm.c's magic. */
-static int looks_like_text(const char *path) {
+/* Text, unless it is named like a shard or starts with llm.c's magic;
+ * *nul_at gets the offset of the first NUL byte in its first 64 KiB, or
+ * -1 (text has none; token files without a header are full of them). */
+static int looks_like_text(const char *path, long *nul_at) {
+  *nul_at = -1;
   if (ends_with(path, ".bin")) return 0;
   FILE *f = fopen(path, "rb");
   if (!f) return 1; /* opening reports it */
-  unsigned char b[4];
-  int shard = fread(b, 1, 4, f) == 4 && le32(b) == CHORUS_SHARD_MAGIC;
-  fclose(f);
-  return !shard;
-}
-
-/* The offset of the first NUL byte in the first 64 KiB of path, or -1. */
-static long first_nul(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return -1; /* opening reports it */
   static const size_t N = 1 << 16;
-  unsigned char *b = malloc(N);
-  size_t n = b ? fread(b, 1, N, f) : 0;
+  unsigned char head[4], *b = malloc(N);
+  size_t n = fread(b ? b : head, 1, b ? N : 4, f); /* out of memory: the magic only */
   fclose(f);
+  int shard = n >= 4 && le32(b ? b : head) == CHORUS_SHARD_MAGIC;
+  if (!b) return !shard;
   const unsigned char *z = n ? memchr(b, 0, n) : NULL;
-  long at = z ? (long)(z - b) : -1;
+  if (!shard && z) *nul_at = (long)(z - b);
   free(b);
-  return at;
+  return !shard;
 }
 
 chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int vocab,
@@ -321,11 +316,10 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
   if (!g_page) g_page = (size_t)sysconf(_SC_PAGESIZE);
   struct stat sb;
   int text = format == CHORUS_TOKENS_TEXT;
+  long at;
   if (format == CHORUS_TOKENS_AUTO && !has_glob(spec) && stat(spec, &sb) == 0 &&
-      S_ISREG(sb.st_mode) && (text = looks_like_text(spec))) {
-    /* Text has no NUL bytes; token files without a header (nanoGPT's
-     * train.bin under another name) are full of them. */
-    long at = first_nul(spec);
+      S_ISREG(sb.st_mode) && (text = looks_like_text(spec, &at))) {
+    /* nanoGPT's headerless train.bin under another name, say */
     if (at >= 0)
       return fail(CHORUS_ERR_INVALID_ARG, "%s: a NUL byte at offset %ld: not text, and not an "
                   "llm.c shard (no magic 20240520); nanoGPT's headerless uint16 tokens: "
