@@ -223,6 +223,12 @@ enum {
   CHORUS_TOKENS_TEXT = 3
 };
 
+/* Which split a shard's file name is in by llm.c's naming, NAME_S_<n>.bin
+ * or NAME_S.bin (its one-shard datasets: tiny_shakespeare_train.bin), S
+ * being train or val and NAME not empty: CHORUS_SPLIT_TRAIN or _VAL, or -1
+ * when it is neither.  *name_len gets NAME's length, *numbered the form. */
+CHORUS_API int chorus_shard_name(const char *file, size_t *name_len, int *numbered);
+
 /* Opens a split.  The validation split may be empty (0 tokens); the
  * training split may not.  Headers and sizes are checked here. */
 CHORUS_API chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int vocab,

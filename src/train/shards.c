@@ -182,26 +182,26 @@ static char *train_to_val(const char *path) {
   return out;
 }
 
-/* Whether a file name in a directory is a shard of split: NAME_S_<n>.bin
- * or NAME_S.bin (llm.c's one-shard datasets, such as
- * tiny_shakespeare_train.bin), S being train or val and NAME not empty.
- * *key gets the length of "NAME_S" and *numbered which form it is, so a
- * directory holding two datasets is told from one. */
-static int in_split(const char *nm, int split, size_t *key, int *numbered) {
-  const char *s = split == CHORUS_SPLIT_VAL ? "_val" : "_train";
-  size_t n = strlen(nm), k = strlen(s);
-  if (n < 5 || strcmp(nm + n - 4, ".bin")) return 0;
+int chorus_shard_name(const char *file, size_t *name_len, int *numbered) {
+  size_t n = strlen(file);
+  if (n < 5 || strcmp(file + n - 4, ".bin")) return -1;
   n -= 4;
   size_t d = n;
-  while (d > 0 && nm[d - 1] >= '0' && nm[d - 1] <= '9') d--;
-  *numbered = d < n && d > 0 && nm[d - 1] == '_';
+  while (d > 0 && file[d - 1] >= '0' && file[d - 1] <= '9') d--;
+  *numbered = d < n && d > 0 && file[d - 1] == '_';
   if (*numbered) n = d - 1;
-  if (n <= k || strncmp(nm + n - k, s, k)) return 0;
-  *key = n;
-  return 1;
+  static const char *const suffix[2] = {"_train", "_val"}; /* CHORUS_SPLIT_TRAIN, _VAL */
+  for (int split = 0; split < 2; split++) {
+    size_t k = strlen(suffix[split]);
+    if (n > k && !strncmp(file + n - k, suffix[split], k)) {
+      *name_len = n - k;
+      return split;
+    }
+  }
+  return -1;
 }
 
-/* The files of a split: a directory's shards of one dataset (in_split), or
+/* The files of a split: a directory's shards of one dataset (chorus_shard_name), or
  * else nanoGPT's train.bin / val.bin; a glob; or one file.  *files is a
  * sorted malloc'd list (possibly empty).  0, or -1 (reported). */
 static int list_files(const char *spec, int split, char ***files, int *nfiles) {
@@ -221,11 +221,12 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
       rewinddir(d);
       for (struct dirent *e; (e = readdir(d));) {
         const char *nm = e->d_name;
-        size_t key = 0;
+        size_t key = 0; /* the length of NAME_S: with the form, which dataset */
         int numbered = 0;
-        int take = pass == 0 ? in_split(nm, split, &key, &numbered)
+        int take = pass == 0 ? chorus_shard_name(nm, &key, &numbered) == split
                              : !strcmp(nm, split == CHORUS_SPLIT_VAL ? "val.bin" : "train.bin");
         if (!take) continue;
+        key += split == CHORUS_SPLIT_VAL ? 4 : 6;
         if (pass == 0 && !first[0]) {
           snprintf(first, sizeof first, "%.*s", (int)key, nm);
           first_numbered = numbered;

@@ -518,17 +518,14 @@ static int digits_then(const char *s, const char *tail) {
   return p > s && !strcmp(p, tail);
 }
 
-/* A shard of the dataset NAME, exactly as prepare names them or llm.c's
- * one-shard datasets are named: NAME_train_<n>.bin, NAME_val_<n>.bin,
+/* A shard of the dataset NAME by the loader's reading of names
+ * (chorus_shard_name): NAME_train_<n>.bin, NAME_val_<n>.bin,
  * NAME_train.bin, NAME_val.bin (not NAME_val_train_1.bin, another
  * dataset's). */
 static int own_shard(const char *nm, const char *name) {
-  size_t k = strlen(name);
-  if (strncmp(nm, name, k) || nm[k] != '_') return 0;
-  const char *r = nm + k + 1;
-  return !strcmp(r, "train.bin") || !strcmp(r, "val.bin") ||
-         (!strncmp(r, "train_", 6) && digits_then(r + 6, ".bin")) ||
-         (!strncmp(r, "val_", 4) && digits_then(r + 4, ".bin"));
+  size_t k;
+  int numbered;
+  return chorus_shard_name(nm, &k, &numbered) >= 0 && k == strlen(name) && !strncmp(nm, name, k);
 }
 
 /* ".prepare-NAME-HOST-": the staging folders of this dataset made on this
