@@ -75,12 +75,17 @@ static int g_nfiles;
 static unit_t *g_units;
 static size_t g_nunits;
 static size_t g_skipped;
-/* prepare writes into DIR/.prepare-NAME-PID and moves the files into DIR
- * once all are complete: a prepare that fails or is killed never leaves a
- * dataset that looks whole, nor a mix with an earlier run's shards. */
+/* prepare writes into DIR/.prepare-NAME-HOST-PID and moves the files into
+ * DIR once all are complete (see "staging"). */
 static char g_stage[4096];
 static struct stat g_out; /* the output folder, when it exists already: never an input */
 static int g_out_known;
+
+/* sb is the output folder's. */
+static int is_output(const struct stat *sb) {
+  return g_out_known && S_ISDIR(sb->st_mode) && sb->st_dev == g_out.st_dev &&
+         sb->st_ino == g_out.st_ino;
+}
 static void remove_stage(void);
 
 static double now_s(void) {
@@ -147,8 +152,7 @@ static void walk(const char *dir, int jsonl) {
   for (size_t i = 0; i < n; i++) {
     struct stat sb;
     if (lstat(names[i], &sb) == 0) {
-      if (S_ISDIR(sb.st_mode) && g_out_known && sb.st_dev == g_out.st_dev &&
-          sb.st_ino == g_out.st_ino)
+      if (is_output(&sb))
         fprintf(stderr, "chorus-data: leaving out %s: it is the output folder\n", names[i]);
       else if (S_ISDIR(sb.st_mode)) walk(names[i], jsonl);
       else if (S_ISREG(sb.st_mode)) add_file(names[i], jsonl);
@@ -663,9 +667,7 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
   for (int i = 0; i < ninputs; i++) {
     struct stat sb;
     if (stat(inputs[i], &sb) != 0) die("%s: %s", inputs[i], strerror(errno));
-    if (S_ISDIR(sb.st_mode) && g_out_known && sb.st_dev == g_out.st_dev &&
-        sb.st_ino == g_out.st_ino)
-      die("%s: the input is the output folder", inputs[i]);
+    if (is_output(&sb)) die("%s: the input is the output folder", inputs[i]);
     if (S_ISDIR(sb.st_mode)) walk(inputs[i], 0);
     else add_file(inputs[i], 0);
   }
