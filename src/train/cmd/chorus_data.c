@@ -757,12 +757,12 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
   const double t0 = now_s();
   run_units(&w, "prepare", total, consume_tokens, &s);
   close_shard(&s);
+  const double dt = now_s() - t0; /* the encoding pass; the summary's last time is all */
   if (!s.train_toks)
     die("prepare: no tokens for training: all %.1f MB of the input went to validation "
         "(--val-fraction %g); give more text or a smaller --val-fraction",
         (double)total / 1e6, o->val_fraction);
   publish(o);
-  const double dt = now_s() - t0;
   const size_t toks = s.val_toks + s.train_toks;
   printf("prepared %s: %.1f MB of text in %d file(s)%s -> %zu tokens (%.2f bytes a token): "
          "train %zu in %d shard(s), validation %zu in %d; vocabulary %d (%s), uint%d tokens; "
