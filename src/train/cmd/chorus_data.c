@@ -862,10 +862,10 @@ int main(int argc, char **argv) {
   if (o.threads < 1 || o.threads > 256 || o.shard_tokens < 1 || o.shard_tokens > INT32_MAX ||
       o.val_fraction < 0 || o.val_fraction >= 1 || o.vocab_sample_mb <= 0 ||
       (o.vocab_size && (o.vocab_size < 257 || o.vocab_size > 1 << 20)) ||
-      strchr(o.name, '/') || strlen(o.name) > 200) {
+      !*o.name || strchr(o.name, '/') || strlen(o.name) > 200) {
     fprintf(stderr, "chorus-data: an option is out of range (--threads 1-256, --shard-tokens "
-            "1-2^31, --val-fraction 0-1, --vocab-size 257-2^20, --name without / and of at "
-            "most 200 bytes)\n");
+            "1-2^31, --val-fraction 0-1, --vocab-size 257-2^20, --name of 1-200 bytes "
+            "without /)\n");
     return 2;
   }
   if (!strcmp(cmd, "prepare")) {
