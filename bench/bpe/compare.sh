@@ -46,6 +46,8 @@ part = len(text) // 5
 open(w + "/subset.txt", "wb").write(b"".join(text[i * part:i * part + (1 << 20)] for i in range(5)))
 EOF
 mb() { awk -v b="$(stat -c %s "$1")" 'BEGIN {printf "%.1f", b / 1e6}'; }
+# "identical", or where two token files first differ.
+same() { cmp -s "$1" "$2" && echo identical || echo "DIFFERENT ($(cmp "$1" "$2" 2>&1 || true))"; }
 
 say "== training $vocab ids on train.txt ($(mb "$work/train.txt") MB), $runs runs"
 train_times=() count_times=()
@@ -74,11 +76,8 @@ if ((ref_check)); then
     $py "$ref" encode "$work/v$vocab" "$work/$f" "$work/$f.py.tok"
     t1=$(date +%s.%N)
     n=$(($(stat -c %s "$work/$f.c.tok") / 4))
-    if cmp -s "$work/$f.c.tok" "$work/$f.py.tok"; then
-      res="identical ($n tokens)"
-    else
-      res="DIFFERENT: $(cmp "$work/$f.c.tok" "$work/$f.py.tok" 2>&1 || true)"
-    fi
+    res=$(same "$work/$f.c.tok" "$work/$f.py.tok")
+    [[ $res == identical ]] && res="identical ($n tokens)"
     "$tool" decode "$work/v$vocab" "$work/$f.c.tok" "$work/$f.dec"
     cmp -s "$work/$f.dec" "$work/$f" && res="$res, decodes back" || res="$res, DECODING DIFFERS"
     say "$f ($(mb "$work/$f") MB): $res (reference took $(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.0f", b - a}') s)"
@@ -108,16 +107,15 @@ if [[ -n "${GPT2_DIR:-}" ]]; then
   for f in text.txt random.bin english.txt; do
     "$tool" encode "$GPT2_DIR" "$work/$f" "$work/$f.g.tok"
     n=$(($(stat -c %s "$work/$f.g.tok") / 4))
-    same() { cmp -s "$work/$f.g.tok" "$1" && echo identical || echo "DIFFERENT ($(cmp "$work/$f.g.tok" "$1" 2>&1 || true))"; }
     vs_ref="not run" vs_openai="not run (GPT2_ENCODER_PY)" ospeed=""
     if ((ref_check)) && [[ $f != english.txt ]]; then
       $py "$ref" encode "$GPT2_DIR" "$work/$f" "$work/$f.gr.tok"
-      vs_ref=$(same "$work/$f.gr.tok")
+      vs_ref=$(same "$work/$f.g.tok" "$work/$f.gr.tok")
     fi
     if [[ -n "${GPT2_ENCODER_PY:-}" ]]; then
       line=$($py "$here/openai_ref.py" "$GPT2_ENCODER_PY" "$GPT2_DIR" "$work/$f" "$work/$f.go.tok")
       echo "$line" >> "$log"
-      vs_openai=$(same "$work/$f.go.tok")
+      vs_openai=$(same "$work/$f.g.tok" "$work/$f.go.tok")
       ospeed=$(sed -E 's/.*: ([0-9.]+) MB\/s$/\1/' <<< "$line")
     fi
     res=$("$tool" bench "$GPT2_DIR" "$work/$f" "$runs")
