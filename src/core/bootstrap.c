@@ -244,6 +244,10 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
   return CHORUS_OK;
 }
 
+/* How long a store may refuse a rank's key, or fail to prove it holds it,
+ * before the rank gives up on it (chorusrun's agents: WRONG_ANSWER_MS). */
+#define REFUSED_MS 5000
+
 /* Makes the world.  *server, when not NULL, is the store this rank already
  * serves (the launcher's key-value service published its port): the world
  * takes it (*server becomes NULL) once it is past the argument checks.
@@ -333,15 +337,25 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     goto fail;
   }
   ctx->store_port = port;
+  /* Refused, or answered by a server that cannot prove it holds the key:
+   * the agreement file this rank read may have been stale, so it reads it
+   * again and retries; but REFUSED_MS of nothing else means the port is
+   * someone else's (another job, or a stranger who speaks the store's
+   * hello): give up then, as chorusrun does, naming the port's owner. */
+  int64_t refused_since = 0;
+  int pause_ms = 20;
   for (;;) {
     st = chorus__store_connect_key(cfg->store_host, port, &ws->key,
                                    chorus__ms_left_bound(deadline), &ctx->store);
     if (st == CHORUS_OK || !chorus__store_connect_denied() || chorus__ms_left(deadline) == 0)
       break;
-    /* Refused: the agreement file we read may have been stale. */
-    struct timespec ts = {0, 20 * 1000000};
+    int64_t now = chorus__now_ns();
+    if (!refused_since) refused_since = now;
+    if (now - refused_since >= (int64_t)REFUSED_MS * 1000000) break;
+    struct timespec ts = {0, (long)CHORUS__MIN(pause_ms, chorus__ms_left(deadline)) * 1000000};
     nanosleep(&ts, NULL);
-    world_secret_reread(ws);
+    pause_ms = CHORUS__MIN(pause_ms * 2, 500);
+    if (world_secret_reread(ws)) refused_since = 0, pause_ms = 20;
   }
   if (st != CHORUS_OK) {
     /* Something answered, wrongly: on this host, say whose the port is. */
@@ -350,9 +364,18 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
         chorus__net_is_local(cfg->store_host) &&
         chorus__net_port_owner(port, owner, sizeof owner) > 0)
       snprintf(why, sizeof why, "; port %d here is held by %s", port, owner);
-    chorus__init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s%s (is rank 0 or "
-              "chorusrun running, are MASTER_ADDR/MASTER_PORT and the job secret right?)", rank,
-              size, cfg->store_host, port, chorus__store_connect_error(), why);
+    if (refused_since)
+      chorus__init_fail(st, "chorus rank %d/%d: the store at %s:%d refused this rank, or could not "
+                        "prove it is this job's, for %.1f s: %s%s.  Every rank needs the same job "
+                        "secret; otherwise another job or a stranger holds that port: choose "
+                        "another MASTER_PORT", rank, size, cfg->store_host, port,
+                        (chorus__now_ns() - refused_since) / 1e9, chorus__store_connect_error(),
+                        why);
+    else
+      chorus__init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s%s (is rank 0 "
+                        "or chorusrun running, are MASTER_ADDR/MASTER_PORT and the job secret "
+                        "right?)", rank, size, cfg->store_host, port,
+                        chorus__store_connect_error(), why);
     goto fail;
   }
   ctx->key = ws->key; /* as the store accepted it (it may have been read again) */
@@ -845,18 +868,24 @@ typedef struct {
 } exchange_t;
 
 /* Rank 0, one host: the fresh secret into a new file; its name ("@" and 32
- * hex digits, what the others look for) into ref.  0, or -1 (the caller
- * then publishes the secret itself, as for other services). */
-static int kv_secret_to_file(const exchange_t *L, const char *secret, char *ref, size_t ref_cap) {
-  char rnd[65], why[600] = "";
-  if (chorus__secret_generate(rnd, sizeof rnd) != 0) return -1;
+ * hex digits, what the others look for) into ref.  0, or -1 with why. */
+static int kv_secret_to_file(const exchange_t *L, const char *secret, char *ref, size_t ref_cap,
+                             char *why, size_t why_cap) {
+  char rnd[65];
+  if (chorus__secret_generate(rnd, sizeof rnd) != 0) {
+    snprintf(why, why_cap, "cannot get random bytes");
+    return -1;
+  }
   rnd[32] = '\0';
   char name[40];
   snprintf(name, sizeof name, "kv-%.32s.key", rnd);
-  if (runtime_file(name, L->secret_file, L->secret_file_cap, why, sizeof why) < 0 ||
-      chorus__secret_write_file(L->secret_file, secret) != 0) {
-    CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank 0: the job secret goes through %s, not a file "
-                "(%s)", L->service, why[0] ? why : "cannot write it");
+  if (runtime_file(name, L->secret_file, L->secret_file_cap, why, why_cap) < 0) {
+    L->secret_file[0] = '\0';
+    return -1;
+  }
+  int rc = chorus__secret_write_file(L->secret_file, secret);
+  if (rc != 0) {
+    snprintf(why, why_cap, "cannot write %.300s: %s", L->secret_file, strerror(-rc));
     L->secret_file[0] = '\0';
     return -1;
   }
@@ -894,12 +923,28 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
                                "the job secret");
     }
     char ref[40] = "";
-    if (!have && L->secret_file && L->one_host && kv_secret_to_file(L, secret, ref, sizeof ref) == 0)
+    if (!have && L->secret_file && L->one_host) {
+      /* The others refuse a secret in the value on one host: no fallback. */
+      if (kv_secret_to_file(L, secret, ref, sizeof ref, why, sizeof why) < 0) {
+        chorus__kvs_close(kvs, deadline);
+        return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank 0 (%s): every rank is on this "
+                                 "host, where a fresh job secret goes through a file of the "
+                                 "runtime directory, never through %s, and that failed: %s.  "
+                                 "Set CHORUS_JOB_SECRET_FILE on every rank", L->source,
+                                 L->service, why);
+      }
       snprintf(from, from_cap, "a fresh one this rank made, in %.200s (only its name went "
                "through %s)", L->secret_file, L->service);
-    else if (!have)
+    } else if (!have) {
       snprintf(from, from_cap, "a fresh one this rank made, sent to the others through %s",
                L->service);
+      if (L->secret_file)
+        CHORUS_WARN(CHORUS__SUB_INIT, "chorus rank 0/%d: no job secret given and the group "
+                    "spans hosts, so a fresh one goes through %s, which has no authentication "
+                    "(torch's TCPStore): anyone who can reach it can read the secret and join "
+                    "this group, or put their own there.  Give every rank the same "
+                    "CHORUS_JOB_SECRET_FILE (docs/security.md)", L->size, L->service);
+    }
     chorus__key_t key;
     int port = cfg->store_port > 0 ? cfg->store_port : 0;
     st = chorus__job_key(secret, env->JOB_ID, &key) == 0
@@ -938,6 +983,15 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     if (secret[0]) cfg->job_secret = secret;
     return CHORUS_OK;
   }
+  /* What this rank was given itself wins over anything the service says:
+   * a caller's service (torch's TCPStore) can be written by anyone who
+   * reaches it, and the value names a store to join as well as a secret. */
+  int own = secret[0] ? 1 : chorus__secret_configured(secret, secret_cap, why, sizeof why);
+  if (own < 0)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d (%s): %s", L->rank,
+                             L->size, L->source, why);
+  if (own > 0 && !from[0]) chorus__secret_source(from, from_cap);
+  if (own > 0) cfg->job_secret = secret;
   /* Parse rank 0's value: it is untrusted like any received bytes. */
   char *save = NULL, *ver = strtok_r(val, ",", &save), *port_s = strtok_r(NULL, ",", &save);
   char *list = strtok_r(NULL, ",", &save), *sec = strtok_r(NULL, ",", &save);
@@ -947,7 +1001,17 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): rank 0's store "
                              "address in the key-value service is malformed", L->rank, L->size,
                              L->source);
-  if (sec[0] == '@') {
+  if (own > 0 && strcmp(sec, "-")) {
+    /* Rank 0 made a fresh secret, so it has none configured -- or someone
+     * else wrote the key.  Either way this rank keeps its own: with a store
+     * that holds another key, the store refuses it, or fails to prove it
+     * holds this one, and init fails naming the store. */
+    CHORUS_WARN(CHORUS__SUB_INIT, "chorus rank %d/%d (%s): the \"chorus-store\" value in %s "
+                "carries a job secret, which this rank ignores: it has its own (%s).  Either "
+                "rank 0 was given no secret (give every rank the same one), or someone who can "
+                "write to %s put the value there", L->rank, L->size, L->source, L->service,
+                from, L->service);
+  } else if (sec[0] == '@') {
     /* The secret is in a file of the runtime directory, named by rank 0.
      * The name is untrusted: 32 hex digits, nothing else. */
     char path[4200], fwhy[600];
@@ -970,9 +1034,27 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     snprintf(from, from_cap, "rank 0's fresh one, from %.200s (only its name went through %s)",
              path, L->service);
   } else if (strcmp(sec, "-")) {
+    /* A secret in the value itself.  On one host rank 0 passes it through
+     * a file only this user can read, never so: a value that carries one
+     * was written by someone else (torch's store has no authentication). */
+    if (L->one_host && L->secret_file)
+      return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): the \"chorus-store\" "
+                               "value in %s carries a job secret, but every rank says it is on "
+                               "this host (LOCAL_WORLD_SIZE == WORLD_SIZE), where rank 0 passes "
+                               "it through a file of the runtime directory and never through "
+                               "that service: someone else wrote it.  Refusing to join the store "
+                               "it names.  Set CHORUS_JOB_SECRET_FILE on every rank to be "
+                               "immune to writers of the caller's store (docs/security.md)",
+                               L->rank, L->size, L->source, L->service);
     snprintf(secret, secret_cap, "%s", sec);
     cfg->job_secret = secret;
     snprintf(from, from_cap, "rank 0's fresh one, through %s", L->service);
+    if (L->secret_file)
+      CHORUS_WARN(CHORUS__SUB_INIT, "chorus rank %d/%d: the job secret came through %s, which "
+                  "has no authentication (torch's TCPStore): anyone who can write to it could "
+                  "have put their own there and be reading this group's data.  Give every rank "
+                  "the same CHORUS_JOB_SECRET_FILE (docs/security.md)", L->rank, L->size,
+                  L->service);
   }
   cfg->store_port = (int)port;
   /* The first of rank 0's addresses that answers (one address: no choice
@@ -984,12 +1066,11 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
     return CHORUS_OK;
   }
   chorus__key_t key;
-  char who[600];
-  int have = secret[0] ? 1 : chorus__secret_configured(secret, secret_cap, who, sizeof who);
-  if (have <= 0 || chorus__job_key(secret, env->JOB_ID, &key) < 0)
+  if (!secret[0] || chorus__job_key(secret, env->JOB_ID, &key) < 0)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d (%s): no job secret to "
                              "reach rank 0's store with", L->rank, L->size, L->source);
   int tried = 0;
+  char denied[700] = "";
   for (char *s2 = NULL, *a = strtok_r(list, "+", &s2); a; a = strtok_r(NULL, "+", &s2)) {
     if (tried++ == 16) break;
     chorus_store_t *probe = NULL;
@@ -1001,8 +1082,16 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
       cfg->store_host = host;
       return CHORUS_OK;
     }
+    if (chorus__store_connect_denied() && !denied[0])
+      snprintf(denied, sizeof denied, "%s", chorus__store_connect_error());
   }
   chorus__wipe(&key, sizeof key);
+  if (denied[0])
+    return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d (%s): the store at "
+                             "rank 0's address refused this rank, or could not prove it is "
+                             "this job's (%s).  Every rank needs the same job secret; if they "
+                             "have it, someone other than rank 0 wrote the \"chorus-store\" "
+                             "value in %s", L->rank, L->size, L->source, denied, L->service);
   return chorus__init_fail(CHORUS_ERR_TIMEOUT, "chorus rank %d/%d (%s): none of rank 0's "
                            "addresses answers on port %ld; set MASTER_ADDR and MASTER_PORT "
                            "to an address of rank 0's host that this host can reach",

@@ -227,6 +227,9 @@ static chorus_result_t wait_timeout(chorus__shm_t *s, const uint64_t *word, uint
   return CHORUS_ERR_TIMEOUT;
 }
 
+/* The longest a wait yields before it sleeps on the bell. */
+#define YIELD_MAX_NS (20 * 1000000LL)
+
 chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, uint64_t target,
                                       int peer, const char *what) {
 #define REACHED() (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target)
@@ -236,9 +239,23 @@ chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, ui
     chorus__cpu_relax();
     if (REACHED()) return CHORUS_OK;
   }
+  /* Yielding, keep noticing failures: on a busy host one sched_yield can
+   * cost a whole time slice, and 1000 of them seconds (issue 42: a dead
+   * peer noticed 1.8-10.7 s late with 6 busy loops on 2 cores).  The
+   * endpoint's flag is one load; whether the awaited peer left, and the
+   * clock, are looked at every 16 yields, and YIELD_MAX_NS of yielding
+   * ends the phase: the futex sleep below costs nothing then. */
+  int64_t yield_end = 0;
   for (int i = 0; i < s->yields; i++) {
     sched_yield();
     if (REACHED()) return CHORUS_OK;
+    if (chorus__ep_failed(s->ep)) break;
+    if ((i & 15) == 15) {
+      if (chorus__ep_peer_gone(s->ep, peer)) break;
+      int64_t now = chorus__now_ns();
+      if (!yield_end) yield_end = now + YIELD_MAX_NS;
+      else if (now >= yield_end) break;
+    }
   }
   int64_t deadline = chorus__deadline_ms(s->timeout_ms);
   for (;;) {

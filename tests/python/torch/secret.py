@@ -21,6 +21,23 @@ Both must be refused, and every rank must log where its secret came from
   chorusrun       chorusrun, env:// (torch's store over chorusrun's own):
                   chorusrun's secret, CHORUS_JOB_SECRET_FILE
 
+Two more cases attack torch's store itself (issue 42): a TCPStore of the
+test's own stands for the job's; ranks 1 and 2 of a 3-rank group wait in it
+for a rank 0 that never comes, and a stranger -- another local user (nobody,
+through setpriv) when the test runs as root, else this user with a visible
+note -- connects to that store (it has no authentication) and runs a rank 0
+of its own with no secret, so that it puts a fresh one of its own under
+"chorus-store" beside the address of its own chorus store.  The ranks must
+not join the stranger's group (before the fix they did, and all_reduce gave
+them the stranger's numbers):
+
+  hijack          the ranks have CHORUS_JOB_SECRET_FILE: they ignore the
+                  stranger's secret, its store cannot prove it holds theirs,
+                  and init fails within seconds, naming the store
+  hijack1host     the ranks have no secret and LOCAL_WORLD_SIZE ==
+                  WORLD_SIZE: on one host rank 0 never puts a secret in
+                  torch's store, so they refuse the value outright
+
 Exit 0 when every case passed, 1 otherwise; 77 (skip) without torch.
 """
 import os
@@ -72,6 +89,105 @@ def worker(mode):
     print("worker ok rank %d" % rank, flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def hijack_worker(role):
+    """A rank of the attacked group ("victim") or the stranger's rank 0."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import chorus.torch  # noqa: F401
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["TEST_PORT"]), n, False,
+                          timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.init_process_group("chorus", store=store, rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=40))
+    except Exception as e:  # noqa: BLE001 -- the refusal is the point
+        print("%s %d refused: %s" % (role, rank, " ".join(str(e).split())), flush=True)
+        return 3
+    t = torch.ones(1) * (1000 if role == "stranger" else rank + 1)
+    dist.all_reduce(t)
+    print("%s %d JOINED: all_reduce gave %s" % (role, rank, t.item()), flush=True)
+    return 0
+
+
+def hijack_case(name):
+    """Ranks 1 and 2 wait in torch's store; a stranger plays rank 0."""
+    import datetime
+    import torch.distributed as dist
+    tmp = tempfile.mkdtemp(prefix="chorus-hijack.")
+    os.chmod(tmp, 0o755)
+    env = dict(os.environ)
+    for var in ("CHORUS_JOB_SECRET", "CHORUS_JOB_SECRET_FILE", "CHORUS_INSECURE", "RANK",
+                "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(var, None)
+    # TCP between the ranks: over shared memory the joined group would
+    # still fail later (the stranger's segments are not this user's), which
+    # hides whether the ranks joined at all.
+    env.update(OMP_NUM_THREADS="1", WORLD_SIZE="3", CHORUS_INIT_TIMEOUT="40",
+               CHORUS_TRANSPORT="tcp")
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 4, True, timeout=datetime.timedelta(seconds=90),
+                           wait_for_workers=False)
+    env["TEST_PORT"] = str(port)
+    victim_env = dict(env)
+    if name == "hijack":
+        key = os.path.join(tmp, "job.key")
+        with open(os.open(key, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+        victim_env["CHORUS_JOB_SECRET_FILE"] = key
+        want = r"refused: .*the store at (\S+|rank 0's address) refused this rank, or could not prove"
+    else:
+        victim_env.update(LOCAL_WORLD_SIZE="3")
+        want = r"refused: .*carries a job secret, but every rank says it is on this host"
+    script = os.path.abspath(__file__)
+    log = open(os.path.join(tmp, "out"), "w+")
+    procs = [subprocess.Popen([sys.executable, script, "--hijack", "victim"], stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True,
+                              env=dict(victim_env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in (1, 2)]
+    time.sleep(1.0)  # the victims wait for rank 0's key
+    stranger = [sys.executable, script, "--hijack", "stranger"]
+    who = "this user"
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        stranger = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + stranger
+        who = "user nobody (uid 65534)"
+        env["HOME"] = tmp
+    procs.append(subprocess.Popen(stranger, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True, cwd=tmp, env=dict(env, RANK="0")))
+    problems = []
+    for p in procs:
+        if p is procs[-1]:  # the stranger waits for victims that refused it
+            time.sleep(0.5)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            problems.append("pid %d timed out" % p.pid)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    log.flush()
+    with open(log.name) as f:
+        out = f.read()
+    log.close()
+    del master
+    shutil.rmtree(tmp, ignore_errors=True)
+    if "JOINED" in out:
+        problems.append("a victim joined the stranger's group")
+    refusals = [ln for ln in out.splitlines() if ln.startswith("victim") and re.search(want, ln)]
+    if len(refusals) != 2:
+        problems.append("%d of 2 victims refused with %r" % (len(refusals), want))
+    if problems:
+        print("FAIL %s (stranger: %s): %s" % (name, who, "; ".join(problems)))
+        print("---- output (last 40 lines):\n" + "\n".join(out.splitlines()[-40:]) + "\n----")
+        return False
+    print("ok   %s: the stranger (%s) took torch's store; both ranks refused its group: %s" % (
+        name, who, refusals[0].split("refused: ", 1)[1][:160]))
+    return True
 
 
 def free_port():
@@ -187,6 +303,8 @@ def run_case(name, stranger, chorusrun, source):
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         return worker(sys.argv[2])
+    if len(sys.argv) > 2 and sys.argv[1] == "--hijack":
+        return hijack_worker(sys.argv[2])
     try:
         import torch.distributed  # noqa: F401
         import chorus.torch  # noqa: F401
@@ -202,6 +320,11 @@ def main():
     for name, source in cases:
         if not only or name in only:
             ok = run_case(name, stranger, chorusrun, source) and ok
+    if os.geteuid() != 0:
+        print("note: not root, so the hijack cases' stranger runs as this user, not as another")
+    for name in ("hijack", "hijack1host"):
+        if not only or name in only:
+            ok = hijack_case(name) and ok
     return 0 if ok else 1
 
 
