@@ -324,6 +324,71 @@ TEST(store) {
   ASSERT_CONTAINS(chorus__store_connect_error(), "did not prove");
 }
 
+/* Issue 42, item 4: a squatter on the store's port that speaks the store's
+ * hello, then answers every client with a made-up proof (deny 0) or a
+ * refusal (deny 1), until stop.  A rank that joins through that port gives
+ * up within seconds, naming the refusal (before: it retried until its init
+ * timeout, about 22 warnings a second). */
+typedef struct {
+  int lfd, deny, served;
+  volatile int stop;
+} squatter_t;
+
+static void *squatter_store(void *arg) {
+  squatter_t *q = arg;
+  while (!q->stop) {
+    struct pollfd p = {.fd = q->lfd, .events = POLLIN};
+    if (poll(&p, 1, 100) <= 0) continue;
+    int fd = accept(q->lfd, NULL, NULL);
+    if (fd < 0) continue;
+    uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], ans[4 + CHORUS__STORE_AUTH_LEN];
+    chorus__le32_put(hello, CHORUS__STORE_HELLO_LEN);
+    memcpy(hello + 4, CHORUS__STORE_MAGIC, 4);
+    chorus__le32_put(hello + 8, CHORUS__STORE_VERSION);
+    memset(hello + 12, 9, CHORUS__STORE_NONCE_LEN);
+    int64_t dl = chorus__deadline_ms(2000);
+    chorus__net_write_full(fd, hello, sizeof hello, dl);
+    chorus__net_read_full(fd, ans, sizeof ans, dl);
+    uint8_t ok[4 + CHORUS__STORE_VERDICT_OK_LEN] = {0}, no[5] = {0};
+    chorus__le32_put(ok, CHORUS__STORE_VERDICT_OK_LEN); /* "ok", with a made-up proof */
+    chorus__le32_put(no, 1);
+    no[4] = CHORUS__STORE_HS_DENIED;
+    if (q->deny) chorus__net_write_full(fd, no, sizeof no, dl);
+    else chorus__net_write_full(fd, ok, sizeof ok, dl);
+    q->served++;
+    close(fd);
+  }
+  return NULL;
+}
+
+TEST(store_squatter) {
+  for (int deny = 0; deny < 2; deny++) {
+    squatter_t q = {.deny = deny};
+    int port = 0;
+    q.lfd = chorus__net_listen("127.0.0.1", 0, 16, &port);
+    ASSERT_TRUE(q.lfd >= 0);
+    pthread_t t;
+    pthread_create(&t, NULL, squatter_store, &q);
+    chorus_config_t cfg = child_config(1, 2, port, "squat/", SECRET, 60000);
+    chorus_comm_t comm = NULL;
+    double t0 = now_ms();
+    chorus_result_t st = chorus_comm_init(&cfg, &comm);
+    double ms = now_ms() - t0;
+    q.stop = 1;
+    pthread_join(t, NULL);
+    close(q.lfd);
+    if (comm) chorus_comm_destroy(comm);
+    printf("  squatter that %s: init failed after %.0f ms, %d connections: %.200s\n",
+           deny ? "refuses the key" : "cannot prove it", ms, q.served, chorus_last_init_error());
+    ASSERT_TRUE(st != CHORUS_OK);
+    ASSERT_CONTAINS(chorus_last_init_error(), "refused this rank, or could not prove");
+    ASSERT_CONTAINS(chorus_last_init_error(), "choose another MASTER_PORT");
+    /* REFUSED_MS (5 s) and a handshake: far below the 60 s it may wait. */
+    ASSERT_TRUE(ms < 15000 * g_slack);
+    ASSERT_TRUE(q.served < 100);
+  }
+}
+
 /* Findings 1, 4 and 7 at the acceptor, in this process: a stranger learns
  * nothing from the acceptor's hello (before: it carried the world id),
  * cannot connect as the other rank with the public key or with the right
@@ -830,6 +895,7 @@ int main(int argc, char **argv) {
     }                                                                          \
   } while (0)
   CASE(store);
+  CASE(store_squatter);
   CASE(acceptor);
   CASE(world_with_impostors);
   CASE(no_secret_one_host);
