@@ -17,6 +17,7 @@
 
 #include "chorus_train.h"
 #include "train/ckpt.h"
+#include "runtime.h"
 
 /* gpt.c's error recorder (one per thread). */
 chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
@@ -115,7 +116,15 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
   ck_header_t h = {CK_MAGIC, CK_VERSION, sizeof h, step, {0}, 0, chorus_gpt_num_params(m),
                    optbytes, extra_len};
   chorus__ckpt_shape(m, h.shape);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  char why[4400];
+  int trust = chorus__dir_trust(dir, why, sizeof why);
+  if (trust < 0) {
+    free(opt);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ckpt_save: %s", why);
+  }
+  static int warned;
+  if (trust > 0 && !warned++) fprintf(stderr, "chorus_ckpt_save: warning: %s\n", why);
+  int fd = chorus__create_new(tmp, 0644);
   uint64_t sum = FNV0;
   int bad = fd < 0 || chorus__ckpt_write_all(fd, &h, sizeof h, &sum) ||
             chorus__ckpt_write_all(fd, chorus_gpt_params(m), sizeof(float) * h.nparams, &sum) ||
@@ -139,9 +148,9 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
   int n;
   long *steps = list_steps(dir, &n);
   for (int i = keep; i < n; i++) {
-    char old[4096];
-    snprintf(old, sizeof old, "%s/ckpt-%09ld.bin", dir, steps[i]);
-    unlink(old);
+    char old[64];
+    snprintf(old, sizeof old, "ckpt-%09ld.bin", steps[i]);
+    chorus__remove_entry(dir, old);
   }
   free(steps);
   return CHORUS_OK;

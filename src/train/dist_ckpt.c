@@ -199,7 +199,7 @@ typedef struct {
 } chunk_t;
 static int write_file(const char *tmp, const char *final, const chunk_t *ch, int nch,
                       uint64_t *bytes, uint64_t *sum) {
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = chorus__create_new(tmp, 0644);
   if (fd < 0) return -1;
   uint64_t h = FNV0, total = 0, dummy = FNV0;
   int bad = 0;
@@ -223,25 +223,12 @@ static int write_file(const char *tmp, const char *final, const chunk_t *ch, int
 
 /* ------------------------------------------------------------- listing */
 
+/* Never through a link: another user who can write dir may have named one
+ * like a checkpoint (chorus__remove_entry). */
 static void remove_ckpt(const char *dir, const chorus__ckpt_cand_t *c) {
-  char path[4096];
-  if (!c->dir) {
-    snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, c->step);
-    unlink(path);
-    return;
-  }
-  snprintf(path, sizeof path, "%s/ckpt-%09ld", dir, c->step);
-  DIR *d = opendir(path);
-  if (!d) return;
-  for (struct dirent *e; (e = readdir(d));) {
-    if (e->d_name[0] == '.' && (!e->d_name[1] || (e->d_name[1] == '.' && !e->d_name[2])))
-      continue;
-    char f[4352];
-    snprintf(f, sizeof f, "%s/%s", path, e->d_name);
-    unlink(f);
-  }
-  closedir(d);
-  rmdir(path);
+  char name[64];
+  snprintf(name, sizeof name, c->dir ? "ckpt-%09ld" : "ckpt-%09ld.bin", c->step);
+  chorus__remove_entry(dir, name);
 }
 
 static int index_exists(const char *dir, long step) {
@@ -405,6 +392,14 @@ static chorus_result_t save(const ctx_t *c, const ctx_t *fc, int nf, int files, 
   if (mkdirs(sdir) != 0) {
     ok = 0;
     snprintf(why, sizeof why, "mkdir %s: %s", sdir, strerror(errno));
+  } else {
+    /* The folder this rank writes into must be what it made (or its own
+     * earlier run made), not a link another user put there. */
+    int t = chorus__dir_trust(dir, why, sizeof why);
+    static int warned;
+    if (t > 0 && c->rank == 0 && !warned++) fprintf(stderr, "chorus_trainer_save: warning: %s\n", why);
+    if (t < 0 || chorus__own_dir(sdir, why, sizeof why) < 0) ok = 0;
+    else why[0] = '\0';
   }
   for (int i = 0; ok && i < nf; i++) {
     const int f = fc[i].file;
@@ -1022,7 +1017,7 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
   if (ok) chorus_optim_state_save(chorus_trainer_optim(t), blob);
   if (ok && c.rank == 0) {
     snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    fd = chorus__create_new(tmp, 0644);
     ck_header_t hd = {CK_MAGIC, CK_VERSION, sizeof hd, step, {0}, 0, c.np,
                       8 + 4 * (uint64_t)c.of * c.np, extra_len};
     memcpy(hd.shape, c.shape, sizeof hd.shape);

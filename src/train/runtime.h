@@ -7,6 +7,8 @@
 #ifndef CHORUS_TRAIN_RUNTIME_H
 #define CHORUS_TRAIN_RUNTIME_H
 
+#include <sys/types.h>
+
 #include "chorus_train.h"
 
 /* Points of a step a hook hears:
@@ -42,5 +44,22 @@ static inline size_t chorus__slice(size_t count, int n, int r, size_t *lo, size_
 /* The optimizer's state in place: the step count and the arrays (m; v
  * for AdamW, else NULL) of n floats. */
 void chorus__optim_raw(chorus_optim_t *o, long **t, float **m, float **v, size_t *n);
+
+/* Folders a user names, which another local user may be able to write
+ * (files.c).  chorus__dir_trust: -1 when dir cannot be used safely (it is
+ * writable by everyone and has no sticky bit: anyone may swap its files),
+ * 1 when other users can put entries there (another's folder, or one
+ * writable by everyone with the sticky bit: warn), 0 when it is this
+ * user's alone; why says so.  chorus__remove_entry removes dir/name, a
+ * file or link of this user (never followed), or a folder of this user
+ * after its files (not its subfolders): 0, or -1 with errno.
+ * chorus__own_dir: 0 when path is a folder of this user, not a link (-1
+ * with why).  chorus__create_new: a new file at path (never through a
+ * link; a file or link of this user already there is replaced), the
+ * descriptor or -1 with errno. */
+int chorus__dir_trust(const char *dir, char *why, size_t cap);
+int chorus__remove_entry(const char *dir, const char *name);
+int chorus__own_dir(const char *path, char *why, size_t cap);
+int chorus__create_new(const char *path, mode_t mode);
 
 #endif

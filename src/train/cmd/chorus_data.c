@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "chorus_train.h"
+#include "../runtime.h" /* chorus__remove_entry, chorus__dir_trust */
 
 #define UNIT_BYTES (256u << 10)
 #define PATH_CAP 4608 /* a folder of up to 4096 - 320 bytes, a name of up to 255 */
@@ -496,22 +497,15 @@ static int join_path(char *buf, size_t cap, const char *dir, const char *name) {
   return n < 0 || (size_t)n >= cap ? -1 : 0;
 }
 
-/* Removes every file in dir (no subdirectories are made there) and dir. */
-static void remove_dir_files(const char *dir) {
-  DIR *d = opendir(dir);
-  if (!d) return;
-  char path[PATH_CAP];
-  for (struct dirent *e; (e = readdir(d));) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    if (join_path(path, sizeof path, dir, e->d_name) == 0) unlink(path);
-  }
-  closedir(d);
-  rmdir(dir);
-}
-
+/* Splits g_stage into its folder and name: the staging folder is removed
+ * relative to DIR, never through a link. */
 static void remove_stage(void) {
   if (!g_stage[0]) return;
-  remove_dir_files(g_stage);
+  char *slash = strrchr(g_stage, '/');
+  if (slash) {
+    *slash = '\0';
+    chorus__remove_entry(g_stage, slash + 1);
+  }
   g_stage[0] = 0;
 }
 
@@ -552,6 +546,10 @@ static void make_stage(const opts_t *o) {
   if (mkdir(o->out, 0755) != 0 && errno != EEXIST) die("%s: %s", o->out, strerror(errno));
   if (stat(o->out, &sb) != 0 || !S_ISDIR(sb.st_mode))
     die("%s: not a folder (-o names the folder for the shards)", o->out);
+  char why[PATH_CAP + 300];
+  int trust = chorus__dir_trust(o->out, why, sizeof why);
+  if (trust < 0) die("%s", why);
+  if (trust > 0) fprintf(stderr, "chorus-data: warning: %s\n", why);
   char prefix[320];
   stage_prefix(o, prefix, sizeof prefix);
   const size_t k = strlen(prefix);
@@ -560,10 +558,10 @@ static void make_stage(const opts_t *o) {
   for (struct dirent *e; (e = readdir(d));) {
     if (strncmp(e->d_name, prefix, k) || !digits_then(e->d_name + k, "")) continue;
     long pid = strtol(e->d_name + k, NULL, 10);
-    char old[PATH_CAP];
-    if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH &&
-        join_path(old, sizeof old, o->out, e->d_name) == 0)
-      remove_dir_files(old);
+    /* Only a folder of this user, never through a link (anyone who can
+     * write DIR could name a link to a folder of this user so). */
+    if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+      chorus__remove_entry(o->out, e->d_name);
   }
   closedir(d);
   snprintf(g_stage, sizeof g_stage, "%s/%s%ld", o->out, prefix, (long)getpid());
