@@ -443,7 +443,7 @@ static int tokset_add(tokset_t *s, const uint8_t *blob, const size_t *off, uint3
  * with a NUL after it. */
 static chorus_result_t read_file(const char *path, char **out, size_t *len, char *err,
                                  size_t errlen) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not hang it */
   if (fd < 0)
     return bpe_fail(err, errlen, CHORUS_ERR_SYSTEM,
                     "chorus_bpe_load: cannot open %s: %s (a tokenizer directory holds GPT-2's "

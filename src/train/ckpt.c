@@ -159,8 +159,19 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
 /* Reads and verifies one file fully before touching the model. */
 static int load_one(const char *path, chorus_gpt_t *m, chorus_optim_t *o, void *extra,
                     size_t extra_cap, size_t *extra_len, long *step) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return -1;
+  /* O_NONBLOCK and a regular file only: a FIFO named like a checkpoint
+   * must not hang the open or the reads. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  struct stat sb;
+  if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  FILE *f = fdopen(fd, "rb");
+  if (!f) {
+    close(fd);
+    return -1;
+  }
   ck_header_t h;
   int32_t shape[5];
   chorus__ckpt_shape(m, shape);

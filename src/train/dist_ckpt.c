@@ -704,7 +704,7 @@ static int note_opt_steps(stage_t *s, int64_t n, const char *path) {
  * index. */
 static int read_shard(stage_t *s, const char *path, long step, uint32_t file, uint32_t files,
                       uint64_t bytes, uint64_t sum) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO: no hang */
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
   struct stat stt = {0};
   sh_header_t h = {0};
@@ -764,7 +764,7 @@ static int read_shard(stage_t *s, const char *path, long step, uint32_t file, ui
 static int read_sharded(stage_t *s, const char *dir, long step) {
   char path[4200];
   snprintf(path, sizeof path, "%s/ckpt-%09ld/index.bin", dir, step);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO: no hang */
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
   struct stat stt = {0};
   ix_header_t h = {0};
@@ -822,7 +822,7 @@ static int read_sharded(stage_t *s, const char *dir, long step) {
 static int read_single(stage_t *s, const char *dir, long step) {
   char path[4200];
   snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, step);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO: no hang */
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
   struct stat stt = {0};
   ck_header_t h = {0};

@@ -144,8 +144,10 @@ chorus_result_t chorus_loader_create(const chorus_tokens_t *data,
                 cfg ? cfg->workers : 0, cfg ? cfg->prefetch : 0);
   size_t nseq = chorus_tokens_samples(data, cfg->seq);
   if (nseq < (size_t)world)
-    return fail(CHORUS_ERR_INVALID_ARG, "the dataset has %zu sequences of %d tokens, fewer "
-                "than the %d ranks", nseq, cfg->seq, world);
+    return fail(CHORUS_ERR_INVALID_ARG, "the dataset has %zu sequences of %d tokens (%zu "
+                "tokens in all; a sequence takes %d), fewer than the %d ranks%s", nseq,
+                cfg->seq, chorus_tokens_count(data), cfg->seq + 1, world,
+                nseq ? "" : ": it is empty, or too short for one sequence");
   if (nseq > UINT32_MAX)
     return fail(CHORUS_ERR_INVALID_ARG, "the dataset has %zu sequences of %d tokens; the "
                 "sampler takes fewer than 2^32 (a longer context, or fewer shards)", nseq,

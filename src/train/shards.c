@@ -74,7 +74,8 @@ static void put32(unsigned char *p, uint32_t v) {
 
 /* Maps path read-only.  0, or -1 (reported). */
 static int map_file(const char *path, unsigned char **map, size_t *len) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO named like a shard must not hang the open. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     fail(CHORUS_ERR_SYSTEM, "%s: cannot open: %s", path, strerror(errno));
     return -1;
@@ -295,12 +296,22 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
 static int looks_like_text(const char *path, long *nul_at) {
   *nul_at = -1;
   if (ends_with(path, ".bin")) return 0;
-  FILE *f = fopen(path, "rb");
-  if (!f) return 1; /* opening reports it */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  struct stat sb;
+  if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    if (fd >= 0) close(fd);
+    return 1; /* opening reports it (map_file: not a regular file) */
+  }
   static const size_t N = 1 << 16;
   unsigned char head[4], *b = malloc(N);
-  size_t n = fread(b ? b : head, 1, b ? N : 4, f); /* out of memory: the magic only */
-  fclose(f);
+  size_t want = b ? N : 4, n = 0; /* out of memory: the magic only */
+  while (n < want) {
+    ssize_t k = read(fd, (b ? b : head) + n, want - n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    n += (size_t)k;
+  }
+  close(fd);
   int shard = n >= 4 && le32(b ? b : head) == CHORUS_SHARD_MAGIC;
   if (!b) return !shard;
   const unsigned char *z = n ? memchr(b, 0, n) : NULL;

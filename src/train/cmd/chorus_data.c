@@ -151,12 +151,23 @@ static void walk(const char *dir, int jsonl) {
   closedir(d);
   if (n) qsort(names, n, sizeof(char *), cmp_str);
   for (size_t i = 0; i < n; i++) {
-    struct stat sb;
+    struct stat sb, to;
     if (lstat(names[i], &sb) == 0) {
       if (is_output(&sb))
         fprintf(stderr, "chorus-data: leaving out %s: it is the output folder\n", names[i]);
       else if (S_ISDIR(sb.st_mode)) walk(names[i], jsonl);
       else if (S_ISREG(sb.st_mode)) add_file(names[i], jsonl);
+      /* A link to a file is read; one to a folder is not walked (a loop is
+       * one link away), and everything is named when left out. */
+      else if (S_ISLNK(sb.st_mode) && stat(names[i], &to) == 0 && S_ISREG(to.st_mode))
+        add_file(names[i], jsonl);
+      else
+        fprintf(stderr, "chorus-data: leaving out %s: %s\n", names[i],
+                !S_ISLNK(sb.st_mode) ? "not a regular file (a FIFO, a device or a socket)"
+                : stat(names[i], &to) != 0 ? "a symbolic link to nothing"
+                : S_ISDIR(to.st_mode) ? "a symbolic link to a folder (name the folder itself "
+                                        "to read it)"
+                                      : "a symbolic link to something not a regular file");
     }
     free(names[i]);
   }
@@ -164,9 +175,11 @@ static void walk(const char *dir, int jsonl) {
 }
 
 static void map_input(file_t *f) {
-  int fd = open(f->path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO put in a file's place must not hang the open. */
+  int fd = open(f->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   struct stat sb;
   if (fd < 0 || fstat(fd, &sb) != 0) die("%s: cannot open: %s", f->path, strerror(errno));
+  if (!S_ISREG(sb.st_mode)) die("%s: not a regular file", f->path);
   f->len = (size_t)sb.st_size;
   if (f->len) {
     void *p = mmap(NULL, f->len, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -288,7 +301,7 @@ static const unsigned char *read_unit(const unit_t *u, unsigned char **buf, size
     }
     *buf = nb, *cap = u->len;
   }
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   size_t got = 0;
   while (fd >= 0 && got < u->len) {
     ssize_t k = pread(fd, *buf + got, u->len - got, (off_t)(u->off + got));
@@ -667,7 +680,9 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
     if (stat(inputs[i], &sb) != 0) die("%s: %s", inputs[i], strerror(errno));
     if (is_output(&sb)) die("%s: the input is the output folder", inputs[i]);
     if (S_ISDIR(sb.st_mode)) walk(inputs[i], 0);
-    else add_file(inputs[i], 0);
+    else if (S_ISREG(sb.st_mode)) add_file(inputs[i], 0);
+    else die("%s: not a regular file (a FIFO, a device or a socket): name text files or folders",
+             inputs[i]);
   }
   if (!g_nfiles) die("prepare: no input files");
   /* The validation part is a fraction of the sizes; each file is then

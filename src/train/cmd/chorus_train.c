@@ -594,8 +594,12 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
 /* ----------------------------------------------------------------- main */
 
 static int die(chorus_comm_t comm, const char *what, chorus_result_t st) {
+  /* The runtime's message when the communicator has none (the loader's,
+   * the data's: they fail before any collective). */
+  const char *why = comm ? chorus_comm_last_error(comm) : "";
+  if (!why || !*why) why = chorus_train_last_error();
   fprintf(stderr, "chorus-train: rank %d: %s: %s: %s\n", g_rank, what, chorus_result_name(st),
-          comm ? chorus_comm_last_error(comm) : chorus_train_last_error());
+          why);
   if (comm) chorus_comm_abort(comm);
   return 1;
 }
