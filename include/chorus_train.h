@@ -377,6 +377,17 @@ CHORUS_API size_t chorus_utf8_check(const void *text, size_t len);
  * nothing before it: encoding text[0, p) and text[p, len) apart gives the
  * tokens of the whole.  len when there is none. */
 CHORUS_API size_t chorus_bpe_cut(const void *text, size_t len, size_t from);
+/* The first place p >= from where the pre-split's pieces, scanned from
+ * start, can be cut: the end of a piece that is not white space, or of one
+ * that reached the longest a piece may be (64 KiB; the tokenizer cuts
+ * longer runs so).  start must be 0 or a place this function or
+ * chorus_bpe_cut returned.  The pre-split matches from such a place on
+ * without looking back, and a piece ending there ends there also in the
+ * text cut there, so encoding text[start, p) and text[p, len) apart gives
+ * the tokens of the whole.  Costs a scan of from - start bytes: for text
+ * with no white space, where chorus_bpe_cut finds no place.  len when
+ * there is none. */
+CHORUS_API size_t chorus_bpe_cut_pieces(const void *text, size_t len, size_t start, size_t from);
 
 CHORUS_API chorus_result_t chorus_bpe_encoder_create(const chorus_bpe_t *t,
                                                      chorus_bpe_encoder_t **out);

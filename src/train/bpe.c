@@ -17,7 +17,12 @@
  * beyond U+10FFFF, truncated sequences, stray continuation bytes) is one
  * character of class "other", one byte long: what Python's decoder with
  * errors='surrogateescape' makes of it (a lone surrogate, which the pattern
- * classes as neither letter, number nor space).
+ * classes as neither letter, number nor space).  One departure, for
+ * memory: a run that would make a piece of more than BPE_MAX_PIECE bytes
+ * (64 KiB of letters, digits, other characters or white space with no
+ * change of class: no text a person wrote) is cut into pieces of that many
+ * bytes, at a character's start (exact BPE of a piece needs 44 bytes of
+ * state per byte: 2 GB for 48 MiB without white space).
  *
  * Encoding.  Each piece's bytes become byte tokens, then pairs merge by
  * rank as GPT-2's encoder.py does: the lowest-ranked adjacent pair present
@@ -78,6 +83,7 @@ chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
 #define BPE_MAX_TOKEN 1024            /* bytes of one token */
 #define BPE_MAX_FILE (256u << 20)     /* bytes of encoder.json or vocab.bpe */
 #define BPE_SHORT 128                 /* longer pieces use the heap */
+#define BPE_MAX_PIECE (64u << 10)     /* longest piece, bytes (the file's comment) */
 #define BPE_CACHE_SLOTS (1u << 16)    /* cache entries (at most half used) */
 #define BPE_CACHE_PIECE 64            /* longest piece cached, bytes */
 #define BPE_CACHE_ARENA (2u << 20)    /* cached pieces and tokens, bytes */
@@ -252,8 +258,36 @@ size_t chorus_bpe_cut(const void *text, size_t len, size_t from) {
   return len;
 }
 
+static size_t piece_len(const uint8_t *s, const uint8_t *full_end);
+
+/* Not every boundary is a place to cut: a piece of white space that ends
+ * before BPE_MAX_PIECE ended where it did because of what follows it
+ * (\s+(?!\S) gives the run less its last character, and a run's last
+ * character is a piece of its own), so the text cut after it has one
+ * longer run there.  After any other piece -- it ends with a character
+ * that is not white space, or at the cap -- the scan of the text cut there
+ * stops where the whole text's did. */
+size_t chorus_bpe_cut_pieces(const void *text, size_t len, size_t start, size_t from) {
+  const uint8_t *s = text, *end = s + len;
+  if (start >= from) return start < len ? start : len;
+  for (size_t p = start; p < len;) {
+    size_t n = piece_len(s + p, end);
+    int k, k2 = C_OTHER;
+    size_t m = char_at(s + p, end, &k);
+    if (k == C_SPACE && m < n) char_at(s + p + m, end, &k2);
+    int space = k == C_SPACE && (m == n || k2 == C_SPACE);
+    p += n;
+    if (p >= from && (!space || n >= BPE_MAX_PIECE)) return p < len ? p : len;
+  }
+  return len;
+}
+
 /* The length in bytes of the piece that starts at s (s < end). */
-static size_t piece_len(const uint8_t *s, const uint8_t *end) {
+static size_t piece_len(const uint8_t *s, const uint8_t *full_end) {
+  /* Runs stop at BPE_MAX_PIECE bytes (with the character that crosses
+   * it): the scan of a piece never reads much further, whatever the run's
+   * length.  Characters are decoded up to the text's end. */
+  const uint8_t *end = full_end - s > (ptrdiff_t)BPE_MAX_PIECE ? s + BPE_MAX_PIECE : full_end;
   const uint8_t *p = s;
   int k;
   /* 's 't 're 've 'm 'll 'd */
@@ -266,11 +300,11 @@ static size_t piece_len(const uint8_t *s, const uint8_t *end) {
         return 3;
     }
   }
-  size_t n = char_at(p, end, &k);
+  size_t n = char_at(p, full_end, &k);
   /* " ?\p{L}+", " ?\p{N}+", " ?[^\s\p{L}\p{N}]+" with the space */
   if (*p == ' ' && end - p >= 2) {
     int k1;
-    size_t n1 = char_at(p + 1, end, &k1);
+    size_t n1 = char_at(p + 1, full_end, &k1);
     if (k1 != C_SPACE) {
       k = k1;
       p += 1 + n1;
@@ -287,12 +321,13 @@ static size_t piece_len(const uint8_t *s, const uint8_t *end) {
     p += n;
     while (p < end) {
       int kk;
-      size_t m = char_at(p, end, &kk);
+      size_t m = char_at(p, full_end, &kk);
       if (kk != C_SPACE) break;
       last = p;
       p += m;
     }
-    if (p == end || last == s) return (size_t)(p - s);
+    /* At the text's end, or at the cap (a piece of its own): the run. */
+    if (p >= end || last == s) return (size_t)(p - s);
     return (size_t)(last - s);
   }
 run:
@@ -304,7 +339,7 @@ run:
       continue;
     }
     int kk;
-    size_t m = char_at(p, end, &kk);
+    size_t m = char_at(p, full_end, &kk);
     if (kk != k) break;
     p += m;
   }

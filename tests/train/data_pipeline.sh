@@ -220,6 +220,18 @@ if train_run reseeded 2 --steps 8 --checkpoint-dir "$tmp/ck3" --seed 9 &&
    grep -q "its data position is in another order (240 sequences, seed 1337; this run: 240, seed 9): epoch 0 starts over" "$tmp/reseeded.log"; then
   ok "resumed with another seed: the epoch starts over, saying why"
 else bad "resume with another seed: $(grep -m1 'checkpoint of step\|resumed' "$tmp/reseeded.log")"; fi
+# 12 MB of letters and no white space: cut at the pieces' own boundaries
+# (it was one unit: all of it validation, and 17 bytes of memory per byte
+# in one piece), so memory stays near the input's size and there is a
+# training part.
+$py -c "import random; random.seed(5); open('$tmp/nows.txt','w').write(''.join(random.choice('abcdefgh') for _ in range(12 << 20)))"
+peak=$($py -c 'import resource, subprocess, sys
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024 if rc == 0 else -1)' \
+  "$data" prepare "$tmp/nows.txt" -o "$tmp/nows" --tokenizer "$tmp/d1" --threads 2)
+if [ "$peak" -gt 0 ] && [ "$peak" -lt 60 ] && ls "$tmp/nows" | grep -q '_train_'; then
+  ok "12 MB without white space: peak $peak MB, a training part (was: one unit, about 210 MB)"
+else bad "12 MB without white space: peak $peak MB; $(ls "$tmp/nows" 2>&1 | tr '\n' ' ')"; fi
 [ "$fails" -eq 0 ] && echo "all data checks passed" && exit 0
 echo "$fails data check(s) failed"
 exit 1

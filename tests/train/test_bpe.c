@@ -259,6 +259,94 @@ TEST(cut_places) {
   ASSERT_EQ(chorus_bpe_cut("ab cd ef", 8, 3), 5);
 }
 
+/* A place chorus_bpe_cut_pieces gives is a boundary of the whole text's
+ * pieces, and the text cut there has the same pieces on both sides: at
+ * every place of random mixtures (as above), and of texts holding runs
+ * longer than a piece may be (64 KiB of letters, of CJK characters, of
+ * digits, of spaces, of symbols), which are cut into pieces of at most
+ * 64 KiB and a character (issue 42: without white space a text was one
+ * piece, 17 bytes of memory per byte). */
+static int cuts_agree(const uint8_t *text, size_t len, const char *whole, size_t c) {
+  char *part = malloc(len + 1);
+  int ok = part != NULL;
+  if (ok) {
+    boundaries(text, c, part);
+    ok = whole[c] && !memcmp(whole, part, c);
+  }
+  if (ok) {
+    boundaries(text + c, len - c, part);
+    ok = !memcmp(whole + c, part, len - c + 1);
+  }
+  free(part);
+  return ok;
+}
+
+TEST(cut_pieces) {
+  static const char *const frag[] = {
+      "a", "Z", "\xc3\xa9", "\xe6\x97\xa5", "1", "\xd9\xa3", "'", "s", "ll", " ", "  ", "\n",
+      "\r\n", "\t", "\xc2\xa0", "\xe3\x80\x80", "\xe3\x80\x82", "\x1c", ".", "!", "\xcc\x81",
+      "\xff", "\xc3", "'re"};
+  const size_t nfrag = sizeof frag / sizeof *frag;
+  uint8_t text[256];
+  char whole[257];
+  unsigned seed = 777;
+  size_t cuts = 0;
+  for (int round = 0; round < 2000; round++) {
+    size_t len = 0;
+    for (int k = 0; k < 40; k++) {
+      seed = seed * 1103515245u + 12345u;
+      const char *f = frag[(seed >> 16) % nfrag];
+      size_t n = strlen(f);
+      if (len + n > sizeof text) break;
+      memcpy(text + len, f, n);
+      len += n;
+    }
+    boundaries(text, len, whole);
+    size_t start = 0;
+    for (size_t p = 0; p < len;) {
+      size_t c = chorus_bpe_cut_pieces(text, len, start, p);
+      ASSERT_TRUE(c >= p && c <= len);
+      if (c == len) break;
+      cuts++;
+      if (!cuts_agree(text, len, whole, c)) {
+        HARNESS_FAIL("round %d: a cut at %zu of \"%.*s\" changes the pieces", round, c,
+                     (int)len, (const char *)text);
+        return;
+      }
+      start = c;
+      p = c + 1 + (seed >> 20) % 7;
+    }
+  }
+  ASSERT_TRUE(cuts > 5000);
+  /* Long runs, each between two words. */
+  static const char *const run[] = {"a", "\xe6\x97\xa5", "7", " ", "#", "\n"};
+  const size_t big = 200000;
+  uint8_t *t = malloc(big + 64);
+  char *w = malloc(big + 65);
+  ASSERT_TRUE(t && w);
+  for (size_t r = 0; r < sizeof run / sizeof *run; r++) {
+    size_t len = 0, k = strlen(run[r]);
+    memcpy(t, "word ", 5), len = 5;
+    while (len + k + 6 < big) memcpy(t + len, run[r], k), len += k;
+    memcpy(t + len, " end.", 5), len += 5;
+    boundaries(t, len, w);
+    size_t longest = 0, last = 0;
+    for (size_t i = 1; i <= len; i++)
+      if (w[i]) longest = i - last > longest ? i - last : longest, last = i;
+    ASSERT_TRUE(longest >= (64u << 10) && longest <= (64u << 10) + 3);
+    size_t start = 0, n = 0;
+    for (size_t p = 1000; p < len; p += 30011) {
+      size_t c = chorus_bpe_cut_pieces(t, len, start, p);
+      if (c == len) break;
+      ASSERT_TRUE(cuts_agree(t, len, w, c));
+      start = c, n++;
+    }
+    ASSERT_TRUE(n >= 2);
+  }
+  free(t);
+  free(w);
+}
+
 /* --------------------------------------------------- hand-made vocabulary */
 
 TEST(hand_vocab) {
@@ -552,7 +640,7 @@ TEST(train_save_load_roundtrip) {
 TEST(long_pieces) {
   chorus_bpe_t *t = train_on(k_text, sizeof k_text - 1, 2, 280);
   ASSERT_TRUE(t != NULL);
-  /* 1 MB of spaces and 1 MB of symbols: one piece each. */
+  /* 1 MB of spaces and 1 MB of symbols: pieces of 64 KiB. */
   size_t n = 1 << 20;
   unsigned char *s = malloc(n);
   for (int kind = 0; kind < 2; kind++) {
@@ -561,7 +649,9 @@ TEST(long_pieces) {
       x ^= x << 13, x ^= x >> 7, x ^= x << 17;
       s[i] = kind ? (unsigned char)"!#$%&*+-/<=>?@^~"[x % 16] : ' ';
     }
-    ASSERT_EQ(chorus__bpe_piece_len(s, s + n), n);
+    /* At most 64 KiB a piece (the tokenizer's one departure from GPT-2's
+     * pattern, for memory). */
+    ASSERT_EQ(chorus__bpe_piece_len(s, s + n), (size_t)64 << 10);
     uint32_t *toks;
     size_t nt = encode(t, s, n, &toks);
     ASSERT_TRUE(nt != (size_t)-1 && nt > 0);
@@ -647,6 +737,7 @@ int main(void) {
   }
   RUN(scanner_cases);
   RUN(cut_places);
+  RUN(cut_pieces);
   RUN(hand_vocab);
   RUN(rank_order_rule);
   RUN(load_errors);

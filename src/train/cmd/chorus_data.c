@@ -221,6 +221,11 @@ static void plan_file(int i, size_t val_bytes, size_t *seen) {
        * non-space character followed by ASCII whitespace: the end of nearly
        * every word or sentence, in any script). */
       end = want >= f->len ? f->len : chorus_bpe_cut(f->map, f->len, want);
+      /* No white space for another unit's length: a boundary of the
+       * pieces themselves, found by scanning them from the unit's start
+       * (a text without white space would be one unit: its tokens, and
+       * the encoder's state, held at once). */
+      if (end - want > UNIT_BYTES) end = chorus_bpe_cut_pieces(f->map, f->len, off, want);
     }
     add_unit(i, off, end - off, line, off == 0, val);
     if (f->jsonl)
