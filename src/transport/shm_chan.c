@@ -3,14 +3,14 @@
  * ranks of one host, point-to-point and collective, through a ring in shared
  * memory instead of loopback TCP.
  *
- * Inboxes.  Every rank that has peers on its host creates one inbox, a
- * shared-memory object of its own (O_EXCL, mode 600, memory reserved up
- * front):
+ * Inboxes.  Every rank that has peers on its host creates one inbox, an
+ * anonymous shared-memory file (memfd_create, its size sealed, memory
+ * reserved up front):
  *
- *   header   magic (stored last), geometry, the owner's pid, how many
- *            senders mapped it, and two words senders read before ringing:
- *            `sleeping` (the owner's progress thread is in, or about to enter,
- *            epoll_wait) and `polling` (owner threads spin on their rings)
+ *   header   magic (stored last), geometry, the owner's pid, and two words
+ *            senders read before ringing: `sleeping` (the owner's progress
+ *            thread is in, or about to enter, epoll_wait) and `polling`
+ *            (owner threads spin on their rings)
  *   rings    one per local rank (by its index among the host's ranks; the
  *            owner's own is unused): the sender's `head` (bytes written) and
  *            the owner's `tail` (bytes consumed) on cache lines of their own,
@@ -23,22 +23,29 @@
  * into the posted receive (or an early-message buffer) by the owner.  Both
  * copies run at once, in pieces of at most PIECE bytes.
  *
- * The name of an inbox is "/chorus-<job>-<host tag>-<world id>-<nonce>",
- * with the owner's nonce from the rendezvous, so nobody outside the job can
- * know it in advance; a sender checks that the object belongs to this user
- * and nobody else can open it, and checks its geometry before using any
- * offset.  The last of the owner's local peers to map it unlinks the name;
- * the memory goes with the last mapping, also after a crash (chorusrun
- * removes names a crash left behind).
+ * An inbox has no name: nobody can create it first, open it, or find one
+ * left behind by a crash (its memory goes with the last descriptor and
+ * mapping).  The owner hands its descriptor to each local peer over the
+ * peer's doorbell (SCM_RIGHTS), with a message that names the world, both
+ * ranks and an HMAC under the job key over them and the receiver's nonce;
+ * the receiver takes it only with that proof and with the sender's
+ * credentials, which the kernel adds (SO_PASSCRED), showing this user and
+ * the pid the inbox's header names; it checks the seal and the geometry
+ * before using any offset.  Anything else that arrives there -- a
+ * stranger's descriptor, a wake-up datagram -- is dropped (the kernel
+ * closes descriptors nobody takes).
  *
- * Doorbells.  Each rank binds an abstract datagram socket (named after the
- * world id, its rank and its nonce) that the progress thread watches.  A
- * sender that published bytes rings the owner's bell only when the owner
- * sleeps and no owner thread polls; an owner that consumed bytes rings the
- * sender's when the sender waits for space.  Both sides publish, fence, then
- * read the other's word (and the sleeper re-checks after raising its own),
- * so one of the two always sees the other: no wake-up is lost.  A datagram
- * from a stranger only wakes the thread.
+ * Doorbells.  Each rank binds an abstract datagram socket that the
+ * progress thread watches, named "chorus-bell-" and 32 hex digits of an
+ * HMAC under the job key of the world id, the rank and its nonce: only the
+ * job's ranks can compute it, and /proc/net/unix, which lists it to every
+ * user, shows nothing a stranger can use.  A sender that published bytes
+ * rings the owner's bell only when the owner sleeps and no owner thread
+ * polls; an owner that consumed bytes rings the sender's when the sender
+ * waits for space.  Both sides publish, fence, then read the other's word
+ * (and the sleeper re-checks after raising its own), so one of the two
+ * always sees the other: no wake-up is lost.  A datagram from a stranger
+ * only wakes the thread.
  *
  * Waiting threads poll the rings themselves for a short while before they
  * block (chorus__ep_wait), so a small message costs no system call on
@@ -54,6 +61,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +78,7 @@
 #include "transport/chan.h"
 #include "transport/shm.h"
 #include "util/clock.h"
+#include "util/crypto.h"
 #include "util/env.h"
 #include "util/util.h"
 
@@ -89,7 +98,7 @@ typedef struct inbox_hdr {
   uint32_t version, nslots;
   uint64_t ring_bytes, bytes;
   int64_t pid;
-  uint32_t mapped; /* atomic: senders that mapped it */
+  uint32_t unused;
   unsigned char pad0[84];
   uint32_t sleeping; /* atomic */
   uint32_t polling;  /* atomic */
@@ -152,7 +161,6 @@ struct shm_chan {
   int bell_fd;      /* this rank's doorbell (bound) */
   int send_fd;      /* for ringing the others */
   chorus__watch_t bell_watch;
-  char name[128]; /* this rank's inbox */
 };
 
 static chorus__tp_t *link_tp(const link_t *l) { return l->ch->base.tp; }
@@ -163,13 +171,21 @@ static void ring_bell(shm_chan_t *ch, link_t *l) {
                 l->bell_len);
 }
 
-static void bell_addr(struct sockaddr_un *a, socklen_t *len, uint64_t world, int rank,
-                      uint64_t nonce) {
+/* The abstract name of rank's doorbell (the file's comment). */
+static void bell_addr(struct sockaddr_un *a, socklen_t *len, const chorus__key_t *key,
+                      uint64_t world, int rank, uint64_t nonce) {
+  static const char label[] = "chorus shm bell";
+  uint32_t r = (uint32_t)rank;
+  const void *parts[] = {label, &world, &r, &nonce};
+  const size_t lens[] = {sizeof label, sizeof world, sizeof r, sizeof nonce};
+  uint8_t mac[CHORUS__MAC_LEN];
+  chorus__hmac(key, parts, lens, 4, mac);
+  char hex[33];
+  chorus__hex(hex, mac, 16);
   memset(a, 0, sizeof *a);
   a->sun_family = AF_UNIX;
   /* Abstract (leading NUL): no file, gone with the socket. */
-  int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "chorus-bell-%016" PRIx64 "-%d-%016" PRIx64,
-                   world, rank, nonce);
+  int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "chorus-bell-%s", hex);
   *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
@@ -391,12 +407,7 @@ static void shm_destroy(chorus__chan_t *base) {
       if (l->peer_base) munmap(l->peer_base, l->peer_bytes);
     }
   }
-  /* Normally the last peer to map it removed the name; not if one never
-   * did (it failed first). */
-  if (ch->mine) {
-    shm_unlink(ch->name);
-    munmap(ch->mine, ch->mine_bytes);
-  }
+  if (ch->mine) munmap(ch->mine, ch->mine_bytes);
   if (ch->bell_fd >= 0) close(ch->bell_fd);
   if (ch->send_fd >= 0) close(ch->send_fd);
   free(ch->links);
@@ -430,62 +441,194 @@ static int open_pidfd(pid_t pid) {
 #endif
 }
 
-/* Maps rank w's inbox (it may not exist yet: the owner creates it after
- * the same rendezvous), checks it, and sets l's outbound side up. */
-static chorus_result_t attach_peer(shm_chan_t *ch, link_t *l, const char *name, int64_t deadline,
-                                   char *errmsg, size_t cap) {
-  int fd = -1;
+/* Maps the inbox a local peer handed over (fd, from the process pid the
+ * kernel vouched for), checks it, and sets l's outbound side up; fd is
+ * closed. */
+static chorus_result_t attach_peer(shm_chan_t *ch, link_t *l, int fd, pid_t pid, char *errmsg,
+                                   size_t cap) {
   struct stat sb;
   void *base = MAP_FAILED;
-  for (;;) {
-    fd = chorus__shm_open_own(name, &sb, errmsg, cap);
-    if (fd >= 0) {
-      if ((size_t)sb.st_size >= sizeof(inbox_hdr_t)) {
-        base = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (base != MAP_FAILED &&
-            __atomic_load_n(&((inbox_hdr_t *)base)->magic, __ATOMIC_ACQUIRE) == INBOX_MAGIC)
-          break;
-        if (base != MAP_FAILED) munmap(base, (size_t)sb.st_size);
-        base = MAP_FAILED;
-      }
-      close(fd);
-      fd = -1;
-    } else if (errno != ENOENT) {
-      return errno == EPERM ? CHORUS_ERR_PROTOCOL : CHORUS_ERR_SYSTEM;
-    }
-    if (chorus__ms_left(deadline) == 0) {
-      snprintf(errmsg, cap, "local rank %d (world rank %d) did not create its shared-memory "
-               "inbox %s in time (is /dev/shm shared between the ranks of this host? "
-               "CHORUS_TRANSPORT=tcp avoids shared memory)", l->lidx, l->peer->rank, name);
-      return CHORUS_ERR_TIMEOUT;
-    }
-    struct timespec ts = {0, 1000000};
-    nanosleep(&ts, NULL);
-  }
+  int seals = fcntl(fd, F_GET_SEALS);
+  size_t bytes = inbox_bytes(ch->nlocal, ch->ring_bytes);
+  if (fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_uid == geteuid() &&
+      (size_t)sb.st_size == bytes && seals >= 0 && (seals & F_SEAL_SHRINK))
+    base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   inbox_hdr_t *h = base;
-  size_t bytes = (size_t)sb.st_size;
-  size_t rb = h->ring_bytes;
-  if (h->version != INBOX_VERSION || h->nslots != (uint32_t)ch->nlocal || rb != ch->ring_bytes ||
-      h->bytes != bytes || inbox_bytes(ch->nlocal, rb) != bytes || h->pid <= 0) {
-    snprintf(errmsg, cap, "%s does not hold an inbox for %d local ranks with %zu-byte rings",
-             name, ch->nlocal, ch->ring_bytes);
-    munmap(base, bytes);
+  if (base == MAP_FAILED ||
+      __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != INBOX_MAGIC ||
+      h->version != INBOX_VERSION || h->nslots != (uint32_t)ch->nlocal ||
+      h->ring_bytes != ch->ring_bytes || h->bytes != bytes || h->pid != (int64_t)pid) {
+    snprintf(errmsg, cap, "local rank %d (world rank %d, pid %d) handed over a shared-memory "
+             "inbox that is not one for %d local ranks with %zu-byte rings, sealed, of this user",
+             l->lidx, l->peer->rank, (int)pid, ch->nlocal, ch->ring_bytes);
+    if (base != MAP_FAILED) munmap(base, bytes);
     return CHORUS_ERR_PROTOCOL;
   }
   l->peer_base = base;
   l->peer_bytes = bytes;
   l->peer_hdr = h;
   l->out = (ring_t *)((char *)base + rings_offset()) + ch->me;
-  l->out_data = (unsigned char *)base + data_offset(ch->nlocal) + (size_t)ch->me * rb;
-  l->pidfd = open_pidfd((pid_t)h->pid);
+  l->out_data = (unsigned char *)base + data_offset(ch->nlocal) + (size_t)ch->me * ch->ring_bytes;
+  l->pidfd = open_pidfd(pid);
   if (l->pidfd < 0)
-    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus: no pidfd for local rank %d (pid %" PRId64 "): %s; "
-                 "its death is found by silence instead", l->lidx, h->pid, strerror(errno));
-  /* The last sender to map it removes the name. */
-  if (__atomic_add_fetch(&h->mapped, 1, __ATOMIC_ACQ_REL) == (uint32_t)ch->nlocal - 1)
-    shm_unlink(name);
+    CHORUS_DEBUG(CHORUS__SUB_TCP, "chorus: no pidfd for local rank %d (pid %d): %s; its death "
+                 "is found by silence instead", l->lidx, (int)pid, strerror(errno));
   return CHORUS_OK;
+}
+
+/* What goes with an inbox's descriptor to a local peer's doorbell. */
+typedef struct {
+  uint64_t magic, world;
+  uint32_t from, to; /* world ranks */
+  uint8_t mac[CHORUS__MAC_LEN];
+} handover_t;
+
+static void handover_mac(const chorus__key_t *key, const handover_t *m, uint64_t nonce_to,
+                         uint8_t mac[CHORUS__MAC_LEN]) {
+  static const char label[] = "chorus shm inbox";
+  const void *parts[] = {label, &m->world, &m->from, &m->to, &nonce_to};
+  const size_t lens[] = {sizeof label, sizeof m->world, sizeof m->from, sizeof m->to,
+                         sizeof nonce_to};
+  chorus__hmac(key, parts, lens, 5, mac);
+}
+
+/* Sends this rank's inbox (memfd) to l's doorbell: 1 sent, 0 not yet
+ * (the peer has not bound it, or its queue is full), -1 error (errno). */
+static int hand_over(shm_chan_t *ch, const chorus__tp_config_t *cfg, link_t *l, int memfd) {
+  handover_t m = {INBOX_MAGIC, cfg->world_id, (uint32_t)cfg->rank, (uint32_t)l->peer->rank, {0}};
+  handover_mac(&ch->base.tp->key, &m, cfg->nonce[l->peer->rank], m.mac);
+  struct iovec iov = {&m, sizeof m};
+  union {
+    struct cmsghdr align;
+    char buf[CMSG_SPACE(sizeof(int))];
+  } ctl;
+  memset(&ctl, 0, sizeof ctl);
+  struct msghdr mh = {.msg_name = &l->bell, .msg_namelen = l->bell_len, .msg_iov = &iov,
+                      .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(c), &memfd, sizeof(int));
+  if (sendmsg(ch->send_fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof m) return 1;
+  if (errno == ECONNREFUSED || errno == ENOENT || errno == EAGAIN || errno == EWOULDBLOCK ||
+      errno == ENOBUFS || errno == EINTR)
+    return 0;
+  return -1;
+}
+
+/* Takes one datagram off this rank's doorbell during set-up: a local
+ * peer's inbox (attached to its link), or anything else (dropped, its
+ * descriptors closed).  1 attached, 0 nothing usable, -1 nothing queued,
+ * or -2 with *st set (a member's inbox is unusable). */
+static int take_handover(shm_chan_t *ch, const chorus__tp_config_t *cfg, const int *lidx_of,
+                         chorus_result_t *st, char *errmsg, size_t cap) {
+  handover_t m;
+  char extra;
+  struct iovec iov[2] = {{&m, sizeof m}, {&extra, 1}};
+  union {
+    struct cmsghdr align;
+    char buf[CMSG_SPACE(4 * sizeof(int)) + CMSG_SPACE(sizeof(struct ucred))];
+  } ctl;
+  struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = ctl.buf,
+                      .msg_controllen = sizeof ctl.buf};
+  ssize_t n = recvmsg(ch->bell_fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0) return -1;
+  int fds[8], nfds = 0, have_cred = 0;
+  struct ucred cred = {0, 0, 0};
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET) continue;
+    if (c->cmsg_type == SCM_RIGHTS) {
+      size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < k && nfds < 8; i++)
+        memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+    } else if (c->cmsg_type == SCM_CREDENTIALS && c->cmsg_len >= CMSG_LEN(sizeof cred)) {
+      memcpy(&cred, CMSG_DATA(c), sizeof cred);
+      have_cred = 1;
+    }
+  }
+  int from = (int)m.from, ok = 0;
+  link_t *l = NULL;
+  if (n == (ssize_t)sizeof m && !(mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && nfds == 1 &&
+      have_cred && cred.uid == geteuid() && m.magic == INBOX_MAGIC &&
+      m.world == cfg->world_id && m.to == (uint32_t)cfg->rank && m.from < (uint32_t)cfg->size &&
+      lidx_of[from] >= 0 && from != cfg->rank) {
+    l = &ch->links[lidx_of[from]];
+    uint8_t want[CHORUS__MAC_LEN];
+    handover_mac(&ch->base.tp->key, &m, cfg->nonce[cfg->rank], want);
+    ok = !l->peer_base && chorus__ct_equal(want, m.mac, sizeof want);
+  }
+  if (!ok) {
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    /* A descriptor or a message of the handover's size from someone who
+     * cannot prove the key: say so once (a wake-up is silent). */
+    if ((nfds || n == (ssize_t)sizeof m) && !(l && l->peer_base)) {
+      static int said;
+      if (!said++)
+        CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: dropped a datagram on its shared-memory "
+                    "doorbell that is not a local rank's inbox (uid %u, pid %d): a stranger, "
+                    "or another job", cfg->rank, (unsigned)cred.uid, (int)cred.pid);
+    }
+    return 0;
+  }
+  *st = attach_peer(ch, l, fds[0], cred.pid, errmsg, cap);
+  return *st == CHORUS_OK ? 1 : -2;
+}
+
+/* Every local peer gets this rank's inbox and hands over its own, within
+ * cfg->deadline. */
+static chorus_result_t exchange_inboxes(shm_chan_t *ch, const chorus__tp_config_t *cfg,
+                                        int memfd, char *errmsg, size_t cap) {
+  int nlocal = ch->nlocal, to_send = nlocal - 1, to_take = nlocal - 1;
+  int *lidx_of = malloc(sizeof(int) * (size_t)cfg->size);
+  char *sent = calloc((size_t)nlocal, 1);
+  chorus_result_t st = CHORUS_OK;
+  if (!lidx_of || !sent) {
+    free(lidx_of), free(sent);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  for (int r = 0; r < cfg->size; r++) lidx_of[r] = -1;
+  for (int i = 0; i < nlocal; i++)
+    if (i != ch->me) lidx_of[ch->links[i].peer->rank] = i;
+  for (;;) {
+    for (int i = 0; i < nlocal && to_send; i++) {
+      if (i == ch->me || sent[i]) continue;
+      int rc = hand_over(ch, cfg, &ch->links[i], memfd);
+      if (rc < 0) {
+        snprintf(errmsg, cap, "cannot hand the shared-memory inbox to local rank %d (world rank "
+                 "%d): %s", i, ch->links[i].peer->rank, strerror(errno));
+        st = CHORUS_ERR_SYSTEM;
+        goto out;
+      }
+      if (rc) sent[i] = 1, to_send--;
+    }
+    int rc;
+    while (to_take && (rc = take_handover(ch, cfg, lidx_of, &st, errmsg, cap)) != -1) {
+      if (rc == -2) goto out;
+      to_take -= rc;
+    }
+    if (!to_send && !to_take) break;
+    int left = chorus__ms_left(cfg->deadline);
+    if (left == 0) {
+      int i = 0;
+      while (i < nlocal && (i == ch->me || (to_send ? sent[i] : ch->links[i].peer_base != NULL)))
+        i++;
+      if (i == nlocal) i = ch->me == 0 ? 1 : 0;
+      snprintf(errmsg, cap, to_send ? "local rank %d (world rank %d) did not open its "
+               "shared-memory doorbell in time, so it could not be handed this rank's inbox"
+               : "local rank %d (world rank %d) did not hand over its shared-memory inbox in "
+               "time", i, ch->links[i].peer->rank);
+      st = CHORUS_ERR_TIMEOUT;
+      goto out;
+    }
+    struct pollfd pf = {ch->bell_fd, POLLIN, 0};
+    poll(&pf, 1, CHORUS__MIN(left, to_send ? 1 : 100));
+  }
+out:
+  free(lidx_of);
+  free(sent);
+  return st;
 }
 
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
@@ -521,30 +664,30 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     st = CHORUS_ERR_NO_MEMORY;
     goto fail;
   }
-  /* This rank's doorbell, then its inbox (the bell is bound before anyone
-   * can find the inbox and ring). */
+  /* This rank's doorbell (the kernel adds each sender's credentials),
+   * then its inbox; the bell is watched once the inboxes went round. */
   struct sockaddr_un a;
   socklen_t alen;
-  bell_addr(&a, &alen, cfg->world_id, cfg->rank, cfg->nonce[cfg->rank]);
+  const chorus__key_t *key = &tp->key;
+  bell_addr(&a, &alen, key, cfg->world_id, cfg->rank, cfg->nonce[cfg->rank]);
   ch->bell_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   ch->send_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (ch->bell_fd < 0 || ch->send_fd < 0 || bind(ch->bell_fd, (struct sockaddr *)&a, alen) < 0 ||
-      chorus__tp_watch(tp, ch->bell_fd, EPOLLIN, &ch->bell_watch) < 0) {
+  int on = 1;
+  if (ch->bell_fd < 0 || ch->send_fd < 0 ||
+      setsockopt(ch->bell_fd, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0 ||
+      bind(ch->bell_fd, (struct sockaddr *)&a, alen) < 0) {
     snprintf(errmsg, errcap, "cannot make the shared-memory doorbell: %s", strerror(errno));
     st = CHORUS_ERR_SYSTEM;
     goto fail;
   }
-  char *name = ch->name;
-  chorus__shm_name(name, sizeof ch->name, chorus__env()->JOB_ID, cfg->world_id,
-                   cfg->nonce[cfg->rank]);
   size_t bytes = inbox_bytes(nlocal, ch->ring_bytes);
-  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  int fd = memfd_create("chorus-inbox", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
-    snprintf(errmsg, errcap, "shm_open(%s): %s", name, strerror(errno));
+    snprintf(errmsg, errcap, "memfd_create (the shared-memory inbox): %s", strerror(errno));
     st = CHORUS_ERR_SYSTEM;
     goto fail;
   }
-  int rc = posix_fallocate(fd, 0, (off_t)bytes);
+  int rc = ftruncate(fd, (off_t)bytes) == 0 ? posix_fallocate(fd, 0, (off_t)bytes) : errno;
   if (rc == 0) {
     ch->mine = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (ch->mine == MAP_FAILED) {
@@ -552,13 +695,14 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
       ch->mine = NULL;
     }
   }
-  close(fd);
+  if (rc == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    rc = errno;
   if (rc != 0) {
-    shm_unlink(name);
-    snprintf(errmsg, errcap, "cannot reserve %zu bytes in /dev/shm for the shared-memory inbox "
-             "(%d local ranks x %zu KiB rings): %s; CHORUS_SHM_P2P_RING sets the ring size",
+    close(fd);
+    snprintf(errmsg, errcap, "cannot reserve %zu bytes of shared memory for the inbox (%d local "
+             "ranks x %zu KiB rings): %s; CHORUS_SHM_P2P_RING sets the ring size",
              bytes, nlocal, ch->ring_bytes >> 10, strerror(rc));
-    st = rc == ENOSPC ? CHORUS_ERR_NO_MEMORY : CHORUS_ERR_SYSTEM;
+    st = rc == ENOSPC || rc == ENOMEM ? CHORUS_ERR_NO_MEMORY : CHORUS_ERR_SYSTEM;
     goto fail;
   }
   ch->mine_bytes = bytes;
@@ -583,23 +727,24 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     l->in = (ring_t *)((char *)ch->mine + rings_offset()) + l->lidx;
     l->in_data = (unsigned char *)ch->mine + data_offset(nlocal) + (size_t)l->lidx * ch->ring_bytes;
     l->pid_watch = (chorus__watch_t){on_pid, l};
-    bell_addr(&l->bell, &l->bell_len, cfg->world_id, r, cfg->nonce[r]);
+    bell_addr(&l->bell, &l->bell_len, key, cfg->world_id, r, cfg->nonce[r]);
     chorus__tp_rx_attach(tp, l->peer, &l->rx, &ch->base, l);
     l->peer->chan = &ch->base;
     l->peer->link = l;
   }
-  /* Map every local peer's inbox. */
+  /* Every local peer's inbox, and ours to each of them. */
+  st = exchange_inboxes(ch, cfg, fd, errmsg, errcap);
+  close(fd);
   for (int i = 0; i < nlocal && st == CHORUS_OK; i++) {
     link_t *l = &ch->links[i];
-    if (i == me) continue;
-    char pname[128];
-    chorus__shm_name(pname, sizeof pname, chorus__env()->JOB_ID, cfg->world_id,
-                     cfg->nonce[l->peer->rank]);
-    st = attach_peer(ch, l, pname, cfg->deadline, errmsg, errcap);
-    if (st == CHORUS_OK && l->pidfd >= 0 && chorus__tp_watch(tp, l->pidfd, EPOLLIN, &l->pid_watch) < 0) {
+    if (i != me && l->pidfd >= 0 && chorus__tp_watch(tp, l->pidfd, EPOLLIN, &l->pid_watch) < 0) {
       close(l->pidfd);
       l->pidfd = -1;
     }
+  }
+  if (st == CHORUS_OK && chorus__tp_watch(tp, ch->bell_fd, EPOLLIN, &ch->bell_watch) < 0) {
+    snprintf(errmsg, errcap, "cannot watch the shared-memory doorbell: %s", strerror(errno));
+    st = CHORUS_ERR_SYSTEM;
   }
   if (st != CHORUS_OK) goto fail;
   /* With fewer CPUs than local ranks a polling thread may hold the CPU

@@ -28,6 +28,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -44,6 +45,8 @@
 #include "transport/wire.h"
 #include "util/clock.h"
 #include "util/crypto.h"
+#include "util/env.h"
+#include "util/host.h"
 #include "util/log.h"
 #include "util/net.h"
 #include "util/secret.h"
@@ -637,6 +640,127 @@ TEST(shm_squatter) {
   ASSERT_CONTAINS(err, "not a segment of this job");
 }
 
+/* Issue 42, item 3: another local user (nobody, when this runs as root)
+ * watches /proc/net/unix while 4 ranks form a world over shared memory.
+ * Every doorbell it sees, it attacks: where the name carries the world id
+ * and a rank's nonce (the old form), it creates that rank's inbox name in
+ * /dev/shm first, which made init fail; and to every bell it sends
+ * datagrams the size of an inbox handover with a descriptor of its own.
+ * The world must form and all_reduce right, and no bell may tell the
+ * stranger a nonce. */
+static void shm_stranger_main(int wfd) {
+  if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(3);
+  char tag[9];
+  chorus__host_tag(tag);
+  const char *job = chorus__env()->JOB_ID;
+  int memfd = memfd_create("stranger", MFD_CLOEXEC);
+  if (memfd < 0 || ftruncate(memfd, 1 << 20) != 0) _exit(4);
+  int sfd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  char seen[64][80];
+  int nseen = 0, old_form = 0, squatted = 0, sent = 0;
+  double end = now_ms() + 30000;
+  while (now_ms() < end) {
+    FILE *f = fopen("/proc/net/unix", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+      char *at = strstr(line, "@chorus-bell-");
+      if (!at) continue;
+      at[strcspn(at, "\n ")] = '\0';
+      int known = 0;
+      for (int i = 0; i < nseen; i++) known |= !strcmp(seen[i], at);
+      if (known || nseen == 64) continue;
+      snprintf(seen[nseen++], sizeof seen[0], "%s", at);
+      uint64_t world, nonce;
+      int rank;
+      if (sscanf(at, "@chorus-bell-%16" SCNx64 "-%d-%16" SCNx64, &world, &rank, &nonce) == 3) {
+        old_form++;
+        char name[128];
+        chorus__shm_name(name, sizeof name, job, world, nonce);
+        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+        if (fd >= 0) squatted++, close(fd);
+      }
+      struct sockaddr_un a = {.sun_family = AF_UNIX};
+      size_t n = strlen(at + 1);
+      memcpy(a.sun_path + 1, at + 1, n < sizeof a.sun_path - 2 ? n : sizeof a.sun_path - 2);
+      socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+      for (int k = 0; k < 4; k++) {
+        uint8_t junk[56]; /* a handover's size */
+        memset(junk, k, sizeof junk);
+        memcpy(junk, "CHRINBOX", 8);
+        struct iovec iov = {junk, sizeof junk};
+        union {
+          struct cmsghdr align;
+          char buf[CMSG_SPACE(sizeof(int))];
+        } ctl;
+        memset(&ctl, 0, sizeof ctl);
+        struct msghdr mh = {.msg_name = &a, .msg_namelen = alen, .msg_iov = &iov, .msg_iovlen = 1,
+                            .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &memfd, sizeof(int));
+        if (sendmsg(sfd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) > 0) sent++;
+      }
+    }
+    if (f) fclose(f);
+    static int said = -1;
+    if (said != nseen + sent) { /* what changed only: the pipe never fills */
+      char rep[64];
+      int len = snprintf(rep, sizeof rep, "%d %d %d %d\n", nseen, old_form, squatted, sent);
+      if (write(wfd, rep, (size_t)len) < 0) _exit(0);
+      said = nseen + sent;
+    }
+    usleep(200);
+  }
+  _exit(0);
+}
+
+TEST(shm_stranger) {
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  fcntl(p[0], F_SETFL, O_NONBLOCK);
+  pid_t self = getpid(), st_pid = fork();
+  if (st_pid == 0) {
+    child_die_with_parent(self);
+    close(p[0]);
+    shm_stranger_main(p[1]);
+  }
+  close(p[1]);
+  usleep(100 * 1000); /* the stranger is watching */
+  spawn(4, NULL);
+  rep_t reps[MAXR] = {0};
+  int got = collect(reps, 60000);
+  usleep(50 * 1000);
+  kill(st_pid, SIGKILL);
+  waitpid(st_pid, NULL, 0);
+  /* The stranger's last report. */
+  char buf[65536], last[64] = "0 0 0 0";
+  ssize_t k = read(p[0], buf, sizeof buf - 1);
+  close(p[0]);
+  if (k > 0) {
+    buf[k] = '\0';
+    char *e = buf + k - 1;
+    while (e > buf && *e == '\n') *e-- = '\0';
+    char *nl = strrchr(buf, '\n');
+    snprintf(last, sizeof last, "%.60s", nl ? nl + 1 : buf);
+  }
+  int nseen = 0, old_form = 0, squatted = 0, sent = 0;
+  sscanf(last, "%d %d %d %d", &nseen, &old_form, &squatted, &sent);
+  printf("  the stranger (%s) saw %d doorbells, %d with a nonce in the name, made %d inbox names "
+         "first, sent %d datagrams with its descriptor\n", geteuid() == 0 ? "uid 65534" :
+         "this user: not root", nseen, old_form, squatted, sent);
+  ASSERT_EQ(got, 4);
+  for (int r = 0; r < 4; r++) {
+    if (reps[r].status != CHORUS_OK) printf("  rank %d: %s\n", r, reps[r].msg);
+    ASSERT_EQ(reps[r].status, CHORUS_OK);
+    ASSERT_TRUE(reps[r].sum == 4.0);
+  }
+  ASSERT_TRUE(nseen >= 4); /* it saw the bells, and attacked them */
+  ASSERT_TRUE(sent >= 4);
+  ASSERT_EQ(old_form, 0);
+}
+
 /* ------------------------------------------ one peer against a transport */
 
 static int send_hdr(int fd, int type, int kind, uint64_t ep, int32_t tag, uint64_t count,
@@ -873,8 +997,9 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   /* Parsed once per process, before anything else reads the environment. */
   setenv("CHORUS_RECV_BUFFER_MAX", "1048576", 1);
-  /* The ranks of these cases share this host; the attacks are on TCP. */
-  setenv("CHORUS_TRANSPORT", "tcp", 1);
+  /* The ranks of these cases share this host; the attacks are on TCP
+   * (shm_stranger's are on shared memory). */
+  if (argc < 2 || strcmp(argv[1], "shm_stranger")) setenv("CHORUS_TRANSPORT", "tcp", 1);
   if (argc > 1 && !strcmp(argv[1], "encrypted_tamper")) setenv("CHORUS_ENCRYPT", "1", 1);
   const char *slack = getenv("CHORUS_TEST_SLACK");
   if (slack && atof(slack) >= 1) g_slack = atof(slack);
@@ -904,5 +1029,6 @@ int main(int argc, char **argv) {
   CASE(shm_squatter);
   CASE(peer_budget);
   if (!all) CASE(encrypted_tamper); /* needs its own environment */
+  if (!all) CASE(shm_stranger);
   return HARNESS_DONE();
 }
