@@ -385,34 +385,21 @@ def _unpack(flat, buffers):
         off += len(m)
 
 
-def _refuse(g, exc):
-    """Raises exc for an argument error only this rank can see (the root's
-    list): the rank enters a barrier in the collective's place first, so the
-    ranks that did call it fail at once with a mismatch instead of waiting
-    for the timeout (where every rank erred alike, the barriers match and
-    the group stays usable)."""
-    try:
-        g._c.barrier(False)
-    except Error:
-        pass
-    raise exc
-
-
 def _check_root_list(g, lst, tensor, name, is_root):
     """gather's and scatter's list: only on the root, one entry per rank,
-    each the tensor's size.  Only this rank can see a mistake in it, so
-    it is refused through _refuse.  Returns the tensor's size in bytes."""
+    each the tensor's size.  Only this rank can see a mistake in it; the
+    error is only raised, and the group stays usable, as Gloo's does.
+    Returns the tensor's size in bytes."""
     n = _nbytes(tensor)
     if not is_root:
         if lst:
-            _refuse(g, ValueError("chorus: %s must be given only on the root rank" % name))
+            raise ValueError("chorus: %s must be given only on the root rank" % name)
         return n
     if lst is None or len(lst) != g.size():
-        _refuse(g, ValueError("chorus: %s needs %d tensors on the root rank" % (name, g.size())))
+        raise ValueError("chorus: %s needs %d tensors on the root rank" % (name, g.size()))
     for i, t in enumerate(lst):
         if _nbytes(t) != n:
-            _refuse(g, ValueError("chorus: %s[%d] has %d bytes, the tensor %d"
-                                  % (name, i, _nbytes(t), n)))
+            raise ValueError("chorus: %s[%d] has %d bytes, the tensor %d" % (name, i, _nbytes(t), n))
     return n
 
 

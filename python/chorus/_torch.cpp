@@ -1527,35 +1527,15 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
   static constexpr int kMonitoredBarrierTag = INT_MAX - 1;
   static constexpr int64_t kSparseMagic = 0x63686f7275735350;  // "chorusSP"
 
-  // Runs a collective's preparation and issue.  When it throws (an
-  // argument this rank got wrong, or the library refused the call), this
-  // rank enters a barrier in its place before rethrowing: when every rank
-  // made the same mistake the barriers match and the group stays usable;
-  // when only some did, the others' call meets a barrier and fails with
-  // CHORUS_ERR_MISMATCH on every rank at once instead of waiting for the
-  // timeout.
+  // Runs a collective's preparation and issue.  An argument error (this
+  // rank's, or one the library refused before anything was sent) only
+  // throws: the group stays usable, as Gloo's does (issue 42).  When the
+  // other ranks did enter the call, the next collective of this rank meets
+  // theirs and every rank fails with CHORUS_ERR_MISMATCH; one that never
+  // calls again leaves them to their timeout, as on Gloo.
   template <class F>
   c10::intrusive_ptr<c10d::Work> guarded(F&& f) {
-    try {
-      return f();
-    } catch (const LibraryError&) {
-      poison();
-      throw;
-    } catch (const std::exception& e) {
-      poison();
-      throw std::runtime_error(c10::str(e.what(), " (this rank entered a barrier in place of "
-                                        "the call, so that the other ranks' call fails rather "
-                                        "than waits)"));
-    }
-  }
-
-  void poison() noexcept {
-    try {
-      auto w = issue(OpType::BARRIER, "chorus:barrier", nullptr, {}, {}, {}, true,
-                     [&](chorus_work_t* h) { return chorus_barrier(comm(), h); });
-      w->getFuture();  // reaped by the completion thread
-    } catch (...) {
-    }
+    return f();
   }
 
   // Issues one operation: call(&handle) enters the library (in the

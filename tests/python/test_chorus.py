@@ -493,12 +493,20 @@ def main():
                "collectives with a dead peer")
         check(time.time() - t0 < 20, "dead peer noticed after %.1f s" % (time.time() - t0))
     elif MODE == "refuse":
-        # A gather_list only the destination can get wrong: the others fail
-        # fast (a mismatch), not at the timeout.
+        # A gather_list only the destination can get wrong: it raises there
+        # and touches nothing (the group stays usable, as Gloo's); the
+        # destination's next collective meets the others' gather, and every
+        # rank fails fast with a mismatch, not at the timeout.
         t0 = time.time()
-        gl = [np.zeros(3), np.zeros(4)] + [np.zeros(3)] * (size - 2) if rank == 0 else None
-        expect(ValueError if rank == 0 else chorus.MismatchError,
-               lambda: chorus.gather(np.zeros(3), gl, dst=0), "a bad gather_list on dst")
+        if rank == 0:
+            gl = [np.zeros(3), np.zeros(4)] + [np.zeros(3)] * (size - 2)
+            expect(ValueError, lambda: chorus.gather(np.zeros(3), gl, dst=0),
+                   "a bad gather_list on dst")
+            expect(chorus.MismatchError, lambda: chorus.barrier(),
+                   "the destination's next collective")
+        else:
+            expect(chorus.MismatchError, lambda: chorus.gather(np.zeros(3), None, dst=0),
+                   "the gather the destination refused")
         check(time.time() - t0 < 10, "refusal noticed after %.1f s" % (time.time() - t0))
     elif MODE == "timeout":
         if rank == 0:

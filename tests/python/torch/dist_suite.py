@@ -33,48 +33,16 @@ import logging
 import os
 import sys
 import tempfile
-import textwrap
 import time
-import types
 import unittest
+
+from suite_common import Recorder, install_expecttest
 
 SUITE = "torch.testing._internal.distributed.distributed_test"
 
 # Tests left out on purpose: name -> why.  Empty: every test Gloo runs here,
 # chorus runs.
 EXCLUDED = {}
-
-
-def _install_expecttest():
-    """The suite's harness (common_utils) derives its TestCase from
-    expecttest's, a small pip package Debian does not ship.  Where it is
-    missing, this module gives the two names the harness uses, with
-    expecttest's meaning: ACCEPT (rewrite expected strings in place, never
-    done here) and TestCase.assertExpectedInline (actual == dedented expected)."""
-    try:
-        import expecttest  # noqa: F401
-        return
-    except ImportError:
-        pass
-    mod = types.ModuleType("expecttest")
-    mod.ACCEPT = False
-
-    class TestCase(unittest.TestCase):
-        longMessage = True
-
-        def assertExpectedInline(self, actual, expect, skip=0):
-            self.assertEqual(textwrap.dedent(expect).strip("\n"), actual.strip("\n"))
-
-        def assertExpectedRaisesInline(self, exc_type, callable, expect, *args, **kwargs):
-            try:
-                callable(*args, **kwargs)
-            except exc_type as e:
-                self.assertExpectedInline(str(e), expect)
-                return
-            self.fail("Did not raise when expected to")
-
-    mod.TestCase = TestCase
-    sys.modules["expecttest"] = mod
 
 
 class _AsGloo(ast.NodeTransformer):
@@ -149,7 +117,7 @@ class _FastBarrier(ast.NodeTransformer):
 
 def load_suite(backend):
     """Imports the suite with chorus answering as Gloo (see the docstring)."""
-    _install_expecttest()
+    install_expecttest()
     import torch  # noqa: F401
     import chorus.torch  # registers "chorus"
     # DDP (any backend) imports torch.distributed._shard, which Python 3.11
@@ -237,51 +205,6 @@ class TestDistBackendWithSpawn(_suite.TestDistBackend, _suite.DistributedTest._D
         self._start_processes(torch.multiprocessing.get_context(self.START).Process)
 
 
-class _Recorder(unittest.TextTestResult):
-    """One line per test as it ends, and a record for --json."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.record = {}
-
-    def startTest(self, test):
-        self._t0 = time.monotonic()
-        unittest.TestResult.startTest(self, test)
-
-    def _done(self, test, status, detail=""):
-        name = test.id().split(".")[-1]
-        secs = time.monotonic() - self._t0
-        self.record[name] = [status, round(secs, 2), detail]
-        line = "%-5s %-70s %6.1f s" % (status, name, secs)
-        if status == "SKIP":
-            line += "  (%s)" % detail.splitlines()[0][:80] if detail else ""
-        print(line, flush=True)
-
-    def addSuccess(self, test):
-        unittest.TestResult.addSuccess(self, test)
-        self._done(test, "PASS")
-
-    def addFailure(self, test, err):
-        unittest.TestResult.addFailure(self, test, err)
-        self._done(test, "FAIL", self.failures[-1][1])
-
-    def addError(self, test, err):
-        unittest.TestResult.addError(self, test, err)
-        self._done(test, "FAIL", self.errors[-1][1])
-
-    def addSkip(self, test, reason):
-        unittest.TestResult.addSkip(self, test, reason)
-        self._done(test, "SKIP", reason)
-
-    def addExpectedFailure(self, test, err):
-        unittest.TestResult.addExpectedFailure(self, test, err)
-        self._done(test, "XFAIL")
-
-    def addUnexpectedSuccess(self, test):
-        unittest.TestResult.addUnexpectedSuccess(self, test)
-        self._done(test, "FAIL", "unexpected success")
-
-
 def main(args):
     TestDistBackendWithSpawn.START = args.start
     names = sorted(n for n in unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn))
@@ -305,7 +228,7 @@ def main(args):
           flush=True)
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
     t0 = time.monotonic()
-    runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=0, stream=open(os.devnull, "w"))
+    runner = unittest.TextTestRunner(resultclass=Recorder, verbosity=0, stream=open(os.devnull, "w"))
     result = runner.run(suite)
     counts = {}
     for status, _, _ in result.record.values():

@@ -142,8 +142,8 @@ def hijack_case(name):
         victim_env.update(LOCAL_WORLD_SIZE="3")
         want = r"refused: .*carries a job secret, but every rank says it is on this host"
     script = os.path.abspath(__file__)
-    log = open(os.path.join(tmp, "out"), "w+")
-    procs = [subprocess.Popen([sys.executable, script, "--hijack", "victim"], stdout=log,
+    logs = [open(os.path.join(tmp, "out%d" % i), "w+") for i in range(3)]  # one per process
+    procs = [subprocess.Popen([sys.executable, script, "--hijack", "victim"], stdout=logs[r - 1],
                               stderr=subprocess.STDOUT, start_new_session=True,
                               env=dict(victim_env, RANK=str(r), LOCAL_RANK=str(r)))
              for r in (1, 2)]
@@ -154,7 +154,7 @@ def hijack_case(name):
         stranger = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + stranger
         who = "user nobody (uid 65534)"
         env["HOME"] = tmp
-    procs.append(subprocess.Popen(stranger, stdout=log, stderr=subprocess.STDOUT,
+    procs.append(subprocess.Popen(stranger, stdout=logs[2], stderr=subprocess.STDOUT,
                                   start_new_session=True, cwd=tmp, env=dict(env, RANK="0")))
     problems = []
     for p in procs:
@@ -170,10 +170,12 @@ def hijack_case(name):
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    log.flush()
-    with open(log.name) as f:
-        out = f.read()
-    log.close()
+    out = ""
+    for log in logs:
+        log.flush()
+        with open(log.name) as f:
+            out += f.read()
+        log.close()
     del master
     shutil.rmtree(tmp, ignore_errors=True)
     if "JOINED" in out:
