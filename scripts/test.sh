@@ -47,6 +47,12 @@ jobs=$(nproc)
 CHORUS_JOB_ID=ct$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')
 export CHORUS_JOB_ID
 
+# PyTorch's c10d tests for Gloo, from Debian's source of the installed
+# torch, into the build tree (python.torch.c10d_gloo; it skips, saying why,
+# when they cannot be fetched).
+scripts/torch_tests.sh build/torch-src ||
+  echo "test.sh: PyTorch's c10d tests could not be fetched: python.torch.c10d_gloo will skip"
+
 echo "== build (release, -Werror)"
 t0=$SECONDS
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCHORUS_WERROR=ON >/dev/null

@@ -327,15 +327,19 @@ static void unpackInto(const at::Tensor& flat, const std::vector<at::Tensor>& ts
   }
 }
 
+// Where PyTorch's own tests look for Gloo's words in a refusal, chorus's
+// messages start with them ("invalid tensor type", "invalid root rank",
+// ...) and give their own detail after (issue 42).
 static void checkSameTypeAndSizes(const char* fn, const at::Tensor& expected,
                                   const at::Tensor& t, const std::string& what,
                                   const char* expectedWhat) {
   if (t.scalar_type() != expected.scalar_type())
-    fail(c10::str("chorus ", fn, ": ", what, " has dtype ", dtypeName(t.scalar_type()),
-                  " but ", expectedWhat, " has ", dtypeName(expected.scalar_type())));
+    fail(c10::str("chorus ", fn, ": invalid tensor type: ", what, " has dtype ",
+                  dtypeName(t.scalar_type()), " but ", expectedWhat, " has ",
+                  dtypeName(expected.scalar_type())));
   if (t.sizes() != expected.sizes())
-    fail(c10::str("chorus ", fn, ": ", what, " has sizes ", sizesStr(t), " but ",
-                  expectedWhat, " has ", sizesStr(expected)));
+    fail(c10::str("chorus ", fn, ": invalid tensor size: ", what, " has sizes ", sizesStr(t),
+                  " but ", expectedWhat, " has ", sizesStr(expected)));
 }
 
 static void checkSingle(const char* fn, size_t n, const char* what) {
@@ -465,6 +469,9 @@ class ChorusWork : public c10d::Work {
   static constexpr int kFromAnyRank = -2;
 
   std::vector<at::Tensor> result() override { return outputs_; }
+  // The Future's value is this list of lists (allgather with several
+  // tensors per rank, as Gloo's); set before anyone can ask for it.
+  void setNested(std::vector<std::vector<at::Tensor>> v) { nested_ = std::move(v); }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     if (!registered_.exchange(true) && !finishing()) {
@@ -529,6 +536,16 @@ class ChorusWork : public c10d::Work {
     static const c10::TypePtr t = c10::ListType::create(c10::TensorType::get());
     return t;
   }
+  static const c10::TypePtr& listOfLists() {
+    static const c10::TypePtr t = c10::ListType::create(listOfTensors());
+    return t;
+  }
+  c10::IValue value() const {
+    if (nested_.empty()) return c10::IValue(outputs_);
+    c10::List<c10::List<at::Tensor>> v;
+    for (auto& l : nested_) v.push_back(c10::List<at::Tensor>(l));
+    return c10::IValue(v);
+  }
 
   bool done() {
     std::lock_guard<std::mutex> g(mutex_);
@@ -545,7 +562,8 @@ class ChorusWork : public c10d::Work {
     {
       std::lock_guard<std::mutex> g(futureMu_);
       if (!future_) {
-        future_ = c10::make_intrusive<c10::ivalue::Future>(listOfTensors());
+        future_ = c10::make_intrusive<c10::ivalue::Future>(nested_.empty() ? listOfTensors()
+                                                                            : listOfLists());
         settleHere = outcomeKnown_;
       }
       f = future_;
@@ -566,7 +584,7 @@ class ChorusWork : public c10d::Work {
       if (e)
         f->setError(e);
       else
-        f->markCompleted(c10::IValue(outputs_));
+        f->markCompleted(value());
     } catch (...) {
       // A callback of the Future threw: it must not escape the finishing
       // thread (which may be the completion thread).
@@ -591,6 +609,7 @@ class ChorusWork : public c10d::Work {
   std::shared_ptr<Comm> comm_;
   std::shared_ptr<Completer> completer_;
   std::vector<at::Tensor> outputs_;  // the Future's value
+  std::vector<std::vector<at::Tensor>> nested_;  // or this list of lists (see issue())
   std::vector<at::Tensor> keep_;     // alive until completion
   TensorPairs copies_;               // (caller's tensor, buffer) after success
   std::mutex futureMu_;
@@ -760,10 +779,10 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       static const char* fn = "broadcast";
       at::AutoDispatchBelowAutograd guard;
       checkRoot(fn, opts.rootRank);
-      if (tensors.empty()) fail("chorus broadcast: no tensor given");
       if (opts.rootTensor < 0 || opts.rootTensor >= static_cast<int64_t>(tensors.size()))
-        fail(c10::str("chorus broadcast: rootTensor ", opts.rootTensor, " is not in [0, ",
-                      tensors.size(), ")"));
+        fail(c10::str("chorus broadcast: invalid root tensor: rootTensor ", opts.rootTensor,
+                      " is not in [0, ", tensors.size(), ")",
+                      tensors.empty() ? " (no tensor given)" : ""));
       for (size_t i = 0; i < tensors.size(); i++) {
         checkTensor(fn, tensors[i], "the tensor");
         if (i) checkSameTypeAndSizes(fn, tensors[0], tensors[i], c10::str("tensor ", i), "tensor 0");
@@ -787,7 +806,11 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     return guarded([&] {
       static const char* fn = "allreduce";
       at::AutoDispatchBelowAutograd guard;
-      if (tensors.empty()) fail("chorus allreduce: no tensor given");
+      if (tensors.empty()) fail("chorus allreduce: requires non-empty tensor list");
+      for (size_t i = 1; i < tensors.size(); i++)
+        if (tensors[i].layout() != tensors[0].layout())
+          fail(c10::str("chorus allreduce: invalid tensor layout at index ", i, ": ",
+                        tensors[i].layout(), " where tensor 0 is ", tensors[0].layout()));
       if (tensors[0].is_sparse()) return sparseAllreduce(tensors, opts);
       for (size_t i = 0; i < tensors.size(); i++) {
         checkTensor(fn, tensors[i], "the tensor");
@@ -829,13 +852,20 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     return guarded([&] {
       static const char* fn = "allreduce_coalesced";
       at::AutoDispatchBelowAutograd guard;
-      if (tensors.empty()) fail("chorus allreduce_coalesced: no tensor given");
+      if (tensors.empty()) fail("chorus allreduce_coalesced: requires non-empty tensor list");
+      for (size_t i = 1; i < tensors.size(); i++)
+        if (tensors[i].layout() != tensors[0].layout())
+          fail(c10::str("chorus allreduce_coalesced: invalid tensor layout at index ", i, ": ",
+                        tensors[i].layout(), " where tensor 0 is ", tensors[0].layout()));
+      if (tensors[0].layout() != c10::kStrided)
+        fail(c10::str("chorus allreduce_coalesced: unsupported layout: ", tensors[0].layout(),
+                      "; coalesced reductions take dense tensors (all_reduce takes sparse ones)"));
       for (size_t i = 0; i < tensors.size(); i++) {
         checkTensor(fn, tensors[i], "a tensor");
         if (tensors[i].scalar_type() != tensors[0].scalar_type())
-          fail(c10::str("chorus allreduce_coalesced: tensor ", i, " has dtype ",
-                        dtypeName(tensors[i].scalar_type()), " but tensor 0 has ",
-                        dtypeName(tensors[0].scalar_type()), "; all must have the same dtype"));
+          fail(c10::str("chorus allreduce_coalesced: tensors must all have the same type: tensor ",
+                        i, " has dtype ", dtypeName(tensors[i].scalar_type()),
+                        " but tensor 0 has ", dtypeName(tensors[0].scalar_type())));
       }
       chorus_dtype_t dt = dtypeOf(fn, tensors[0], true);
       chorus_op_t op = opOf(fn, opts.reduceOp, dt);
@@ -859,8 +889,12 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       static const char* fn = "reduce";
       at::AutoDispatchBelowAutograd guard;
       checkRoot(fn, opts.rootRank);
-      checkSingle(fn, tensors.size(), "tensor");
-      if (opts.rootTensor != 0) fail("chorus reduce: rootTensor must be 0 (one tensor per rank)");
+      if (opts.rootTensor < 0 || opts.rootTensor >= static_cast<int64_t>(tensors.size()))
+        fail(c10::str("chorus reduce: invalid root tensor: rootTensor ", opts.rootTensor,
+                      " is not in [0, ", tensors.size(), ")"));
+      if (tensors.size() != 1)
+        fail(c10::str("chorus reduce: requires a single-element tensor list (got ",
+                      tensors.size(), "; one tensor per rank on CPU)"));
       const at::Tensor& t = tensors[0];
       checkTensor(fn, t, "the tensor");
       chorus_dtype_t dt = dtypeOf(fn, t, true);
@@ -890,16 +924,34 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions&) override {
-    return guarded([&] {
+    return guarded([&]() -> c10::intrusive_ptr<c10d::Work> {
       static const char* fn = "allgather";
       at::AutoDispatchBelowAutograd guard;
-      checkSingle(fn, inputs.size(), "input tensor");
-      checkSingle(fn, outputs.size(), "output list");
+      // Gloo's contract: n input tensors per rank, n output lists of n x
+      // world size tensors each, every list receiving input k of rank r at
+      // r * n + k.
+      const size_t n = inputs.size(), want = n * static_cast<size_t>(size_);
+      if (!n) fail("chorus allgather: requires non-empty input tensor list");
+      if (outputs.size() != n)
+        fail(c10::str("chorus allgather: requires input/output tensor lists to have the same "
+                      "length (", n, " input tensors, ", outputs.size(), " output lists)"));
+      for (size_t j = 0; j < n; j++)
+        if (outputs[j].size() != want)
+          fail(c10::str("chorus allgather: invalid output tensor list at index ", j,
+                        " (expected length ", want, ", got ", outputs[j].size(),
+                        "): one tensor per rank and input"));
+      for (size_t k = 0; k < n; k++) checkTensor(fn, inputs[k], "an input");
+      for (size_t j = 0; j < n; j++)
+        for (size_t m = 0; m < want; m++) {
+          checkTensor(fn, outputs[j][m], "an output");
+          checkSameTypeAndSizes(fn, inputs[m % n], outputs[j][m],
+                                c10::str("output ", m, " of list ", j),
+                                c10::str("input ", m % n).c_str());
+        }
+      if (n > 1) return allgatherSeveral(outputs, inputs);
       const at::Tensor& in = inputs[0];
-      checkTensor(fn, in, "the input");
       chorus_dtype_t dt = dtypeOf(fn, in, false);
       std::vector<at::Tensor>& outs = outputs[0];
-      checkList(fn, outs, in, "the output list");
       size_t count = nelem(in);
       at::Tensor send = inputBuffer(in);
       std::vector<at::Tensor> keep{send};
@@ -930,6 +982,36 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
                                                    dt, w);
                    });
     });
+  }
+
+  // allgather with several tensors per rank (checked by allgather): one
+  // all_gather of each rank's tensors end to end, copied into every list.
+  // The Future's value is the list of lists, as Gloo's.
+  c10::intrusive_ptr<c10d::Work> allgatherSeveral(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs) {
+    static const char* fn = "allgather";
+    for (size_t k = 1; k < inputs.size(); k++)
+      if (inputs[k].scalar_type() != inputs[0].scalar_type())
+        fail(c10::str("chorus allgather: invalid tensor type at index ", k, ": input ", k,
+                      " has dtype ", dtypeName(inputs[k].scalar_type()), " but input 0 has ",
+                      dtypeName(inputs[0].scalar_type()), "; a rank's inputs share one dtype"));
+    chorus_dtype_t dt = dtypeOf(fn, inputs[0], false);
+    at::Tensor send = pack(inputs, inputs[0].options());
+    size_t count = nelem(send);
+    at::Tensor recv = at::empty({static_cast<int64_t>(count * size_)}, inputs[0].options());
+    TensorPairs copies;
+    std::vector<at::Tensor> flatOuts;
+    for (auto& list : outputs) {
+      unpackInto(recv, list, copies);
+      flatOuts.insert(flatOuts.end(), list.begin(), list.end());
+    }
+    return issue(OpType::ALLGATHER, "chorus:all_gather", &inputs, flatOuts, {send, recv},
+                 std::move(copies), true,
+                 [&](chorus_work_t* w) {
+                   return chorus_all_gather(comm(), send.data_ptr(), recv.data_ptr(), count, dt,
+                                            w);
+                 },
+                 -1, &outputs);
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -965,15 +1047,15 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     return guarded([&] {
       static const char* fn = "allgather_coalesced";
       at::AutoDispatchBelowAutograd guard;
-      if (inputs.empty()) fail("chorus allgather_coalesced: no input tensor given");
+      if (inputs.empty()) fail("chorus allgather_coalesced: requires non-empty input tensor list");
       if (outputLists.size() != static_cast<size_t>(size_))
-        fail(c10::str("chorus allgather_coalesced: ", outputLists.size(),
-                      " output lists given; one per rank (", size_, ") is needed"));
+        fail(c10::str("chorus allgather_coalesced: output lists should be equal to world size: ",
+                      outputLists.size(), " given; one per rank (", size_, ")"));
       for (size_t i = 0; i < inputs.size(); i++) {
         checkTensor(fn, inputs[i], "an input");
         if (inputs[i].scalar_type() != inputs[0].scalar_type())
-          fail(c10::str("chorus allgather_coalesced: input ", i, " has dtype ",
-                        dtypeName(inputs[i].scalar_type()), " but input 0 has ",
+          fail(c10::str("chorus allgather_coalesced: invalid tensor type at index ", i, ": input ",
+                        i, " has dtype ", dtypeName(inputs[i].scalar_type()), " but input 0 has ",
                         dtypeName(inputs[0].scalar_type()), "; all must have the same dtype"));
       }
       chorus_dtype_t dt = dtypeOf(fn, inputs[0], false);
@@ -984,11 +1066,18 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
                         outputLists[r].size(), " tensors; it must have one per input (",
                         inputs.size(), ")"));
         for (size_t i = 0; i < inputs.size(); i++) {
-          checkTensor(fn, outputLists[r][i], "an output");
-          checkSameTypeAndSizes(fn, inputs[i], outputLists[r][i],
-                                c10::str("output ", i, " of list ", r),
-                                c10::str("input ", i).c_str());
-          flatOuts.push_back(outputLists[r][i]);
+          const at::Tensor& o = outputLists[r][i];
+          checkTensor(fn, o, "an output");
+          if (o.scalar_type() != inputs[i].scalar_type())
+            fail(c10::str("chorus allgather_coalesced: invalid tensor type at index ", i,
+                          ": output ", i, " of list ", r, " has dtype ",
+                          dtypeName(o.scalar_type()), " but input ", i, " has ",
+                          dtypeName(inputs[i].scalar_type())));
+          if (o.sizes() != inputs[i].sizes())
+            fail(c10::str("chorus allgather_coalesced: invalid size of output tensor at index ",
+                          i, ": output ", i, " of list ", r, " has sizes ", sizesStr(o),
+                          " but input ", i, " has ", sizesStr(inputs[i])));
+          flatOuts.push_back(o);
         }
       }
       at::Tensor send = pack(inputs, inputs[0].options());
@@ -1011,7 +1100,9 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       static const char* fn = "gather";
       at::AutoDispatchBelowAutograd guard;
       checkRoot(fn, opts.rootRank);
-      checkSingle(fn, inputs.size(), "input tensor");
+      if (inputs.size() != 1)
+        fail(c10::str("chorus gather: requires a single-element input tensor list (got ",
+                      inputs.size(), ")"));
       const at::Tensor& in = inputs[0];
       checkTensor(fn, in, "the input");
       chorus_dtype_t dt = dtypeOf(fn, in, false);
@@ -1022,9 +1113,11 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       std::vector<at::Tensor> flatOuts;
       at::Tensor recv;
       if (rank_ == root) {
-        checkSingle(fn, outputs.size(), "output list (on the root)");
+        if (outputs.size() != 1)
+          fail(c10::str("chorus gather: requires a single-element output list containing a list "
+                        "with ", size_, " tensors (got ", outputs.size(), " lists, on the root)"));
         std::vector<at::Tensor>& outs = outputs[0];
-        checkList(fn, outs, in, "the gather list");
+        checkList(fn, outs, in, "the gather list", "output", "Output");
         flatOuts = outs;
         if (consecutive(outs)) {
           recv = flatOver(outs);
@@ -1035,8 +1128,8 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
           unpackInto(recv, outs, copies);
         }
       } else if (!outputs.empty() && !(outputs.size() == 1 && outputs[0].empty())) {
-        fail(c10::str("chorus gather: only the root (rank ", root,
-                      ") may pass a gather list; this rank is ", rank_));
+        fail(c10::str("chorus gather: requires empty output on non-root: only the root (rank ",
+                      root, ") may pass a gather list; this rank is ", rank_));
       }
       return issue(OpType::GATHER, "chorus:gather", &inputs, flatOuts, {send, recv},
                    std::move(copies), true, [&](chorus_work_t* w) {
@@ -1054,7 +1147,9 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       static const char* fn = "scatter";
       at::AutoDispatchBelowAutograd guard;
       checkRoot(fn, opts.rootRank);
-      checkSingle(fn, outputs.size(), "output tensor");
+      if (outputs.size() != 1)
+        fail(c10::str("chorus scatter: requires a single-element output tensor list (got ",
+                      outputs.size(), ")"));
       const at::Tensor& out = outputs[0];
       checkTensor(fn, out, "the output");
       chorus_dtype_t dt = dtypeOf(fn, out, false);
@@ -1065,9 +1160,11 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
       at::Tensor send;
       std::vector<at::Tensor> ins;
       if (rank_ == root) {
-        checkSingle(fn, inputs.size(), "input list (on the root)");
+        if (inputs.size() != 1)
+          fail(c10::str("chorus scatter: requires a single-element input list containing a list "
+                        "with ", size_, " tensors (got ", inputs.size(), " lists, on the root)"));
         ins = inputs[0];
-        checkList(fn, ins, out, "the scatter list");
+        checkList(fn, ins, out, "the scatter list", "input", "Input");
         if (consecutive(ins)) {
           send = flatOver(ins);
           bool inPlace = count && out.is_contiguous() &&
@@ -1077,8 +1174,8 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
           send = pack(ins, out.options());
         }
       } else if (!inputs.empty() && !(inputs.size() == 1 && inputs[0].empty())) {
-        fail(c10::str("chorus scatter: only the source (rank ", root,
-                      ") may pass a scatter list; this rank is ", rank_));
+        fail(c10::str("chorus scatter: requires empty input on non-root: only the source (rank ",
+                      root, ") may pass a scatter list; this rank is ", rank_));
       }
       // send may be a view over the caller's list (flatOver): the list's
       // tensors own that memory and must live until the operation ends.
@@ -1293,16 +1390,27 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
   // every rank sees the same bytes, so a mismatch fails every rank alike.
   c10::intrusive_ptr<ChorusWork> sparseAllreduce(std::vector<at::Tensor>& tensors,
                                                 const c10d::AllreduceOptions& opts) {
-    if (tensors.size() != 1)
-      fail(c10::str("chorus allreduce: sparse tensors: one tensor per rank, not ",
-                    tensors.size()));
-    at::Tensor& t = tensors[0];
-    if (!t.device().is_cpu())
-      fail(c10::str("chorus allreduce: the sparse tensor is on ", t.device().str(),
-                    "; chorus reduces CPU tensors"));
+    for (size_t i = 0; i < tensors.size(); i++) {
+      if (!tensors[i].device().is_cpu())
+        fail(c10::str("chorus allreduce: unsupported device type: sparse tensor ", i, " is on ",
+                      tensors[i].device().str(), "; chorus reduces CPU tensors"));
+      if (i && tensors[i].sizes() != tensors[0].sizes())
+        fail(c10::str("chorus allreduce: invalid tensor size at index ", i, ": sparse tensor ",
+                      i, " has sizes ", sizesStr(tensors[i]), " but tensor 0 has ",
+                      sizesStr(tensors[0])));
+      if (i && tensors[i].scalar_type() != tensors[0].scalar_type())
+        fail(c10::str("chorus allreduce: invalid tensor type at index ", i, ": sparse tensor ",
+                      i, " has dtype ", dtypeName(tensors[i].scalar_type()),
+                      " but tensor 0 has ", dtypeName(tensors[0].scalar_type())));
+    }
     if (opts.reduceOp.op_ != ReduceOp::SUM)
-      fail(c10::str("chorus allreduce: sparse tensors are reduced with ReduceOp.SUM only (as "
-                    "with Gloo), not ReduceOp.", redOpName(opts.reduceOp.op_)));
+      fail(c10::str("chorus allreduce: unsupported reduction operation: sparse tensors are "
+                    "reduced with ReduceOp.SUM only (as with Gloo), not ReduceOp.",
+                    redOpName(opts.reduceOp.op_)));
+    // Several tensors per rank: their sum goes round, and every one of
+    // them receives the total.
+    at::Tensor t = tensors[0];
+    for (size_t i = 1; i < tensors.size(); i++) t = t + tensors[i];
     at::Tensor in = t.coalesce();
     at::Tensor idx = in._indices().contiguous();
     at::Tensor val = in._values().contiguous();
@@ -1359,7 +1467,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
     at::Tensor sum =
         at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0), in.sizes(), in.options())
             .coalesce();
-    t.copy_(sum);
+    for (auto& out : tensors) out.copy_(sum);
     w->complete(CHORUS_OK);
     return w;
   }
@@ -1545,10 +1653,13 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
                                        const std::vector<at::Tensor>* inputs,
                                        std::vector<at::Tensor> outputs,
                                        std::vector<at::Tensor> keep, TensorPairs copies,
-                                       bool collective, F&& call, int srcRank = -1) {
+                                       bool collective, F&& call, int srcRank = -1,
+                                       const std::vector<std::vector<at::Tensor>>* nested =
+                                           nullptr) {
     auto w = c10::make_intrusive<ChorusWork>(rank_, type, title, inputs, comm_, completer_,
                                              std::move(outputs), std::move(keep),
                                              std::move(copies), srcRank);
+    if (nested) w->setNested(*nested);
     std::string err;
     {
       std::lock_guard<std::mutex> g(comm_->issueMu);
@@ -1566,7 +1677,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
 
   void checkRoot(const char* fn, int64_t root) const {
     if (root < 0 || root >= size_)
-      fail(c10::str("chorus ", fn, ": root rank ", root, " is not in [0, ", size_, ")"));
+      fail(c10::str("chorus ", fn, ": invalid root rank: ", root, " is not in [0, ", size_, ")"));
   }
 
   // peer: a rank of the group, or CHORUS_ANY_SOURCE where anyOk (recv).
@@ -1584,10 +1695,17 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
 
   // A list of size_ tensors, each of the reference's dtype and sizes.
   void checkList(const char* fn, const std::vector<at::Tensor>& list, const at::Tensor& ref,
-                 const char* what) const {
+                 const char* what, const char* side = nullptr,
+                 const char* Side = nullptr) const {
+    // side, Side: "input", "Input" (scatter) or "output", "Output" (gather).
     if (list.size() != static_cast<size_t>(size_))
-      fail(c10::str("chorus ", fn, ": ", what, " has ", list.size(),
-                    " tensors; it needs one per rank (", size_, ")"));
+      fail(c10::str("chorus ", fn, ": ",
+                    side ? c10::str("Incorrect ", side, " list size ", list.size(), ". ", Side,
+                                    " list size should be ", size_,
+                                    ", same as size of the process group: ")
+                         : std::string(),
+                    what, " has ", list.size(), " tensors; it needs one per rank (", size_,
+                    ")"));
     for (size_t r = 0; r < list.size(); r++) {
       checkTensor(fn, list[r], "a list entry");
       checkSameTypeAndSizes(fn, ref, list[r], c10::str("entry ", r, " of ", what),
@@ -1815,6 +1933,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::string(chorus_comm_last_error(pg.comm()));
            })
       .def_property_readonly("timeout_ms", &ProcessGroupChorus::timeoutMs)
+      // What torch reads of a group's options (ProcessGroupGloo and NCCL
+      // have the property): the backend's name and the group's timeout.
+      .def_property_readonly(
+          "options",
+          [](const ProcessGroupChorus& pg) {
+            return c10::make_intrusive<c10d::ProcessGroup::Options>(
+                "chorus", std::chrono::milliseconds(pg.timeoutMs()));
+          })
       .def("same_host",
            [](const ProcessGroupChorus& pg, int peer) {
              return chorus_comm_same_host(pg.comm(), peer);
