@@ -916,13 +916,54 @@ static void free_pull(pull_t *pl) {
   free(pl);
 }
 
+/* Closes every endpoint side by side -- a peer that said goodbye is
+ * flushed (unless all_force), the others closed with FORCE, so that their
+ * requests complete as cancelled -- cancels the fetches in flight, and
+ * progresses the worker until the closes are done or ms passed.  UCX does
+ * not allow destroying a worker whose endpoints still hold requests (it
+ * asserts, and a process that exited with a collective in flight died of
+ * SIGABRT: issue 42). */
+static void close_endpoints(ucx_chan_t *ch, int all_force, int ms) {
+  chorus__tp_t *tp = ch->base.tp;
+  void **closing = calloc((size_t)tp->size, sizeof *closing);
+  int nclosing = 0;
+  for (int r = 0; ch->links && r < tp->size; r++) {
+    ucx_link_t *l = &ch->links[r];
+    if (!l->peer || !l->ep) continue;
+    int force = all_force || !closing || l->peer->dead || !l->peer->bye_received;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
+    ucs_status_ptr_t rq = ucp_ep_close_nbx(l->ep, &prm);
+    l->ep = NULL;
+    if (rq && UCS_PTR_IS_PTR(rq)) {
+      if (closing) closing[nclosing++] = rq;
+      else ucp_request_free(rq);
+    }
+  }
+  for (pull_t *pl = ch->pulls; pl; pl = pl->next)
+    if (pl->req && ucp_request_check_status(pl->req) == UCS_INPROGRESS)
+      ucp_request_cancel(ch->worker, pl->req);
+  int64_t until = chorus__now_ns() + (int64_t)ms * 1000000;
+  for (;;) {
+    int busy = 0;
+    for (int i = 0; i < nclosing && !busy; i++)
+      if (ucp_request_check_status(closing[i]) == UCS_INPROGRESS) busy = 1;
+    if (!busy || chorus__now_ns() >= until) break;
+    ucp_worker_progress(ch->worker);
+  }
+  for (int i = 0; i < nclosing; i++) {
+    if (ucp_request_check_status(closing[i]) == UCS_INPROGRESS)
+      ucp_request_cancel(ch->worker, closing[i]);
+    ucp_request_free(closing[i]);
+  }
+  /* What the cancellations completed. */
+  for (int i = 0; i < 16; i++) ucp_worker_progress(ch->worker);
+  free(closing);
+}
+
 static void ucx_destroy(chorus__chan_t *base) {
   ucx_chan_t *ch = (ucx_chan_t *)base;
   chorus__tp_t *tp = base->tp;
-  /* Every endpoint closes (flushing what the goodbyes left) side by side,
-   * within one deadline; nothing that arrives meanwhile is kept. */
-  void **closing = calloc((size_t)tp->size, sizeof *closing);
-  int nclosing = 0;
   if (ch->links) {
     for (int r = 0; r < tp->size; r++) {
       ucx_link_t *l = &ch->links[r];
@@ -934,35 +975,12 @@ static void ucx_destroy(chorus__chan_t *base) {
         held_release(ch, m);
       }
       chorus__txq_free(&l->q);
-      if (!l->ep) continue;
-      /* Flushed for a peer that said goodbye; the others are dead, stopped
-       * or gone silent (tp_destroy waited for them): nothing to wait for. */
-      int force = !closing || l->peer->dead || !l->peer->bye_received;
-      ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                                 .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
-      ucs_status_ptr_t rq = ucp_ep_close_nbx(l->ep, &prm);
-      l->ep = NULL;
-      if (rq && UCS_PTR_IS_PTR(rq)) {
-        if (closing) closing[nclosing++] = rq;
-        else ucp_request_free(rq);
-      }
     }
   }
-  /* Only the flushing closes are waited for: every other operation is
-   * with a peer that is gone or will not answer. */
-  int64_t until = chorus__now_ns() + (int64_t)1000 * 1000000;
-  for (;;) {
-    int busy = 0;
-    for (int i = 0; i < nclosing && !busy; i++)
-      if (ucp_request_check_status(closing[i]) == UCS_INPROGRESS) busy = 1;
-    if (!busy || chorus__now_ns() >= until) break;
-    ucp_worker_progress(ch->worker);
-  }
-  for (int i = 0; i < nclosing; i++) {
-    if (ucp_request_check_status(closing[i]) == UCS_INPROGRESS) ucp_request_cancel(ch->worker, closing[i]);
-    ucp_request_free(closing[i]);
-  }
-  free(closing);
+  /* Flushed for a peer that said goodbye; the others are dead, stopped or
+   * gone silent (tp_destroy waited for them): nothing to wait for.  Only
+   * the flushing closes are waited for. */
+  if (ch->worker) close_endpoints(ch, 0, 1000);
   /* Requests UCX finished are released while the worker lives; those it
    * never finished go with it (their callbacks may run as it goes, so the
    * structures outlive it). */
@@ -1015,7 +1033,8 @@ static void ucx_destroy(chorus__chan_t *base) {
 }
 
 /* The process exits with the channel open (endpoint.c's tp_on_exit, after
- * the progress thread stopped): the worker and the context go now, which
+ * the progress thread stopped): the endpoints are closed with FORCE and the
+ * worker and the context go now, which
  * stops UCX's own async thread.  Left running, that thread races UCX's
  * library destructors at exit (a lock destroyed while it holds it).  The
  * channel's structures stay for the process's end; nothing calls the
@@ -1024,7 +1043,10 @@ static void ucx_on_exit(chorus__chan_t *base) {
   ucx_chan_t *ch = (ucx_chan_t *)base;
   if (ch->efd >= 0) chorus__tp_unwatch(base->tp, ch->efd);
   ch->efd = -1;
-  if (ch->worker) ucp_worker_destroy(ch->worker); /* and its endpoints */
+  /* The endpoints first, and their requests with them (see
+   * close_endpoints): a process leaving with a collective in flight. */
+  if (ch->worker) close_endpoints(ch, 1, 500);
+  if (ch->worker) ucp_worker_destroy(ch->worker);
   if (ch->ctx) ucp_cleanup(ch->ctx);
   ch->worker = NULL;
   ch->ctx = NULL;
