@@ -1596,7 +1596,7 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   /* A peer that sent nothing, not even a heartbeat, for four heartbeats is
    * stopped or hung: its goodbye is not worth waiting for (a survivor of a
    * failure would otherwise linger the whole bye timeout). */
-  const int64_t silent_ns = (int64_t)4 * HEARTBEAT_MS * 1000000;
+  const int64_t silent_ns = (int64_t)4 * HEARTBEAT_MS * 1000000, start = chorus__now_ns();
   for (;;) {
     int waiting = 0;
     int64_t now = chorus__now_ns();
@@ -1604,7 +1604,11 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
       peer_t *c = &tp->peers[r];
       if (r == tp->rank || c->dead || !c->chan) continue;
       if (!linked(c)) {
-        if (c->chan->ops->pending(c->chan, c, NULL)) waiting = 1; /* an ABORT being dialled */
+        /* An ABORT being dialled: a peer this rank never talked with, whose
+         * handshake a stopped process never answers (its kernel accepts the
+         * connection), gets as long as a silent one (issue 42: survivors
+         * waited the whole bye timeout for it). */
+        if (c->chan->ops->pending(c->chan, c, NULL) && now - start < silent_ns) waiting = 1;
         continue;
       }
       if (now - c->last_heard > silent_ns) continue;
