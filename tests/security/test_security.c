@@ -333,13 +333,13 @@ TEST(store) {
  * up within seconds, naming the refusal (before: it retried until its init
  * timeout, about 22 warnings a second). */
 typedef struct {
-  int lfd, deny, served;
-  volatile int stop;
+  int lfd, deny, served; /* served: atomic */
+  int stop;              /* atomic */
 } squatter_t;
 
 static void *squatter_store(void *arg) {
   squatter_t *q = arg;
-  while (!q->stop) {
+  while (!__atomic_load_n(&q->stop, __ATOMIC_ACQUIRE)) {
     struct pollfd p = {.fd = q->lfd, .events = POLLIN};
     if (poll(&p, 1, 100) <= 0) continue;
     int fd = accept(q->lfd, NULL, NULL);
@@ -358,7 +358,7 @@ static void *squatter_store(void *arg) {
     no[4] = CHORUS__STORE_HS_DENIED;
     if (q->deny) chorus__net_write_full(fd, no, sizeof no, dl);
     else chorus__net_write_full(fd, ok, sizeof ok, dl);
-    q->served++;
+    __atomic_add_fetch(&q->served, 1, __ATOMIC_RELAXED);
     close(fd);
   }
   return NULL;
@@ -377,7 +377,7 @@ TEST(store_squatter) {
     double t0 = now_ms();
     chorus_result_t st = chorus_comm_init(&cfg, &comm);
     double ms = now_ms() - t0;
-    q.stop = 1;
+    __atomic_store_n(&q.stop, 1, __ATOMIC_RELEASE);
     pthread_join(t, NULL);
     close(q.lfd);
     if (comm) chorus_comm_destroy(comm);
