@@ -287,21 +287,30 @@ static int public_key_verdict(int port) {
 /* Finding 1 (store): a stranger with the old public key, or a guessed
  * secret, cannot use the store; a stranger posing as the store is refused
  * by clients.  Before: the fixed key opened every store without a secret. */
-static void *fake_store(void *arg) {
-  int lfd = *(int *)arg;
-  int fd = accept(lfd, NULL, NULL);
-  if (fd < 0) return NULL;
+/* What a stranger on the store's port answers a client on fd: the store's
+ * hello, then "ok" with a made-up proof, or (deny) a refusal. */
+static void fake_store_answer(int fd, int deny, int ms) {
   uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], ans[4 + CHORUS__STORE_AUTH_LEN];
   chorus__le32_put(hello, CHORUS__STORE_HELLO_LEN);
   memcpy(hello + 4, CHORUS__STORE_MAGIC, 4);
   chorus__le32_put(hello + 8, CHORUS__STORE_VERSION);
   memset(hello + 12, 9, CHORUS__STORE_NONCE_LEN);
-  int64_t dl = chorus__deadline_ms(5000);
+  int64_t dl = chorus__deadline_ms(ms);
   chorus__net_write_full(fd, hello, sizeof hello, dl);
   chorus__net_read_full(fd, ans, sizeof ans, dl);
-  uint8_t ok[4 + CHORUS__STORE_VERDICT_OK_LEN] = {0};
-  chorus__le32_put(ok, CHORUS__STORE_VERDICT_OK_LEN); /* "ok", with a made-up proof */
-  chorus__net_write_full(fd, ok, sizeof ok, dl);
+  uint8_t ok[4 + CHORUS__STORE_VERDICT_OK_LEN] = {0}, no[5] = {0};
+  chorus__le32_put(ok, CHORUS__STORE_VERDICT_OK_LEN);
+  chorus__le32_put(no, 1);
+  no[4] = CHORUS__STORE_HS_DENIED;
+  if (deny) chorus__net_write_full(fd, no, sizeof no, dl);
+  else chorus__net_write_full(fd, ok, sizeof ok, dl);
+}
+
+static void *fake_store(void *arg) {
+  int lfd = *(int *)arg;
+  int fd = accept(lfd, NULL, NULL);
+  if (fd < 0) return NULL;
+  fake_store_answer(fd, 0, 5000);
   sleep_ms(300);
   close(fd);
   return NULL;
@@ -344,20 +353,7 @@ static void *squatter_store(void *arg) {
     if (poll(&p, 1, 100) <= 0) continue;
     int fd = accept(q->lfd, NULL, NULL);
     if (fd < 0) continue;
-    uint8_t hello[4 + CHORUS__STORE_HELLO_LEN], ans[4 + CHORUS__STORE_AUTH_LEN];
-    chorus__le32_put(hello, CHORUS__STORE_HELLO_LEN);
-    memcpy(hello + 4, CHORUS__STORE_MAGIC, 4);
-    chorus__le32_put(hello + 8, CHORUS__STORE_VERSION);
-    memset(hello + 12, 9, CHORUS__STORE_NONCE_LEN);
-    int64_t dl = chorus__deadline_ms(2000);
-    chorus__net_write_full(fd, hello, sizeof hello, dl);
-    chorus__net_read_full(fd, ans, sizeof ans, dl);
-    uint8_t ok[4 + CHORUS__STORE_VERDICT_OK_LEN] = {0}, no[5] = {0};
-    chorus__le32_put(ok, CHORUS__STORE_VERDICT_OK_LEN); /* "ok", with a made-up proof */
-    chorus__le32_put(no, 1);
-    no[4] = CHORUS__STORE_HS_DENIED;
-    if (q->deny) chorus__net_write_full(fd, no, sizeof no, dl);
-    else chorus__net_write_full(fd, ok, sizeof ok, dl);
+    fake_store_answer(fd, q->deny, 2000);
     __atomic_add_fetch(&q->served, 1, __ATOMIC_RELAXED);
     close(fd);
   }

@@ -208,6 +208,22 @@ static void boundaries(const uint8_t *text, size_t len, char *at) {
   at[len] = 1;
 }
 
+/* Up to 40 fragments drawn with *seed (an LCG), end to end in text (at
+ * most cap bytes): their length. */
+static size_t mixture(const char *const *frag, size_t nfrag, unsigned *seed, uint8_t *text,
+                      size_t cap) {
+  size_t len = 0;
+  for (int k = 0; k < 40; k++) {
+    *seed = *seed * 1103515245u + 12345u;
+    const char *f = frag[(*seed >> 16) % nfrag];
+    size_t n = strlen(f);
+    if (len + n > cap) break;
+    memcpy(text + len, f, n);
+    len += n;
+  }
+  return len;
+}
+
 /* A place chorus_bpe_cut gives is a boundary of the whole text, and the
  * text cut there has the same pieces before it: checked at every place of
  * random mixtures of letters, digits, contractions, ASCII and Unicode
@@ -223,15 +239,7 @@ TEST(cut_places) {
   unsigned seed = 12345;
   size_t cuts = 0;
   for (int round = 0; round < 3000; round++) {
-    size_t len = 0;
-    for (int k = 0; k < 40; k++) {
-      seed = seed * 1103515245u + 12345u;
-      const char *f = frag[(seed >> 16) % nfrag];
-      size_t n = strlen(f);
-      if (len + n > sizeof text) break;
-      memcpy(text + len, f, n);
-      len += n;
-    }
+    size_t len = mixture(frag, nfrag, &seed, text, sizeof text);
     boundaries(text, len, whole);
     for (size_t p = 0; p < len; p++) {
       size_t c = chorus_bpe_cut(text, len, p);
@@ -292,15 +300,7 @@ TEST(cut_pieces) {
   unsigned seed = 777;
   size_t cuts = 0;
   for (int round = 0; round < 2000; round++) {
-    size_t len = 0;
-    for (int k = 0; k < 40; k++) {
-      seed = seed * 1103515245u + 12345u;
-      const char *f = frag[(seed >> 16) % nfrag];
-      size_t n = strlen(f);
-      if (len + n > sizeof text) break;
-      memcpy(text + len, f, n);
-      len += n;
-    }
+    size_t len = mixture(frag, nfrag, &seed, text, sizeof text);
     boundaries(text, len, whole);
     size_t start = 0;
     for (size_t p = 0; p < len;) {
