@@ -7,6 +7,8 @@
 # is removed through a link, and a folder everyone may write without the
 # sticky bit is refused by name.  The stranger is user nobody (setpriv)
 # when the test runs as root; otherwise this user plays it, with a note.
+# And a FIFO named like an input, a shard or encoder.json is refused by
+# name at once (it hung chorus-data and chorus-train in open()).
 #   shared_folders.sh CHORUSRUN CHORUS_TRAIN CHORUS_DATA TEXT
 set -u
 run=$1 train=$2 data=$3 text=$4
@@ -71,5 +73,31 @@ if "$run" --standalone -n 1 -- "$train" "${model[@]}" --checkpoint-dir "$tmp/ope
 elif grep -q "writable by every user and has no sticky bit" "$tmp/open_train.log"; then
   ok "chorus-train refuses it too"
 else bad "chorus-train failed otherwise"; tail -n 3 "$tmp/open_train.log"; fi
+# 4. FIFOs (and sockets) where a file belongs: refused by name, at once
+# (before: open() waited forever for a writer).  Each run is bounded.
+mkdir -p "$tmp/fifo/tk" "$tmp/fifo/d"
+mkfifo "$tmp/fifo/in.txt" "$tmp/fifo/x_train_000001.bin" "$tmp/fifo/tk/encoder.json" "$tmp/fifo/d/p.txt"
+printf '#version: 0.2\n' >"$tmp/fifo/tk/vocab.bpe"
+echo "some text for the data tool" >"$tmp/fifo/d/a.txt"
+refused() { # WHAT LOG PATTERN CMD...: the command ends within 20 s, non-zero, saying PATTERN
+  local what=$1 log=$2 pat=$3
+  shift 3
+  timeout 20 "$@" >"$tmp/$log.log" 2>&1
+  local rc=$?
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q -- "$pat" "$tmp/$log.log"; then ok "$what"
+  else bad "$what (exit $rc): $(tail -n 2 "$tmp/$log.log" | tr '\n' ' ')"; fi
+}
+refused "a FIFO named as an input is refused by name" fifo_in "in.txt: not a regular file" \
+  "$data" prepare "$tmp/fifo/in.txt" -o "$tmp/fifo/o1" --vocab-size 300
+refused "a FIFO named like a shard is refused by name" fifo_shard \
+  "x_train_000001.bin: not a regular file" "$run" --standalone -n 1 -- "$train" \
+  --layers 1 --heads 2 --channels 16 --ctx 16 --steps 1 --data "$tmp/fifo/x_train_000001.bin"
+refused "a FIFO named encoder.json is refused by name" fifo_tok "encoder.json is not a regular file" \
+  "$data" prepare "$tmp/fifo/d/a.txt" -o "$tmp/fifo/o2" --tokenizer "$tmp/fifo/tk"
+if timeout 20 "$data" prepare "$tmp/fifo/d" -o "$tmp/fifo/o3" --vocab-size 257 \
+    >"$tmp/fifo_dir.log" 2>&1 || true; grep -q "leaving out .*p.txt: not a regular file" "$tmp/fifo_dir.log"; then
+  ok "a FIFO in an input folder is left out by name"
+else bad "a FIFO in an input folder: $(tail -n 2 "$tmp/fifo_dir.log" | tr '\n' ' ')"; fi
+
 [ "$fails" -eq 0 ] && echo "all shared-folder checks passed" && exit 0
 exit 1
