@@ -106,7 +106,10 @@ elif grep -q "reduces gradients in fp32 or bf16" "$tmp/fp16.log"; then
 else echo "FAIL fp16 refusal message"; tail -n 3 "$tmp/fp16.log"; fails=$((fails + 1)); fi
 
 # Overlap: the all-gather of block k+1 runs during block k's forward, that
-# of block k-1 during block k's backward.  Without prefetch it cannot.
+# of block k-1 during block k's backward.  Without prefetch it cannot (0 of
+# 24 both ways).  With it, 6-13 of 24 on this 2-core machine, the same
+# before and after issue 42's changes (12 runs each): at least a quarter
+# is asked for (a third failed 1 release pass in 3 beside other tests).
 big=(--layers 4 --heads 4 --channels 128 --ctx 64 --batch 2 --steps 4)
 "$run" --standalone -n 2 -- "$train" "${model[@]}" "${big[@]}" --shard 3 \
   --trace "$tmp/t1.json" >"$tmp/t1.log" 2>&1
@@ -116,7 +119,7 @@ with=$(/usr/bin/python3 "$overlap_py" "$tmp/t1.json" 4 2>&1)
 without=$(/usr/bin/python3 "$overlap_py" "$tmp/t0.json" 4 2>&1)
 echo "     overlap with --prefetch 1: $with; with --prefetch 0: $without"
 if echo "$with" | awk '{ split($2, f, "/"); split($4, b, "/");
-    exit !(f[2] >= 12 && b[2] >= 12 && f[1] * 3 >= f[2] && b[1] * 3 >= b[2]) }'; then
+    exit !(f[2] >= 12 && b[2] >= 12 && f[1] * 4 >= f[2] && b[1] * 4 >= b[2]) }'; then
   echo "ok   prefetched gathers overlap the compute of the unit before, forward and backward"
 else echo "FAIL too little overlap with prefetch"; fails=$((fails + 1)); fi
 if echo "$without" | awk '{ split($2, f, "/"); split($4, b, "/");
