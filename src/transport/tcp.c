@@ -1119,13 +1119,21 @@ static int stream_ready(stream_t *s, int fd, int connector) {
 
 static void dial_fail(stream_t *s, const char *what, int err) {
   conn_t *c = s->c;
-  char why[200], which[48] = "";
+  char why[400], which[48] = "";
   if (s->kind == S_OUT) snprintf(which, sizeof which, " (piece connection %d)", s->idx + 1);
   snprintf(why, sizeof why, "cannot connect to its listener at %s%s: %s", c->peer->addr, which,
            what);
   if (err) {
     size_t n = strlen(why);
     snprintf(why + n, sizeof why - n, " (%s)", strerror(err));
+  }
+  /* Refused: nothing listens there any more.  Right after start-up that is
+   * often a rank whose own init failed -- another rank died while the world
+   * formed -- and its log names the cause (issue 42). */
+  if (err == ECONNREFUSED) {
+    size_t n = strlen(why);
+    snprintf(why + n, sizeof why - n, "; its process has ended, or left init with an error "
+             "(its own output says why: another rank's death while the world formed, say)");
   }
   CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: world rank %d: %s", conn_tp(c)->rank,
               c->peer->rank, why);
