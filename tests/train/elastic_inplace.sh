@@ -225,9 +225,13 @@ fi
 # joins the running job (chorus_comm_join) and the two take it in
 # (chorus_comm_grow) and hand it the state.  The weights must equal those
 # of a run that switched from 2 to 3 hosts at that step (a checkpoint).
+# The running hosts read each batch 40 ms slowly (--data-delay-ms: timing
+# only), so that the job still runs when the third agent, started after step
+# AFTER <= 22, is up: at full speed the 40 steps take 0.7 s, and on a loaded
+# machine the job had ended before the agent reached the store.
 AFTER=$((3 + RANDOM % 20))
 NNODES=2:3 job grow 2 29505 --rdzv-conf last_call_timeout=0.2 --elastic inplace -- \
-  --dump "$TMP/grow.bin"
+  --dump "$TMP/grow.bin" --data-delay-ms 40
 GROW2=("${PIDS[@]}")
 wait_logged grow "$AFTER"
 (bash "$NETNS" exec 2 "$RUN" --nnodes 2:3 -n 1 --rdzv-backend c10d \
@@ -295,7 +299,7 @@ fi
 # 3. A random stage, a fourth host arriving while 3 train.
 S=$((1 + RANDOM % 3)) AFTER=$((3 + RANDOM % 14))
 NNODES=3:4 job sg 3 29517 --rdzv-conf last_call_timeout=0.2 --elastic inplace -- --shard "$S" \
-  --dump "$TMP/sg.bin"
+  --dump "$TMP/sg.bin" --data-delay-ms 40 # as for growing above
 local G3=("${PIDS[@]}")
 wait_logged sg "$AFTER"
 (bash "$NETNS" exec 3 "$RUN" --nnodes 3:4 -n 1 --rdzv-backend c10d \
