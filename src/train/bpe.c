@@ -72,6 +72,7 @@
 
 #include "chorus_train.h"
 #include "train/bpe.h"
+#include "train/runtime.h"
 #include "train/bpe_unicode.h"
 
 /* gpt.c's error recorder (one per thread). */
@@ -478,15 +479,15 @@ static int tokset_add(tokset_t *s, const uint8_t *blob, const size_t *off, uint3
  * with a NUL after it. */
 static chorus_result_t read_file(const char *path, char **out, size_t *len, char *err,
                                  size_t errlen) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not hang it */
-  if (fd < 0)
+  struct stat st;
+  int fd = chorus__open_regular(path, &st);
+  if (fd == -1)
     return bpe_fail(err, errlen, CHORUS_ERR_SYSTEM,
                     "chorus_bpe_load: cannot open %s: %s (a tokenizer directory holds GPT-2's "
                     "encoder.json and vocab.bpe)",
                     path, strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size > BPE_MAX_FILE) {
-    close(fd);
+  if (fd < 0 || (uint64_t)st.st_size > BPE_MAX_FILE) {
+    if (fd >= 0) close(fd);
     return bpe_fail(err, errlen, CHORUS_ERR_INVALID_ARG,
                     "chorus_bpe_load: %s is not a regular file of at most %u MiB", path,
                     BPE_MAX_FILE >> 20);

@@ -117,13 +117,10 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
                    optbytes, extra_len};
   chorus__ckpt_shape(m, h.shape);
   char why[4400];
-  int trust = chorus__dir_trust(dir, why, sizeof why);
-  if (trust < 0) {
+  if (chorus__dir_check(dir, "chorus_ckpt_save", why, sizeof why) < 0) {
     free(opt);
     return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ckpt_save: %s", why);
   }
-  static int warned;
-  if (trust > 0 && !warned++) fprintf(stderr, "chorus_ckpt_save: warning: %s\n", why);
   int fd = chorus__create_new(tmp, 0644);
   uint64_t sum = FNV0;
   int bad = fd < 0 || chorus__ckpt_write_all(fd, &h, sizeof h, &sum) ||
@@ -159,14 +156,9 @@ chorus_result_t chorus_ckpt_save(const char *dir, long step, chorus_gpt_t *m,
 /* Reads and verifies one file fully before touching the model. */
 static int load_one(const char *path, chorus_gpt_t *m, chorus_optim_t *o, void *extra,
                     size_t extra_cap, size_t *extra_len, long *step) {
-  /* O_NONBLOCK and a regular file only: a FIFO named like a checkpoint
-   * must not hang the open or the reads. */
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   struct stat sb;
-  if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    if (fd >= 0) close(fd);
-    return -1;
-  }
+  int fd = chorus__open_regular(path, &sb); /* a FIFO named like one: no hang */
+  if (fd < 0) return -1;
   FILE *f = fdopen(fd, "rb");
   if (!f) {
     close(fd);

@@ -395,10 +395,10 @@ static chorus_result_t save(const ctx_t *c, const ctx_t *fc, int nf, int files, 
   } else {
     /* The folder this rank writes into must be what it made (or its own
      * earlier run made), not a link another user put there. */
-    int t = chorus__dir_trust(dir, why, sizeof why);
-    static int warned;
-    if (t > 0 && c->rank == 0 && !warned++) fprintf(stderr, "chorus_trainer_save: warning: %s\n", why);
-    if (t < 0 || chorus__own_dir(sdir, why, sizeof why) < 0) ok = 0;
+    const char *who = c->rank == 0 ? "chorus_trainer_save" : NULL; /* rank 0 warns */
+    if (chorus__dir_check(dir, who, why, sizeof why) < 0 ||
+        chorus__own_dir(sdir, why, sizeof why) < 0)
+      ok = 0;
     else why[0] = '\0';
   }
   for (int i = 0; ok && i < nf; i++) {

@@ -16,6 +16,24 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+int chorus__open_regular(const char *path, struct stat *sb) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return -1;
+  if (fstat(fd, sb) != 0 || !S_ISREG(sb->st_mode)) {
+    close(fd);
+    return -2;
+  }
+  return fd;
+}
+
+int chorus__dir_check(const char *dir, const char *who, char *why, size_t cap) {
+  static int warned; /* once per process */
+  int trust = chorus__dir_trust(dir, why, cap);
+  if (trust > 0 && who && !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+    fprintf(stderr, "%s: warning: %s\n", who, why);
+  return trust < 0 ? -1 : 0;
+}
+
 int chorus__dir_trust(const char *dir, char *why, size_t cap) {
   struct stat sb;
   if (stat(dir, &sb) != 0) {

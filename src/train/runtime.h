@@ -58,6 +58,17 @@ void chorus__optim_raw(chorus_optim_t *o, long **t, float **m, float **v, size_t
  * link; a file or link of this user already there is replaced), the
  * descriptor or -1 with errno. */
 int chorus__dir_trust(const char *dir, char *why, size_t cap);
+/* chorus__dir_trust for a folder about to be written: -1 when it is
+ * refused (why says so); 0 otherwise, after a warning on stderr, prefixed
+ * by who (NULL: none), the first time in this process that another user
+ * can put entries there. */
+int chorus__dir_check(const char *dir, const char *who, char *why, size_t cap);
+/* Opens path for reading without blocking (a FIFO put in a file's place
+ * must not hang the open) and only if it is a regular file: the
+ * descriptor, with *sb filled; -1 when it cannot be opened (errno), -2
+ * when it is not a regular file. */
+struct stat;
+int chorus__open_regular(const char *path, struct stat *sb);
 int chorus__remove_entry(const char *dir, const char *name);
 int chorus__own_dir(const char *path, char *why, size_t cap);
 int chorus__create_new(const char *path, mode_t mode);

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "chorus_train.h"
+#include "runtime.h"
 
 chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -74,16 +75,14 @@ static void put32(unsigned char *p, uint32_t v) {
 
 /* Maps path read-only.  0, or -1 (reported). */
 static int map_file(const char *path, unsigned char **map, size_t *len) {
-  /* O_NONBLOCK: a FIFO named like a shard must not hang the open. */
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
+  struct stat sb;
+  int fd = chorus__open_regular(path, &sb);
+  if (fd == -1) {
     fail(CHORUS_ERR_SYSTEM, "%s: cannot open: %s", path, strerror(errno));
     return -1;
   }
-  struct stat sb;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+  if (fd < 0) {
     fail(CHORUS_ERR_INVALID_ARG, "%s: not a regular file", path);
-    close(fd);
     return -1;
   }
   *len = (size_t)sb.st_size;
@@ -296,12 +295,9 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
 static int looks_like_text(const char *path, long *nul_at) {
   *nul_at = -1;
   if (ends_with(path, ".bin")) return 0;
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   struct stat sb;
-  if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    if (fd >= 0) close(fd);
-    return 1; /* opening reports it (map_file: not a regular file) */
-  }
+  int fd = chorus__open_regular(path, &sb);
+  if (fd < 0) return 1; /* opening reports it (map_file) */
   static const size_t N = 1 << 16;
   unsigned char head[4], *b = malloc(N);
   size_t want = b ? N : 4, n = 0; /* out of memory: the magic only */

@@ -36,7 +36,7 @@
 #include <unistd.h>
 
 #include "chorus_train.h"
-#include "../runtime.h" /* chorus__remove_entry, chorus__dir_trust */
+#include "../runtime.h" /* chorus__remove_entry, chorus__dir_check, chorus__open_regular */
 
 #define UNIT_BYTES (256u << 10)
 #define PATH_CAP 4608 /* a folder of up to 4096 - 320 bytes, a name of up to 255 */
@@ -159,15 +159,18 @@ static void walk(const char *dir, int jsonl) {
       else if (S_ISREG(sb.st_mode)) add_file(names[i], jsonl);
       /* A link to a file is read; one to a folder is not walked (a loop is
        * one link away), and everything is named when left out. */
-      else if (S_ISLNK(sb.st_mode) && stat(names[i], &to) == 0 && S_ISREG(to.st_mode))
-        add_file(names[i], jsonl);
-      else
-        fprintf(stderr, "chorus-data: leaving out %s: %s\n", names[i],
-                !S_ISLNK(sb.st_mode) ? "not a regular file (a FIFO, a device or a socket)"
-                : stat(names[i], &to) != 0 ? "a symbolic link to nothing"
-                : S_ISDIR(to.st_mode) ? "a symbolic link to a folder (name the folder itself "
-                                        "to read it)"
-                                      : "a symbolic link to something not a regular file");
+      else {
+        int link = S_ISLNK(sb.st_mode), target = link && stat(names[i], &to) == 0;
+        if (target && S_ISREG(to.st_mode))
+          add_file(names[i], jsonl);
+        else
+          fprintf(stderr, "chorus-data: leaving out %s: %s\n", names[i],
+                  !link ? "not a regular file (a FIFO, a device or a socket)"
+                  : !target ? "a symbolic link to nothing"
+                  : S_ISDIR(to.st_mode) ? "a symbolic link to a folder (name the folder itself "
+                                          "to read it)"
+                                        : "a symbolic link to something not a regular file");
+      }
     }
     free(names[i]);
   }
@@ -175,11 +178,10 @@ static void walk(const char *dir, int jsonl) {
 }
 
 static void map_input(file_t *f) {
-  /* O_NONBLOCK: a FIFO put in a file's place must not hang the open. */
-  int fd = open(f->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   struct stat sb;
-  if (fd < 0 || fstat(fd, &sb) != 0) die("%s: cannot open: %s", f->path, strerror(errno));
-  if (!S_ISREG(sb.st_mode)) die("%s: not a regular file", f->path);
+  int fd = chorus__open_regular(f->path, &sb);
+  if (fd == -1) die("%s: cannot open: %s", f->path, strerror(errno));
+  if (fd < 0) die("%s: not a regular file", f->path);
   f->len = (size_t)sb.st_size;
   if (f->len) {
     void *p = mmap(NULL, f->len, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -565,9 +567,7 @@ static void make_stage(const opts_t *o) {
   if (stat(o->out, &sb) != 0 || !S_ISDIR(sb.st_mode))
     die("%s: not a folder (-o names the folder for the shards)", o->out);
   char why[PATH_CAP + 300];
-  int trust = chorus__dir_trust(o->out, why, sizeof why);
-  if (trust < 0) die("%s", why);
-  if (trust > 0) fprintf(stderr, "chorus-data: warning: %s\n", why);
+  if (chorus__dir_check(o->out, "chorus-data", why, sizeof why) < 0) die("%s", why);
   char prefix[320];
   stage_prefix(o, prefix, sizeof prefix);
   const size_t k = strlen(prefix);
