@@ -548,13 +548,13 @@ static int take_handover(shm_chan_t *ch, const chorus__tp_config_t *cfg, const i
       have_cred = 1;
     }
   }
-  int from = (int)m.from, ok = 0;
+  int ok = 0;
   link_t *l = NULL;
   if (n == (ssize_t)sizeof m && !(mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && nfds == 1 &&
       have_cred && cred.uid == geteuid() && m.magic == INBOX_MAGIC &&
       m.world == cfg->world_id && m.to == (uint32_t)cfg->rank && m.from < (uint32_t)cfg->size &&
-      lidx_of[from] >= 0 && from != cfg->rank) {
-    l = &ch->links[lidx_of[from]];
+      lidx_of[m.from] >= 0) {
+    l = &ch->links[lidx_of[m.from]];
     uint8_t want[CHORUS__MAC_LEN];
     handover_mac(&ch->base.tp->key, &m, cfg->nonce[cfg->rank], want);
     ok = !l->peer_base && chorus__ct_equal(want, m.mac, sizeof want);
