@@ -181,11 +181,14 @@ has "every worker names the dead server" skill "server 0 (rank 0) is gone or fai
 
 # 5b. Mirrored servers: a server SIGKILLed at a random moment loses nothing.
 mkill() { # NAME VICTIM_RANK RANKS ARGS...: runs, kills the victim soon after step 10, waits
-  # (a sanitizer build's small model does 10 steps in a tenth of a second)
+  # (a sanitizer build's small model does 10 steps in a tenth of a second,
+  # and all 40 in less than half a second: on a loaded machine the kill
+  # came after the end, and the run had nothing to take over.  Each batch
+  # is read 25 ms slowly -- timing only --, so 30 steps stay to be run)
   local name=$1 v=$2 n=$3
   shift 3
   timeout 180 "$run" --standalone -n "$n" --elastic inplace -- "$train" "${model[@]}" "$@" \
-    >"$tmp/$name.log" 2>&1 &
+    --data-delay-ms 25 >"$tmp/$name.log" 2>&1 &
   local job=$!
   wait_log "$name" "async step  *[1-9][0-9]/" 0.01
   sleep "0.0$((RANDOM % 5))" # a random moment of the next few steps
