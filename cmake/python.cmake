@@ -75,6 +75,39 @@ endfunction()
 
 add_library(chorus_python MODULE python/chorus/_chorus.c)
 chorus_python_module(chorus_python _chorus)
+
+# `cmake --install` puts the package where this interpreter looks for the
+# install prefix: Debian's python3 reads /usr/lib/python3/dist-packages and
+# /usr/local/lib/python3.X/dist-packages; another prefix P needs
+# PYTHONPATH=P/<CHORUS_PYTHON_INSTALL_DIR>.  The extensions find the
+# installed libchorus through an rpath relative to it.
+execute_process(
+  COMMAND ${CHORUS_PYTHON_EXECUTABLE} -c
+    "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); print(int('deb_system' in sysconfig.get_scheme_names()))"
+  OUTPUT_VARIABLE _chorus_py_ver OUTPUT_STRIP_TRAILING_WHITESPACE)
+string(REPLACE "\n" ";" _chorus_py_ver "${_chorus_py_ver}")
+list(GET _chorus_py_ver 0 _chorus_py_xy)
+list(GET _chorus_py_ver 1 _chorus_py_debian)
+if(_chorus_py_debian AND CMAKE_INSTALL_PREFIX STREQUAL "/usr")
+  set(_chorus_py_dir lib/python3/dist-packages)
+elseif(_chorus_py_debian)
+  set(_chorus_py_dir lib/python${_chorus_py_xy}/dist-packages)
+else()
+  set(_chorus_py_dir lib/python${_chorus_py_xy}/site-packages)
+endif()
+set(CHORUS_PYTHON_INSTALL_DIR ${_chorus_py_dir} CACHE STRING
+  "Where cmake --install puts the Python package, relative to the prefix")
+file(RELATIVE_PATH _chorus_py_rpath /p/${CHORUS_PYTHON_INSTALL_DIR}/chorus /p/${CMAKE_INSTALL_LIBDIR})
+function(chorus_python_install target)
+  if(NOT CHORUS_PYTHON_ORIGIN)
+    set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN/${_chorus_py_rpath}")
+    install(TARGETS ${target} LIBRARY DESTINATION ${CHORUS_PYTHON_INSTALL_DIR}/chorus)
+  endif()
+endfunction()
+if(NOT CHORUS_PYTHON_ORIGIN)
+  install(FILES ${_chorus_py_files} DESTINATION ${CHORUS_PYTHON_INSTALL_DIR}/chorus)
+endif()
+chorus_python_install(chorus_python)
 set(CHORUS_PYTHON_BUILT ON)
 file(WRITE ${CHORUS_PYTHON_DIR}/targets.txt "chorus_python\n") # for setup.py
 message(STATUS "chorus: Python package for ${CHORUS_PYTHON_EXECUTABLE} in ${CHORUS_PYTHON_DIR}")
@@ -114,6 +147,7 @@ target_compile_definitions(chorus_torch PRIVATE _GLIBCXX_USE_CXX11_ABI=${CHORUS_
 target_include_directories(chorus_torch SYSTEM PRIVATE ${CHORUS_TORCH_INCLUDES}
                            ${CHORUS_PYBIND11_INCLUDE})
 target_link_libraries(chorus_torch PRIVATE c10 torch torch_cpu torch_python)
+chorus_python_install(chorus_torch)
 set(CHORUS_TORCH_BUILT ON)
 file(APPEND ${CHORUS_PYTHON_DIR}/targets.txt "chorus_torch\n")
 message(STATUS "chorus: PyTorch backend (C++ ABI ${CHORUS_TORCH_ABI})")
