@@ -22,7 +22,7 @@ static void die_usage(const char *fmt, ...) {
   va_start(ap, fmt);
   fputs("chorusrun: ", stderr);
   vfprintf(stderr, fmt, ap);
-  fputs("\nTry 'chorusrun --help' for more information.\n", stderr);
+  fputs("\nchorusrun --help lists the options\n", stderr);
   va_end(ap);
   exit(EXIT_USAGE);
 }
@@ -121,7 +121,8 @@ static int64_t parse_seconds(const char *opt, const char *v, double lo, double h
   errno = 0;
   double x = strtod(v, &end);
   if (errno || !end || end == v || *end || !(x >= lo && x <= hi))
-    die_usage("invalid value '%s' for %s (seconds, %g..%g)", v, opt, lo, hi);
+    die_usage("%s '%s': %s; it takes seconds from %g to %g", opt, v,
+              end && end != v && !*end ? "out of range" : "not a number", lo, hi);
   return (int64_t)(x * 1e9);
 }
 
@@ -185,8 +186,8 @@ static int parse_std(const char *opt, const char *v, unsigned char *by_rank) {
     long r = isdigit((unsigned char)*p) ? strtol(p, &end, 10) : -1;
     if (r < 0 || errno || *end != ':' || end[1] < '0' || end[1] > '3' ||
         (end[2] != ',' && end[2] != '\0'))
-      die_usage("invalid value '%s' for %s (0 none, 1 stdout, 2 stderr, 3 both; or per local "
-                "rank, e.g. 0:3,1:1)", v, opt);
+      die_usage("%s '%s': not a stream choice; it takes 0 none, 1 stdout, 2 stderr, 3 both, or "
+                "per local rank (e.g. 0:3,1:1)", opt, v);
     if (r >= MAX_NPROC)
       die_usage("%s: local rank %ld is out of range (0..%d)", opt, r, MAX_NPROC - 1);
     by_rank[r] = (unsigned char)(end[1] - '0');
@@ -198,8 +199,11 @@ static int parse_std(const char *opt, const char *v, unsigned char *by_rank) {
 
 static long parse_int_opt(const char *opt, const char *v, long lo, long hi) {
   long x;
-  if (chorus__parse_long(v, &x) != 0 || x < lo || x > hi)
-    die_usage("invalid value '%s' for %s (expected an integer in %ld..%ld)", v, opt, lo, hi);
+  if (chorus__parse_long(v, &x) != 0)
+    die_usage("%s '%s': not a whole number; it takes a whole number from %ld to %ld", opt, v, lo,
+              hi);
+  if (x < lo || x > hi)
+    die_usage("%s '%s': out of range; it takes a whole number from %ld to %ld", opt, v, lo, hi);
   return x;
 }
 
@@ -311,7 +315,7 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       if (val[0] == '[' && strchr(val, ']') && (!colon || colon < strchr(val, ']')))
         colon = NULL;
       size_t hl = colon ? (size_t)(colon - val) : strlen(val);
-      if (hl == 0 || hl >= sizeof endpoint_host) die_usage("invalid --rdzv-endpoint '%s'", val);
+      if (hl == 0 || hl >= sizeof endpoint_host) die_usage("--rdzv-endpoint '%s': not an address; it takes HOST[:PORT]", val);
       memcpy(endpoint_host, val, hl);
       endpoint_host[hl] = '\0';
       if (endpoint_host[0] == '[' && endpoint_host[hl - 1] == ']') {
@@ -326,7 +330,7 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       if (colon) {
         char lo[32];
         size_t n = (size_t)(colon - val);
-        if (n == 0 || n >= sizeof lo) die_usage("invalid value '%s' for --nnodes", val);
+        if (n == 0 || n >= sizeof lo) die_usage("--nnodes '%s': not of that form; it takes N or MIN:MAX", val);
         memcpy(lo, val, n);
         lo[n] = '\0';
         job->min_nodes = (int)parse_int_opt("--nnodes MIN", lo, 1, 1024);
@@ -341,11 +345,11 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     } else if (!strcmp(name, "rdzv-backend")) {
       if (strcmp(val, "c10d") && strcmp(val, "static") && strcmp(val, "etcd") &&
           strcmp(val, "etcd-v2"))
-        die_usage("invalid value '%s' for --rdzv-backend (c10d, static or etcd)", val);
+        die_usage("--rdzv-backend '%s': not a choice; it takes one of c10d|static|etcd", val);
       backend = val;
     } else if (!strcmp(name, "rdzv-id")) {
       if (!rdzv_run_id_ok(val))
-        die_usage("invalid --rdzv-id '%s' (1-127 letters, digits, '.', '_', ':', '/', '-')", val);
+        die_usage("--rdzv-id '%s': not an id; it takes 1-127 letters, digits, '.', '_', ':', '/', '-'", val);
       snprintf(job->run_id, sizeof job->run_id, "%s", val);
     } else if (!strcmp(name, "rdzv-conf")) {
       parse_rdzv_conf(job, val);
@@ -354,11 +358,11 @@ action_t parse_args(int argc, char **argv, job_t *job) {
     } else if (!strcmp(name, "cpu-bind")) {
       if (!strcmp(val, "auto") || !strcmp(val, "core")) job->bind = 1;
       else if (!strcmp(val, "none")) job->bind = 0;
-      else die_usage("invalid value '%s' for --cpu-bind (auto or none)", val);
+      else die_usage("--cpu-bind '%s': not a choice; it takes one of auto|none", val);
     } else if (!strcmp(name, "elastic")) {
       if (!strcmp(val, "inplace")) job->inplace = 1;
       else if (!strcmp(val, "restart")) job->inplace = 0;
-      else die_usage("invalid value '%s' for --elastic (restart or inplace)", val);
+      else die_usage("--elastic '%s': not a choice; it takes one of restart|inplace", val);
     } else if (!strcmp(name, "log-dir")) {
       if (!*val) die_usage("--log-dir needs a non-empty directory");
       job->log_dir = val;
@@ -373,7 +377,7 @@ action_t parse_args(int argc, char **argv, job_t *job) {
       errno = 0;
       double s = strtod(val, &end);
       if (errno || !end || end == val || *end || !(s >= 0 && s <= 86400))
-        die_usage("invalid value '%s' for --grace-period (seconds, 0..86400)", val);
+        die_usage("--grace-period '%s': not a number in range; it takes seconds from 0 to 86400", val);
       job->grace_ns = (int64_t)(s * 1e9);
     }
   }

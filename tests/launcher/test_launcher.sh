@@ -417,7 +417,7 @@ case_usage() {
   run --nnodes 2 --rdzv-endpoint 127.0.0.1:1 "$WORKER" env
   check "nnodes 2 without a secret: says so" eval 'rc_is 1 && has "$ERR" "needs a secret that every node shares"'
   run --nnodes 2 --rdzv-endpoint 127.0.0.1:29400 --rdzv-id 'a b' "$WORKER" env
-  check "bad --rdzv-id: usage error" eval 'rc_is 2 && has "$ERR" "invalid --rdzv-id"' 
+  check "bad --rdzv-id: usage error" eval 'rc_is 2 && has "$ERR" "--rdzv-id .a b.: not an id"'
   no_leftovers usage
 }
 

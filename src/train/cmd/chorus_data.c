@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "chorus_train.h"
+#include "opt.h"
 #include "../runtime.h" /* chorus__remove_entry, chorus__dir_check, chorus__open_regular */
 
 #define UNIT_BYTES (256u << 10)
@@ -709,6 +710,7 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
       if (!o->skip_invalid)
         die("%s: an empty file (no text to tokenize; --skip-invalid leaves such files out)",
             f->path);
+      fprintf(stderr, "chorus-data: skipped %s: an empty file\n", f->path);
       g_skipped++;
       continue;
     }
@@ -836,7 +838,8 @@ static void usage(FILE *f) {
           "  --vocab-size N       or learn a byte-level BPE vocabulary of N tokens here\n"
           "  --vocab-sample MB    learn it from this much of the input, spread over it (200)\n"
           "  --shard-tokens N     tokens per shard (100000000, llm.c's)\n"
-          "  --val-fraction F     the input's first F for validation, at most 16 MiB (0.1)\n"
+          "  --val-fraction F     the input's first F (0-0.9) for validation, at most\n"
+          "                       16 MiB (0.1)\n"
           "  --name NAME          shard names NAME_val_000000.bin, NAME_train_000001.bin (data)\n"
           "  --threads N          encoding threads (all cores)\n"
           "  --field NAME         JSON lines: the text field (text)\n"
@@ -859,33 +862,42 @@ int main(int argc, char **argv) {
       {"threads", 1, 0, 'j'}, {"field", 1, 0, 'F'}, {"skip-invalid", 0, 0, 'k'},
       {"vocab", 1, 0, 'V'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
   optind = 2;
-  int c;
-  while ((c = getopt_long(argc, argv, "o:h", lo, NULL)) != -1) {
+  int c, idx;
+  char name[32];
+  long long st;
+#define P "chorus-data"
+  opterr = 0;
+  while ((idx = -1, c = getopt_long(argc, argv, ":o:h", lo, &idx)) != -1) {
+    snprintf(name, sizeof name, "-%s%s", idx >= 0 ? "-" : "", idx >= 0 ? lo[idx].name : "o");
+    int bad = 0;
     switch (c) {
       case 'o': o.out = optarg; break;
       case 't': o.tokenizer = optarg; break;
-      case 'v': o.vocab_size = atoi(optarg); break;
-      case 'S': o.vocab_sample_mb = strtod(optarg, NULL); break;
-      case 's': o.shard_tokens = strtoull(optarg, NULL, 10); break;
-      case 'f': o.val_fraction = strtod(optarg, NULL); break;
-      case 'n': o.name = optarg; break;
-      case 'j': o.threads = atoi(optarg); break;
+      case 'v': bad = opt_int(P, name, optarg, 257, 1 << 20, &o.vocab_size); break;
+      case 'S': bad = opt_double(P, name, optarg, 0, 1, 1 << 20, &o.vocab_sample_mb); break;
+      case 's':
+        bad = opt_long(P, name, optarg, 1, INT32_MAX, &st);
+        o.shard_tokens = bad ? 0 : (size_t)st;
+        break;
+      case 'f': bad = opt_double(P, name, optarg, 0, 0, 0.9, &o.val_fraction); break;
+      case 'n':
+        if (!*optarg || strchr(optarg, '/') || strlen(optarg) > 200) {
+          fprintf(stderr, P ": --name '%s': not a name; it takes 1-200 bytes without '/'\n",
+                  optarg);
+          bad = -1;
+        }
+        o.name = optarg;
+        break;
+      case 'j': bad = opt_int(P, name, optarg, 1, 256, &o.threads); break;
       case 'F': o.field = optarg; break;
       case 'k': o.skip_invalid = 1; break;
-      case 'V': vocab = atoi(optarg); break;
+      case 'V': bad = opt_int(P, name, optarg, 2, 1 << 24, &vocab); break;
       case 'h': usage(stdout); return 0;
-      default: usage(stderr); return 2;
+      default: opt_getopt_error(P, c, argv); return 2;
     }
+    if (bad) return 2;
   }
-  if (o.threads < 1 || o.threads > 256 || o.shard_tokens < 1 || o.shard_tokens > INT32_MAX ||
-      o.val_fraction < 0 || o.val_fraction >= 1 || o.vocab_sample_mb <= 0 ||
-      (o.vocab_size && (o.vocab_size < 257 || o.vocab_size > 1 << 20)) ||
-      !*o.name || strchr(o.name, '/') || strlen(o.name) > 200) {
-    fprintf(stderr, "chorus-data: an option is out of range (--threads 1-256, --shard-tokens "
-            "1-2^31, --val-fraction 0-1, --vocab-size 257-2^20, --name of 1-200 bytes "
-            "without /)\n");
-    return 2;
-  }
+#undef P
   if (!strcmp(cmd, "prepare")) {
     if (optind >= argc) die("prepare: no INPUT given");
     return prepare(&o, argc - optind, argv + optind);
@@ -894,6 +906,7 @@ int main(int argc, char **argv) {
     if (optind != argc - 1) die("check: give one DIR, GLOB or FILE");
     return check(&o, argv[optind], vocab);
   }
-  usage(stderr);
+  fprintf(stderr, "chorus-data: '%s': not a command (prepare or check)\n", cmd);
+  opt_see_help("chorus-data");
   return 2;
 }
