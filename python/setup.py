@@ -1,5 +1,15 @@
-"""pip install ./python  (offline: add --no-build-isolation; Debian's
-python3-pip and python3-setuptools).
+"""pip install ./python, into a virtual environment (Debian 12's python3 is
+"externally managed": pip refuses to install into it, PEP 668):
+
+    /usr/bin/python3 -m venv --system-site-packages ~/venvs/chorus
+    ~/venvs/chorus/bin/pip install -v --no-build-isolation ./python
+
+--system-site-packages lets the venv see Debian's numpy and torch;
+--no-build-isolation builds offline with Debian's setuptools (python3-venv,
+python3-pip, python3-setuptools); -v shows the build's progress (pip hides
+a build's output otherwise: the torch shim alone compiles for minutes).
+The build happens in ~/.cache/chorus/pip-build (XDG_CACHE_HOME), not in the
+source tree, and a second install reuses it.
 
 The extensions are built by the project's CMake (the same rules as the
 in-tree build, cmake/python.cmake) in the build_ext step, with libchorus
@@ -39,6 +49,7 @@ class CMakeBuild(build_ext):
         with open(os.path.join(build, "python", "targets.txt")) as f:
             targets = f.read().split()
         jobs = str(os.cpu_count() or 2)
+        print("chorus: building %s in %s (%s jobs)" % (", ".join(targets), build, jobs), flush=True)
         subprocess.check_call(["cmake", "--build", build, "-j", jobs, "--target"] + targets)
         out = os.path.join(self.build_lib, "chorus")
         os.makedirs(out, exist_ok=True)
@@ -46,6 +57,12 @@ class CMakeBuild(build_ext):
         for f in glob.glob(os.path.join(made, "*.so*")):
             shutil.copy2(f, out, follow_symlinks=True)
 
+
+# Build products outside the source tree (it stays clean), kept between
+# installs so that a second one only rebuilds what changed.
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                     "chorus", "pip-build")
+os.makedirs(CACHE, mode=0o700, exist_ok=True)
 
 setup(
     name="chorus",
@@ -57,4 +74,5 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     zip_safe=False,
+    options={"build": {"build_base": CACHE}, "egg_info": {"egg_base": CACHE}},
 )

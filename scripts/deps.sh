@@ -73,7 +73,7 @@ fi
 torch_need=()
 if ((torch)); then
   for p in python3-torch libtorch-dev pybind11-dev g++ python3-torchvision python3-pip \
-           python3-setuptools; do
+           python3-setuptools python3-venv; do
     installed "$p" || torch_need+=("$p")
   done
 fi
