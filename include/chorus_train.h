@@ -234,6 +234,12 @@ CHORUS_API int chorus_shard_name(const char *file, size_t *name_len, int *number
 CHORUS_API chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int vocab,
                                               chorus_tokens_t **out);
 CHORUS_API void chorus_tokens_close(chorus_tokens_t *d);
+/* The tokenizer that came with a dataset: the folder of spec (spec itself
+ * when it is a folder; a file's or a glob's folder) when it holds
+ * encoder.json, as `chorus-data prepare` leaves it there.  Writes the
+ * folder into buf (len bytes) and returns buf, or NULL when there is none
+ * (or the name does not fit). */
+CHORUS_API const char *chorus_tokens_tokenizer_dir(const char *spec, char *buf, size_t len);
 CHORUS_API size_t chorus_tokens_count(const chorus_tokens_t *d);
 CHORUS_API int chorus_tokens_files(const chorus_tokens_t *d);
 CHORUS_API const char *chorus_tokens_file(const chorus_tokens_t *d, int i);

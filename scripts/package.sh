@@ -16,9 +16,10 @@ out=${1:-build-deb}
 scripts/deps.sh
 command -v dpkg-deb >/dev/null || { echo "package.sh: dpkg-deb missing (apt-get install dpkg)" >&2; exit 1; }
 echo "== configure ($out, prefix /usr)"
+log=$(mktemp)
 cmake -S . -B "$out" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_INSTALL_PREFIX=/usr \
-  -DBUILD_TESTING=OFF >"$out.configure.log" 2>&1 || { cat "$out.configure.log"; exit 1; }
-rm -f "$out.configure.log"
+  -DBUILD_TESTING=OFF >"$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
+rm -f "$log"
 echo "== build"
 # A line per target built, with cmake's percentage; the whole log on failure.
 set +e

@@ -13,17 +13,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j"$(nproc)" >/dev/null
+echo "== configure and build (build/; the first build takes a few minutes)"
+log=$(mktemp)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
+rm -f "$log"
+# A line per target built, with cmake's percentage; the log's end on failure.
+set +e
+cmake --build build -j"$(nproc)" 2>&1 | tee build/build.log | grep --line-buffered -E '^\[ *[0-9]+%\] Built target'
+rc=${PIPESTATUS[0]}
+set -e
+[ "$rc" -eq 0 ] || { tail -n 40 build/build.log; echo "train.sh: the build failed (build/build.log)" >&2; exit 1; }
 data=runs/data/shakespeare-bpe1024
 if [ ! -e "$data/encoder.json" ]; then
   # Into a temporary folder, renamed when complete: an interrupted prepare
   # is never taken for a finished one.
   rm -rf "$data.tmp"
   mkdir -p "$(dirname "$data")"
+  echo "== tokenizer and shards (once): $data"
   build/chorus-data prepare data/tinyshakespeare.txt -o "$data.tmp" --vocab-size 1024
   mv "$data.tmp" "$data"
 fi
+echo "== training: ${NPROC:-2} ranks through chorusrun (checkpoints in runs/shakespeare-bpe)"
 exec build/chorusrun --standalone --nproc-per-node "${NPROC:-2}" -- build/chorus-train \
   --data "$data" --steps 800 --val-every 200 --log-every 50 --sample 200 \
   --checkpoint-dir runs/shakespeare-bpe --checkpoint-every 400 "$@"

@@ -4,6 +4,7 @@
  * checkpoints of a data-parallel run, written by every rank, are in
  * dist_ckpt.c, which reads these files too).
  */
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -52,10 +53,15 @@ chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n) {
   for (struct dirent *e; (e = readdir(d));) {
     long step;
     int used = 0;
-    if (sscanf(e->d_name, "ckpt-%ld%n", &step, &used) != 1 || step < 0 || used < 14) continue;
+    /* Sharded checkpoints are folders of nine-digit steps (this runtime's);
+     * a single file may carry its step in fewer digits (an export a user
+     * named ckpt-6.bin, as the docs write DIR/ckpt-<step>.bin). */
+    if (strncmp(e->d_name, "ckpt-", 5) || !isdigit((unsigned char)e->d_name[5]) ||
+        sscanf(e->d_name, "ckpt-%ld%n", &step, &used) != 1 || step < 0)
+      continue;
     const char *tail = e->d_name + used;
     int isdir = !*tail;
-    if (!isdir && strcmp(tail, ".bin")) continue;
+    if (isdir ? used < 14 : strcmp(tail, ".bin") != 0) continue;
     if (*n == cap) {
       cap = cap ? 2 * cap : 16;
       chorus__ckpt_cand_t *nv = realloc(v, sizeof *v * (size_t)cap);
@@ -74,6 +80,18 @@ chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n) {
       v[j - 1] = t;
     }
   return v;
+}
+
+int chorus__ckpt_file(char *buf, size_t len, const char *dir, long step) {
+  int n = snprintf(buf, len, "%s/ckpt-%09ld.bin", dir, step);
+  if (n < 0 || (size_t)n >= len) return -1;
+  struct stat sb;
+  if (lstat(buf, &sb) == 0 || errno != ENOENT) return 0;
+  char alt[4200];
+  n = snprintf(alt, sizeof alt, "%s/ckpt-%ld.bin", dir, step);
+  if (n < 0 || (size_t)n >= len || (size_t)n >= sizeof alt || lstat(alt, &sb) != 0) return 0;
+  memcpy(buf, alt, (size_t)n + 1);
+  return 0;
 }
 
 /* Steps of the single-file checkpoints in dir, newest first (*n of them). */
@@ -203,7 +221,7 @@ chorus_result_t chorus_ckpt_load(const char *dir, long *step, chorus_gpt_t *m, c
   chorus_result_t st = CHORUS_OK;
   for (int i = 0; i < n; i++) {
     char path[4096];
-    snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, steps[i]);
+    if (chorus__ckpt_file(path, sizeof path, dir, steps[i]) != 0) continue;
     if (load_one(path, m, o, extra, extra_cap, extra_len, step) == 0) break;
     /* Torn, foreign or of another shape: note it, try the previous one. */
     chorus__train_fail(CHORUS_OK, "checkpoint %s is unusable (incomplete, corrupt or for "

@@ -48,6 +48,10 @@ typedef struct {
   int dir; /* 1: ckpt-N/, 0: ckpt-N.bin */
 } chorus__ckpt_cand_t;
 chorus__ckpt_cand_t *chorus__ckpt_list(const char *dir, int *n);
+/* The single-file checkpoint of step in dir, into buf: the name this
+ * runtime writes (ckpt-000000006.bin), or, when only that is absent, the
+ * one a user may give an export (ckpt-6.bin).  0, or -1 if it does not fit. */
+int chorus__ckpt_file(char *buf, size_t len, const char *dir, long step);
 
 /* chorus_trainer_save / _load for a rank that holds one range of the
  * layout, the floats [lo, lo + n), in par, with opt's state over those n

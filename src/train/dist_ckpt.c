@@ -821,7 +821,7 @@ static int read_sharded(stage_t *s, const char *dir, long step) {
 /* A checkpoint of chorus_ckpt_save's single-file format (or an export). */
 static int read_single(stage_t *s, const char *dir, long step) {
   char path[4200];
-  snprintf(path, sizeof path, "%s/ckpt-%09ld.bin", dir, step);
+  if (chorus__ckpt_file(path, sizeof path, dir, step) != 0) return bad(s, "%s: too long a name", dir);
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO: no hang */
   if (fd < 0) return bad(s, "%s: %s", path, strerror(errno));
   struct stat stt = {0};

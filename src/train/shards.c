@@ -316,6 +316,23 @@ static int looks_like_text(const char *path, long *nul_at) {
   return !shard;
 }
 
+const char *chorus_tokens_tokenizer_dir(const char *spec, char *buf, size_t len) {
+  struct stat sb;
+  int n;
+  if (!spec || !buf || !len) return NULL;
+  if (stat(spec, &sb) == 0 && S_ISDIR(sb.st_mode)) n = snprintf(buf, len, "%s", spec);
+  else {
+    const char *slash = strrchr(spec, '/');
+    n = slash ? snprintf(buf, len, "%.*s", (int)(slash - spec + (slash == spec)), spec)
+              : snprintf(buf, len, ".");
+  }
+  if (n < 0 || (size_t)n >= len) return NULL;
+  char path[4200];
+  n = snprintf(path, sizeof path, "%s/encoder.json", buf);
+  if (n < 0 || (size_t)n >= sizeof path || access(path, R_OK) != 0) return NULL;
+  return buf;
+}
+
 chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int vocab,
                                    chorus_tokens_t **out) {
   *out = NULL;

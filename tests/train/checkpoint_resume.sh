@@ -35,6 +35,10 @@ train_run first 2 -- --batch 2 --checkpoint-dir "$tmp/ck1" --stop-after 10
 train_run second 2 -- --batch 2 --checkpoint-dir "$tmp/ck1" --dump "$tmp/resumed"
 has "the second run resumed at step 10" second "resumed from .*ckpt-000000010 "
 check "stop + resume is bit-exact" straight resumed 0
+# Run again with every step done: nothing to train, and it says so.
+train_run third 2 -- --batch 2 --checkpoint-dir "$tmp/ck1"
+has "a run with every step done says so, and how to train more" third \
+  "nothing to train: the checkpoint in .* has 20 of --steps 20 step(s) done; raise --steps"
 # 4 ranks x 1 for 10 steps, then 2 ranks x 2: the same global batches.
 train_run four 4 -- --batch 1 --checkpoint-dir "$tmp/ck2" --stop-after 10
 train_run two 2 -- --batch 2 --checkpoint-dir "$tmp/ck2" --dump "$tmp/from4"

@@ -140,7 +140,8 @@ refused "a JSON line without text" 'bad.jsonl: line 2: no string field "text"' p
   "$tmp/bad.jsonl" -o "$tmp/x" --tokenizer "$tmp/d1"
 if "$data" prepare "$tmp/badutf.txt" "$tmp/empty.txt" "$tmp/in.txt" -o "$tmp/skip" \
     --tokenizer "$tmp/d1" --skip-invalid >"$tmp/skip.log" 2>&1 &&
-   grep -q "skipped .*badutf.txt" "$tmp/skip.log"; then ok "--skip-invalid leaves them out, naming them"
+   grep -q "skipped .*badutf.txt" "$tmp/skip.log" && grep -q "skipped .*empty.txt: an empty file" "$tmp/skip.log"
+then ok "--skip-invalid leaves them out, naming each"
 else bad "--skip-invalid"; tail -n 3 "$tmp/skip.log"; fi
 cp "$tmp/d1/data_train_000001.bin" "$tmp/cut_train_000001.bin"
 truncate -s 5000 "$tmp/cut_train_000001.bin"
@@ -150,6 +151,12 @@ printf 'XXXX' | dd of="$tmp/cut_train_000001.bin" conv=notrunc 2>/dev/null
 refused "a shard with the wrong magic" "magic 1482184792 at offset 0" check "$tmp/cut_train_000001.bin"
 refused "a token outside the vocabulary" "token .* at byte offset .* outside the vocabulary of 100" \
   check "$tmp/d1" --vocab 100
+# check without flags takes the tokenizer prepare left beside the shards
+# (512 tokens), not GPT-2's 50257: token 1000 in a shard is refused.
+mkdir -p "$tmp/wide" && cp "$tmp"/d1/* "$tmp/wide/"
+printf '\xe8\x03' | dd of="$tmp/wide/data_train_000001.bin" bs=1 seek=1100 conv=notrunc 2>/dev/null
+refused "chorus-data check DIR uses DIR's tokenizer" \
+  "token 1000 at byte offset .* outside the vocabulary of 512" check "$tmp/wide"
 mkdir -p "$tmp/notok" && cp "$tmp"/d1/data_*.bin "$tmp/notok/"
 if "$train" --data "$tmp/notok" --vocab 100 --steps 1 --sample 0 --val-every 0 --layers 1 \
     --channels 16 --heads 1 --ctx 16 --threads 1 >"$tmp/t.log" 2>&1; then

@@ -65,11 +65,11 @@ close_to "and it ends at the uninterrupted weights" straight s3 1e-4
 
 # The export: one file in chorus_ckpt_save's format, from stage 3's shards.
 mkdir -p "$tmp/ck_x1" "$tmp/ck_x2"
-cp "$tmp/export.bin" "$tmp/ck_x1/ckpt-000000010.bin"
+cp "$tmp/export.bin" "$tmp/ck_x1/ckpt-10.bin" # as the docs write it: DIR/ckpt-<step>.bin
 cp "$tmp/export.bin" "$tmp/ck_x2/ckpt-000000010.bin"
 has "the run exported its whole state" first "exported: .*export.bin (step 10)"
 train_run x1 1 --batch 4 --checkpoint-dir "$tmp/ck_x1" --dump "$tmp/x1"
-has "the export resumes on 1 rank (DDP)" x1 "resumed from .*ckpt-000000010.bin (saved by 4 rank(s), epoch"
+has "the export, named ckpt-10.bin, resumes on 1 rank (DDP)" x1 "resumed from .*/ckpt-10.bin (saved by 4 rank(s), epoch"
 same_loss "and its next step" x1 10
 close_to "and it ends at the uninterrupted weights" straight x1 1e-4
 train_run x2 2 --batch 2 --shard 2 --checkpoint-dir "$tmp/ck_x2" --dump "$tmp/x2"

@@ -802,15 +802,24 @@ static int prepare(const opts_t *o, int ninputs, char **inputs) {
 
 /* ----------------------------------------------------------------- check */
 
+/* The vocabulary: --vocab, else --tokenizer's, else the one prepare left
+ * beside the shards, else GPT-2's (said, since nothing says it is right). */
 static int check(const opts_t *o, const char *spec, int vocab) {
   chorus_bpe_t *bpe = NULL;
-  char err[512];
-  if (o->tokenizer) {
-    if (chorus_bpe_load(o->tokenizer, &bpe, err, sizeof err) != CHORUS_OK) die("%s", err);
-    if (!vocab) vocab = chorus_bpe_vocab(bpe);
+  char err[512], dbuf[4096];
+  const char *tokdir = o->tokenizer;
+  if (!vocab && !tokdir) tokdir = chorus_tokens_tokenizer_dir(spec, dbuf, sizeof dbuf);
+  if (!vocab && tokdir) {
+    if (chorus_bpe_load(tokdir, &bpe, err, sizeof err) != CHORUS_OK) die("%s", err);
+    vocab = chorus_bpe_vocab(bpe);
     chorus_bpe_free(bpe);
+    printf("%s: the tokenizer in %s: %d tokens\n", spec, tokdir, vocab);
   }
-  if (!vocab) vocab = 50257;
+  if (!vocab) {
+    vocab = 50257;
+    printf("%s: no tokenizer beside the shards and no --tokenizer or --vocab: checking "
+           "against GPT-2's 50257 tokens\n", spec);
+  }
   int bad = 0;
   for (int split = 0; split < 2; split++) {
     chorus_tokens_t *d;

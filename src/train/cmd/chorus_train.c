@@ -581,6 +581,14 @@ static int loader_place(chorus_loader_t *ld, long epoch, size_t taken) {
 /* Every rank loads the newest usable checkpoint, whatever stage and number
  * of ranks wrote it; the sampler goes on from the same global position.
  * The step to start from, or -1 when a collective failed (reported). */
+/* 0 when dir/name exists (not followed if a link). */
+static int access_in(const char *dir, const char *name) {
+  char path[4200];
+  struct stat sb;
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  return lstat(path, &sb);
+}
+
 static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
   train_state_t ts;
   size_t len = 0;
@@ -613,8 +621,13 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
         "starts over\n", step);
     return step;
   }
-  say("resumed from %s/ckpt-%09ld%s (saved by %d rank(s)%s%s, epoch %ld)\n", o->ckpt_dir, step,
-      info.sharded ? "" : ".bin", (int)ts.world, info.sharded ? " at stage " : "",
+  /* The file's own name: an export may be named ckpt-6.bin by hand. */
+  char name[64];
+  snprintf(name, sizeof name, info.sharded ? "ckpt-%09ld" : "ckpt-%09ld.bin", step);
+  if (!info.sharded && access_in(o->ckpt_dir, name) != 0)
+    snprintf(name, sizeof name, "ckpt-%ld.bin", step);
+  say("resumed from %s/%s (saved by %d rank(s)%s%s, epoch %ld)\n", o->ckpt_dir, name,
+      (int)ts.world, info.sharded ? " at stage " : "",
       info.sharded ? (const char *[]){"0", "1", "2", "3"}[info.stage & 3] : "", (long)ts.epoch);
   return (long)ts.steps_done;
 }
@@ -761,17 +774,6 @@ typedef struct {
 
 enum { STEP_NEXT, STEP_STOP, STEP_FATAL, STEP_COMM };
 
-/* The directory a data spec lives in (a directory itself; a file's or a
- * glob's directory), into buf. */
-static const char *data_dir(const char *spec, char *buf, size_t len) {
-  struct stat sb;
-  if (stat(spec, &sb) == 0 && S_ISDIR(sb.st_mode)) return spec;
-  const char *slash = strrchr(spec, '/');
-  if (!slash) return ".";
-  snprintf(buf, len, "%.*s", (int)(slash - spec), spec);
-  return buf;
-}
-
 /* Opens the training and validation data, the tokenizer when there is
  * one, and sets the model's vocabulary.  0, or -1 (reported). */
 static int open_data(opts_t *o, run_t *r) {
@@ -785,13 +787,10 @@ static int open_data(opts_t *o, run_t *r) {
   const int text = chorus_tokens_is_text(r->train);
   chorus_tokens_close(r->train);
   r->train = NULL;
-  char dbuf[4096], path[4200], err[512];
+  char dbuf[4096], err[512];
   const char *tokdir = o->tokenizer;
-  if (!tokdir && !text) { /* the shards' own: chorus-data prepare leaves it there */
-    const char *d = data_dir(o->data, dbuf, sizeof dbuf);
-    snprintf(path, sizeof path, "%s/encoder.json", d);
-    if (access(path, R_OK) == 0) tokdir = d;
-  }
+  if (!tokdir && !text) /* the shards' own: chorus-data prepare leaves it there */
+    tokdir = chorus_tokens_tokenizer_dir(o->data, dbuf, sizeof dbuf);
   if (tokdir && chorus_bpe_load(tokdir, &r->bpe, err, sizeof err) != CHORUS_OK) {
     fprintf(stderr, "chorus-train: rank %d: the tokenizer: %s\n", g_rank, err);
     return -1;
@@ -1489,6 +1488,10 @@ int main(int argc, char **argv) {
             g_size, start);
   } else if (o.ckpt_dir) {
     if ((start = resume(&o, r.trainer, r.ld)) < 0) return die(r.comm, "resuming", CHORUS_ERR_REMOTE);
+    if (start >= o.steps)
+      say("nothing to train: the checkpoint in %s has %ld of --steps %d step(s) done; raise "
+          "--steps to train further, or delete %s to start over\n", o.ckpt_dir, start, o.steps,
+          o.ckpt_dir);
   }
   trace_t trace_buf = {0};
   r.tr = o.trace ? &trace_buf : NULL;
