@@ -45,10 +45,14 @@ static void signal_groups(job_t *job, int sig) {
 }
 
 /* Reaps every exited child without blocking.  Returns the number of workers
- * reaped; *first_failed receives the index (local rank) of the first failing worker if
- * blame is still open (not stopping, none blamed yet). */
+ * reaped; *first_failed receives the index (local rank) of the failing
+ * worker to blame if blame is still open (not stopping, none blamed yet).
+ * Of the workers that failed in one pass, one killed by a signal is the
+ * cause: the others exited because of it (a survivor that saw its peer's
+ * connection close comes out of waitpid first when it is the older child,
+ * and blaming it named a survivor over TCP). */
 static int reap(job_t *job, int *first_failed, int blame_open) {
-  int reaped = 0;
+  int reaped = 0, cand = -1;
   for (;;) {
     int st;
     pid_t pid = waitpid(-1, &st, WNOHANG);
@@ -70,9 +74,31 @@ static int reap(job_t *job, int *first_failed, int blame_open) {
     guard_send('-', pid);
     CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d (pid %d) exited with status 0x%x", w->rank,
                 (int)pid, st);
-    if (failed_status(st) && blame_open && *first_failed < 0) *first_failed = (int)(w - job->w);
+    if (failed_status(st) && blame_open && *first_failed < 0 &&
+        (cand < 0 || (WIFSIGNALED(st) && !WIFSIGNALED(job->w[cand].status))))
+      cand = (int)(w - job->w);
   }
+  if (cand >= 0) *first_failed = cand;
   return reaped;
+}
+
+/* A worker still running but stopped (SIGSTOP, ^Z, a debugger): when the
+ * others fail, they failed waiting for it (their timeout names it).  Its
+ * local index, or -1. */
+static int stopped_worker(const job_t *job) {
+  for (int r = 0; r < job->nproc; r++) {
+    if (!job->w[r].running) continue;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)job->w[r].pid);
+    FILE *f = fopen(path, "re");
+    if (!f) continue;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *paren = strrchr(buf, ')'); /* the name may hold spaces and ')' */
+    if (paren && (paren[1] == ' ') && (paren[2] == 'T' || paren[2] == 't')) return r;
+  }
+  return -1;
 }
 
 /* -------------------------------------------------------- one generation */
@@ -110,6 +136,7 @@ static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *
     w->pid = 0;
     w->running = 0;
     w->reported = 0;
+    w->stopped_code = 0;
     w->st[0].fd = w->st[1].fd = -1;
   }
   for (int r = 0; r < job->nproc; r++) {
@@ -143,6 +170,11 @@ static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *
         }
       }
     } else if (fresh_fail && first_failed >= 0 && !stopping) {
+      int st = job->w[first_failed].status, s = WIFEXITED(st) ? stopped_worker(job) : -1;
+      if (s >= 0) {
+        job->w[s].stopped_code = status_exit_code(st);
+        first_failed = s;
+      }
       CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group",
                   job->w[first_failed].rank);
       stop_group(job, &stopping, &kill_deadline);
@@ -346,7 +378,8 @@ int agent_run(job_t *job) {
       break;
     }
     if (!job->w[failed].reported) report_failure(job, &job->w[failed]);
-    exit_code = status_exit_code(job->w[failed].status);
+    exit_code = job->w[failed].stopped_code ? job->w[failed].stopped_code
+                                            : status_exit_code(job->w[failed].status);
     if (job->got_sig) break; /* interrupted while stopping: no restart */
     if (restart >= job->max_restarts) {
       if (job->max_restarts > 0)

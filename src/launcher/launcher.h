@@ -191,6 +191,8 @@ typedef struct {
   int running;     /* started and not reaped yet */
   int status;      /* wait status once reaped */
   int reported;    /* its failure report was printed */
+  int stopped_code; /* blamed because it was stopped while the others failed:
+                       the job's exit code (the first failure's); else 0 */
   stream_t st[2];  /* stdout, stderr */
   char *tail[TAIL_LINES];
   int tail_next, tail_count;

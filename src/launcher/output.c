@@ -232,7 +232,11 @@ void stream_drain(job_t *job, worker_t *w) {
 void report_failure(job_t *job, worker_t *w) {
   int r = w->rank;
   int st = w->status;
-  if (WIFEXITED(st)) {
+  if (w->stopped_code) {
+    fprintf(stderr, "chorusrun: rank %d (pid %d) failed: it was stopped (SIGSTOP, ^Z or a "
+            "debugger) while the others waited for it, and they failed at their timeout\n", r,
+            (int)w->pid);
+  } else if (WIFEXITED(st)) {
     fprintf(stderr, "chorusrun: rank %d (pid %d) failed: exit code %d\n", r, (int)w->pid,
             WEXITSTATUS(st));
   } else if (WIFSIGNALED(st)) {

@@ -21,6 +21,11 @@
  *                           and exit 0
  *   restart-fail R CODE     rank R exits CODE while CHORUS_RESTART_COUNT is 0;
  *                           every rank succeeds on later restarts
+ *   culprit R kill|stop     the world all_reduces in a loop, a step every
+ *                           millisecond; after 20 steps rank R SIGKILLs or
+ *                           SIGSTOPs itself (R -1: nobody does); the others
+ *                           print the error of the all_reduce that failed
+ *                           ("rankN failed: ...") and exit 2
  *   inplace R STEP          the world all_reduces 200 steps; rank R SIGKILLs
  *                           itself at STEP; the others shrink
  *                           (chorus_comm_shrink) and finish the 200 steps in
@@ -248,6 +253,25 @@ static int inplace_mode(int victim, int kill_step) {
   return chorus_comm_destroy(comm) == CHORUS_OK ? 0 : 1;
 }
 
+static int culprit_mode(int victim, const char *how) {
+  chorus_comm_t comm;
+  if (chorus_comm_init_env(&comm) != CHORUS_OK) {
+    put(2, "rank%d: init failed: %s\n", g_rank, chorus_last_init_error());
+    return 1;
+  }
+  for (int step = 0;; step++) {
+    if (step == 20 && g_rank == victim) raise(!strcmp(how, "stop") ? SIGSTOP : SIGKILL);
+    float x = 1;
+    if (chorus_all_reduce(comm, &x, &x, 1, CHORUS_FLOAT32, CHORUS_SUM, NULL) != CHORUS_OK) {
+      put(2, "rank%d failed: %s\n", g_rank, chorus_comm_last_error(comm));
+      chorus_comm_abort(comm);
+      return 2;
+    }
+    if (step == 20 && g_rank == 0) put(1, "rank0 at step 20\n");
+    usleep(1000);
+  }
+}
+
 int main(int argc, char **argv) {
   const char *r = getenv("RANK");
   g_rank = r ? atoi(r) : -1;
@@ -387,6 +411,7 @@ int main(int argc, char **argv) {
   }
   if (!strcmp(mode, "store")) return store_mode();
   if (!strcmp(mode, "inplace") && argc >= 4) return inplace_mode(atoi(argv[2]), atoi(argv[3]));
+  if (!strcmp(mode, "culprit") && argc >= 4) return culprit_mode(atoi(argv[2]), argv[3]);
 
   put(2, "launch_worker: unknown mode or missing arguments: %s\n", mode);
   return 2;
