@@ -319,14 +319,16 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
     st = chorus__store_server_start_key(env->STORE_BIND_ALL ? NULL : cfg->store_host, port,
                                         &ws->key, &ctx->server);
     if (st != CHORUS_OK) {
+      const int why = errno; /* set by the store's start (0: not a system call's failure) */
       char owner[200];
       if (port > 0 && chorus__net_port_owner(port, owner, sizeof owner) > 0)
         chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s): the port is "
                           "held by %s; stop it or choose another MASTER_PORT", rank, port,
-                          chorus_strerror(st), owner);
+                          why ? strerror(why) : chorus_result_name(st), owner);
       else
         chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another "
-                          "job using MASTER_PORT=%d?", rank, port, chorus_strerror(st), port);
+                          "job using MASTER_PORT=%d?", rank, port,
+                          why ? strerror(why) : chorus_result_name(st), port);
       goto fail;
     }
     port = chorus_store_server_port(ctx->server);
@@ -952,9 +954,11 @@ static chorus_result_t kvs_exchange(const exchange_t *L, chorus__kvs_t *kvs, cho
              : CHORUS_ERR_SYSTEM;
     chorus__wipe(&key, sizeof key);
     if (st != CHORUS_OK) {
+      const int why_errno = errno; /* set by the store's start */
       chorus__kvs_close(kvs, deadline);
       return chorus__init_fail(st, "chorus rank 0 (%s): cannot serve the store on port %d: %s",
-                               L->source, port, chorus_strerror(st));
+                               L->source, port,
+                               why_errno ? strerror(why_errno) : chorus_result_name(st));
     }
     if (one_host || chorus__net_host_addrs(addrs, sizeof addrs) <= 0)
       snprintf(addrs, sizeof addrs, "127.0.0.1");

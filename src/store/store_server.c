@@ -1046,7 +1046,11 @@ static int conn_process(chorus_store_server_t *srv, conn_t *c, int *budget) {
     if (len > limit) {
       conn_drop(srv, c, CHORUS__LOG_WARN,
                 "frame of %" PRIu32 " bytes exceeds the limit of %" PRIu32 "%s", len, limit,
-                c->state == CONN_HELLO ? " before authentication" : "");
+                c->state == CONN_HELLO
+                    ? " before authentication: not a chorus client (a torch TCPStore, from a "
+                      "script under chorusrun that does not import chorus.torch before "
+                      "init_process_group?)"
+                    : "");
       return PF_CLOSED;
     }
     if (len == 0) {
@@ -1631,6 +1635,7 @@ fail:
   CHORUS_WARN(CHORUS__SUB_STORE, "store server %s:%d: cannot start: %s: %s", shown, port, what,
               strerror(-rc));
   server_free(srv);
+  errno = rc < 0 ? -rc : 0; /* the cause, for the caller's message */
   return res;
 }
 

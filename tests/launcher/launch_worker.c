@@ -21,9 +21,10 @@
  *                           and exit 0
  *   restart-fail R CODE     rank R exits CODE while CHORUS_RESTART_COUNT is 0;
  *                           every rank succeeds on later restarts
- *   culprit R kill|stop     the world all_reduces in a loop, a step every
+ *   culprit R kill|stop|busy  the world all_reduces in a loop, a step every
  *                           millisecond; after 20 steps rank R SIGKILLs or
- *                           SIGSTOPs itself (R -1: nobody does); the others
+ *                           SIGSTOPs itself, or sleeps in a loop (alive but
+ *                           stuck in user code) (R -1: nobody); the others
  *                           print the error of the all_reduce that failed
  *                           ("rankN failed: ...") and exit 2
  *   inplace R STEP          the world all_reduces 200 steps; rank R SIGKILLs
@@ -260,7 +261,11 @@ static int culprit_mode(int victim, const char *how) {
     return 1;
   }
   for (int step = 0;; step++) {
-    if (step == 20 && g_rank == victim) raise(!strcmp(how, "stop") ? SIGSTOP : SIGKILL);
+    if (step == 20 && g_rank == victim) {
+      if (!strcmp(how, "busy")) /* alive (its heartbeats go on), in user code */
+        for (;;) usleep(100000);
+      raise(!strcmp(how, "stop") ? SIGSTOP : SIGKILL);
+    }
     float x = 1;
     if (chorus_all_reduce(comm, &x, &x, 1, CHORUS_FLOAT32, CHORUS_SUM, NULL) != CHORUS_OK) {
       put(2, "rank%d failed: %s\n", g_rank, chorus_comm_last_error(comm));

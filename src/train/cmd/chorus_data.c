@@ -838,7 +838,8 @@ static int check(const opts_t *o, const char *spec, int vocab) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: chorus-data prepare INPUT... -o DIR [options]\n"
+          "usage: chorus-data prepare INPUT... -o DIR (--tokenizer GPT2DIR | --vocab-size N) "
+          "[options]\n"
           "       chorus-data check DIR|GLOB|FILE [--tokenizer DIR | --vocab N]\n\n"
           "prepare: text files, directories (every file under them) and JSON lines\n"
           "(*.jsonl, or --jsonl) into llm.c token shards in DIR:\n"

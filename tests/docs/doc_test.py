@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""The docs' code blocks, run as a user would run them.
+
+Every fenced block in README.md and docs/*.md carries a marker on the line
+before it, an HTML comment that a reader of the rendered page never sees:
+
+    <!-- doc: run -->                 sh: run the block with bash (set -e);
+                                      lines "$ cmd" followed by output are a
+                                      transcript: each cmd runs, and every
+                                      output line shown must be among the
+                                      lines it printed ("..." skips)
+    <!-- doc: run ranks=N -->         python / c: the block is a program;
+                                      run it on N ranks under build/chorusrun
+                                      (c: compiled against include/ and
+                                      build/libchorus first)
+    <!-- doc: output CMD -->          the block is what the shell command CMD
+                                      prints: run it, and every line shown
+                                      must be among the lines it printed
+    <!-- doc: skip -- REASON -->      a command that cannot run here (another
+                                      host, Slurm, minutes of work): REASON
+                                      says why, and what runs it instead
+    <!-- doc: text -- REASON -->      not a command (a shape, a table, a
+                                      formula): REASON says what it is
+
+Options after the kind: timeout=S (default 120), shape (numbers with a
+decimal point and m:ss times are not compared: timings and rates), digits
+(no number is compared: an error message's shape, its ranks, counts,
+ports and times), fails (the commands must fail, not time out: they show
+an error), needs=FILE (put there
+first: prog.c is README's program, my_script.py a small chorus program; a
+doc's "your program"), torch (skipped,
+saying so, where /usr/bin/python3 has no torch).
+
+A block without a marker, a marker without a reason where one is due, a
+command that fails and an output line that does not appear all fail the
+test.  Commands run in a scratch folder holding links to the source tree's
+top-level folders and build -> the build tree, with PYTHONPATH at the
+build's Python package and CHORUS_TIMEOUT=60.
+
+    doc_test.py SOURCE_DIR BUILD_DIR
+"""
+
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+SRC, BUILD = (os.path.abspath(a) for a in sys.argv[1:3])
+PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+MARK = re.compile(r"^\s*<!-- doc: (\w+)(.*?)(?: -- (.*?))? -->\s*$")
+FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
+DECIMAL = re.compile(r"\d+\.\d+(e[-+]?\d+)?|\b\d+:\d\d\b")  # shape: rates, timings, m:ss
+NUMBER = re.compile(r"\d+(\.\d+)?")                            # digits: every number
+
+STUB = {  # needs=FILE: what a doc calls "your program"
+    # prog.c: README's program, read from README.md
+    "my_script.py": "import numpy as np, chorus\n"
+                    "chorus.init_process_group()\n"
+                    "a = np.ones(4, np.float32)\n"
+                    "chorus.all_reduce(a)\n"
+                    "print('sum', a[0])\n"
+                    "chorus.destroy_process_group()\n",
+}
+
+
+def readme_program():
+    """needs=prog.c: README's program ("The API in 20 lines")."""
+    for _, lang, _, body in blocks(os.path.join(SRC, "README.md")):
+        if lang == "c":
+            return "\n".join(body) + "\n"
+    raise SystemExit("README.md has no c block")
+
+
+def blocks(path):
+    """(line, lang, marker match or None, body lines) of each fenced block."""
+    lines = open(path, encoding="utf-8").read().split("\n")
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m:
+            indent = m.group(1)
+            j = i + 1
+            while j < len(lines) and lines[j].strip() != "```":
+                j += 1
+            mark = MARK.match(lines[i - 1]) if i > 0 else None
+            body = [l[len(indent):] if l.startswith(indent) else l for l in lines[i + 1:j]]
+            yield i + 1, m.group(2), mark, body
+            i = j
+        i += 1
+
+
+def scratch():
+    d = tempfile.mkdtemp(prefix="chorus-doc.")
+    # Links to the source tree's folders only: a block that writes a file
+    # in its folder (CMakeLists.txt, say) writes it here, not through a link
+    # into the source tree.
+    for name in os.listdir(SRC):
+        if (name != "build" and not name.startswith(".") and
+                os.path.isdir(os.path.join(SRC, name))):
+            os.symlink(os.path.join(SRC, name), os.path.join(d, name))
+    os.symlink(BUILD, os.path.join(d, "build"))
+    return d
+
+
+def env_for(d):
+    e = dict(os.environ)
+    e.update(PYTHONPATH=os.path.join(BUILD, "python"), CHORUS_TIMEOUT="60", HOME=d,
+             OPENBLAS_NUM_THREADS="1")
+    return e
+
+
+def run(cmd, d, timeout):
+    """(exit code, output) of bash -c cmd in d; its whole process group is
+    killed when it is done or after timeout seconds (124)."""
+    p = subprocess.Popen(["bash", "-c", cmd], cwd=d, env=env_for(d), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, errors="replace",
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        out, _ = p.communicate()
+        out, rc = (out or "") + "\n(timed out after %d s)" % timeout, 124
+    try:
+        os.killpg(p.pid, 9)  # what it left behind
+    except ProcessLookupError:
+        pass
+    return rc, out
+
+
+def norm(line, shape):
+    line = line.strip()
+    if shape == "digits":
+        return NUMBER.sub("<n>", line)
+    return DECIMAL.sub("<x>", line) if shape else line
+
+
+def compare(shown, out, shape):
+    """The shown lines missing from out."""
+    have = {norm(l, shape) for l in out.split("\n")}
+    return [l for l in shown if l.strip() not in ("", "...") and norm(l, shape) not in have]
+
+
+def main():
+    files = [os.path.join(SRC, "README.md")] + sorted(glob.glob(os.path.join(SRC, "docs", "*.md")))
+    counts = dict(run=0, compared=0, skip=0, text=0)
+    fails = 0
+    have_torch = subprocess.run([PY, "-c", "import torch"], capture_output=True).returncode == 0
+    for path in files:
+        rel = os.path.relpath(path, SRC)
+        for line, lang, mark, body in blocks(path):
+            where = "%s:%d" % (rel, line)
+            if rel == "README.md" and line <= 5 and not mark:
+                # The README starts with its two commands, nothing above them.
+                counts["skip"] += 1
+                print("skip %s: the README's two commands: CI runs the second (.ci/run); the "
+                      "first is a newcomer's minutes of build and training" % where)
+                continue
+            if not mark:
+                print("FAIL %s: a ```%s block without a doc marker (<!-- doc: run|output|skip|"
+                      "text ... -->)" % (where, lang))
+                fails += 1
+                continue
+            kind, opts, reason = mark.group(1), mark.group(2).strip(), mark.group(3)
+            if kind in ("skip", "text"):
+                if not reason:
+                    print("FAIL %s: '%s' needs a reason (<!-- doc: %s -- why -->)" % (where, kind, kind))
+                    fails += 1
+                    continue
+                counts[kind] += 1
+                print("%-4s %s: %s" % (kind, where, reason))
+                continue
+            words = shlex.split(opts) if kind == "run" else []
+            kv = dict(w.split("=", 1) for w in words if "=" in w)
+            flags = {w for w in words if "=" not in w}
+            if kind == "output":
+                m = re.match(r"(.*?)((?:\s+(?:shape|digits|fails|timeout=\d+))*)$", opts)
+                cmd, tail = m.group(1), m.group(2).split()
+                kv = dict(w.split("=", 1) for w in tail if "=" in w)
+                flags = {w for w in tail if "=" not in w}
+            timeout = int(kv.get("timeout", 120))
+            shape = "digits" if "digits" in flags else "shape" in flags
+            fails_ok = "fails" in flags  # the commands are meant to fail (an error's message)
+            ok_rc = (lambda rc: rc not in (0, 124)) if fails_ok else (lambda rc: rc == 0)
+            if "torch" in flags and not have_torch:
+                counts["skip"] += 1
+                print("skip %s: %s has no torch (python3-torch): not run here" % (where, PY))
+                continue
+            d = scratch()
+            try:
+                for f in kv.get("needs", "").split(",") if kv.get("needs") else []:
+                    with open(os.path.join(d, f), "w") as fh:
+                        fh.write(STUB[f] if f in STUB else readme_program())
+                bad = None
+                compared = False
+                if kind == "output":
+                    rc, out = run(cmd, d, timeout)
+                    missing = compare(body, out, shape)
+                    compared = True
+                    if not ok_rc(rc) or missing:
+                        bad = "`%s` exited %d; lines not in its output: %s" % (cmd, rc, missing[:3])
+                elif lang == "python" or lang == "c":
+                    n = int(kv.get("ranks", 1))
+                    src = os.path.join(d, "snippet." + ("py" if lang == "python" else "c"))
+                    with open(src, "w") as fh:
+                        fh.write("\n".join(body) + "\n")
+                    if lang == "c":
+                        cc = "cc -std=c11 -Wall -Werror -Iinclude snippet.c -o snippet %s -Wl,-rpath,%s" % (
+                            shlex.quote(os.path.join(BUILD, "libchorus.so")), shlex.quote(BUILD))
+                        rc, out = run(cc, d, timeout)
+                        if rc != 0:
+                            bad = "does not compile: " + out[-600:]
+                        prog = "./snippet"
+                    else:
+                        prog = "%s snippet.py" % PY
+                    if not bad:
+                        rc, out = run("build/chorusrun --standalone -n %d -- %s" % (n, prog), d, timeout)
+                        if rc != 0:
+                            bad = "exited %d on %d rank(s): %s" % (rc, n, out[-600:])
+                elif any(l.startswith("$ ") for l in body):
+                    # a transcript: each "$ cmd", then what it prints
+                    i = 0
+                    while i < len(body) and not bad:
+                        if not body[i].startswith("$ "):
+                            i += 1
+                            continue
+                        cmd, j = body[i][2:], i + 1
+                        while j < len(body) and not body[j].startswith("$ "):
+                            j += 1
+                        rc, out = run(cmd, d, timeout)
+                        missing = compare(body[i + 1:j], out, shape)
+                        compared = compared or j > i + 1
+                        if not ok_rc(rc) or missing:
+                            bad = "`%s` exited %d; lines not in its output: %s\n%s" % (
+                                cmd, rc, missing[:3], out[-400:])
+                        i = j
+                else:
+                    rc, out = run("set -e -o pipefail\n" + "\n".join(body), d, timeout)
+                    if rc != 0:
+                        bad = "exited %d: %s" % (rc, out[-800:])
+                if bad:
+                    print("FAIL %s: %s" % (where, bad))
+                    fails += 1
+                else:
+                    counts["run"] += 1
+                    counts["compared"] += compared
+                    print("ok   %s: %s%s" % (where, "ran" if kind == "run" else "output of " + cmd,
+                                            ", its output compared" if compared and kind == "run" else ""))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    # README's list of packages is scripts/deps.sh's.
+    deps = open(os.path.join(SRC, "scripts", "deps.sh")).read()
+    pkgs = set(re.findall(r"need\+=\(([a-z0-9][a-z0-9.+-]+)\)", deps))
+    for group in re.findall(r"for p in ([^;]+); do", deps):
+        pkgs |= {w for w in group.replace("\\", " ").split() if re.match(r"^[a-z0-9][a-z0-9.+-]+$", w)}
+    readme = open(os.path.join(SRC, "README.md")).read()
+    missing = sorted(p for p in pkgs if "`%s`" % p not in readme)
+    if missing:
+        print("FAIL README.md: scripts/deps.sh installs %s, which README's list leaves out"
+              % ", ".join(missing))
+        fails += 1
+    else:
+        print("ok   README.md lists every package scripts/deps.sh installs (%d)" % len(pkgs))
+    print("%d block(s) run (%d with their output compared), %d marked not runnable, %d marked "
+          "as text; %d failed" % (counts["run"], counts["compared"], counts["skip"], counts["text"],
+                                  fails))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
