@@ -16,11 +16,14 @@
  * milliseconds.  The order of lines, the addresses, and which mismatch a rank
  * notices first depend on timing; a rank that learns of the failure from a
  * peer reports "rank K reported an error: ...".  A typical run (the library
- * also logs each error at WARN level on stderr):
- *   [rank0]:rank 0: all_gather failed: chorus rank 0/4: collective mismatch at call #1: rank 1 (127.0.0.1:36279) called all_gather(count=2, int32, algo bruck) but rank 0 called all_gather(count=1, int32, algo bruck)
- *   [rank1]:rank 1: all_gather failed: chorus rank 1/4: rank 0 reported an error: chorus rank 0/4: collective mismatch at call #1: rank 1 (127.0.0.1:36279) called all_gather(count=2, int32, algo bruck) but rank 0 called all_gather(count=1, int32, algo bruck)
- *   [rank2]:rank 2: all_gather failed: chorus rank 2/4: rank 0 reported an error: chorus rank 0/4: collective mismatch at call #1: rank 1 (127.0.0.1:36279) called all_gather(count=2, int32, algo bruck) but rank 0 called all_gather(count=1, int32, algo bruck)
- *   [rank3]:rank 3: all_gather failed: chorus rank 3/4: collective mismatch at call #1: rank 0 (127.0.0.1:38577) called all_gather(count=1, int32, algo bruck) but rank 3 called all_gather(count=4, int32, algo bruck)
+ * also logs each error at WARN level on stderr); the ranks share one host,
+ * so all_gather is the shared-memory "direct" algorithm, which compares the
+ * calls in its flags:
+ *   [rank1]:rank 1: all_gather failed: chorus rank 1/4: collective mismatch in all_gather(count=2, int32, algo direct) (call #5): this rank called all_gather(count=2, int32, algo direct), rank 0 called all_gather(count=1, int32, algo direct) (every rank must call the same collectives in the same order with the same counts, dtype, op and root)
+ *   [rank3]:rank 3: all_gather failed: chorus rank 3/4: rank 1 reported an error: chorus rank 1/4: collective mismatch in all_gather(count=2, int32, algo direct) (call #5): ...
+ * Over TCP (CHORUS_TRANSPORT=tcp) the message headers carry the call:
+ *   [rank0]:rank 0: all_gather failed: chorus rank 0/4: collective mismatch at call #1: rank 1 (127.0.0.1:41525) called all_gather(count=2, int32, algo bruck) but rank 0 called all_gather(count=1, int32, algo bruck)
+ * (docs/errors.md shows both, and the doc test compares them with a run.)
  */
 #include <stdint.h>
 #include <stdio.h>
