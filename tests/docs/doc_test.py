@@ -146,6 +146,65 @@ def compare(shown, out, shape):
     return [l for l in shown if l.strip() not in ("", "...") and norm(l, shape) not in have]
 
 
+PROGRAMS = ("chorusrun", "chorus-train", "chorus-data", "chorus-bench")
+
+
+def known_options():
+    """Each program's options, as its --help lists them."""
+    known = {}
+    for prog in PROGRAMS:
+        p = subprocess.run([os.path.join(BUILD, prog), "--help"], capture_output=True, text=True)
+        known[prog] = {"--help", "-h"} | set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z])\b", p.stdout + p.stderr))
+    return known
+
+
+def command_lines(path):
+    """(line number, text) of every command a doc shows: `code` spans and
+    the lines of sh blocks."""
+    in_sh = False
+    for n, line in enumerate(open(path, encoding="utf-8"), 1):
+        m = FENCE.match(line.rstrip("\n"))
+        if m:
+            in_sh = not in_sh and m.group(2) in ("sh", "bash")
+            continue
+        if in_sh:
+            yield n, line.strip().lstrip("$ ")
+        else:
+            for span in re.findall(r"`([^`]+)`", line):
+                yield n, span
+
+
+def check_options(files):
+    known = known_options()
+    fails = checked = 0
+    for path in files:
+        rel = os.path.relpath(path, SRC)
+        for n, text in command_lines(path):
+            try:
+                words = shlex.split(text.split(" #")[0])
+            except ValueError:
+                continue
+            prog = None
+            for w in words:
+                base = os.path.basename(w)
+                if base in PROGRAMS:
+                    prog = base
+                    continue
+                if w == "--":
+                    prog = None  # what follows is the program chorusrun starts
+                    continue
+                if prog and re.match(r"^--?[a-zA-Z][a-z0-9-]*(=.*)?$", w):
+                    opt = w.split("=", 1)[0]
+                    checked += 1
+                    if opt not in known[prog]:
+                        print("FAIL %s:%d: %s has no option %s (`%s`)" % (rel, n, prog, opt, text))
+                        fails += 1
+    print("ok   %d option(s) given to chorusrun, chorus-train, chorus-data and chorus-bench in the "
+          "docs, each one its --help lists" % checked if not fails else
+          "%d option(s) checked, %d unknown" % (checked, fails))
+    return fails
+
+
 def main():
     files = [os.path.join(SRC, "README.md")] + sorted(glob.glob(os.path.join(SRC, "docs", "*.md")))
     counts = dict(run=0, compared=0, skip=0, text=0)
@@ -253,6 +312,9 @@ def main():
                                             ", its output compared" if compared and kind == "run" else ""))
             finally:
                 shutil.rmtree(d, ignore_errors=True)
+    # Every option a doc gives one of our programs -- in running text, in
+    # blocks that run and in those that cannot -- is one its --help lists.
+    fails += check_options(files)
     # README's list of packages is scripts/deps.sh's.
     deps = open(os.path.join(SRC, "scripts", "deps.sh")).read()
     pkgs = set(re.findall(r"need\+=\(([a-z0-9][a-z0-9.+-]+)\)", deps))
