@@ -58,7 +58,9 @@ run3() { # NAME PROGRAM: 3 ranks under the installed chorusrun print the sum 3
   if [ "$(grep -c 'sum of ranks = 3$' "$tmp/$1.log")" -eq 3 ]; then ok "$1 runs on 3 ranks"
   else bad "$1 on 3 ranks"; tail -n 5 "$tmp/$1.log"; fi
 }
-pc() { clean PKG_CONFIG_PATH="$p/lib/pkgconfig" pkg-config "$@"; }
+# PKG_CONFIG_LIBDIR: only our .pc files, as on a machine without other
+# development packages (chorus.pc once required libcrypto.pc: libssl-dev).
+pc() { clean PKG_CONFIG_LIBDIR="$p/lib/pkgconfig" pkg-config "$@"; }
 # shellcheck disable=SC2046
 if clean cc -o "$tmp/prog_pc" "$tmp/prog.c" $(pc --cflags --libs chorus) 2>"$tmp/cc.log"; then
   ok "README's program builds with pkg-config"
