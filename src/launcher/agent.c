@@ -101,6 +101,38 @@ static int stopped_worker(const job_t *job) {
   return -1;
 }
 
+/* The rank the failed workers' own timeouts name ("... timed out after T
+ * ms receiving from rank K", "... waiting for rank K in shared memory"): when
+ * every failed worker that printed one names the same K, and K is a worker
+ * of this node that failed only because chorusrun stopped the group, K is
+ * the cause -- alive, but not taking part (busy in user code, or blocked
+ * elsewhere).  Its local index, or -1. */
+static int named_worker(const job_t *job) {
+  int named = -1;
+  for (int r = 0; r < job->nproc; r++) {
+    const worker_t *w = &job->w[r];
+    if (w->pid <= 0 || w->running || !WIFEXITED(w->status) || !failed_status(w->status))
+      continue;
+    int k = -1;
+    for (int i = w->tail_count - 1; i >= 0 && k < 0; i--) {
+      const char *line = w->tail[(w->tail_next - w->tail_count + i + TAIL_LINES) % TAIL_LINES];
+      const char *t = line ? strstr(line, " timed out after ") : NULL;
+      const char *q = t ? strstr(t, " ms ") : NULL;
+      const char *n = q ? strstr(q, " rank ") : NULL;
+      if (!n || sscanf(n, " rank %d", &k) != 1 || k < 0) k = -1;
+    }
+    if (k < 0) continue;
+    if (named >= 0 && k != named) return -1; /* they disagree: no single cause */
+    named = k;
+  }
+  for (int r = 0; named >= 0 && r < job->nproc; r++) {
+    const worker_t *w = &job->w[r];
+    if (w->rank == named)
+      return WIFSIGNALED(w->status) && !w->running ? r : -1; /* we ended it */
+  }
+  return -1;
+}
+
 /* -------------------------------------------------------- one generation */
 
 /* Starts stopping the group: SIGTERM now, SIGKILL after the grace period. */
@@ -136,7 +168,7 @@ static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *
     w->pid = 0;
     w->running = 0;
     w->reported = 0;
-    w->stopped_code = 0;
+    w->blame_kind = w->blame_code = 0;
     w->st[0].fd = w->st[1].fd = -1;
   }
   for (int r = 0; r < job->nproc; r++) {
@@ -172,7 +204,8 @@ static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *
     } else if (fresh_fail && first_failed >= 0 && !stopping) {
       int st = job->w[first_failed].status, s = WIFEXITED(st) ? stopped_worker(job) : -1;
       if (s >= 0) {
-        job->w[s].stopped_code = status_exit_code(st);
+        job->w[s].blame_kind = BLAME_STOPPED;
+        job->w[s].blame_code = status_exit_code(st);
         first_failed = s;
       }
       CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group",
@@ -307,6 +340,15 @@ done:
     }
   }
   if (first_failed >= 0) {
+    /* A worker that exited on a timeout: every such worker may name the one
+     * they waited for, which is then the cause. */
+    const worker_t *f = &job->w[first_failed];
+    int n = !f->blame_kind && WIFEXITED(f->status) ? named_worker(job) : -1;
+    if (n >= 0 && n != first_failed) {
+      job->w[n].blame_kind = BLAME_NAMED;
+      job->w[n].blame_code = status_exit_code(f->status);
+      first_failed = n;
+    }
     *failed_rank = first_failed;
     return GEN_FAILED;
   }
@@ -378,8 +420,8 @@ int agent_run(job_t *job) {
       break;
     }
     if (!job->w[failed].reported) report_failure(job, &job->w[failed]);
-    exit_code = job->w[failed].stopped_code ? job->w[failed].stopped_code
-                                            : status_exit_code(job->w[failed].status);
+    exit_code = job->w[failed].blame_kind ? job->w[failed].blame_code
+                                          : status_exit_code(job->w[failed].status);
     if (job->got_sig) break; /* interrupted while stopping: no restart */
     if (restart >= job->max_restarts) {
       if (job->max_restarts > 0)

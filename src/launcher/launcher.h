@@ -112,6 +112,7 @@
 #define EXIT_NOT_FOUND 127
 
 #define LINE_CAP 65536        /* longest line before it is split */
+enum { BLAME_NONE, BLAME_STOPPED, BLAME_NAMED };
 #define TAIL_LINES 20         /* lines kept per rank for the failure report */
 #define TAIL_LINE_MAX 1024    /* bytes kept of each of those lines */
 #define DRAIN_MS 2000         /* wait for pipe EOF after all workers exited */
@@ -191,8 +192,10 @@ typedef struct {
   int running;     /* started and not reaped yet */
   int status;      /* wait status once reaped */
   int reported;    /* its failure report was printed */
-  int stopped_code; /* blamed because it was stopped while the others failed:
-                       the job's exit code (the first failure's); else 0 */
+  /* Blamed for others' failure (not its own exit): BLAME_STOPPED, it was
+   * stopped while the others failed; BLAME_NAMED, every failed rank's timeout
+   * names it.  blame_code: then the job's exit code (the first failure's). */
+  int blame_kind, blame_code;
   stream_t st[2];  /* stdout, stderr */
   char *tail[TAIL_LINES];
   int tail_next, tail_count;

@@ -232,10 +232,15 @@ void stream_drain(job_t *job, worker_t *w) {
 void report_failure(job_t *job, worker_t *w) {
   int r = w->rank;
   int st = w->status;
-  if (w->stopped_code) {
+  if (w->blame_kind == BLAME_STOPPED) {
     fprintf(stderr, "chorusrun: rank %d (pid %d) failed: it was stopped (SIGSTOP, ^Z or a "
             "debugger) while the others waited for it, and they failed at their timeout\n", r,
             (int)w->pid);
+  } else if (w->blame_kind == BLAME_NAMED) {
+    fprintf(stderr, "chorusrun: rank %d (pid %d) failed: the others timed out waiting for it, "
+            "and every one of their messages names it; it was alive but did not take part "
+            "(busy in its own code, or blocked elsewhere), until chorusrun stopped the group\n",
+            r, (int)w->pid);
   } else if (WIFEXITED(st)) {
     fprintf(stderr, "chorusrun: rank %d (pid %d) failed: exit code %d\n", r, (int)w->pid,
             WEXITSTATUS(st));

@@ -10,6 +10,8 @@
 #   2. Rank 1 SIGSTOPs itself; the others time out (CHORUS_TIMEOUT=2) naming
 #      it.  The report must name rank 1 as stopped, not the first rank that
 #      timed out; the exit code is the timed-out ranks' 2.
+#   3. Rank 1 stays alive but sleeps in its own code: every timeout names it,
+#      and so must the report.
 #   test_blame.sh CHORUSRUN LAUNCH_WORKER
 set -u
 run=$1 worker=$2
@@ -59,6 +61,15 @@ if grep -q "^chorusrun: rank 1 (pid [0-9]*) failed: it was stopped" "$tmp/stop.l
    grep -q "timed out after .* rank 1" "$tmp/stop.log" && [ "$rc" -eq 2 ]; then
   ok "a stopped rank the others timed out on is blamed (exit $rc)"
 else bad "SIGSTOP: exit $rc; $(grep '^chorusrun' "$tmp/stop.log" | head -n 3)"; fi
+
+# 3. A rank alive but stuck in its own code: every timeout names it.
+CHORUS_TIMEOUT=2 timeout 60 "$run" --standalone -n 3 -- "$worker" culprit 1 busy \
+  >"$tmp/busy.log" 2>&1
+rc=$?
+if grep -q "^chorusrun: rank 1 (pid [0-9]*) failed: the others timed out waiting for it" \
+     "$tmp/busy.log" && [ "$rc" -eq 2 ]; then
+  ok "a busy rank every timeout names is blamed (exit $rc)"
+else bad "busy: exit $rc; $(grep '^chorusrun' "$tmp/busy.log" | head -n 3)"; fi
 
 [ "$fails" -eq 0 ] && echo "chorusrun blames the root cause" && exit 0
 echo "$fails blame check(s) FAILED"; exit 1
