@@ -33,7 +33,9 @@ saying so, where /usr/bin/python3 has no torch).
 
 A block without a marker, a marker without a reason where one is due, a
 command that fails and an output line that does not appear all fail the
-test.  Commands run in a scratch folder holding links to the source tree's
+test.  Two more checks: every option the docs give one of our programs is
+in its --help, and every message docs/errors.md quotes in running text is
+one the code prints (check_error_quotes).  Commands run in a scratch folder holding links to the source tree's
 top-level folders and build -> the build tree, with PYTHONPATH at the
 build's Python package and CHORUS_TIMEOUT=60.
 
@@ -205,6 +207,77 @@ def check_options(files):
     return fails
 
 
+# ------------------------------------------------ errors.md's quoted messages
+SPEC = re.compile(r"%[-+ #0]*\d*(?:\.\d+)?(?:hh|h|ll|l|z|j|t|L)?[diouxXeEfgGscp]|%\.\*s")
+# A word of a message: letters, not a lone capital (R, N, H, P are the
+# docs' placeholders); a run is four or more such words in a row.
+WORD = r"(?:[A-Za-z][a-z]+(?:['-][a-z]+)*|[a-z]|[A-Z]{2,}[a-z]*)"
+RUN = re.compile(r"(?<![\w'])" + WORD + r"(?: " + WORD + r"){3,}(?![\w])")
+
+
+def source_formats():
+    """The string literals of src/ and python/chorus (adjacent ones joined,
+    PRIu64 and the like made %llu), and errno's texts."""
+    lit = re.compile(r'"((?:[^"\\\n]|\\.)*)"')
+    out = []
+    paths = glob.glob(os.path.join(SRC, "src", "**", "*.[ch]"), recursive=True)
+    paths += glob.glob(os.path.join(SRC, "python", "chorus", "*.*"))
+    for path in paths:
+        text = open(path, errors="replace").read()
+        text = re.sub(r'"\s*PRI[diuxX]\d*\s*"', "%llu", text)
+        text = re.sub(r'"\s*\n\s*"', "", text)
+        text = re.sub(r'"[ \t]+"', "", text)
+        out += [m.group(1).replace('\\"', '"').replace("\\n", " ") for m in lit.finditer(text)]
+    return out + [os.strerror(i) for i in range(1, 134)]
+
+
+def check_error_quotes():
+    """Every message errors.md quotes in running text is one the code can
+    print: each run of four or more words in it is either text of a string
+    literal, or inside a part of the quote that a format string (its
+    conversions matching anything) produces.  A message reworded in the
+    code, or quoted from memory, fails here.  (Its fenced examples are run
+    and compared by the blocks check.)"""
+    formats = source_formats()
+    chunks = "\n".join(part for f in formats for part in SPEC.split(f))
+    pieces = [p.strip(" ;:,.") for f in formats for p in re.split(r"(?<=[.;:])\s+", f)]
+    pieces = [p for p in pieces if len(SPEC.sub("", p)) >= 12]
+
+    def regex(f):
+        out, pos = [], 0
+        for m in SPEC.finditer(f):
+            out += [re.escape(f[pos:m.start()]), ".+?"]
+            pos = m.end()
+        return "".join(out + [re.escape(f[pos:])])
+
+    def made_by_format(run, quote):
+        w, at = run.split()[0], quote.find(run)
+        for f in pieces:
+            if w in f:
+                m = re.search(regex(f), quote)
+                if m and m.start() <= at < m.end():
+                    return True
+        return False
+
+    doc = open(os.path.join(SRC, "docs", "errors.md"), encoding="utf-8").read()
+    doc = re.sub(r"(?ms)^\s*```.*?^\s*```\s*$", "", doc)
+    doc = re.sub(r"<!--.*?-->", "", doc)
+    fails = runs = 0
+    for quote in re.findall(r"`([^`]+)`", re.sub(r"\n\s*", " ", doc)):
+        if len(quote.split()) < 5:
+            continue
+        for run in RUN.findall(quote):
+            runs += 1
+            if run not in chunks and not made_by_format(run, quote):
+                print("FAIL docs/errors.md: no message of the code says '%s' (in `%s`)"
+                      % (run, quote[:160]))
+                fails += 1
+    if not fails:
+        print("ok   docs/errors.md: %d runs of words in its quoted messages, each one the code "
+              "prints" % runs)
+    return fails
+
+
 def main():
     files = [os.path.join(SRC, "README.md")] + sorted(glob.glob(os.path.join(SRC, "docs", "*.md")))
     counts = dict(run=0, compared=0, skip=0, text=0)
@@ -315,6 +388,7 @@ def main():
     # Every option a doc gives one of our programs -- in running text, in
     # blocks that run and in those that cannot -- is one its --help lists.
     fails += check_options(files)
+    fails += check_error_quotes()
     # README's list of packages is scripts/deps.sh's.
     deps = open(os.path.join(SRC, "scripts", "deps.sh")).read()
     pkgs = set(re.findall(r"need\+=\(([a-z0-9][a-z0-9.+-]+)\)", deps))
