@@ -5,7 +5,7 @@
 # one line on stderr that names the option and the value, and nothing on
 # stdout (no usage dump, no training).  The table must cover every option
 # that each program's --help shows with a value (a new option without a
-# row fails here), and each --help has its sections.
+# row fails here), and each --help has its sections and examples.
 #   options.sh CHORUS_TRAIN CHORUS_DATA CHORUSRUN
 set -u
 train=$1 data=$2 run=$3
@@ -92,6 +92,9 @@ prog=("$data")
 table chorus-data "prepare in.txt" "" "${rows[@]}"
 "$data" --help >"$tmp/help" 2>&1 || bad "chorus-data --help exits $?"
 covered "$tmp/help" "${rows[@]}"
+for s in "examples:" "prepare:" "check:"; do
+  grep -q "^$s" "$tmp/help" || bad "chorus-data --help has no section '$s'"
+done
 
 # ------------------------------------------------------------- chorusrun
 rows=("--master-addr -" "--log-dir -" "--rdzv-conf -" "--nproc-per-node 0" "--nproc-per-node x"
@@ -103,6 +106,9 @@ prog=("$run")
 table chorusrun "" "-- true" "${rows[@]}"
 "$run" --help >"$tmp/help" 2>&1 || bad "chorusrun --help exits $?"
 covered "$tmp/help" "${rows[@]}"
+for s in "examples:" "workers:" "several nodes" "failures:" "output:"; do
+  grep -q "^$s" "$tmp/help" || bad "chorusrun --help has no section '$s'"
+done
 
 echo "$checked refusals checked"
 [ "$fails" -eq 0 ] && echo "every option refuses nonsense by name" && exit 0

@@ -853,7 +853,16 @@ static void usage(FILE *f) {
           "  --name NAME          shard names NAME_val_000000.bin, NAME_train_000001.bin (data)\n"
           "  --threads N          encoding threads (all cores)\n"
           "  --field NAME         JSON lines: the text field (text)\n"
-          "  --skip-invalid       leave out empty files and files that are not UTF-8 (named)\n");
+          "  --skip-invalid       leave out empty files and files that are not UTF-8 (named)\n\n"
+          "check: reads every token of a dataset (a folder, a glob or a shard) against\n"
+          "the vocabulary: --vocab N, or --tokenizer DIR's, or the tokenizer prepare left\n"
+          "beside the shards, or else GPT-2's 50257 (said so)\n\n"
+          "examples:\n"
+          "  chorus-data prepare data/tinyshakespeare.txt -o runs/data/shakespeare \\\n"
+          "      --vocab-size 1024          # learn a 1024-token BPE vocabulary, write shards\n"
+          "  chorus-data prepare corpus/ docs.jsonl -o runs/data/web --tokenizer gpt2/\n"
+          "  chorus-data check runs/data/shakespeare\n"
+          "  chorusrun --standalone -n 2 -- chorus-train --data runs/data/shakespeare\n");
 }
 
 int main(int argc, char **argv) {
