@@ -6,8 +6,9 @@
 
 --system-site-packages lets the venv see Debian's numpy and torch;
 --no-build-isolation builds offline with Debian's setuptools (python3-venv,
-python3-pip, python3-setuptools); -v shows the build's progress (pip hides
-a build's output otherwise: the torch shim alone compiles for minutes).
+python3-pip, python3-setuptools); -v shows the whole build's output (pip
+hides it otherwise; its progress lines still reach the terminal, when there
+is one: the torch shim alone compiles for minutes).
 The build happens in ~/.cache/chorus/pip-build (XDG_CACHE_HOME), not in the
 source tree, and a second install reuses it.
 
@@ -20,6 +21,7 @@ arguments to the CMake configure step (e.g. -DCHORUS_TORCH=OFF).
 """
 import glob
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -30,6 +32,18 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+
+def say(line, tty_only=False):
+    """A line of progress.  pip shows a build's output only with -v; the
+    terminal, when there is one, gets the progress lines anyway."""
+    if not tty_only:
+        print(line, flush=True)
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:
+        pass
 
 
 class CMakeBuild(build_ext):
@@ -49,8 +63,17 @@ class CMakeBuild(build_ext):
         with open(os.path.join(build, "python", "targets.txt")) as f:
             targets = f.read().split()
         jobs = str(os.cpu_count() or 2)
-        print("chorus: building %s in %s (%s jobs)" % (", ".join(targets), build, jobs), flush=True)
-        subprocess.check_call(["cmake", "--build", build, "-j", jobs, "--target"] + targets)
+        say("chorus: building %s in %s (%s jobs); the torch shim takes minutes"
+            % (", ".join(targets), build, jobs))
+        p = subprocess.Popen(["cmake", "--build", build, "-j", jobs, "--target"] + targets,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout:
+            print(line, end="", flush=True)  # all of it, for pip -v
+            if re.match(r"^\[ *\d+%\] (Building|Linking)", line):
+                say("chorus: " + line.strip(), tty_only=True)
+        if p.wait() != 0:
+            raise subprocess.CalledProcessError(p.returncode, p.args)
+        say("chorus: built")
         out = os.path.join(self.build_lib, "chorus")
         os.makedirs(out, exist_ok=True)
         made = os.path.join(build, "python", "chorus")
