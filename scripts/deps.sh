@@ -40,6 +40,7 @@ command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v make >/dev/null 2>&1 || need+=(make)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v pgrep >/dev/null 2>&1 || need+=(procps)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config) # the docs build programs with it
 # CBLAS for the training runtime's matrix products (OpenBLAS).
 [[ "$(dpkg-query -W -f='${Status}' libopenblas-dev 2>/dev/null)" == "install ok installed" ]] ||
   need+=(libopenblas-dev)
