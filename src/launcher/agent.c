@@ -82,8 +82,10 @@ static int reap(job_t *job, int *first_failed, int blame_open) {
   return reaped;
 }
 
-/* A worker still running but stopped (SIGSTOP, ^Z, a debugger): when the
- * others fail, they failed waiting for it (their timeout names it).  Its
+/* A worker still running but stopped by job control (SIGSTOP, ^Z: state
+ * T): when the others fail, they failed waiting for it (their timeout
+ * names it).  Not state t, a tracing stop: LeakSanitizer stops a process
+ * so while it exits, and a debugger's stop is left to named_worker.  Its
  * local index, or -1. */
 static int stopped_worker(const job_t *job) {
   for (int r = 0; r < job->nproc; r++) {
@@ -96,7 +98,7 @@ static int stopped_worker(const job_t *job) {
     fclose(f);
     buf[n] = '\0';
     const char *paren = strrchr(buf, ')'); /* the name may hold spaces and ')' */
-    if (paren && (paren[1] == ' ') && (paren[2] == 'T' || paren[2] == 't')) return r;
+    if (paren && paren[1] == ' ' && paren[2] == 'T') return r;
   }
   return -1;
 }

@@ -233,8 +233,8 @@ void report_failure(job_t *job, worker_t *w) {
   int r = w->rank;
   int st = w->status;
   if (w->blame_kind == BLAME_STOPPED) {
-    fprintf(stderr, "chorusrun: rank %d (pid %d) failed: it was stopped (SIGSTOP, ^Z or a "
-            "debugger) while the others waited for it, and they failed at their timeout\n", r,
+    fprintf(stderr, "chorusrun: rank %d (pid %d) failed: it was stopped (SIGSTOP or ^Z) "
+            "while the others waited for it, and they failed at their timeout\n", r,
             (int)w->pid);
   } else if (w->blame_kind == BLAME_NAMED) {
     fprintf(stderr, "chorusrun: rank %d (pid %d) failed: the others timed out waiting for it, "
