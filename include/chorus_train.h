@@ -990,9 +990,6 @@ CHORUS_API chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, f
  * arguments are bad. */
 CHORUS_API chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *grads, float loss,
                                                 uint32_t tokens, size_t final_from);
-/* Testing: the next push claims a version staler than allowed (1), sends
- * one float too many (2), or a NaN in server 0's slice (3). */
-CHORUS_API void chorus_ps_inject(chorus_ps_t *ps, int fault);
 
 /* A worker's whole loop (chorus-train --mode async): makes the model and
  * a loader over data (this worker's share: DistributedSampler's rule over

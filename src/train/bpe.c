@@ -76,8 +76,6 @@
 #include "train/bpe_unicode.h"
 
 /* gpt.c's error recorder (one per thread). */
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
 
 /* Limits on what is loaded, trained and cached. */
 #define BPE_MAX_VOCAB (1 << 22)       /* ids of a vocabulary */

@@ -21,8 +21,6 @@
 #include "runtime.h"
 
 /* gpt.c's error recorder (one per thread). */
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
 
 int chorus__ckpt_write_all(int fd, const void *p, size_t n, uint64_t *h) {
   const char *c = p;

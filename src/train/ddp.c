@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "chorus_train.h"
+#include "train/runtime.h"
 
 typedef struct {
   int lo, hi;           /* tensor indices, lo <= hi */
@@ -50,8 +51,6 @@ struct chorus_ddp {
 };
 
 /* gpt.c's error recorder (one per thread). */
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
 
 static double now_s(void) {
   struct timespec ts;

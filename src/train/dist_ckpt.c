@@ -41,10 +41,6 @@
 #include "train/ckpt.h"
 #include "runtime.h"
 
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
-
 #define SH_MAGIC 0x6873737572686f63ull /* "chorussh" */
 #define IX_MAGIC 0x7869737572686f63ull /* "chorusix" */
 #define DC_VERSION 1u
@@ -240,8 +236,8 @@ static int index_exists(const char *dir, long step) {
 /* ---------------------------------------------------------------- save */
 
 static chorus_result_t coll_fail(const ctx_t *c, chorus_result_t st, const char *what) {
-  return fail(st, "chorus_trainer: rank %d: %s: %s", c->rank, what,
-              c->comm ? chorus_comm_last_error(c->comm) : "");
+  return chorus__train_fail(st, "chorus_trainer: rank %d: %s: %s", c->rank, what,
+                            c->comm ? chorus_comm_last_error(c->comm) : "");
 }
 
 /* Every rank agrees on ok (0/1): the minimum. */
@@ -381,8 +377,10 @@ static chorus_result_t save(const ctx_t *c, const ctx_t *fc, int nf, int files, 
   if (st != CHORUS_OK || why[0]) {
     free(mine);
     return st != CHORUS_OK ? st
-                           : fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: rank %d: "
-                                  "checkpoint %s not written: %s", c->rank, sdir, why);
+                           : chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                                                "chorus_trainer_save: rank %d: "
+                                                "checkpoint %s not written: %s",
+                                                c->rank, sdir, why);
   }
   /* 3. This rank's files, then every file's size and checksum everywhere
    * (each slot filled by its one writer), with the count of failures. */
@@ -417,9 +415,12 @@ static chorus_result_t save(const ctx_t *c, const ctx_t *fc, int nf, int files, 
   const uint64_t *all = sum + files;
   if (all[2 * (size_t)files]) {
     free(mine);
-    return fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: checkpoint %s not written: %s",
-                c->rank, sdir, why[0] ? why : "another rank could not write its file(s) (see its "
-                "output)");
+    return chorus__train_fail(CHORUS_ERR_SYSTEM,
+                              "chorus_trainer_save: rank %d: checkpoint %s not written: %s",
+                              c->rank, sdir,
+                              why[0] ? why
+                                     : "another rank could not write its file(s) (see its "
+                                       "output)");
   }
   /* 4. Rank 0 writes the index. */
   if (c->rank == 0) {
@@ -458,14 +459,16 @@ static chorus_result_t save(const ctx_t *c, const ctx_t *fc, int nf, int files, 
   free(mine);
   if ((st = agree(c, &ok)) != CHORUS_OK) return st;
   return ok ? CHORUS_OK
-            : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_save: rank %d: the index of %s was not "
-                   "written (see rank 0's output)", c->rank, sdir);
+            : chorus__train_fail(CHORUS_ERR_SYSTEM,
+                                 "chorus_trainer_save: rank %d: the index of %s was not "
+                                 "written (see rank 0's output)",
+                                 c->rank, sdir);
 }
 
 chorus_result_t chorus_trainer_save(chorus_trainer_t *t, const char *dir, long step,
                                     const void *extra, size_t extra_len, int keep) {
   if (!t || !dir || step < 0 || keep < 1 || (extra_len && !extra) || extra_len > MAX_EXTRA)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
   ctx_t c;
   ctx_init(&c, t);
   return save(&c, &c, 1, c.size, NULL, dir, step, extra, extra_len, keep);
@@ -545,7 +548,7 @@ chorus_result_t chorus__ckpt_save_ranges(chorus_comm_t comm, chorus_gpt_t *m, in
                                          long step, const void *extra, size_t extra_len,
                                          int keep) {
   if (!m || !dir || step < 0 || keep < 1 || (extra_len && !extra) || extra_len > MAX_EXTRA)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_save: bad arguments");
   ctx_t c;
   ctx_init_comm(&c, comm, m);
   /* Bad ranges still take part in the agreements: every rank fails. */
@@ -964,7 +967,7 @@ chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *dir, long *
                                     void *extra, size_t extra_cap, size_t *extra_len,
                                     chorus_ckpt_info_t *info) {
   if (!t || !dir || !step)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
   ctx_t c;
   ctx_init(&c, t);
   return load(&c, dir, step, extra, extra_cap, extra_len, info);
@@ -976,7 +979,7 @@ chorus_result_t chorus__ckpt_load_range(chorus_comm_t comm, chorus_gpt_t *m, cho
                                         size_t *extra_len, chorus_ckpt_info_t *info) {
   if (!m || !opt || !dir || !step || lo > chorus_gpt_num_params(m) ||
       n > chorus_gpt_num_params(m) - lo)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load: bad arguments");
   ctx_t c;
   ctx_init_range(&c, comm, m, opt, par, lo, n);
   return load(&c, dir, step, extra, extra_cap, extra_len, info);
@@ -987,7 +990,7 @@ chorus_result_t chorus__ckpt_load_range(chorus_comm_t comm, chorus_gpt_t *m, cho
 chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, long step,
                                       const void *extra, size_t extra_len) {
   if (!t || !path || step < 0 || (extra_len && !extra))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_export: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_export: bad arguments");
   ctx_t c;
   ctx_init(&c, t);
   chorus_gpt_t *m = chorus_trainer_model(t);
@@ -1011,8 +1014,10 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
   if (st != CHORUS_OK || !ready) {
     free(blob), free(unit);
     return st != CHORUS_OK ? st
-                           : fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_export: rank %d: out of "
-                                  "memory (here or on another rank)", c.rank);
+                           : chorus__train_fail(CHORUS_ERR_NO_MEMORY,
+                                                "chorus_trainer_export: rank %d: out of "
+                                                "memory (here or on another rank)",
+                                                c.rank);
   }
   if (ok) chorus_optim_state_save(chorus_trainer_optim(t), blob);
   if (ok && c.rank == 0) {
@@ -1075,6 +1080,7 @@ chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, lon
   free(blob), free(unit);
   if ((st = agree(&c, &ok)) != CHORUS_OK) return st;
   return ok ? CHORUS_OK
-            : fail(CHORUS_ERR_SYSTEM, "chorus_trainer_export: rank %d: %s", c.rank,
-                   c.rank == 0 ? why : "rank 0 could not write the file (see its output)");
+            : chorus__train_fail(
+                  CHORUS_ERR_SYSTEM, "chorus_trainer_export: rank %d: %s", c.rank,
+                  c.rank == 0 ? why : "rank 0 could not write the file (see its output)");
 }

@@ -49,10 +49,6 @@
 #include "chorus_train.h"
 #include "runtime.h"
 
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
-
 enum { REPLICA_TAG = 0x52455000 };
 
 /* Where the world stood at the start of a step (the same on every rank). */
@@ -187,9 +183,9 @@ static chorus_result_t drain(chorus_elastic_t *e) {
     if (st != CHORUS_OK) {
       if (first == CHORUS_OK) {
         first = st;
-        fail(st, "chorus_elastic: rank %d: the replica %s rank %d: %s", my_rank(e),
-             i < e->nsends ? "sent to" : "received from",
-             i < e->nsends ? e->holder : e->buddy, chorus_work_error(e->works[i]));
+        chorus__train_fail(st, "chorus_elastic: rank %d: the replica %s rank %d: %s", my_rank(e),
+                           i < e->nsends ? "sent to" : "received from",
+                           i < e->nsends ? e->holder : e->buddy, chorus_work_error(e->works[i]));
       }
       if (i >= e->nsends) recv_ok = 0;
     }
@@ -222,8 +218,8 @@ static chorus_result_t upkeep_start(chorus_elastic_t *e) {
       if (st == CHORUS_OK) e->nworks++;
     }
   if (st != CHORUS_OK)
-    fail(st, "chorus_elastic: rank %d: starting the replica transfers: %s", my_rank(e),
-         chorus_comm_last_error(e->comm));
+    chorus__train_fail(st, "chorus_elastic: rank %d: starting the replica transfers: %s",
+                       my_rank(e), chorus_comm_last_error(e->comm));
   return st;
 }
 
@@ -292,15 +288,17 @@ static chorus_result_t replicas_make(chorus_elastic_t *e, long step) {
   const int n = chorus_comm_size(c), me = chorus_comm_rank(c);
   layout_free(&e->lay);
   if (layout_make(&e->lay, chorus_trainer_model(e->t), n) != 0 || alloc_copies(e) != 0)
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: rank %d: out of memory for the "
-                "replicas (%zu bytes each)", me, (size_t)e->A * e->lay.shard * 4);
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY,
+                              "chorus_elastic: rank %d: out of memory for the "
+                              "replicas (%zu bytes each)",
+                              me, (size_t)e->A * e->lay.shard * 4);
   e->rank = me;
   /* The host of each rank: the lowest rank on it. */
   int32_t lead = me, *leads = calloc((size_t)n, sizeof *leads);
   int *order = calloc((size_t)n, sizeof *order);
   if (!leads || !order) {
     free(leads), free(order);
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
   }
   for (int p = 0; p < me; p++)
     if (chorus_comm_same_host(c, p) == 1) {
@@ -310,7 +308,8 @@ static chorus_result_t replicas_make(chorus_elastic_t *e, long step) {
   chorus_result_t st = chorus_all_gather(c, &lead, leads, 1, CHORUS_INT32, NULL);
   if (st != CHORUS_OK) {
     free(leads), free(order);
-    return fail(st, "chorus_elastic: rank %d: the host map: %s", me, chorus_comm_last_error(c));
+    return chorus__train_fail(st, "chorus_elastic: rank %d: the host map: %s", me,
+                              chorus_comm_last_error(c));
   }
   /* Ranks in host order (hosts by their lowest rank), and the largest
    * number on one host. */
@@ -406,7 +405,7 @@ static chorus_result_t reshard(chorus_elastic_t *e, const layout_t *old, const i
   const int n = chorus_comm_size(c), me = chorus_comm_rank(c);
   layout_t nw;
   if (layout_make(&nw, chorus_trainer_model(e->t), n) != 0)
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
   size_t *sc = calloc((size_t)n, sizeof *sc), *sd = calloc((size_t)n, sizeof *sd);
   size_t *rc = calloc((size_t)n, sizeof *rc), *rd = calloc((size_t)n, sizeof *rd);
   chorus_result_t st = CHORUS_ERR_NO_MEMORY;
@@ -430,7 +429,8 @@ static chorus_result_t reshard(chorus_elastic_t *e, const layout_t *old, const i
   }
   st = chorus_all_to_allv(c, sbuf, sc, sd, rbuf, rc, rd, CHORUS_FLOAT32, NULL);
   if (st != CHORUS_OK) {
-    fail(st, "chorus_elastic: rank %d: moving the shards: %s", me, chorus_comm_last_error(c));
+    chorus__train_fail(st, "chorus_elastic: rank %d: moving the shards: %s", me,
+                       chorus_comm_last_error(c));
     goto out;
   }
   for (int j = 0; j < n; j++) {
@@ -450,7 +450,7 @@ static chorus_result_t reshard(chorus_elastic_t *e, const layout_t *old, const i
     st = CHORUS_ERR_INVALID_ARG; /* the loader said why */
 out:
   if (st == CHORUS_ERR_NO_MEMORY)
-    fail(st, "chorus_elastic: rank %d: out of memory moving the shards", me);
+    chorus__train_fail(st, "chorus_elastic: rank %d: out of memory moving the shards", me);
   free(sbuf), free(rbuf), free(sc), free(sd), free(rc), free(rd);
   layout_free(&nw);
   return st;
@@ -478,13 +478,14 @@ static chorus_result_t place_data(chorus_elastic_t *e, const meta_t *m) {
 static chorus_result_t snap_restore(chorus_elastic_t *e, long step) {
   const __typeof__(e->snap[0]) *s = &e->snap[step & 1];
   if (s->step != step)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic: rank %d: cannot go back to the start "
-                "of step %ld (kept: steps %ld and %ld)", my_rank(e), step, e->snap[0].step,
-                e->snap[1].step);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_elastic: rank %d: cannot go back to the start "
+                              "of step %ld (kept: steps %ld and %ld)",
+                              my_rank(e), step, e->snap[0].step, e->snap[1].step);
   if (chorus_trainer_load_weights(e->t, s->params) != CHORUS_OK ||
       chorus_optim_state_load(chorus_trainer_optim(e->t), s->optim, e->optim_bytes) != CHORUS_OK)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic: rank %d: the snapshot does not load",
-                my_rank(e));
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_elastic: rank %d: the snapshot does not load", my_rank(e));
   return place_data(e, &s->meta);
 }
 
@@ -496,14 +497,16 @@ chorus_result_t chorus_elastic_create(chorus_trainer_t *t, chorus_loader_t *ld,
                                       const chorus_elastic_config_t *cfg,
                                       chorus_elastic_t **out) {
   static const chorus_elastic_config_t defaults = CHORUS_ELASTIC_CONFIG_DEFAULT;
-  if (!out || !t || !ld) return fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic_create: NULL argument");
+  if (!out || !t || !ld)
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic_create: NULL argument");
   *out = NULL;
   chorus_comm_t comm = chorus_trainer_comm(t);
   if (!comm)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic_create: the trainer has no "
-                "communicator");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_elastic_create: the trainer has no "
+                              "communicator");
   chorus_elastic_t *e = calloc(1, sizeof *e);
-  if (!e) return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic_create: out of memory");
+  if (!e) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic_create: out of memory");
   e->t = t;
   e->ld = ld;
   e->comm = comm;
@@ -533,7 +536,8 @@ chorus_result_t chorus_elastic_create(chorus_trainer_t *t, chorus_loader_t *ld,
       if (!e->snap[k].params || !e->snap[k].optim) st = CHORUS_ERR_NO_MEMORY;
     }
     e->st.snapshot_bytes = 2 * (e->np * sizeof(float) + e->optim_bytes);
-    if (st != CHORUS_OK) fail(st, "chorus_elastic_create: out of memory for the snapshots");
+    if (st != CHORUS_OK)
+      chorus__train_fail(st, "chorus_elastic_create: out of memory for the snapshots");
   }
   if (st != CHORUS_OK) {
     chorus_elastic_destroy(e);
@@ -574,21 +578,25 @@ static chorus_result_t hand_over(chorus_elastic_t *e, long *step, const meta_t *
   meta_t m = {0};
   if (me == 0 && mine) m = *mine;
   chorus_result_t st = chorus_broadcast(c, &m, sizeof m, CHORUS_UINT8, 0, NULL);
-  if (st != CHORUS_OK) return fail(st, "chorus_elastic: rank %d: the hand-over: %s", me,
-                                   chorus_comm_last_error(c));
+  if (st != CHORUS_OK)
+    return chorus__train_fail(st, "chorus_elastic: rank %d: the hand-over: %s", me,
+                              chorus_comm_last_error(c));
   if (m.step < 0 || m.epoch < 0 || m.taken < 0 || m.opt_t < 0 || m.world < 1 ||
       m.world > chorus_comm_size(c))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic: rank %d: a malformed hand-over "
-                "(step %lld, world %d)", me, (long long)m.step, (int)m.world);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_elastic: rank %d: a malformed hand-over "
+                              "(step %lld, world %d)",
+                              me, (long long)m.step, (int)m.world);
   *step = (long)m.step;
   if (!e->sharded) {
     unsigned char *optim = malloc(e->optim_bytes ? e->optim_bytes : 1);
-    if (!optim) return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+    if (!optim) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
     if (me == 0) chorus_optim_state_save(chorus_trainer_optim(e->t), optim);
     st = chorus_broadcast(c, optim, e->optim_bytes, CHORUS_UINT8, 0, NULL);
     if (st == CHORUS_OK &&
         chorus_optim_state_load(chorus_trainer_optim(e->t), optim, e->optim_bytes) != CHORUS_OK)
-      st = fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic: a malformed optimizer state");
+      st =
+          chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_elastic: a malformed optimizer state");
     free(optim);
     if (st == CHORUS_OK) st = place_data(e, &m);
     return st;
@@ -597,12 +605,12 @@ static chorus_result_t hand_over(chorus_elastic_t *e, long *step, const meta_t *
    * each supplied by the member of that rank (members keep their ranks). */
   layout_t old;
   if (layout_make(&old, chorus_trainer_model(e->t), (int)m.world) != 0)
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
   int *supplier = calloc((size_t)m.world, sizeof *supplier);
   const float **src = calloc((size_t)m.world, sizeof *src);
   if (!supplier || !src) {
     free(supplier), free(src), layout_free(&old);
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
   }
   for (int o = 0; o < m.world; o++) supplier[o] = o;
   if (member) src[me] = e->own;
@@ -619,8 +627,8 @@ static chorus_result_t admit(chorus_elastic_t *e, long *step, int *grown_out) {
   int waiting = 0;
   chorus_result_t st = chorus_comm_joiners(e->comm, &waiting);
   if (st != CHORUS_OK)
-    return fail(st, "chorus_elastic: rank %d: looking for new ranks: %s", my_rank(e),
-                chorus_comm_last_error(e->comm));
+    return chorus__train_fail(st, "chorus_elastic: rank %d: looking for new ranks: %s", my_rank(e),
+                              chorus_comm_last_error(e->comm));
   if (!waiting) return CHORUS_OK;
   int64_t t0 = now_ns();
   chorus_comm_t grown = NULL;
@@ -635,8 +643,8 @@ static chorus_result_t admit(chorus_elastic_t *e, long *step, int *grown_out) {
   if (vs != CHORUS_OK || !all) {
     chorus_comm_destroy(grown);
     if (vs != CHORUS_OK)
-      return fail(vs, "chorus_elastic: rank %d: the vote on new ranks: %s", my_rank(e),
-                  chorus_comm_last_error(e->comm));
+      return chorus__train_fail(vs, "chorus_elastic: rank %d: the vote on new ranks: %s",
+                                my_rank(e), chorus_comm_last_error(e->comm));
     return CHORUS_OK;
   }
   const int before = chorus_comm_size(e->comm);
@@ -786,8 +794,10 @@ static void say(chorus_elastic_t *e, const char *fmt, ...) {
  * the program's reload puts the last checkpoint in it. */
 static chorus_result_t reload(chorus_elastic_t *e, const char *why, long *step) {
   if (!e->cfg.reload)
-    return fail(CHORUS_ERR_REMOTE, "chorus_elastic: rank %d: cannot go on from memory: %s; "
-                "restart from the last checkpoint", my_rank(e), why);
+    return chorus__train_fail(CHORUS_ERR_REMOTE,
+                              "chorus_elastic: rank %d: cannot go on from memory: %s; "
+                              "restart from the last checkpoint",
+                              my_rank(e), why);
   say(e, "elastic: the model is no longer in memory (%s): going on from the last checkpoint",
       why);
   chorus_result_t st = e->sharded ? chorus__trainer_reshard(e->t, e->comm)
@@ -823,8 +833,8 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
     chorus_comm_t next = NULL;
     st = chorus_comm_shrink(e->comm, 0, &next);
     if (st != CHORUS_OK) {
-      fail(st, "chorus_elastic: rank %d: cannot go on: chorus_comm_shrink: %s", my_rank(e),
-           chorus_comm_last_error(e->comm));
+      chorus__train_fail(st, "chorus_elastic: rank %d: cannot go on: chorus_comm_shrink: %s",
+                         my_rank(e), chorus_comm_last_error(e->comm));
       break;
     }
     if (e->comm != used || !e->sharded) {
@@ -840,9 +850,10 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
       if (st != CHORUS_OK) continue; /* someone else died: shrink again */
       to = (long)agreed[0];
       if (-agreed[1] - agreed[0] > 1) {
-        st = fail(CHORUS_ERR_REMOTE, "chorus_elastic: rank %d: cannot go on: the survivors are "
-                  "at steps %lld to %lld, more than one apart", me, (long long)agreed[0],
-                  (long long)-agreed[1]);
+        st = chorus__train_fail(CHORUS_ERR_REMOTE,
+                                "chorus_elastic: rank %d: cannot go on: the survivors are "
+                                "at steps %lld to %lld, more than one apart",
+                                me, (long long)agreed[0], (long long)-agreed[1]);
         break;
       }
       if ((st = snap_restore(e, to)) != CHORUS_OK) break;
@@ -855,7 +866,7 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
     int64_t mine[I_N] = {e->rank, e->committed.step, e->pending.step, e->incoming_ok};
     int64_t *info = malloc((size_t)m * I_N * sizeof *info);
     if (!info) {
-      st = fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+      st = chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
       break;
     }
     st = chorus_all_gather(next, mine, info, I_N, CHORUS_INT64, NULL);
@@ -882,7 +893,7 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
     src = calloc((size_t)n, sizeof *src);
     if (!supplier || !src) {
       free(info);
-      st = fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
+      st = chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_elastic: out of memory");
       break;
     }
     for (int o = 0; o < n; o++) supplier[o] = -1;
@@ -909,8 +920,11 @@ chorus_result_t chorus_elastic_recover(chorus_elastic_t *e, long *step) {
   free(supplier), free(src);
   if (used && used != e->comm) chorus_comm_destroy(used);
   if (st != CHORUS_OK && attempt == e->cfg.attempts)
-    fail(st, "chorus_elastic: rank %d: cannot go on: ranks kept dying during the recovery "
-         "(%d attempts; the last: %s)", my_rank(e), attempt, chorus_comm_last_error(e->comm));
+    chorus__train_fail(
+        st,
+        "chorus_elastic: rank %d: cannot go on: ranks kept dying during the recovery "
+        "(%d attempts; the last: %s)",
+        my_rank(e), attempt, chorus_comm_last_error(e->comm));
   if (st != CHORUS_OK) return st;
   *step = to;
   e->cur = to;

@@ -43,10 +43,6 @@
 #include "chorus_train.h"
 #include "runtime.h"
 
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
-
 /* Rounds src (n floats) to bfloat16 and back into dst (may be src). */
 void chorus__round_bf16(float *dst, const float *src, size_t n) {
   uint16_t h[1024];
@@ -155,7 +151,7 @@ static chorus_result_t set_error(chorus_fsdp_t *f, chorus_result_t st, const cha
                    : chorus_comm_last_error(f->comm));
     if (local) chorus_comm_abort(f->comm);
   }
-  return fail(f->error, "chorus_fsdp: %s", f->why);
+  return chorus__train_fail(f->error, "chorus_fsdp: %s", f->why);
 }
 
 /* Binds unit v where its parameters and gradients live now: gathered
@@ -381,7 +377,8 @@ static chorus_result_t prefetch(chorus_fsdp_t *f, int from) {
 
 static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int train) {
   chorus_fsdp_t *f = arg;
-  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: failed before: %s", f->why);
+  if (f->error != CHORUS_OK)
+    return chorus__train_fail(f->error, "chorus_fsdp: failed before: %s", f->why);
   const int bwd = ev == CHORUS_GPT_BACKWARD_BEGIN || ev == CHORUS_GPT_BACKWARD_END;
   const int begin = ev == CHORUS_GPT_FORWARD_BEGIN || ev == CHORUS_GPT_BACKWARD_BEGIN;
   const int i = bwd ? f->nu + (f->nu - 1 - unit) : unit;
@@ -457,18 +454,22 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
 chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint64_t seed,
                                    const chorus_fsdp_config_t *cfg, chorus_fsdp_t **out) {
   static const chorus_fsdp_config_t defaults = CHORUS_FSDP_CONFIG_DEFAULT;
-  if (!out) return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: out is NULL");
+  if (!out) return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: out is NULL");
   *out = NULL;
   const chorus_fsdp_config_t c = cfg ? *cfg : defaults;
   if (!comm || !model || c.stage < 1 || c.stage > 3 || c.prefetch < 0 ||
       (c.reduce_dtype != CHORUS_FLOAT32 && c.reduce_dtype != CHORUS_BFLOAT16) ||
       (c.param_dtype != CHORUS_FLOAT32 && c.param_dtype != CHORUS_BFLOAT16))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: bad arguments (stage %d: 1, 2 or "
-                "3; prefetch %d >= 0; dtypes float32 or bfloat16)", c.stage, c.prefetch);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_fsdp_create: bad arguments (stage %d: 1, 2 or "
+                              "3; prefetch %d >= 0; dtypes float32 or bfloat16)",
+                              c.stage, c.prefetch);
   if (chorus_gpt_params(model))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: the model holds its own parameters; "
-                "make it with chorus_gpt_create_ex(..., CHORUS_GPT_EXTERNAL, ...) so that the "
-                "runtime places them");
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG,
+        "chorus_fsdp_create: the model holds its own parameters; "
+        "make it with chorus_gpt_create_ex(..., CHORUS_GPT_EXTERNAL, ...) so that the "
+        "runtime places them");
   /* Every rank must start from the same weights (the same seed) and walk
    * the same schedule (the same configuration and model): otherwise their
    * collectives would differ.  Max and -min of each value in one call. */
@@ -481,17 +482,19 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
   chorus_result_t st =
       chorus_all_reduce(comm, mine, agreed, 16, CHORUS_INT64, CHORUS_MAX, NULL);
   if (st != CHORUS_OK)
-    return fail(st, "chorus_fsdp_create: rank %d: agreeing on the seed: %s",
-                chorus_comm_rank(comm), chorus_comm_last_error(comm));
+    return chorus__train_fail(st, "chorus_fsdp_create: rank %d: agreeing on the seed: %s",
+                              chorus_comm_rank(comm), chorus_comm_last_error(comm));
   if (memcmp(agreed, mine, sizeof mine))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: rank %d: the ranks differ in %s "
-                "(this one: seed %llu, stage %d, prefetch %d, overlap %d, %zu parameters): "
-                "every rank must make the same model and sharding", chorus_comm_rank(comm),
-                memcmp(agreed, mine, 4 * sizeof *mine) ? "the seed" : "the configuration",
-                (unsigned long long)seed, c.stage, c.prefetch, c.overlap,
-                chorus_gpt_num_params(model));
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG,
+        "chorus_fsdp_create: rank %d: the ranks differ in %s "
+        "(this one: seed %llu, stage %d, prefetch %d, overlap %d, %zu parameters): "
+        "every rank must make the same model and sharding",
+        chorus_comm_rank(comm),
+        memcmp(agreed, mine, 4 * sizeof *mine) ? "the seed" : "the configuration",
+        (unsigned long long)seed, c.stage, c.prefetch, c.overlap, chorus_gpt_num_params(model));
   chorus_fsdp_t *f = calloc(1, sizeof *f);
-  if (!f) return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
+  if (!f) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
   f->comm = comm;
   f->model = model;
   f->cfg = c;
@@ -604,8 +607,10 @@ oom:
   /* The others went on after the agreement: fail them at once. */
   chorus_fsdp_destroy(f);
   chorus_comm_abort(comm);
-  return fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: rank %d: out of memory (the "
-              "communicator is aborted)", chorus_comm_rank(comm));
+  return chorus__train_fail(CHORUS_ERR_NO_MEMORY,
+                            "chorus_fsdp_create: rank %d: out of memory (the "
+                            "communicator is aborted)",
+                            chorus_comm_rank(comm));
 }
 
 void chorus_fsdp_destroy(chorus_fsdp_t *f) {
@@ -650,7 +655,7 @@ void chorus_fsdp_zero_grad(chorus_fsdp_t *f) {
 }
 
 chorus_result_t chorus_fsdp_wait(chorus_fsdp_t *f) {
-  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: %s", f->why);
+  if (f->error != CHORUS_OK) return chorus__train_fail(f->error, "chorus_fsdp: %s", f->why);
   int64_t w0 = now_ns();
   chorus_result_t st = CHORUS_OK;
   /* What did not start during backward starts now, in backward's order. */
@@ -672,7 +677,7 @@ chorus_result_t chorus_fsdp_wait(chorus_fsdp_t *f) {
 }
 
 chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f) {
-  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: %s", f->why);
+  if (f->error != CHORUS_OK) return chorus__train_fail(f->error, "chorus_fsdp: %s", f->why);
   if (f->cfg.stage == 3) { /* every gathered copy is stale now */
     for (int v = 0; v < f->nu; v++)
       if (f->u[v].pstate != P_FREE) gather_drop(f, v);
@@ -721,7 +726,7 @@ chorus_result_t chorus_fsdp_sync_params(chorus_fsdp_t *f) {
 }
 
 chorus_result_t chorus_fsdp_full_params(chorus_fsdp_t *f, float *dst, int root) {
-  if (f->error != CHORUS_OK) return fail(f->error, "chorus_fsdp: %s", f->why);
+  if (f->error != CHORUS_OK) return chorus__train_fail(f->error, "chorus_fsdp: %s", f->why);
   const int me = f->rank == root;
   size_t biggest = 0;
   for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;

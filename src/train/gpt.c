@@ -9,30 +9,13 @@
  * then logits = lnf(x) wte^T (the output projection is the token embedding).
  */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chorus_train.h"
 #include "train/layers.h"
-
-static __thread char g_err[512];
-
-const char *chorus_train_last_error(void) { return g_err; }
-
-/* Records the reason of a failure for chorus_train_last_error (also used
- * by the other files of the runtime). */
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(g_err, sizeof g_err, fmt, ap);
-  va_end(ap);
-  return st;
-}
-#define fail chorus__train_fail
+#include "train/runtime.h"
 
 /* Per-block tensors, in forward order. */
 enum {
@@ -170,17 +153,20 @@ void chorus_gpt_init_range(const chorus_gpt_t *m, uint64_t seed, size_t offset, 
 
 chorus_result_t chorus_gpt_create_ex(const chorus_gpt_config_t *cfg, int max_batch,
                                      uint64_t seed, unsigned flags, chorus_gpt_t **out) {
-  if (!out) return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_create: out is NULL");
+  if (!out) return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_create: out is NULL");
   *out = NULL;
   if (!cfg || cfg->vocab < 2 || cfg->ctx < 1 || cfg->layers < 1 || cfg->heads < 1 ||
       cfg->channels < 1 || cfg->channels % cfg->heads || max_batch < 1 ||
       (flags & ~CHORUS_GPT_EXTERNAL))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_create: bad shape (vocab %d, ctx %d, layers "
-                "%d, heads %d, channels %d, batch %d) or flags %#x: channels must be a multiple "
-                "of heads", cfg ? cfg->vocab : 0, cfg ? cfg->ctx : 0, cfg ? cfg->layers : 0,
-                cfg ? cfg->heads : 0, cfg ? cfg->channels : 0, max_batch, flags);
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG,
+        "chorus_gpt_create: bad shape (vocab %d, ctx %d, layers "
+        "%d, heads %d, channels %d, batch %d) or flags %#x: channels must be a multiple "
+        "of heads",
+        cfg ? cfg->vocab : 0, cfg ? cfg->ctx : 0, cfg ? cfg->layers : 0, cfg ? cfg->heads : 0,
+        cfg ? cfg->channels : 0, max_batch, flags);
   chorus_gpt_t *m = calloc(1, sizeof *m);
-  if (!m) return fail(CHORUS_ERR_NO_MEMORY, "chorus_gpt_create: out of memory");
+  if (!m) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_gpt_create: out of memory");
   m->cfg = *cfg;
   m->max_batch = max_batch;
   const int V = cfg->vocab, C = cfg->channels, L = cfg->layers, Tm = cfg->ctx, NH = cfg->heads;
@@ -300,13 +286,13 @@ chorus_result_t chorus_gpt_create_ex(const chorus_gpt_config_t *cfg, int max_bat
 #undef TAKE
   if ((size_t)(p - m->arena) > total) {
     chorus_gpt_destroy(m);
-    return fail(CHORUS_ERR_INTERNAL, "chorus_gpt_create: activation arena overflow");
+    return chorus__train_fail(CHORUS_ERR_INTERNAL, "chorus_gpt_create: activation arena overflow");
   }
   *out = m;
   return CHORUS_OK;
 oom:
   chorus_gpt_destroy(m);
-  return fail(CHORUS_ERR_NO_MEMORY, "chorus_gpt_create: out of memory");
+  return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_gpt_create: out of memory");
 }
 
 void chorus_gpt_destroy(chorus_gpt_t *m) {
@@ -358,8 +344,8 @@ const chorus_gpt_unit_t *chorus_gpt_unit(const chorus_gpt_t *m, int u) {
 
 chorus_result_t chorus_gpt_bind_unit(chorus_gpt_t *m, int u, float *params, float *grads) {
   if (u < 0 || u >= m->nunits)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_bind_unit: no unit %d (the model has %d)", u,
-                m->nunits);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_gpt_bind_unit: no unit %d (the model has %d)", u, m->nunits);
   m->upar[u] = params ? params : m->params ? m->params + m->units[u].offset : NULL;
   m->ugrd[u] = grads ? grads : m->grads ? m->grads + m->units[u].offset : NULL;
   return CHORUS_OK;
@@ -383,10 +369,12 @@ static chorus_result_t unit_event(chorus_gpt_t *m, chorus_gpt_event_t ev, int u,
   for (int k = 0; k < (u == m->nunits - 1 ? 2 : 1); k++) {
     int v = k ? 0 : u;
     if (!m->upar[v] || (bwd && !m->ugrd[v]))
-      return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt: unit %d has no %s bound for its %s (a "
-                  "model made with CHORUS_GPT_EXTERNAL needs chorus_gpt_bind_unit, usually "
-                  "from a unit hook)", v, m->upar[v] ? "gradients" : "parameters",
-                  bwd ? "backward" : "forward");
+      return chorus__train_fail(
+          CHORUS_ERR_INVALID_ARG,
+          "chorus_gpt: unit %d has no %s bound for its %s (a "
+          "model made with CHORUS_GPT_EXTERNAL needs chorus_gpt_bind_unit, usually "
+          "from a unit hook)",
+          v, m->upar[v] ? "gradients" : "parameters", bwd ? "backward" : "forward");
   }
   return CHORUS_OK;
 }
@@ -394,8 +382,9 @@ static chorus_result_t unit_event(chorus_gpt_t *m, chorus_gpt_event_t ev, int u,
 
 chorus_result_t chorus_gpt_skip_layer(chorus_gpt_t *m, int layer, int skip) {
   if (layer < 0 || layer >= m->cfg.layers)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_skip_layer: no block %d (the model has %d)",
-                layer, m->cfg.layers);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_gpt_skip_layer: no block %d (the model has %d)", layer,
+                              m->cfg.layers);
   m->skip[layer] = skip != 0;
   return CHORUS_OK;
 }
@@ -406,16 +395,20 @@ chorus_result_t chorus_gpt_forward(chorus_gpt_t *m, const int *tokens, const int
                                    int T, float *loss) {
   const int V = m->cfg.vocab, C = m->cfg.channels, L = m->cfg.layers, NH = m->cfg.heads;
   if (!tokens || B < 1 || B > m->max_batch || T < 1 || T > m->cfg.ctx)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_forward: batch %d x %d does not fit the "
-                "model (at most %d x %d) or tokens is NULL", B, T, m->max_batch, m->cfg.ctx);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_gpt_forward: batch %d x %d does not fit the "
+                              "model (at most %d x %d) or tokens is NULL",
+                              B, T, m->max_batch, m->cfg.ctx);
   const int N = B * T;
   for (int i = 0; i < N; i++) {
     if (tokens[i] < 0 || tokens[i] >= V)
-      return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_forward: token %d at %d is not in [0, %d)",
-                  tokens[i], i, V);
+      return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                                "chorus_gpt_forward: token %d at %d is not in [0, %d)", tokens[i],
+                                i, V);
     if (targets && targets[i] >= V)
-      return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_forward: target %d at %d is not below %d",
-                  targets[i], i, V);
+      return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                                "chorus_gpt_forward: target %d at %d is not below %d", targets[i],
+                                i, V);
   }
   m->B = B;
   m->T = T;
@@ -475,7 +468,8 @@ static void ready(chorus_gpt_grad_ready_fn fn, void *arg, int tensor) {
 chorus_result_t chorus_gpt_backward(chorus_gpt_t *m, float loss_scale,
                                     chorus_gpt_grad_ready_fn fn, void *arg) {
   if (!m->have_targets)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_gpt_backward: the last forward had no targets");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_gpt_backward: the last forward had no targets");
   const int B = m->B, T = m->T, N = B * T;
   const int V = m->cfg.vocab, C = m->cfg.channels, L = m->cfg.layers, NH = m->cfg.heads;
   const size_t NC = (size_t)N * C;

@@ -21,10 +21,7 @@
 #include <time.h>
 
 #include "chorus_train.h"
-
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
+#include "train/runtime.h"
 
 enum { SLOT_FREE, SLOT_QUEUED, SLOT_BUSY, SLOT_READY, SLOT_FAILED };
 
@@ -124,7 +121,7 @@ static void *worker(void *arg) {
 static chorus_result_t schedule(chorus_loader_t *l, slot_t *s) {
   for (int b = 0; b < l->cfg.batch; b++) {
     chorus_result_t st = chorus_sampler_next(l->sp, &s->idx[b]);
-    if (st != CHORUS_OK) return fail(st, "the sampler: out of memory");
+    if (st != CHORUS_OK) return chorus__train_fail(st, "the sampler: out of memory");
   }
   s->epoch = chorus_sampler_epoch(l->sp);
   s->taken = chorus_sampler_taken(l->sp);
@@ -139,21 +136,25 @@ chorus_result_t chorus_loader_create(const chorus_tokens_t *data,
   if (!data || !cfg || cfg->seq < 1 || cfg->batch < 1 || cfg->workers < 0 ||
       cfg->workers > 64 || cfg->prefetch < 1 || cfg->prefetch > 64 || world < 1 || rank < 0 ||
       rank >= world)
-    return fail(CHORUS_ERR_INVALID_ARG, "loader: bad arguments (seq %d, batch %d, workers %d, "
-                "prefetch %d)", cfg ? cfg->seq : 0, cfg ? cfg->batch : 0,
-                cfg ? cfg->workers : 0, cfg ? cfg->prefetch : 0);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "loader: bad arguments (seq %d, batch %d, workers %d, "
+                              "prefetch %d)",
+                              cfg ? cfg->seq : 0, cfg ? cfg->batch : 0, cfg ? cfg->workers : 0,
+                              cfg ? cfg->prefetch : 0);
   size_t nseq = chorus_tokens_samples(data, cfg->seq);
   if (nseq < (size_t)world)
-    return fail(CHORUS_ERR_INVALID_ARG, "the dataset has %zu sequences of %d tokens (%zu "
-                "tokens in all; a sequence takes %d), fewer than the %d ranks%s", nseq,
-                cfg->seq, chorus_tokens_count(data), cfg->seq + 1, world,
-                nseq ? "" : ": it is empty, or too short for one sequence");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "the dataset has %zu sequences of %d tokens (%zu "
+                              "tokens in all; a sequence takes %d), fewer than the %d ranks%s",
+                              nseq, cfg->seq, chorus_tokens_count(data), cfg->seq + 1, world,
+                              nseq ? "" : ": it is empty, or too short for one sequence");
   if (nseq > UINT32_MAX)
-    return fail(CHORUS_ERR_INVALID_ARG, "the dataset has %zu sequences of %d tokens; the "
-                "sampler takes fewer than 2^32 (a longer context, or fewer shards)", nseq,
-                cfg->seq);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "the dataset has %zu sequences of %d tokens; the "
+                              "sampler takes fewer than 2^32 (a longer context, or fewer shards)",
+                              nseq, cfg->seq);
   chorus_loader_t *l = calloc(1, sizeof *l);
-  if (!l) return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+  if (!l) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
   l->data = data, l->cfg = *cfg, l->nseq = nseq, l->world = world, l->rank = rank;
   if (!(l->cfg.read_timeout_s > 0)) {
     const char *e = getenv("CHORUS_TIMEOUT");
@@ -193,8 +194,8 @@ chorus_result_t chorus_loader_create(const chorus_tokens_t *data,
   }
   if (st != CHORUS_OK) {
     chorus_loader_destroy(l);
-    return fail(st, "loader: %s", st == CHORUS_ERR_SYSTEM ? "cannot start its threads"
-                                                           : "out of memory");
+    return chorus__train_fail(
+        st, "loader: %s", st == CHORUS_ERR_SYSTEM ? "cannot start its threads" : "out of memory");
   }
   *out = l;
   return CHORUS_OK;
@@ -254,11 +255,13 @@ chorus_result_t chorus_loader_next(chorus_loader_t *l, int *tokens, int *targets
     while (s->state != SLOT_READY && s->state != SLOT_FAILED)
       if (pthread_cond_timedwait(&l->done, &l->mu, &until) == ETIMEDOUT &&
           s->state != SLOT_READY && s->state != SLOT_FAILED) {
-        st = fail(CHORUS_ERR_TIMEOUT, "the batch of sequences %zu, ... (tokens from %zu on) "
-                  "was not read within %.0f s (%s): is the storage stalled? (a slower disk: "
-                  "raise CHORUS_TIMEOUT)", s->idx[0], s->idx[0] * (size_t)l->cfg.seq,
-                  l->cfg.read_timeout_s, s->state == SLOT_BUSY ? "a worker is still in the read"
-                                                               : "no worker took it");
+        st = chorus__train_fail(
+            CHORUS_ERR_TIMEOUT,
+            "the batch of sequences %zu, ... (tokens from %zu on) "
+            "was not read within %.0f s (%s): is the storage stalled? (a slower disk: "
+            "raise CHORUS_TIMEOUT)",
+            s->idx[0], s->idx[0] * (size_t)l->cfg.seq, l->cfg.read_timeout_s,
+            s->state == SLOT_BUSY ? "a worker is still in the read" : "no worker took it");
         pthread_mutex_unlock(&l->mu);
         return st;
       }
@@ -270,7 +273,7 @@ chorus_result_t chorus_loader_next(chorus_loader_t *l, int *tokens, int *targets
   }
   if (s->state == SLOT_FAILED) {
     /* It stays failed: the same error again on the next call. */
-    st = fail(s->st, "%s", s->err);
+    st = chorus__train_fail(s->st, "%s", s->err);
     pthread_mutex_unlock(&l->mu);
     return st;
   }
@@ -300,8 +303,10 @@ static chorus_result_t reposition(chorus_loader_t *l, long epoch, size_t taken, 
   struct timespec until = deadline_in(l->cfg.read_timeout_s);
   while (l->busy)
     if (pthread_cond_timedwait(&l->done, &l->mu, &until) == ETIMEDOUT && l->busy)
-      return fail(CHORUS_ERR_TIMEOUT, "a read under way did not end within %.0f s (is the "
-                  "storage stalled?): the loader cannot move", l->cfg.read_timeout_s);
+      return chorus__train_fail(CHORUS_ERR_TIMEOUT,
+                                "a read under way did not end within %.0f s (is the "
+                                "storage stalled?): the loader cannot move",
+                                l->cfg.read_timeout_s);
   for (int i = 0; i < l->nslots; i++) l->slots[i].state = SLOT_FREE;
   l->head = l->tail = 0;
   chorus_result_t st = CHORUS_OK;
@@ -310,20 +315,21 @@ static chorus_result_t reposition(chorus_loader_t *l, long epoch, size_t taken, 
     st = chorus_sampler_create(l->nseq, world, rank, l->cfg.shuffle, l->cfg.seed,
                                l->cfg.drop_last, &sp);
     if (st != CHORUS_OK)
-      return fail(st, "the sampler over %d ranks: %s", world,
-                  st == CHORUS_ERR_NO_MEMORY ? "out of memory" : "fewer sequences than ranks");
+      return chorus__train_fail(
+          st, "the sampler over %d ranks: %s", world,
+          st == CHORUS_ERR_NO_MEMORY ? "out of memory" : "fewer sequences than ranks");
     chorus_sampler_destroy(l->sp);
     l->sp = sp, l->world = world, l->rank = rank;
   }
   if ((st = chorus_sampler_seek(l->sp, epoch, taken)) != CHORUS_OK)
-    return fail(st, "the sampler: out of memory");
+    return chorus__train_fail(st, "the sampler: out of memory");
   l->epoch = epoch;
   l->taken = chorus_sampler_taken(l->sp);
   return CHORUS_OK;
 }
 
 chorus_result_t chorus_loader_seek(chorus_loader_t *l, long epoch, size_t taken) {
-  if (epoch < 0) return fail(CHORUS_ERR_INVALID_ARG, "loader: epoch %ld", epoch);
+  if (epoch < 0) return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "loader: epoch %ld", epoch);
   pthread_mutex_lock(&l->mu);
   chorus_result_t st = reposition(l, epoch, taken, l->world, l->rank);
   pthread_mutex_unlock(&l->mu);
@@ -332,7 +338,7 @@ chorus_result_t chorus_loader_seek(chorus_loader_t *l, long epoch, size_t taken)
 
 chorus_result_t chorus_loader_reshard(chorus_loader_t *l, int world, int rank) {
   if (world < 1 || rank < 0 || rank >= world)
-    return fail(CHORUS_ERR_INVALID_ARG, "loader: rank %d of %d", rank, world);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "loader: rank %d of %d", rank, world);
   pthread_mutex_lock(&l->mu);
   chorus_result_t st = reposition(l, l->epoch, l->taken, world, rank);
   pthread_mutex_unlock(&l->mu);

@@ -51,10 +51,7 @@
 
 #include "chorus_train.h"
 #include "train/ckpt.h"
-
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
+#include "train/runtime.h"
 
 #define PS_MAGIC 0x32737063u /* "cps2" */
 #define MIR_MAGIC 0x3272696du /* "mir2" */
@@ -334,17 +331,19 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
   if (!world || !model || !cfg || cfg->servers < 1 || cfg->standby < 0 || P >= size ||
       cfg->max_staleness < 0 || cfg->steps < 0 || cfg->warmup < 0 || cfg->ckpt_every < 0 ||
       (cfg->ckpt_dir && cfg->keep < 1) || size - P > MAX_CK_WORKERS)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_create: bad arguments (%d server(s) and %d "
-                "standby of a world of %d: at least one server and one worker)",
-                cfg ? cfg->servers : 0, cfg ? cfg->standby : 0, size);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_ps_create: bad arguments (%d server(s) and %d "
+                              "standby of a world of %d: at least one server and one worker)",
+                              cfg ? cfg->servers : 0, cfg ? cfg->standby : 0, size);
   if ((cfg->mirror && P < 2) || (!cfg->mirror && cfg->standby > 0) || cfg->standby > 1)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_create: %s", cfg->standby > 1
-                ? "one standby at most (it keeps the last range's copy)"
-                : cfg->mirror ? "mirrors need a second server process to keep each range's "
-                                "copy: two servers, or a standby"
-                              : "a standby only keeps copies: it needs mirrors");
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG, "chorus_ps_create: %s",
+        cfg->standby > 1 ? "one standby at most (it keeps the last range's copy)"
+        : cfg->mirror    ? "mirrors need a second server process to keep each range's "
+                           "copy: two servers, or a standby"
+                         : "a standby only keeps copies: it needs mirrors");
   chorus_ps_t *ps = calloc(1, sizeof *ps);
-  if (!ps) return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
+  if (!ps) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
   ps->cfg = *cfg;
   ps->world = world;
   ps->rank = chorus_comm_rank(world);
@@ -369,7 +368,7 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
   ps->spair = calloc((size_t)P, sizeof *ps->spair);
   if (!ps->lo || !ps->cnt || !ps->owner || !ps->mholder || !ps->pair || !ps->spair) {
     chorus_ps_destroy(ps);
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
   }
   for (int r = 0; r < S; r++) {
     ps->lo[r] = ps->np * (size_t)r / (size_t)S;
@@ -398,8 +397,9 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
       if (c) ps->pair[ps->server ? w : p] = c;
     }
   if (st != CHORUS_OK) {
-    fail(st, "chorus_ps_create: rank %d: making the servers' and pairs' communicators: %s",
-         ps->rank, chorus_comm_last_error(world));
+    chorus__train_fail(
+        st, "chorus_ps_create: rank %d: making the servers' and pairs' communicators: %s", ps->rank,
+        chorus_comm_last_error(world));
     chorus_ps_destroy(ps);
     return st;
   }
@@ -412,7 +412,7 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
     ps->pdead = calloc((size_t)P, sizeof *ps->pdead);
     if (!ps->ver || !ps->wk || !ps->hd || !ps->sent || !ps->pending || !ps->pdead) {
       chorus_ps_destroy(ps);
-      return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
+      return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: out of memory");
     }
     *out = ps;
     return CHORUS_OK;
@@ -454,8 +454,10 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
   }
   if (!ok || pthread_mutex_init(&ps->mu, NULL) != 0) {
     chorus_ps_destroy(ps);
-    return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_create: server %d: out of memory for a range of "
-                "%zu floats", ps->me, ps->maxcnt);
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY,
+                              "chorus_ps_create: server %d: out of memory for a range of "
+                              "%zu floats",
+                              ps->me, ps->maxcnt);
   }
   pthread_condattr_t ca;
   int bad = pthread_condattr_init(&ca) != 0;
@@ -465,7 +467,8 @@ chorus_result_t chorus_ps_create(chorus_comm_t world, const chorus_gpt_config_t 
   if (bad) {
     pthread_mutex_destroy(&ps->mu);
     chorus_ps_destroy(ps);
-    return fail(CHORUS_ERR_SYSTEM, "chorus_ps_create: cannot make a condition variable");
+    return chorus__train_fail(CHORUS_ERR_SYSTEM,
+                              "chorus_ps_create: cannot make a condition variable");
   }
   ps->sync_ok = 1;
   ps->budget = cfg->steps * ps->nwork;
@@ -1444,7 +1447,7 @@ out:
 static chorus_result_t resume(chorus_ps_t *ps) {
   const size_t cap = sizeof(ck_extra_t) + sizeof(int64_t) * MAX_CK_WORKERS;
   unsigned char *x = malloc(cap);
-  if (!x) return fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_serve: out of memory");
+  if (!x) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_serve: out of memory");
   long step = -1;
   size_t xlen = 0;
   chorus_ckpt_info_t info;
@@ -1532,14 +1535,16 @@ static int watch(chorus_ps_t *ps, char *why, size_t cap) {
 }
 
 chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
-  if (!ps || !ps->server) return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_serve: not a server");
+  if (!ps || !ps->server)
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_serve: not a server");
   chorus_result_t st = CHORUS_OK;
   if (ps->cfg.ckpt_dir && (st = resume(ps)) != CHORUS_OK) return st;
   if (ps->cfg.log_every > 0 && ps->log_next == 0) ps->log_next = ps->cfg.log_every;
   if (ps->cfg.ckpt_dir) {
     if (pthread_create(&ps->ck_th, NULL, ck_main, ps) != 0) {
       chorus_comm_abort(ps->servers); /* the other servers must not wait for this one */
-      return fail(CHORUS_ERR_SYSTEM, "chorus_ps_serve: cannot start a thread: %s", strerror(errno));
+      return chorus__train_fail(CHORUS_ERR_SYSTEM, "chorus_ps_serve: cannot start a thread: %s",
+                                strerror(errno));
     }
     ps->ck_started = 1;
   }
@@ -1579,8 +1584,10 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
   if (ps->ck_started) pthread_join(ps->ck_th, NULL);
   ps->ck_started = 0;
   if (ps->failed)
-    return fail(CHORUS_ERR_REMOTE, "async: server %d: another server failed, and its parameters "
-                "with it: %s (resume from the last checkpoint)", ps->me, why);
+    return chorus__train_fail(CHORUS_ERR_REMOTE,
+                              "async: server %d: another server failed, and its parameters "
+                              "with it: %s (resume from the last checkpoint)",
+                              ps->me, why);
   const range_t *f = first_served(ps);
   const int short_of_budget = f && f->applied < ps->budget && ps->byes == 0;
   /* The final checkpoint, at a step every server reached, if every server
@@ -1597,8 +1604,8 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
     st = chorus_all_reduce(ps->servers, agree, agree, 3, CHORUS_INT64, CHORUS_MIN, NULL);
     if (st == CHORUS_OK) break;
     if (!ps->cfg.mirror || attempt >= 2 || failover(ps, why, sizeof why) != 0)
-      return fail(st, "async: server %d: agreeing on the final step: %s%s%s", ps->me,
-                  chorus_comm_last_error(ps->servers), why[0] ? ": " : "", why);
+      return chorus__train_fail(st, "async: server %d: agreeing on the final step: %s%s%s", ps->me,
+                                chorus_comm_last_error(ps->servers), why[0] ? ": " : "", why);
   }
   const long step = (long)agree[0];
   const long written = ps->cfg.ckpt_every > 0 ? ps->ck_done * ps->cfg.ckpt_every : 0;
@@ -1613,19 +1620,23 @@ chorus_result_t chorus_ps_serve(chorus_ps_t *ps) {
   }
   if (st == CHORUS_OK && short_of_budget && ps->nproc > 1) chorus_comm_abort(ps->servers);
   if (st == CHORUS_OK && short_of_budget)
-    st = fail(CHORUS_ERR_REMOTE, "async: server %d: every worker is gone with %ld of the budget's "
-              "%ld gradients applied%s", ps->me, f->applied, ps->budget,
-              ps->cfg.ckpt_dir ? " (a restart resumes from the checkpoint just written)" : "");
+    st = chorus__train_fail(
+        CHORUS_ERR_REMOTE,
+        "async: server %d: every worker is gone with %ld of the budget's "
+        "%ld gradients applied%s",
+        ps->me, f->applied, ps->budget,
+        ps->cfg.ckpt_dir ? " (a restart resumes from the checkpoint just written)" : "");
   return st;
 }
 
 chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst) {
   if (!ps || !ps->server)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_full_params: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_full_params: bad arguments");
   const int lead = ps->owner[0], root = ps->crank[lead];
   if (lead == ps->me && !dst) {
     chorus_comm_abort(ps->servers); /* the others must not wait for it */
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_full_params: the leader has no buffer");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_ps_full_params: the leader has no buffer");
   }
   chorus_result_t st = CHORUS_OK;
   for (int k = 0; k < ps->nrange && st == CHORUS_OK; k++) {
@@ -1639,8 +1650,8 @@ chorus_result_t chorus_ps_full_params(chorus_ps_t *ps, float *dst) {
       st = chorus_send(ps->servers, r->par, ps->cnt[k], CHORUS_FLOAT32, root, TAG_GATHER, NULL);
   }
   if (st != CHORUS_OK)
-    return fail(st, "async: server %d: gathering the parameters: %s", ps->me,
-                chorus_comm_last_error(ps->servers));
+    return chorus__train_fail(st, "async: server %d: gathering the parameters: %s", ps->me,
+                              chorus_comm_last_error(ps->servers));
   return CHORUS_OK;
 }
 
@@ -1655,8 +1666,9 @@ static void abort_pairs(chorus_ps_t *ps) {
 static chorus_result_t server_gone(chorus_ps_t *ps, int p, chorus_result_t st, const char *more) {
   char why[600];
   pair_error(ps->pair[p], why, sizeof why);
-  return fail(st, "async: worker %d (rank %d): server %d (rank %d) is gone or failed: %s; %s",
-              ps->me, ps->rank, p, p, why, more);
+  return chorus__train_fail(
+      st, "async: worker %d (rank %d): server %d (rank %d) is gone or failed: %s; %s", ps->me,
+      ps->rank, p, p, why, more);
 }
 
 /* Sends range r's slice (src: count floats) to its server, asynchronously. */
@@ -1695,10 +1707,13 @@ static chorus_result_t lost_server(chorus_ps_t *ps, int p, chorus_result_t why_s
     if (ps->owner[r] != p) continue;
     const int q = ps->mholder[r];
     if (q < 0 || ps->pdead[q])
-      return fail(why_st, "async: worker %d (rank %d): server %d (rank %d) is gone or failed: "
-                  "%s; range %d's parameters are lost with it (%s), so the job fails (a "
-                  "restart resumes from the servers' last checkpoint)", ps->me, ps->rank, p, p,
-                  why, r, q < 0 ? "it had no copy" : "its copy's process is gone too");
+      return chorus__train_fail(
+          why_st,
+          "async: worker %d (rank %d): server %d (rank %d) is gone or failed: "
+          "%s; range %d's parameters are lost with it (%s), so the job fails (a "
+          "restart resumes from the servers' last checkpoint)",
+          ps->me, ps->rank, p, p, why, r,
+          q < 0 ? "it had no copy" : "its copy's process is gone too");
     ps->owner[r] = q;
     ps->mholder[r] = -1;
     say(ps, "async: worker %d: server %d is gone (%s); range %d goes to server %d, which kept "
@@ -1730,8 +1745,9 @@ static chorus_result_t answer(chorus_ps_t *ps, int p, float *params, chorus_ps_r
   h.text[sizeof h.text - 1] = '\0';
   if (h.magic == PS_MAGIC && h.kind == M_FATAL) {
     chorus_comm_abort(c);
-    return fail(CHORUS_ERR_INVALID_ARG, "async: worker %d (rank %d): server %d refused it: %s",
-                ps->me, ps->rank, p, h.text);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "async: worker %d (rank %d): server %d refused it: %s", ps->me,
+                              ps->rank, p, h.text);
   }
   const int known = h.kind == M_PARAMS || h.kind == M_REFUSED || h.kind == M_STOP;
   const int data = h.kind == M_PARAMS || h.kind == M_REFUSED;
@@ -1744,11 +1760,12 @@ static chorus_result_t answer(chorus_ps_t *ps, int p, float *params, chorus_ps_r
     /* (a fast worker may have done more than steps of the budget's
      * steps * workers gradients) */
     chorus_comm_abort(c);
-    return fail(CHORUS_ERR_PROTOCOL, "async: worker %d: server %d sent a malformed answer (kind "
-                "%u, range %d, version %lld after %lld, %llu floats, step %lld)", ps->me, p,
-                h.kind, r, (long long)h.version,
-                (long long)(r >= 0 && r < ps->nrange ? ps->ver[r] : 0),
-                (unsigned long long)h.count, (long long)h.step);
+    return chorus__train_fail(CHORUS_ERR_PROTOCOL,
+                              "async: worker %d: server %d sent a malformed answer (kind "
+                              "%u, range %d, version %lld after %lld, %llu floats, step %lld)",
+                              ps->me, p, h.kind, r, (long long)h.version,
+                              (long long)(r >= 0 && r < ps->nrange ? ps->ver[r] : 0),
+                              (unsigned long long)h.count, (long long)h.step);
   }
   *range = r;
   if (h.kind == M_STOP) {
@@ -1780,7 +1797,7 @@ static chorus_result_t answer(chorus_ps_t *ps, int p, float *params, chorus_ps_r
 
 chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step) {
   if (!ps || ps->server || !params)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_pull: not a worker, or no buffer");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_pull: not a worker, or no buffer");
   long start = 0;
   chorus_result_t st = CHORUS_OK;
   /* A hello to every process serving a range; one answer per range. */
@@ -1810,7 +1827,8 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
     if (st == CHORUS_INPROGRESS)
       st = server_gone(ps, p, CHORUS_ERR_REMOTE, "the job fails before it started");
     else if (st == CHORUS_OK && rep.stop)
-      st = fail(CHORUS_ERR_INVALID_ARG, "async: worker %d: the budget is already applied", ps->me);
+      st = chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "async: worker %d: the budget is already applied", ps->me);
     if (st == CHORUS_OK && got != r) r--; /* another range of p answered first */
   }
   if (st != CHORUS_OK) abort_pairs(ps);
@@ -1822,7 +1840,8 @@ chorus_result_t chorus_ps_pull(chorus_ps_t *ps, float *params, long *start_step)
 chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *grads, float loss,
                                      uint32_t tokens, size_t final_from) {
   if (!ps || ps->server || !grads)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_push_early: not a worker, or no buffer");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_ps_push_early: not a worker, or no buffer");
   if (ps->fault) return CHORUS_OK; /* testing faults: all at once */
   /* A failed send is taken up by chorus_ps_push (the server may be gone). */
   for (int r = 0; r < ps->nrange; r++)
@@ -1834,7 +1853,7 @@ chorus_result_t chorus_ps_push_early(chorus_ps_t *ps, const float *grads, float 
 chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, uint32_t tokens,
                                float *params, chorus_ps_reply_t *rep) {
   if (!ps || ps->server || !grads || !params || !rep)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_push: not a worker, or no buffer");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_push: not a worker, or no buffer");
   memset(rep, 0, sizeof *rep);
   const int S = ps->nrange;
   float *extra = NULL;
@@ -1843,7 +1862,7 @@ chorus_result_t chorus_ps_push(chorus_ps_t *ps, const float *grads, float loss, 
   if (fault == 2 || fault == 3) extra = calloc(ps->cnt[0] + 1, sizeof(float));
   chorus_result_t st = CHORUS_OK;
   if ((fault == 2 || fault == 3) && !extra)
-    st = fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_push: out of memory");
+    st = chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_push: out of memory");
   for (int r = 0; r < S; r++) ps->pending[r] = 1;
   /* The slices not sent early (chorus_ps_push_early) go now. */
   for (int r = 0; r < S && st == CHORUS_OK; r++) {

@@ -10,10 +10,7 @@
 #include <time.h>
 
 #include "chorus_train.h"
-
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
+#include "train/runtime.h"
 
 static double now_s(void) {
   struct timespec ts;
@@ -49,10 +46,11 @@ chorus_result_t chorus_ps_train(chorus_ps_t *ps, const chorus_gpt_config_t *mode
                                 chorus_ps_train_stats_t *out) {
   if (!ps || !model || !data || !cfg || !out || cfg->seq < 1 || cfg->batch < 1 ||
       cfg->accum < 1)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_train: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_train: bad arguments");
   memset(out, 0, sizeof *out);
   const int W = chorus_ps_workers(ps), me = chorus_ps_worker(ps);
-  if (me < 0) return fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_train: this rank is a server");
+  if (me < 0)
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_ps_train: this rank is a server");
   const int T = cfg->seq, B = cfg->batch, A = cfg->accum;
   const uint32_t ntok = (uint32_t)(B * T * A);
   chorus_gpt_t *m = NULL;
@@ -66,7 +64,7 @@ chorus_result_t chorus_ps_train(chorus_ps_t *ps, const chorus_gpt_config_t *mode
   const int nt = m ? chorus_gpt_num_tensors(m) : 0;
   unsigned char *done = calloc((size_t)nt + 1, 1);
   if (st == CHORUS_OK && (!tok || !tgt || !idx || !done))
-    st = fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_train: out of memory");
+    st = chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_ps_train: out of memory");
   float *params = m ? chorus_gpt_params(m) : NULL, *grads = m ? chorus_gpt_grads(m) : NULL;
   long step = 0;
   if (st == CHORUS_OK) st = chorus_ps_pull(ps, params, &step);

@@ -11,6 +11,12 @@
 
 #include "chorus_train.h"
 
+/* Records why a call failed, for chorus_train_last_error (error.c; the
+ * text of this thread's last failure), and returns st: every file of the
+ * runtime reports a failure so, `return chorus__train_fail(CODE, "...")`. */
+chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
 /* Points of a step a hook hears:
  *   FORWARD  the forward pass of the step's last micro-step is done (its
  *            backward follows);
@@ -40,6 +46,11 @@ static inline size_t chorus__slice(size_t count, int n, int r, size_t *lo, size_
   if (hi) *hi = a + s < count ? a + s : count;
   return s;
 }
+
+/* Testing (chorus-train --bad-push): a worker's next push claims a version
+ * staler than allowed (1), sends one float too many (2), or a NaN in server
+ * 0's slice (3).  Not part of the library's API. */
+void chorus_ps_inject(chorus_ps_t *ps, int fault);
 
 /* The optimizer's state in place: the step count and the arrays (m; v
  * for AdamW, else NULL) of n floats. */

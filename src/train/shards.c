@@ -31,10 +31,6 @@
 #include "chorus_train.h"
 #include "runtime.h"
 
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
-
 #define HDR_INTS 256
 #define HDR_BYTES (HDR_INTS * 4)
 /* Text files keep their last tenth for validation (as before shards). */
@@ -78,11 +74,11 @@ static int map_file(const char *path, unsigned char **map, size_t *len) {
   struct stat sb;
   int fd = chorus__open_regular(path, &sb);
   if (fd == -1) {
-    fail(CHORUS_ERR_SYSTEM, "%s: cannot open: %s", path, strerror(errno));
+    chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: cannot open: %s", path, strerror(errno));
     return -1;
   }
   if (fd < 0) {
-    fail(CHORUS_ERR_INVALID_ARG, "%s: not a regular file", path);
+    chorus__train_fail(CHORUS_ERR_INVALID_ARG, "%s: not a regular file", path);
     return -1;
   }
   *len = (size_t)sb.st_size;
@@ -90,7 +86,7 @@ static int map_file(const char *path, unsigned char **map, size_t *len) {
   if (*len) {
     void *p = mmap(NULL, *len, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
-      fail(CHORUS_ERR_SYSTEM, "%s: cannot map it: %s", path, strerror(errno));
+      chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: cannot map it: %s", path, strerror(errno));
       close(fd);
       return -1;
     }
@@ -107,7 +103,8 @@ static int open_shard(span_t *sp, const char *path, int format) {
   const size_t size = sp->map_len;
   if (format == CHORUS_TOKENS_RAW16) {
     if (size % 2) {
-      fail(CHORUS_ERR_INVALID_ARG, "%s: %zu bytes, an odd number: not uint16 tokens", path, size);
+      chorus__train_fail(CHORUS_ERR_INVALID_ARG, "%s: %zu bytes, an odd number: not uint16 tokens",
+                         path, size);
       return -1;
     }
     sp->off = 0, sp->n = size / 2, sp->width = 2;
@@ -116,33 +113,41 @@ static int open_shard(span_t *sp, const char *path, int format) {
   const char *hint = format == CHORUS_TOKENS_AUTO ? " (nanoGPT's headerless uint16 files: "
                                                     "chorus-train --data-format raw16)" : "";
   if (size < HDR_BYTES) {
-    fail(CHORUS_ERR_INVALID_ARG, "%s: %zu bytes, shorter than llm.c's 1024-byte header: not a "
-         "token shard, or one cut short%s", path, size, hint);
+    chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                       "%s: %zu bytes, shorter than llm.c's 1024-byte header: not a "
+                       "token shard, or one cut short%s",
+                       path, size, hint);
     return -1;
   }
   uint32_t magic = le32(sp->map), version = le32(sp->map + 4), ntok = le32(sp->map + 8);
   if (magic != CHORUS_SHARD_MAGIC) {
-    fail(CHORUS_ERR_INVALID_ARG, "%s: magic %u at offset 0, not llm.c's %u: not a token shard%s",
-         path, magic, CHORUS_SHARD_MAGIC, hint);
+    chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                       "%s: magic %u at offset 0, not llm.c's %u: not a token shard%s", path, magic,
+                       CHORUS_SHARD_MAGIC, hint);
     return -1;
   }
   if (version != 1 && version != 2) {
-    fail(CHORUS_ERR_INVALID_ARG, "%s: version %u at offset 4; llm.c's are 1 (uint16 tokens) and "
-         "2 (uint32)", path, version);
+    chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                       "%s: version %u at offset 4; llm.c's are 1 (uint16 tokens) and "
+                       "2 (uint32)",
+                       path, version);
     return -1;
   }
   sp->width = version == 1 ? 2 : 4;
   if (ntok > INT32_MAX) {
-    fail(CHORUS_ERR_INVALID_ARG, "%s: token count %u at offset 8 is negative as llm.c's int32",
-         path, ntok);
+    chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                       "%s: token count %u at offset 8 is negative as llm.c's int32", path, ntok);
     return -1;
   }
   size_t want = HDR_BYTES + (size_t)ntok * (size_t)sp->width;
   if (size != want) {
-    fail(CHORUS_ERR_INVALID_ARG, "%s: the header (offset 8) says %u tokens, %zu bytes in all, "
-         "but the file has %zu: %s", path, ntok, want, size,
-         size < want ? "truncated (cut short while written or copied?)" : "bytes after the last "
-                                                                          "token");
+    chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                       "%s: the header (offset 8) says %u tokens, %zu bytes in all, "
+                       "but the file has %zu: %s",
+                       path, ntok, want, size,
+                       size < want ? "truncated (cut short while written or copied?)"
+                                   : "bytes after the last "
+                                     "token");
     return -1;
   }
   sp->off = HDR_BYTES, sp->n = ntok;
@@ -214,7 +219,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   if (!has_glob(spec) && stat(spec, &sb) == 0 && S_ISDIR(sb.st_mode)) {
     DIR *d = opendir(spec);
     if (!d) {
-      fail(CHORUS_ERR_SYSTEM, "%s: cannot list: %s", spec, strerror(errno));
+      chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: cannot list: %s", spec, strerror(errno));
       return -1;
     }
     for (int pass = 0; pass < 2 && n == 0; pass++) {
@@ -232,10 +237,11 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
           first_numbered = numbered;
         } else if (pass == 0 && (strlen(first) != key || strncmp(first, nm, key) ||
                                  first_numbered != numbered)) {
-          fail(CHORUS_ERR_INVALID_ARG, "%s holds the shards of more than one dataset (%s%s and "
-               "%s): give a glob, such as '%s/%s%s'", spec, first,
-               first_numbered ? "_*.bin" : ".bin", nm, spec, first,
-               first_numbered ? "_*.bin" : ".bin");
+          chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                             "%s holds the shards of more than one dataset (%s%s and "
+                             "%s): give a glob, such as '%s/%s%s'",
+                             spec, first, first_numbered ? "_*.bin" : ".bin", nm, spec, first,
+                             first_numbered ? "_*.bin" : ".bin");
           closedir(d);
           for (int i = 0; i < n; i++) free(list[i]);
           free(list);
@@ -260,7 +266,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
     closedir(d);
     for (int i = 0; i < n; i++) free(list[i]);
     free(list);
-    fail(CHORUS_ERR_NO_MEMORY, "listing %s: out of memory", spec);
+    chorus__train_fail(CHORUS_ERR_NO_MEMORY, "listing %s: out of memory", spec);
     return -1;
   }
   /* A glob or a file; validation goes by llm.c's naming (train -> val). */
@@ -271,7 +277,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   free(pat);
   if (rc == GLOB_NOMATCH) return 0;
   if (rc != 0) {
-    fail(CHORUS_ERR_SYSTEM, "%s: cannot expand the pattern", spec);
+    chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: cannot expand the pattern", spec);
     return -1;
   }
   list = calloc(g.gl_pathc ? g.gl_pathc : 1, sizeof(char *));
@@ -281,7 +287,7 @@ static int list_files(const char *spec, int split, char ***files, int *nfiles) {
   if (!list || (size_t)n != g.gl_pathc || (n && !list[n - 1])) {
     for (int i = 0; list && i < n; i++) free(list[i]);
     free(list);
-    fail(CHORUS_ERR_NO_MEMORY, "listing %s: out of memory", spec);
+    chorus__train_fail(CHORUS_ERR_NO_MEMORY, "listing %s: out of memory", spec);
     return -1;
   }
   if (n) qsort(list, (size_t)n, sizeof(char *), cmp_str);
@@ -337,7 +343,7 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
                                    chorus_tokens_t **out) {
   *out = NULL;
   if (!spec || (split != CHORUS_SPLIT_TRAIN && split != CHORUS_SPLIT_VAL) || vocab < 1)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_tokens_open: bad arguments");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_tokens_open: bad arguments");
   if (!g_page) g_page = (size_t)sysconf(_SC_PAGESIZE);
   struct stat sb;
   int text = format == CHORUS_TOKENS_TEXT;
@@ -346,9 +352,12 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
       S_ISREG(sb.st_mode) && (text = looks_like_text(spec, &at))) {
     /* nanoGPT's headerless train.bin under another name, say */
     if (at >= 0)
-      return fail(CHORUS_ERR_INVALID_ARG, "%s: a NUL byte at offset %ld: not text, and not an "
-                  "llm.c shard (no magic 20240520); nanoGPT's headerless uint16 tokens: "
-                  "--data-format raw16; its bytes as text anyway: --data-format text", spec, at);
+      return chorus__train_fail(
+          CHORUS_ERR_INVALID_ARG,
+          "%s: a NUL byte at offset %ld: not text, and not an "
+          "llm.c shard (no magic 20240520); nanoGPT's headerless uint16 tokens: "
+          "--data-format raw16; its bytes as text anyway: --data-format text",
+          spec, at);
   }
   char **files = NULL;
   int nf = 0;
@@ -356,7 +365,7 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
     files = malloc(sizeof(char *));
     if (!files || !(files[0] = strdup(spec))) {
       free(files);
-      return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+      return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
     }
     nf = 1;
   } else if (list_files(spec, split, &files, &nf)) {
@@ -365,16 +374,19 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
   if (nf == 0 && split == CHORUS_SPLIT_TRAIN) {
     free(files);
     if (stat(spec, &sb) != 0 && !has_glob(spec))
-      return fail(CHORUS_ERR_INVALID_ARG, "%s: %s", spec, strerror(errno));
-    return fail(CHORUS_ERR_INVALID_ARG, "%s: no token shards there (llm.c's NAME_train_*.bin or "
-                "NAME_train.bin, nanoGPT's train.bin; make them with chorus-data prepare)", spec);
+      return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "%s: %s", spec, strerror(errno));
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG,
+        "%s: no token shards there (llm.c's NAME_train_*.bin or "
+        "NAME_train.bin, nanoGPT's train.bin; make them with chorus-data prepare)",
+        spec);
   }
   chorus_tokens_t *d = calloc(1, sizeof *d);
   span_t *s = calloc((size_t)(nf ? nf : 1), sizeof *s);
   if (!d || !s) {
     for (int i = 0; i < nf; i++) free(files[i]);
     free(files), free(d), free(s);
-    return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
   }
   d->s = s, d->vocab = vocab, d->release = 1;
   int bad = 0;
@@ -394,8 +406,8 @@ chorus_result_t chorus_tokens_open(const char *spec, int split, int format, int 
   }
   if (text && vocab < 256) {
     chorus_tokens_close(d);
-    return fail(CHORUS_ERR_INVALID_ARG, "%s: text is read as bytes, vocabulary 256, not %d",
-                spec, vocab);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "%s: text is read as bytes, vocabulary 256, not %d", spec, vocab);
   }
   *out = d;
   return CHORUS_OK;
@@ -442,7 +454,8 @@ static int copy_tokens(const chorus_tokens_t *d, size_t t, size_t count, int *ou
   while (count) {
     while (k < d->ns && t >= d->s[k].first + d->s[k].n) k++;
     if (k >= d->ns) {
-      fail(CHORUS_ERR_INVALID_ARG, "token %zu is past the dataset's end (%zu)", t, d->n);
+      chorus__train_fail(CHORUS_ERR_INVALID_ARG, "token %zu is past the dataset's end (%zu)", t,
+                         d->n);
       return -1;
     }
     const span_t *sp = &d->s[k];
@@ -453,9 +466,10 @@ static int copy_tokens(const chorus_tokens_t *d, size_t t, size_t count, int *ou
                    : sp->width == 2 ? (uint32_t)p[2 * i] | (uint32_t)p[2 * i + 1] << 8
                                     : le32(p + 4 * i);
       if (v >= (uint32_t)d->vocab) {
-        fail(CHORUS_ERR_INVALID_ARG, "%s: token %u at byte offset %zu is outside the "
-             "vocabulary of %d tokens (tokenized with another vocabulary?)", sp->path, v,
-             sp->off + (at + i) * (size_t)sp->width, d->vocab);
+        chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                           "%s: token %u at byte offset %zu is outside the "
+                           "vocabulary of %d tokens (tokenized with another vocabulary?)",
+                           sp->path, v, sp->off + (at + i) * (size_t)sp->width, d->vocab);
         return -1;
       }
       out[i] = (int)v;
@@ -478,11 +492,12 @@ chorus_result_t chorus_tokens_read(const chorus_tokens_t *d, int seq, const size
                                    int *tokens, int *targets) {
   size_t n = chorus_tokens_samples(d, seq);
   int *win = malloc(sizeof(int) * ((size_t)seq + 1));
-  if (!win) return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+  if (!win) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
   for (int b = 0; b < B; b++) {
     if (idx[b] >= n) {
       free(win);
-      return fail(CHORUS_ERR_INVALID_ARG, "sequence %zu: the dataset has %zu", idx[b], n);
+      return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "sequence %zu: the dataset has %zu", idx[b],
+                                n);
     }
     if (copy_tokens(d, idx[b] * (size_t)seq, (size_t)seq + 1, win)) {
       free(win);
@@ -498,7 +513,7 @@ chorus_result_t chorus_tokens_read(const chorus_tokens_t *d, int seq, const size
 chorus_result_t chorus_tokens_check(const chorus_tokens_t *d) {
   enum { CHUNK = 1 << 16 };
   int *buf = malloc(sizeof(int) * CHUNK);
-  if (!buf) return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+  if (!buf) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
   for (size_t t = 0; t < d->n; t += CHUNK) {
     size_t c = d->n - t < CHUNK ? d->n - t : CHUNK;
     if (copy_tokens(d, t, c, buf)) {
@@ -524,20 +539,21 @@ chorus_result_t chorus_shard_writer_open(const char *path, int version,
                                          chorus_shard_writer_t **out) {
   *out = NULL;
   if (version != 1 && version != 2)
-    return fail(CHORUS_ERR_INVALID_ARG, "%s: version %d: llm.c's are 1 and 2", path, version);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "%s: version %d: llm.c's are 1 and 2", path,
+                              version);
   chorus_shard_writer_t *w = calloc(1, sizeof *w);
   size_t len = strlen(path) + 32;
   if (!w || !(w->path = strdup(path)) || !(w->tmp = malloc(len))) {
     if (w) free(w->path);
     free(w);
-    return fail(CHORUS_ERR_NO_MEMORY, "out of memory");
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "out of memory");
   }
   /* A half-written shard never has the final name. */
   snprintf(w->tmp, len, "%s.tmp.%ld", path, (long)getpid());
   w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w->fd < 0) {
-    chorus_result_t st = fail(CHORUS_ERR_SYSTEM, "%s: cannot create: %s", w->tmp,
-                              strerror(errno));
+    chorus_result_t st =
+        chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: cannot create: %s", w->tmp, strerror(errno));
     free(w->tmp), free(w->path), free(w);
     return st;
   }
@@ -560,7 +576,7 @@ static int write_all(int fd, const unsigned char *p, size_t n) {
 
 static chorus_result_t flush_buf(chorus_shard_writer_t *w) {
   if (w->used && write_all(w->fd, w->buf, w->used))
-    return fail(CHORUS_ERR_SYSTEM, "%s: write: %s", w->tmp, strerror(errno));
+    return chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: write: %s", w->tmp, strerror(errno));
   w->used = 0;
   return CHORUS_OK;
 }
@@ -569,12 +585,14 @@ chorus_result_t chorus_shard_writer_add(chorus_shard_writer_t *w, const uint32_t
                                         size_t n) {
   const uint32_t lim = w->width == 2 ? 0xffffu : 0xffffffffu;
   if (w->n + n > INT32_MAX)
-    return fail(CHORUS_ERR_INVALID_ARG, "%s: more than 2^31 - 1 tokens in one shard (llm.c's "
-                "header holds an int32)", w->path);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "%s: more than 2^31 - 1 tokens in one shard (llm.c's "
+                              "header holds an int32)",
+                              w->path);
   for (size_t i = 0; i < n; i++) {
     if (toks[i] > lim)
-      return fail(CHORUS_ERR_INVALID_ARG, "%s: token %u does not fit version 1's uint16",
-                  w->path, toks[i]);
+      return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                                "%s: token %u does not fit version 1's uint16", w->path, toks[i]);
     if (w->used + 4 > sizeof w->buf) {
       chorus_result_t st = flush_buf(w);
       if (st != CHORUS_OK) return st;
@@ -602,13 +620,13 @@ chorus_result_t chorus_shard_writer_close(chorus_shard_writer_t *w, int commit) 
     put32(h + 4, w->width == 2 ? 1u : 2u);
     put32(h + 8, (uint32_t)w->n);
     if (pwrite(w->fd, h, sizeof h, 0) != (ssize_t)sizeof h || fsync(w->fd) != 0)
-      st = fail(CHORUS_ERR_SYSTEM, "%s: write: %s", w->tmp, strerror(errno));
+      st = chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: write: %s", w->tmp, strerror(errno));
   }
   if (close(w->fd) != 0 && st == CHORUS_OK && commit)
-    st = fail(CHORUS_ERR_SYSTEM, "%s: close: %s", w->tmp, strerror(errno));
+    st = chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: close: %s", w->tmp, strerror(errno));
   if (commit && st == CHORUS_OK && rename(w->tmp, w->path) != 0)
-    st = fail(CHORUS_ERR_SYSTEM, "%s: cannot rename to %s: %s", w->tmp, w->path,
-              strerror(errno));
+    st = chorus__train_fail(CHORUS_ERR_SYSTEM, "%s: cannot rename to %s: %s", w->tmp, w->path,
+                            strerror(errno));
   if (!commit || st != CHORUS_OK) unlink(w->tmp);
   free(w->tmp), free(w->path), free(w);
   return st;

@@ -14,10 +14,6 @@
 #include "chorus_train.h"
 #include "runtime.h"
 
-chorus_result_t chorus__train_fail(chorus_result_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-#define fail chorus__train_fail
-
 struct chorus_trainer {
   chorus_comm_t comm;
   chorus_trainer_config_t cfg;
@@ -54,14 +50,15 @@ static size_t optim_floats(const chorus_optim_config_t *o) {
 
 static chorus_result_t refuse_cap(const chorus_trainer_t *t, int rank) {
   const chorus_train_memory_t *m = &t->mem;
-  return fail(CHORUS_ERR_NO_MEMORY,
-              "chorus_trainer: rank %d: stage %d needs %.1f MiB per rank (parameters %.1f, "
-              "gradients %.1f, optimizer %.1f, gathered units at most %.1f, activations %.1f), "
-              "over the cap of %.1f MiB: shard further (a higher stage or more ranks), or use "
-              "smaller batches", rank, t->cfg.shard, m->planned / 1048576.0,
-              m->params / 1048576.0, m->grads / 1048576.0, m->optim / 1048576.0,
-              m->work_bound / 1048576.0, m->activations / 1048576.0,
-              t->cfg.mem_cap / 1048576.0);
+  return chorus__train_fail(
+      CHORUS_ERR_NO_MEMORY,
+      "chorus_trainer: rank %d: stage %d needs %.1f MiB per rank (parameters %.1f, "
+      "gradients %.1f, optimizer %.1f, gathered units at most %.1f, activations %.1f), "
+      "over the cap of %.1f MiB: shard further (a higher stage or more ranks), or use "
+      "smaller batches",
+      rank, t->cfg.shard, m->planned / 1048576.0, m->params / 1048576.0, m->grads / 1048576.0,
+      m->optim / 1048576.0, m->work_bound / 1048576.0, m->activations / 1048576.0,
+      t->cfg.mem_cap / 1048576.0);
 }
 
 /* The sharded runtime and the optimizer of its shard over comm. */
@@ -82,14 +79,15 @@ static chorus_result_t make_shards(chorus_trainer_t *t, chorus_comm_t comm) {
   if (t->cfg.mem_cap && t->mem.planned > t->cfg.mem_cap)
     return refuse_cap(t, chorus_comm_rank(comm));
   if ((st = chorus_optim_create(&t->cfg.optim, fs.shard_floats, &t->opt)) != CHORUS_OK)
-    return fail(st, "chorus_trainer: cannot make the optimizer (out of memory?)");
+    return chorus__train_fail(st, "chorus_trainer: cannot make the optimizer (out of memory?)");
   t->comm = comm;
   return CHORUS_OK;
 }
 
 chorus_result_t chorus__trainer_reshard(chorus_trainer_t *t, chorus_comm_t comm) {
   if (!t->cfg.shard || !comm)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer: only a sharded trainer re-shards");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_trainer: only a sharded trainer re-shards");
   chorus_fsdp_destroy(t->fsdp);
   chorus_optim_destroy(t->opt);
   t->fsdp = NULL;
@@ -108,14 +106,16 @@ chorus_result_t chorus_trainer_create(chorus_comm_t comm, const chorus_gpt_confi
                                       const chorus_trainer_config_t *cfg,
                                       chorus_trainer_t **out) {
   if (!out || !cfg || !model)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_create: NULL argument");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_create: NULL argument");
   *out = NULL;
   if (cfg->shard < 0 || cfg->shard > 3 || (cfg->shard && !comm) ||
       (cfg->param_dtype != CHORUS_FLOAT32 && cfg->param_dtype != CHORUS_BFLOAT16))
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_create: shard %d must be 0-3 (1-3 need "
-                "a communicator), parameters float32 or bfloat16", cfg->shard);
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_trainer_create: shard %d must be 0-3 (1-3 need "
+                              "a communicator), parameters float32 or bfloat16",
+                              cfg->shard);
   chorus_trainer_t *t = calloc(1, sizeof *t);
-  if (!t) return fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_create: out of memory");
+  if (!t) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_create: out of memory");
   t->cfg = *cfg;
   t->seed = seed;
   t->ls = (chorus_loss_scale_t){cfg->loss_scale ? 65536.0f : 1.0f, 0, 0};
@@ -142,14 +142,14 @@ chorus_result_t chorus_trainer_create(chorus_comm_t comm, const chorus_gpt_confi
     if (cfg->param_dtype == CHORUS_BFLOAT16) {
       t->master = malloc(t->np * sizeof(float));
       if (!t->master) {
-        st = fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_create: out of memory");
+        st = chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_trainer_create: out of memory");
         goto out;
       }
       memcpy(t->master, chorus_gpt_params(t->m), t->np * sizeof(float));
       chorus__round_bf16(chorus_gpt_params(t->m), t->master, t->np);
     }
     if ((st = chorus_optim_create(&cfg->optim, t->np, &t->opt)) != CHORUS_OK) {
-      fail(st, "chorus_trainer_create: cannot make the optimizer (out of memory?)");
+      chorus__train_fail(st, "chorus_trainer_create: cannot make the optimizer (out of memory?)");
       goto out;
     }
     if (comm && (st = chorus_trainer_set_comm(t, comm)) != CHORUS_OK) goto out;
@@ -175,9 +175,11 @@ void chorus_trainer_destroy(chorus_trainer_t *t) {
 
 chorus_result_t chorus_trainer_set_comm(chorus_trainer_t *t, chorus_comm_t comm) {
   if (t->fsdp)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_set_comm: a sharded run cannot move to "
-                "another communicator in memory (its shards would need redistributing); "
-                "restart it from a checkpoint");
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG,
+        "chorus_trainer_set_comm: a sharded run cannot move to "
+        "another communicator in memory (its shards would need redistributing); "
+        "restart it from a checkpoint");
   chorus_ddp_destroy(t->ddp);
   t->ddp = NULL;
   t->comm = comm;
@@ -188,8 +190,8 @@ chorus_result_t chorus_trainer_set_comm(chorus_trainer_t *t, chorus_comm_t comm)
   if (st == CHORUS_OK && t->master)
     st = chorus_broadcast(comm, t->master, t->np, CHORUS_FLOAT32, 0, NULL);
   if (st != CHORUS_OK)
-    return fail(st, "chorus_trainer: rank %d: making DDP: %s", chorus_comm_rank(comm),
-                chorus_comm_last_error(comm));
+    return chorus__train_fail(st, "chorus_trainer: rank %d: making DDP: %s", chorus_comm_rank(comm),
+                              chorus_comm_last_error(comm));
   return CHORUS_OK;
 }
 
@@ -210,8 +212,9 @@ float *chorus_trainer_master(chorus_trainer_t *t) {
 }
 chorus_result_t chorus_trainer_load_weights(chorus_trainer_t *t, const float *src) {
   if (t->fsdp)
-    return fail(CHORUS_ERR_INVALID_ARG, "chorus_trainer_load_weights: a sharded run holds only "
-                "its shard");
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_trainer_load_weights: a sharded run holds only "
+                              "its shard");
   float *dst = chorus_trainer_master(t);
   if (dst != src) memcpy(dst, src, t->np * sizeof(float));
   if (t->master) chorus__round_bf16(chorus_gpt_params(t->m), t->master, t->np);
@@ -245,8 +248,8 @@ chorus_result_t chorus_trainer_join(chorus_trainer_t *t, int have_data, int *act
   if (!t->comm || chorus_comm_size(t->comm) == 1) return CHORUS_OK;
   chorus_result_t st = chorus_all_reduce(t->comm, &have, &all, 1, CHORUS_INT32, CHORUS_SUM, NULL);
   if (st != CHORUS_OK)
-    return fail(st, "chorus_trainer_join: rank %d: the vote on who has data: %s",
-                chorus_comm_rank(t->comm), chorus_comm_last_error(t->comm));
+    return chorus__train_fail(st, "chorus_trainer_join: rank %d: the vote on who has data: %s",
+                              chorus_comm_rank(t->comm), chorus_comm_last_error(t->comm));
   *active = all;
   return CHORUS_OK;
 }
@@ -326,8 +329,8 @@ static void range_at(chorus_trainer_t *t, int i, float **p, float **g, size_t *n
 }
 
 static chorus_result_t comm_fail(chorus_trainer_t *t, chorus_result_t st, const char *what) {
-  return fail(st, "chorus_trainer: rank %d: %s: %s", chorus_comm_rank(t->comm), what,
-              chorus_comm_last_error(t->comm));
+  return chorus__train_fail(st, "chorus_trainer: rank %d: %s: %s", chorus_comm_rank(t->comm), what,
+                            chorus_comm_last_error(t->comm));
 }
 
 chorus_result_t chorus_trainer_finish_step(chorus_trainer_t *t, float lr,

@@ -29,6 +29,7 @@
 #include "chorus.h"
 #include "chorus_train.h"
 #include "opt.h"
+#include "../runtime.h" /* chorus_ps_inject: --bad-push, a test knob */
 
 /* OpenBLAS's thread count (absent in other BLAS builds: then a no-op). */
 void openblas_set_num_threads(int) __attribute__((weak));
