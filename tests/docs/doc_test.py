@@ -278,6 +278,20 @@ def check_error_quotes():
     return fails
 
 
+def check_tour():
+    readme = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
+    a, b = readme.find("## Source tour"), readme.find("\n## ", readme.find("## Source tour") + 1)
+    tour = readme[a:b] if a >= 0 else ""
+    files = [os.path.relpath(p, SRC) for pat in ("src/**/*.[ch]", "src/**/*.def", "python/chorus/*.*")
+             for p in glob.glob(os.path.join(SRC, pat), recursive=True)]
+    missing = sorted(f for f in files if "`%s`" % os.path.basename(f) not in tour)
+    for f in missing:
+        print("FAIL README.md: the source tour does not name %s" % f)
+    if not missing:
+        print("ok   README.md's source tour names all %d files of src/ and python/chorus/" % len(files))
+    return len(missing)
+
+
 def main():
     files = [os.path.join(SRC, "README.md")] + sorted(glob.glob(os.path.join(SRC, "docs", "*.md")))
     counts = dict(run=0, compared=0, skip=0, text=0)
@@ -389,6 +403,8 @@ def main():
     # blocks that run and in those that cannot -- is one its --help lists.
     fails += check_options(files)
     fails += check_error_quotes()
+    # README's source tour names every file of src/ and python/chorus/.
+    fails += check_tour()
     # README's list of packages is scripts/deps.sh's.
     deps = open(os.path.join(SRC, "scripts", "deps.sh")).read()
     pkgs = set(re.findall(r"need\+=\(([a-z0-9][a-z0-9.+-]+)\)", deps))

@@ -122,8 +122,10 @@ attack() {
   t0=$(now_ms)
   CHORUS_LOG_LEVEL=INFO CHORUS_TEST_HOLD=$hold timeout -s KILL 90 "$@" >"$OUT" 2>&1 </dev/null &
   pid=$!
+  # Both lines: the launcher relays stdout (holding) and stderr (rank 0's
+  # store, logged) apart, and srun's came out of order once.
   for ((i = 0; i < 600; i++)); do
-    grep -q '^bootstrap holding' "$OUT" && break
+    grep -q '^bootstrap holding' "$OUT" && grep -q 'bootstrap: rank 0/.*, store ' "$OUT" && break
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.1
   done
