@@ -6,6 +6,8 @@
  */
 #include "launcher/launcher.h"
 
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,4 +117,20 @@ int kv_store_open(const char *host, int port, const chorus__key_t *key, int time
   k->c = c;
   *out = &k->base;
   return 0;
+}
+
+/* The launcher's store servers (the job's, the rendezvous's, a round's):
+ * started with every signal blocked, so that the store's thread never takes
+ * the signals that main()'s self-pipe must see. */
+chorus_result_t start_store(const char *host, int port, const chorus__key_t *key,
+                            chorus_store_server_t **srv) {
+  /* The store thread must never take our signals (it blocks them itself
+   * too, once running): they go to the main thread, whose poll() the
+   * self-pipe wakes.  A thread starts with its creator's mask. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, &old);
+  chorus_result_t rc = chorus__store_server_start_key(host, port, key, srv);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return rc;
 }

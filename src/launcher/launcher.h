@@ -23,8 +23,13 @@
  *              assignment), heartbeats and lost nodes, failure records and
  *              the root-cause summary, re-forming the group; its protocol
  *              is described at the top of that file and in docs/launcher.md
+ *   rdzv_state.c  the rendezvous's values as text and the round decisions
+ *              that read nothing else (rdzv_state.h; unit-tested on their own)
  *   kv_store.c the rendezvous's key-value service on chorus's store (the
- *              c10d and static backends)
+ *              c10d and static backends), and starting the launcher's store
+ *              servers
+ *   kv_etcd.c  the same service on etcd
+ *   xalloc.c   allocations that cannot fail (out of memory: exit)
  *
  * Design
  *  - One process, one thread of our own (plus the store server's thread,
@@ -249,11 +254,14 @@ typedef struct {
 typedef enum { ACT_RUN, ACT_PRINT_ENV, ACT_ENV_MARKDOWN, ACT_HELP } action_t;
 
 
-/* ------------------------------------------------------------- main.c */
+/* ----------------------------------------------------------- xalloc.c */
 
 void *xmalloc(size_t n);
 char *xstrdup(const char *s);
 char *xasprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---------------------------------------------------------- kv_store.c */
+
 /* chorus__store_server_start_key with every signal blocked while the
  * server's thread is created, so that thread never takes one of ours. */
 chorus_result_t start_store(const char *host, int port, const chorus__key_t *key,

@@ -20,46 +20,6 @@
 #include "util/log.h"
 #include "util/util.h"
 
-void *xmalloc(size_t n) {
-  void *p = malloc(n ? n : 1);
-  if (!p) {
-    fprintf(stderr, "chorusrun: out of memory\n");
-    exit(EXIT_LAUNCHER);
-  }
-  return p;
-}
-
-char *xstrdup(const char *s) {
-  size_t n = strlen(s) + 1;
-  return memcpy(xmalloc(n), s, n);
-}
-
-char *xasprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-char *xasprintf(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  char *s = NULL;
-  int n = vasprintf(&s, fmt, ap);
-  va_end(ap);
-  if (n < 0) {
-    fprintf(stderr, "chorusrun: out of memory\n");
-    exit(EXIT_LAUNCHER);
-  }
-  return s;
-}
-
-chorus_result_t start_store(const char *host, int port, const chorus__key_t *key,
-                            chorus_store_server_t **srv) {
-  /* The store thread must never take our signals (it blocks them itself
-   * too, once running): they go to the main thread, whose poll() the
-   * self-pipe wakes.  A thread starts with its creator's mask. */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_BLOCK, &all, &old);
-  chorus_result_t rc = chorus__store_server_start_key(host, port, key, srv);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
-  return rc;
-}
 
 /* Lowercase hex of n random bytes into out (2n+1 bytes). */
 static int random_hex(char *out, size_t n) {

@@ -57,6 +57,7 @@
  * and a value that does not parse is reported, never used.
  */
 #include "launcher/launcher.h"
+#include "launcher/rdzv_state.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -74,29 +75,9 @@
 #include "util/net.h"
 #include "util/util.h"
 
-#define MAX_NODES 1024
-#define ID_MAX 96
-#define REASON_MAX 256
 #define LOST_BEATS 4
 #define JOIN_POLL_MS 10
 #define STATE_MAX (4u << 20)
-
-enum { PH_JOIN, PH_FROZEN, PH_CLOSED };
-static const char *const g_phase[] = {"join", "frozen", "closed"};
-
-typedef struct {
-  char id[ID_MAX];
-  int nproc;
-  int want; /* member/wait: static node rank or -1; prev: group rank */
-} rnode_t;
-
-typedef struct {
-  long round, restarts;
-  int phase, min, max, max_restarts, exit_code;
-  char reason[REASON_MAX];
-  int nprev, nexp, nmem, nwait;
-  rnode_t prev[MAX_NODES], exp[MAX_NODES], mem[MAX_NODES], wait[MAX_NODES];
-} rstate_t;
 
 typedef struct {
   char id[ID_MAX];
@@ -142,19 +123,6 @@ static void key_of(const rdzv_t *rz, char *buf, size_t cap, const char *fmt, ...
   va_end(ap);
 }
 
-/* Node ids and run ids: letters, digits and . _ : / - only. */
-static int id_ok(const char *s, size_t max) {
-  size_t n = 0;
-  for (; s[n]; n++) {
-    char c = s[n];
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-          c == '.' || c == '_' || c == ':' || c == '/' || c == '-'))
-      return 0;
-  }
-  return n > 0 && n < max;
-}
-
-int rdzv_run_id_ok(const char *s) { return id_ok(s, 128); }
 
 static void sleep_or_signal(job_t *job, int ms) {
   struct pollfd p = {.fd = g_selfpipe[0], .events = POLLIN};
@@ -172,13 +140,6 @@ static int ok(rdzv_t *rz, int rc) {
 
 static int lost_store(const rdzv_t *rz) {
   return chorus__now_ns() - rz->last_ok > rz->svc_lost_ns;
-}
-
-/* Makes a line of text safe for the state: no newline, bounded. */
-static void one_line(char *dst, size_t cap, const char *src) {
-  size_t k = 0;
-  for (const char *p = src; *p && k + 1 < cap; p++) dst[k++] = (*p == '\n' || *p == '\r') ? ' ' : *p;
-  dst[k] = '\0';
 }
 
 /* ------------------------------------------------------ sealed values */
@@ -264,135 +225,6 @@ static int kcas(rdzv_t *rz, const char *key, const char *expected_raw, const cha
 
 /* --------------------------------------------------------------- state */
 
-static int find(const rnode_t *v, int n, const char *id) {
-  for (int i = 0; i < n; i++)
-    if (!strcmp(v[i].id, id)) return i;
-  return -1;
-}
-
-static int parse_long_field(const char *s, long lo, long hi, long *out) {
-  return chorus__parse_long(s, out) == 0 && *out >= lo && *out <= hi ? 0 : -1;
-}
-
-/* A node line's fields: prev ID GRANK, expect ID, member|wait ID NPROC WANT.
- * 0, or -1 when a field is out of range. */
-static int parse_node(char *const *f, int nf, rnode_t *r) {
-  long a = 0, b = -1;
-  if (!id_ok(f[1], ID_MAX)) return -1;
-  if (nf == 3 && parse_long_field(f[2], 0, MAX_NODES - 1, &b) != 0) return -1;
-  if (nf == 4 && (parse_long_field(f[2], 1, MAX_NPROC, &a) != 0 ||
-                  parse_long_field(f[3], -1, MAX_NODES - 1, &b) != 0))
-    return -1;
-  snprintf(r->id, sizeof r->id, "%s", f[1]);
-  r->nproc = (int)a;
-  r->want = (int)b;
-  return 0;
-}
-
-/* One line of a state (after the first): 0, or -1 when it is malformed. */
-static int parse_line(char *line, rstate_t *s) {
-  if (!strncmp(line, "reason ", 7)) {
-    one_line(s->reason, sizeof s->reason, line + 7);
-    return 0;
-  }
-  char *f[5] = {0}, *save = NULL;
-  int nf = 0;
-  for (char *t = strtok_r(line, " ", &save); t && nf < 5; t = strtok_r(NULL, " ", &save))
-    f[nf++] = t;
-  if (nf == 0) return 0;
-  long a = 0, b = 0;
-  if (!strcmp(f[0], "round") && nf == 2 && parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
-    s->round = a;
-  } else if (!strcmp(f[0], "restarts") && nf == 2 &&
-             parse_long_field(f[1], 0, 1L << 40, &a) == 0) {
-    s->restarts = a;
-  } else if (!strcmp(f[0], "max_restarts") && nf == 2 &&
-             parse_long_field(f[1], 0, 1000000, &a) == 0) {
-    s->max_restarts = (int)a;
-  } else if (!strcmp(f[0], "exit") && nf == 2 && parse_long_field(f[1], 0, 255, &a) == 0) {
-    s->exit_code = (int)a;
-  } else if (!strcmp(f[0], "phase") && nf == 2) {
-    for (int i = 0; i < 3; i++)
-      if (!strcmp(f[1], g_phase[i])) s->phase = i;
-    if (s->phase < 0) return -1;
-  } else if (!strcmp(f[0], "nnodes") && nf == 3 &&
-             parse_long_field(f[1], 1, MAX_NODES, &a) == 0 &&
-             parse_long_field(f[2], a, MAX_NODES, &b) == 0) {
-    s->min = (int)a;
-    s->max = (int)b;
-  } else if ((!strcmp(f[0], "prev") && nf == 3) || (!strcmp(f[0], "expect") && nf == 2) ||
-             ((!strcmp(f[0], "member") || !strcmp(f[0], "wait")) && nf == 4)) {
-    rnode_t *v;
-    int *n;
-    switch (f[0][0]) {
-      case 'p': v = s->prev, n = &s->nprev; break;
-      case 'e': v = s->exp, n = &s->nexp; break;
-      case 'm': v = s->mem, n = &s->nmem; break;
-      default: v = s->wait, n = &s->nwait; break;
-    }
-    if (*n >= MAX_NODES || parse_node(f, nf, &v[*n]) != 0) return -1;
-    (*n)++;
-  } else {
-    return -1;
-  }
-  return 0;
-}
-
-/* Parses a state value into s.  0, or -1 with the reason in err. */
-static int state_parse(const char *text, rstate_t *s, char *err, size_t cap) {
-  memset(s, 0, offsetof(rstate_t, prev));
-  s->nprev = s->nexp = s->nmem = s->nwait = 0;
-  s->phase = -1;
-  int lineno = 0;
-  for (const char *p = text; *p;) {
-    const char *nl = strchr(p, '\n');
-    size_t len = nl ? (size_t)(nl - p) : strlen(p);
-    lineno++;
-    char line[512];
-    if (len >= sizeof line) {
-      snprintf(err, cap, "line %d is too long", lineno);
-      return -1;
-    }
-    memcpy(line, p, len);
-    line[len] = '\0';
-    p += len + (nl ? 1 : 0);
-    if (lineno == 1 ? strcmp(line, "chorus-rdzv 1") != 0 : parse_line(line, s) != 0) {
-      if (lineno == 1) snprintf(err, cap, "not a chorus rendezvous state (version 1)");
-      else snprintf(err, cap, "line %d is malformed", lineno);
-      return -1;
-    }
-  }
-  if (lineno == 0 || s->phase < 0 || s->min < 1) {
-    snprintf(err, cap, "round, phase or nnodes missing");
-    return -1;
-  }
-  if (s->nmem > s->max) {
-    snprintf(err, cap, "%d members, more than the %d allowed", s->nmem, s->max);
-    return -1;
-  }
-  return 0;
-}
-
-/* The text of s, malloc'd. */
-static char *state_format(const rstate_t *s) {
-  size_t cap = 512 + (size_t)(s->nprev + s->nexp + s->nmem + s->nwait) * (ID_MAX + 40);
-  char *out = xmalloc(cap);
-  size_t n = 0;
-#define PUT(...) n += (size_t)snprintf(out + n, cap - n, __VA_ARGS__)
-  PUT("chorus-rdzv 1\nround %ld\nphase %s\nnnodes %d %d\nmax_restarts %d\nrestarts %ld\n",
-      s->round, g_phase[s->phase], s->min, s->max, s->max_restarts, s->restarts);
-  if (s->phase == PH_CLOSED) PUT("exit %d\n", s->exit_code);
-  if (s->reason[0]) PUT("reason %s\n", s->reason);
-  for (int i = 0; i < s->nprev; i++) PUT("prev %s %d\n", s->prev[i].id, s->prev[i].want);
-  for (int i = 0; i < s->nexp; i++) PUT("expect %s\n", s->exp[i].id);
-  for (int i = 0; i < s->nmem; i++)
-    PUT("member %s %d %d\n", s->mem[i].id, s->mem[i].nproc, s->mem[i].want);
-  for (int i = 0; i < s->nwait; i++)
-    PUT("wait %s %d %d\n", s->wait[i].id, s->wait[i].nproc, s->wait[i].want);
-#undef PUT
-  return out;
-}
-
 /* Reads the state: 1 (rz->raw, rz->st), 0 when there is none yet, -1 when
  * the service did not answer, -2 when the value does not parse (message in
  * kv->err). */
@@ -402,7 +234,7 @@ static int read_state(rdzv_t *rz) {
   int rc = kget(rz, key, &val, &raw);
   if (rc <= 0 || rc == -2) return rc;
   char why[200];
-  if (strlen(val) > STATE_MAX || state_parse(val, &rz->st, why, sizeof why) != 0) {
+  if (strlen(val) > STATE_MAX || rdzv_state_parse(val, &rz->st, why, sizeof why) != 0) {
     snprintf(rz->kv->err, sizeof rz->kv->err, "the rendezvous state at %s is corrupt: %s",
              key, strlen(val) > STATE_MAX ? "too long" : why);
     free(val);
@@ -420,7 +252,7 @@ static int read_state(rdzv_t *rz) {
 static int write_state(rdzv_t *rz) {
   char key[300];
   key_of(rz, key, sizeof key, "state");
-  char *text = state_format(&rz->nx);
+  char *text = rdzv_state_format(&rz->nx);
   int rc = kcas(rz, key, rz->raw, text);
   free(text);
   return rc;
@@ -486,62 +318,12 @@ static int peer_lost(const rdzv_t *rz, const peer_t *p) {
 
 /* ------------------------------------------------------ failure records */
 
-typedef struct {
-  char kind[8]; /* exit, signal, lost, error */
-  int code;     /* the exit code it gives the job */
-  int grank, rank;
-  char node[ID_MAX];
-  char what[300];
-  int ntail;
-  char tail[TAIL_LINES][TAIL_LINE_MAX];
-} fail_t;
-
-static char *fail_format(const fail_t *f) {
-  size_t cap = 1024 + (size_t)f->ntail * (TAIL_LINE_MAX + 8);
-  char *out = xmalloc(cap);
-  size_t n = (size_t)snprintf(out, cap, "chorus-fail 1\n%s %d %d %d %s\n%s\n", f->kind, f->code,
-                              f->grank, f->rank, f->node, f->what);
-  for (int i = 0; i < f->ntail && n < cap; i++)
-    n += (size_t)snprintf(out + n, cap - n, "%s\n", f->tail[i]);
-  return out;
-}
-
-/* Parses a failure record (untrusted): 0 or -1. */
-static int fail_parse(const char *text, fail_t *f) {
-  memset(f, 0, sizeof *f);
-  const char *p = text;
-  char line[TAIL_LINE_MAX + 8];
-  for (int lineno = 0; *p; lineno++) {
-    const char *nl = strchr(p, '\n');
-    size_t len = nl ? (size_t)(nl - p) : strlen(p);
-    size_t keep = CHORUS__MIN(len, sizeof line - 1);
-    memcpy(line, p, keep);
-    line[keep] = '\0';
-    p += len + (nl ? 1 : 0);
-    if (lineno == 0) {
-      if (strcmp(line, "chorus-fail 1")) return -1;
-    } else if (lineno == 1) {
-      char kind[8], node[ID_MAX];
-      if (sscanf(line, "%7s %d %d %d %95s", kind, &f->code, &f->grank, &f->rank, node) != 5 ||
-          !id_ok(node, ID_MAX) || f->code < 0 || f->code > 255)
-        return -1;
-      snprintf(f->kind, sizeof f->kind, "%s", kind);
-      snprintf(f->node, sizeof f->node, "%s", node);
-    } else if (lineno == 2) {
-      one_line(f->what, sizeof f->what, line);
-    } else if (f->ntail < TAIL_LINES) {
-      one_line(f->tail[f->ntail++], TAIL_LINE_MAX, line);
-    }
-  }
-  return f->kind[0] ? 0 : -1;
-}
-
 /* Writes the round's failure record unless one exists; *rec gets the
  * record that stands (ours or the earlier one).  0 or -1. */
 static int record_failure(rdzv_t *rz, long round, const fail_t *mine, fail_t *rec) {
   char key[300];
   key_of(rz, key, sizeof key, "fail/%ld", round);
-  char *text = fail_format(mine);
+  char *text = rdzv_fail_format(mine);
   int rc = kcas(rz, key, NULL, text);
   free(text);
   if (rc == 1) {
@@ -550,7 +332,7 @@ static int record_failure(rdzv_t *rz, long round, const fail_t *mine, fail_t *re
   }
   char *val = NULL;
   if (rc < 0 || kget(rz, key, &val, NULL) != 1) return -1;
-  int prc = fail_parse(val, rec);
+  int prc = rdzv_fail_parse(val, rec);
   free(val);
   if (prc != 0) *rec = *mine;
   return 0;
@@ -565,7 +347,7 @@ static void set_reason(rstate_t *s, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  one_line(s->reason, sizeof s->reason, buf);
+  rdzv_one_line(s->reason, sizeof s->reason, buf);
 }
 
 /* Builds in rz->nx the round after rz->st: the frozen round's nodes become
@@ -626,7 +408,7 @@ static void advance(job_t *job, int failure, const char *lost, int exit_code, co
 static void take_placement(job_t *job) {
   rdzv_t *rz = job->rz;
   const rstate_t *s = &rz->st;
-  int me = find(s->mem, s->nmem, rz->id);
+  int me = rdzv_find(s->mem, s->nmem, rz->id);
   job->round = s->round;
   job->restarts = s->restarts;
   job->nnodes = s->nmem;
@@ -666,7 +448,7 @@ static int freeze(job_t *job) {
   } else {
     /* Last round's nodes keep their group rank when it still exists. */
     for (int i = 0; i < count; i++) {
-      int p = find(s->prev, s->nprev, s->mem[i].id);
+      int p = rdzv_find(s->prev, s->nprev, s->mem[i].id);
       if (p >= 0 && s->prev[p].want < count && slot[s->prev[p].want] < 0) {
         slot[s->prev[p].want] = i;
         used[i] = 1;
@@ -677,7 +459,7 @@ static int freeze(job_t *job) {
     int next = 0;
     for (int pass = 0; pass < 2; pass++)
       for (int k = 0; k < (pass ? count : s->nprev); k++) {
-        int i = pass ? k : find(s->mem, count, s->prev[k].id);
+        int i = pass ? k : rdzv_find(s->mem, count, s->prev[k].id);
         if (i < 0 || used[i]) continue;
         while (slot[next] >= 0) next++;
         slot[next] = i;
@@ -686,13 +468,6 @@ static int freeze(job_t *job) {
   }
   for (int r = 0; r < count; r++) n->mem[r] = s->mem[slot[r]];
   return write_state(rz);
-}
-
-static int all_expected_in(const rstate_t *s) {
-  if (s->nexp == 0) return 0;
-  for (int i = 0; i < s->nexp; i++)
-    if (find(s->mem, s->nmem, s->exp[i].id) < 0) return 0;
-  return 1;
 }
 
 /* ------------------------------------------------------------- opening */
@@ -855,7 +630,7 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   char addr[64] = "node"; /* numeric: an IPv6 address takes 45 at most */
   if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
   snprintf(rz->id, sizeof rz->id, "%s/%d", addr, (int)getpid());
-  if (!id_ok(rz->id, ID_MAX)) snprintf(rz->id, sizeof rz->id, "node/%d", (int)getpid());
+  if (!rdzv_id_ok(rz->id, ID_MAX)) snprintf(rz->id, sizeof rz->id, "node/%d", (int)getpid());
   job->master_addr = host;
   job->port = port;
   CHORUS_INFO(CHORUS__SUB_LAUNCH, "node %s: rendezvous %s at %s (run %s)", rz->id,
@@ -902,7 +677,7 @@ static int round_store(job_t *job) {
       char host[128];
       int port = 0;
       int good = sscanf(val, "%127s %d", host, &port) == 2 && port > 0 && port < 65536 &&
-                 id_ok(host, sizeof host);
+                 rdzv_id_ok(host, sizeof host);
       free(val);
       if (!good) {
         fprintf(stderr, "chorusrun: the workers' store address under %s is malformed\n", key);
@@ -1007,7 +782,7 @@ int rdzv_join(job_t *job) {
               job->min_nodes, job->max_nodes, job->run_id, s->min, s->max);
       return EXIT_USAGE;
     }
-    int me = find(s->mem, s->nmem, rz->id);
+    int me = rdzv_find(s->mem, s->nmem, rz->id);
     if (s->phase == PH_CLOSED) {
       fprintf(stderr, "chorusrun: run '%s' is over (%s); start a new job with another --rdzv-id\n",
               job->run_id, s->reason[0] ? s->reason : "closed");
@@ -1030,7 +805,7 @@ int rdzv_join(job_t *job) {
         advance(job, 0, NULL, 0, "a node rejoins");
         continue;
       }
-      if (find(s->wait, s->nwait, rz->id) < 0 && s->nwait < MAX_NODES) {
+      if (rdzv_find(s->wait, s->nwait, rz->id) < 0 && s->nwait < MAX_NODES) {
         add_self(job, 1);
         waited_in = s->round;
         continue;
@@ -1058,7 +833,7 @@ int rdzv_join(job_t *job) {
         continue;
       }
     } else {
-      if (s->nmem >= s->max || (s->nmem >= s->min && all_expected_in(s))) {
+      if (s->nmem >= s->max || (s->nmem >= s->min && rdzv_all_expected_in(s))) {
         freeze(job);
         continue;
       }
@@ -1096,7 +871,7 @@ int rdzv_poll_ms(const job_t *job) {
 static void lost_node(job_t *job, const peer_t *p) {
   rdzv_t *rz = job->rz;
   fail_t f = {0}, rec;
-  int g = find(rz->group, rz->ngroup, p->id);
+  int g = rdzv_find(rz->group, rz->ngroup, p->id);
   snprintf(f.kind, sizeof f.kind, "lost");
   f.code = EXIT_LAUNCHER;
   f.grank = g;
@@ -1173,7 +948,7 @@ rdzv_event_t rdzv_poll(job_t *job) {
         if (!p->gone)
           fprintf(stderr, "chorusrun: node %d (%s) was lost: no heartbeat for %.1f s; the "
                   "workers of the other nodes go on without it (--elastic inplace)\n",
-                  find(rz->group, rz->ngroup, p->id), p->id, (now - p->seen) / 1e9);
+                  rdzv_find(rz->group, rz->ngroup, p->id), p->id, (now - p->seen) / 1e9);
         p->gone = 1;
       } else if (peer_lost(rz, p)) {
         lost_node(job, p);
@@ -1232,7 +1007,7 @@ void rdzv_failed(job_t *job, const worker_t *w, const char *why) {
     /* Its last lines, oldest first. */
     for (int i = 0; i < w->tail_count; i++) {
       int k = (w->tail_next - w->tail_count + i + TAIL_LINES) % TAIL_LINES;
-      if (w->tail[k]) one_line(f.tail[f.ntail++], TAIL_LINE_MAX, w->tail[k]);
+      if (w->tail[k]) rdzv_one_line(f.tail[f.ntail++], TAIL_LINE_MAX, w->tail[k]);
     }
   } else {
     snprintf(f.kind, sizeof f.kind, "error");
@@ -1269,7 +1044,7 @@ int rdzv_after_failure(job_t *job, rdzv_event_t ev) {
   char key[300], *val = NULL;
   key_of(rz, key, sizeof key, "fail/%ld", job->round);
   fail_t f;
-  if (kget(rz, key, &val, NULL) == 1 && fail_parse(val, &f) == 0) {
+  if (kget(rz, key, &val, NULL) == 1 && rdzv_fail_parse(val, &f) == 0) {
     fprintf(stderr, "chorusrun: root cause of round %ld: %s\n", job->round, f.what);
     if (strcmp(f.node, rz->id) != 0 && f.ntail) {
       fprintf(stderr, "chorusrun: its last %d line(s):\n", f.ntail);
