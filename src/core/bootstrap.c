@@ -248,73 +248,110 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
  * before the rank gives up on it (chorusrun's agents: WRONG_ANSWER_MS). */
 #define REFUSED_MS 5000
 
-/* Makes the world.  *server, when not NULL, is the store this rank already
- * serves (the launcher's key-value service published its port): the world
- * takes it (*server becomes NULL) once it is past the argument checks.
- * secret_from, when not NULL, says where cfg->job_secret came from (a
- * key-value exchange), for the log line that names the secret's source. */
-static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_t *job_key,
-                                  const char *join_base, chorus_store_server_t **server,
-                                  const char *secret_from, chorus_comm_t *out) {
-  const chorus__env_t *env = chorus__env();
-  chorus__log_init();
-  if (!out) return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: comm is NULL");
-  *out = NULL;
+/* ----------------------------------------------------------- the world
+ *
+ * world_make runs the steps below in order, each filling its part of a
+ * world_build_t; the first that fails stops it, and build_abandon frees
+ * what the earlier ones made:
+ *   1. build_begin      the configuration checked, the tuning file, the
+ *                       timeouts, the job secret, the context;
+ *   2. build_store      the store served (rank 0, or the one a launcher's
+ *                       key-value service published) and joined, patient
+ *                       with a store that refuses while the secret's file
+ *                       is replaced;
+ *   3. build_world_id   a fresh id for this world, from rank 0;
+ *   4. build_publish    this rank's record -- where it listens, a nonce,
+ *                       its UCX address, its host -- all-gathered;
+ *   5. build_records    the records checked; the host map; UCX or not;
+ *   6. build_transport  the transport over them;
+ *   7. build_comm       the world communicator, its shared memory and
+ *                       algorithms, its own timeout. */
+typedef struct {
+  const chorus_config_t *cfg;
+  int rank, size, timeout_ms, init_ms, host; /* host: this rank serves the store */
+  int64_t deadline;
+  char prefix[256];
+  world_secret_t *ws;
+  chorus__ctx_t *ctx;
+  uint64_t world_id;
+  int lfd;                  /* the data listener, until the transport takes it */
+  char addrs_mine[128];     /* "ADDR PORT" */
+  char ident[400];          /* this host's identity */
+  char **addrs;             /* every rank's record (then cut to its address) */
+  chorus__ucx_worker_t *ucx; /* until the transport takes it */
+  char ucx_kind;            /* 'U' forced, 'A' automatic, '-' none */
+  char rdma[256];           /* the RDMA device seen here */
+  uint64_t *nonce;          /* per rank */
+  const char **ucx_addrs;   /* per rank, into addrs */
+  int use_ucx;
+} world_build_t;
+
+static chorus_result_t check_config(const chorus_config_t *cfg) {
   if (!cfg || cfg->magic != CHORUS_CONFIG_MAGIC || cfg->size < sizeof(size_t))
-    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: config not initialised with "
-                     "CHORUS_CONFIG_INITIALIZER");
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: config not initialised "
+                             "with CHORUS_CONFIG_INITIALIZER");
   if (cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: rank %d is not in [0, %d)",
-                     cfg->rank, cfg->world_size);
+                             cfg->rank, cfg->world_size);
   if (!cfg->store_host || !*cfg->store_host)
-    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: no store address (MASTER_ADDR)");
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: no store address "
+                             "(MASTER_ADDR)");
   if (cfg->store_port < 0 || cfg->store_port > 65535)
-    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of range",
-                     cfg->store_port);
-  int rank = cfg->rank, size = cfg->world_size;
-  {
-    char terr[600];
-    if (chorus__tune_load(terr, sizeof terr) != CHORUS_OK)
-      return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: %s (fix the file, or unset "
-                               "CHORUS_TUNING_FILE for the built-in choice)", cfg->rank, terr);
-  }
-  int timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : chorus__env_timeout_ms();
-  int init_ms = chorus__init_timeout_ms(cfg, timeout_ms);
-  char prefix[256];
-  if (cfg->store_prefix) snprintf(prefix, sizeof prefix, "%s", cfg->store_prefix);
-  else snprintf(prefix, sizeof prefix, "chorus/r%ld/", env->RESTART_COUNT);
-  int host = cfg->host_store >= 0 ? cfg->host_store : (rank == 0 && !env->STORE_EXTERNAL);
-  int64_t deadline = chorus__deadline_ms(init_ms);
-  chorus_result_t st = CHORUS_OK;
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: store port %d out of "
+                             "range", cfg->store_port);
+  return CHORUS_OK;
+}
 
-  world_secret_t *ws = calloc(1, sizeof *ws);
-  if (!ws) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-  if (job_key) ws->key = *job_key;
-  else st = world_secret(cfg, rank, host, cfg->store_port, deadline, ws);
-  if (st != CHORUS_OK) {
-    world_secret_done(ws);
-    free(ws);
-    return st;
+/* 1. */
+static chorus_result_t build_begin(world_build_t *b, const chorus__key_t *job_key,
+                                   const char *join_base) {
+  const chorus__env_t *env = chorus__env();
+  const chorus_config_t *cfg = b->cfg;
+  b->rank = cfg->rank, b->size = cfg->world_size;
+  char terr[600];
+  if (chorus__tune_load(terr, sizeof terr) != CHORUS_OK)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: %s (fix the file, or unset "
+                             "CHORUS_TUNING_FILE for the built-in choice)", cfg->rank, terr);
+  b->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : chorus__env_timeout_ms();
+  b->init_ms = chorus__init_timeout_ms(cfg, b->timeout_ms);
+  if (cfg->store_prefix) snprintf(b->prefix, sizeof b->prefix, "%s", cfg->store_prefix);
+  else snprintf(b->prefix, sizeof b->prefix, "chorus/r%ld/", env->RESTART_COUNT);
+  b->host = cfg->host_store >= 0 ? cfg->host_store : (b->rank == 0 && !env->STORE_EXTERNAL);
+  b->deadline = chorus__deadline_ms(b->init_ms);
+  b->ws = calloc(1, sizeof *b->ws);
+  if (!b->ws) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  if (job_key) b->ws->key = *job_key;
+  else {
+    chorus_result_t st = world_secret(cfg, b->rank, b->host, cfg->store_port, b->deadline, b->ws);
+    if (st != CHORUS_OK) return st;
   }
-  chorus__ctx_t *ctx = calloc(1, sizeof *ctx);
-  if (!ctx) {
-    world_secret_done(ws);
-    free(ws);
-    return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-  }
+  chorus__ctx_t *ctx = b->ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   pthread_mutex_init(&ctx->lock, NULL);
-  ctx->rank = rank;
-  ctx->size = size;
+  ctx->rank = b->rank;
+  ctx->size = b->size;
   snprintf(ctx->store_host, sizeof ctx->store_host, "%s", cfg->store_host);
   if (join_base) snprintf(ctx->join_base, sizeof ctx->join_base, "%s", join_base);
-  else snprintf(ctx->join_base, sizeof ctx->join_base, "%.190sjoin/", prefix);
+  else snprintf(ctx->join_base, sizeof ctx->join_base, "%.190sjoin/", b->prefix);
+  return CHORUS_OK;
+}
+
+/* 2.  *server, when not NULL, is the store this rank already serves: the
+ * world takes it (*server becomes NULL). */
+static chorus_result_t build_store(world_build_t *b, chorus_store_server_t **server) {
+  const chorus__env_t *env = chorus__env();
+  const chorus_config_t *cfg = b->cfg;
+  chorus__ctx_t *ctx = b->ctx;
+  const int rank = b->rank, size = b->size;
+  world_secret_t *ws = b->ws;
+  const int64_t deadline = b->deadline;
+  chorus_result_t st = CHORUS_OK;
   int port = cfg->store_port;
-  char **addrs = NULL;
   if (*server) {
     ctx->server = *server;
     *server = NULL;
     port = chorus_store_server_port(ctx->server);
-  } else if (host) {
+  } else if (b->host) {
     /* On MASTER_ADDR's address only: all interfaces when asked. */
     st = chorus__store_server_start_key(env->STORE_BIND_ALL ? NULL : cfg->store_host, port,
                                         &ws->key, &ctx->server);
@@ -322,22 +359,18 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
       const int why = errno; /* set by the store's start (0: not a system call's failure) */
       char owner[200];
       if (port > 0 && chorus__net_port_owner(port, owner, sizeof owner) > 0)
-        chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s): the port is "
-                          "held by %s; stop it or choose another MASTER_PORT", rank, port,
-                          why ? strerror(why) : chorus_result_name(st), owner);
-      else
-        chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is another "
-                          "job using MASTER_PORT=%d?", rank, port,
-                          why ? strerror(why) : chorus_result_name(st), port);
-      goto fail;
+        return chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s): the "
+                                 "port is held by %s; stop it or choose another MASTER_PORT", rank,
+                                 port, why ? strerror(why) : chorus_result_name(st), owner);
+      return chorus__init_fail(st, "chorus rank %d: cannot serve the store on port %d (%s); is "
+                               "another job using MASTER_PORT=%d?", rank, port,
+                               why ? strerror(why) : chorus_result_name(st), port);
     }
     port = chorus_store_server_port(ctx->server);
   }
-  if (port <= 0) {
-    st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: store port 0 is only valid for the "
-                   "rank that serves the store", rank);
-    goto fail;
-  }
+  if (port <= 0)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: store port 0 is only valid "
+                             "for the rank that serves the store", rank);
   ctx->store_port = port;
   /* Refused, or answered by a server that cannot prove it holds the key:
    * the agreement file this rank read may have been stale, so it reads it
@@ -367,226 +400,257 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
         chorus__net_port_owner(port, owner, sizeof owner) > 0)
       snprintf(why, sizeof why, "; port %d here is held by %s", port, owner);
     if (refused_since)
-      chorus__init_fail(st, "chorus rank %d/%d: the store at %s:%d refused this rank, or could not "
-                        "prove it is this job's, for %.1f s: %s%s.  Every rank needs the same job "
-                        "secret; otherwise another job or a stranger holds that port: choose "
-                        "another MASTER_PORT", rank, size, cfg->store_host, port,
-                        (chorus__now_ns() - refused_since) / 1e9, chorus__store_connect_error(),
-                        why);
-    else
-      chorus__init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s%s (is rank 0 "
-                        "or chorusrun running, are MASTER_ADDR/MASTER_PORT and the job secret "
-                        "right?)", rank, size, cfg->store_host, port,
-                        chorus__store_connect_error(), why);
-    goto fail;
+      return chorus__init_fail(st, "chorus rank %d/%d: the store at %s:%d refused this rank, or "
+                               "could not prove it is this job's, for %.1f s: %s%s.  Every rank "
+                               "needs the same job secret; otherwise another job or a stranger "
+                               "holds that port: choose another MASTER_PORT", rank, size,
+                               cfg->store_host, port, (chorus__now_ns() - refused_since) / 1e9,
+                               chorus__store_connect_error(), why);
+    return chorus__init_fail(st, "chorus rank %d/%d: cannot use the store at %s:%d: %s%s (is "
+                             "rank 0 or chorusrun running, are MASTER_ADDR/MASTER_PORT and the "
+                             "job secret right?)", rank, size, cfg->store_host, port,
+                             chorus__store_connect_error(), why);
   }
   ctx->key = ws->key; /* as the store accepted it (it may have been read again) */
-  /* Which secret this world runs on, never the secret: what a user (and
-   * tests/launcher, tests/python/torch) checks to see the job is not open. */
-  if (secret_from || ws->from[0])
-    CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank %d/%d: job secret from %s", rank, size,
-                secret_from ? secret_from : ws->from);
-  /* The world id: fresh per world, so stale peers cannot join. */
+  return CHORUS_OK;
+}
+
+/* 3.  Fresh per world, so stale peers cannot join. */
+static chorus_result_t build_world_id(world_build_t *b) {
+  chorus__ctx_t *ctx = b->ctx;
   char key[300], idbuf[40];
-  uint64_t world_id = 0;
-  snprintf(key, sizeof key, "%sworld_id", prefix);
-  if (rank == 0) {
-    chorus__random_bytes(&world_id, sizeof world_id);
-    snprintf(idbuf, sizeof idbuf, "%016" PRIx64, world_id);
+  chorus_result_t st;
+  snprintf(key, sizeof key, "%sworld_id", b->prefix);
+  if (b->rank == 0) {
+    chorus__random_bytes(&b->world_id, sizeof b->world_id);
+    snprintf(idbuf, sizeof idbuf, "%016" PRIx64, b->world_id);
     st = chorus_store_set(ctx->store, key, idbuf, strlen(idbuf));
   } else {
     void *val = NULL;
     size_t len = 0;
-    chorus__store_set_timeout(ctx->store, chorus__ms_left_bound(deadline));
+    chorus__store_set_timeout(ctx->store, chorus__ms_left_bound(b->deadline));
     st = chorus_store_get(ctx->store, key, &val, &len);
     if (st == CHORUS_OK) {
       snprintf(idbuf, sizeof idbuf, "%.*s", (int)CHORUS__MIN(len, 32), (char *)val);
-      world_id = strtoull(idbuf, NULL, 16);
+      b->world_id = strtoull(idbuf, NULL, 16);
       free(val);
     }
   }
-  if (st != CHORUS_OK) {
-    chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size,
-              chorus_store_last_error(ctx->store));
-    goto fail;
-  }
+  if (st != CHORUS_OK)
+    return chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", b->rank, b->size,
+                             chorus_store_last_error(ctx->store));
+  return CHORUS_OK;
+}
+
+/* 4.  One round publishes what the transport needs of each rank: the
+ * address it listens on, a random nonce (names its shared-memory inbox
+ * and doorbell, so nobody outside the job can know them), and its host
+ * identity (which ranks share memory, the host map of the hierarchical
+ * algorithms), and its UCX worker's address when it would use UCX
+ * between hosts: "U<hex>" with CHORUS_TRANSPORT=ucx, "A<hex>" when
+ * automatic and this host has an active RDMA device, "-" otherwise
+ * (chorus__ucx_decide makes every rank's choice from all of them):
+ * "ADDR PORT|NONCE|UCX|IDENT". */
+static chorus_result_t build_publish(world_build_t *b) {
+  const chorus__env_t *env = chorus__env();
+  const chorus_config_t *cfg = b->cfg;
+  const int rank = b->rank, size = b->size;
+  chorus_result_t st;
   /* Listen where peers can reach us. */
   char ifaddr[80];
-  st = listen_addr(cfg, rank, size, chorus__store_fd(ctx->store), ifaddr, sizeof ifaddr);
-  if (st != CHORUS_OK) goto fail;
+  st = listen_addr(cfg, rank, size, chorus__store_fd(b->ctx->store), ifaddr, sizeof ifaddr);
+  if (st != CHORUS_OK) return st;
   int data_port = 0;
-  int lfd = chorus__net_listen(ifaddr, 0, 4096, &data_port); /* strangers must not fill it */
-  if (lfd < 0) {
-    st = chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot listen on %s: %s", rank, ifaddr,
-                   strerror(-lfd));
-    goto fail;
+  b->lfd = chorus__net_listen(ifaddr, 0, 4096, &data_port); /* strangers must not fill it */
+  if (b->lfd < 0) {
+    int e = -b->lfd;
+    b->lfd = -1;
+    return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot listen on %s: %s", rank,
+                             ifaddr, strerror(e));
   }
-  /* One round publishes what the transport needs of each rank: the
-   * address it listens on, a random nonce (names its shared-memory inbox
-   * and doorbell, so nobody outside the job can know them), and its host
-   * identity (which ranks share memory, the host map of the hierarchical
-   * algorithms), and its UCX worker's address when it would use UCX
-   * between hosts: "U<hex>" with CHORUS_TRANSPORT=ucx, "A<hex>" when
-   * automatic and this host has an active RDMA device, "-" otherwise
-   * (chorus__ucx_decide makes every rank's choice from all of them):
-   * "ADDR PORT|NONCE|UCX|IDENT". */
-  chorus__ucx_worker_t *ucx = NULL;
-  char *ucx_hex = NULL, ucx_kind = '-';
+  char *ucx_hex = NULL;
   const char *tmode = env->TRANSPORT && env->TRANSPORT[0] ? env->TRANSPORT : "auto";
-  char rdma[256] = "";
+  b->ucx_kind = '-';
   if (!strcasecmp(tmode, "ucx")) {
-    ucx_kind = 'U';
+    b->ucx_kind = 'U';
   } else if ((!strcasecmp(tmode, "auto") || !strcasecmp(tmode, "shm")) && !env->ENCRYPT &&
              size > cfg->local_world_size && chorus__ucx_built() &&
-             chorus__rdma_active("/sys/class/infiniband", rdma, sizeof rdma) > 0) {
-    ucx_kind = 'A';
+             chorus__rdma_active("/sys/class/infiniband", b->rdma, sizeof b->rdma) > 0) {
+    b->ucx_kind = 'A';
   }
-  if (ucx_kind == 'U' && env->ENCRYPT) {
-    close(lfd);
-    st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_ENCRYPT=1 and "
-                           "CHORUS_TRANSPORT=ucx: the UCX channel cannot encrypt; unset one of "
-                           "them (TCP encrypts)", rank, size);
-    goto fail;
-  }
-  if (ucx_kind != '-') {
+  if (b->ucx_kind == 'U' && env->ENCRYPT)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_ENCRYPT=1 and "
+                             "CHORUS_TRANSPORT=ucx: the UCX channel cannot encrypt; unset one of "
+                             "them (TCP encrypts)", rank, size);
+  if (b->ucx_kind != '-') {
     char uerr[256] = "out of memory";
-    st = chorus__ucx_worker_new(&ucx, &ucx_hex, ucx_kind == 'A', uerr, sizeof uerr);
-    if (st != CHORUS_OK && ucx_kind == 'U') {
-      close(lfd);
-      chorus__init_fail(st, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx: %s", rank, size, uerr);
-      goto fail;
-    }
+    st = chorus__ucx_worker_new(&b->ucx, &ucx_hex, b->ucx_kind == 'A', uerr, sizeof uerr);
+    if (st != CHORUS_OK && b->ucx_kind == 'U')
+      return chorus__init_fail(st, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx: %s", rank, size,
+                               uerr);
     if (st != CHORUS_OK) { /* automatic: TCP it is */
       CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s here, but UCX cannot start (%s): TCP "
-                  "between hosts", rdma, uerr);
-      ucx_kind = '-';
-      st = CHORUS_OK;
+                  "between hosts", b->rdma, uerr);
+      b->ucx_kind = '-';
     }
   }
-  char ident[400];
   if (env->HOST_ID && env->HOST_ID[0])
-    snprintf(ident, sizeof ident, "id %s", env->HOST_ID);
+    snprintf(b->ident, sizeof b->ident, "id %s", env->HOST_ID);
   else
-    chorus__host_identity(ident, sizeof ident);
+    chorus__host_identity(b->ident, sizeof b->ident);
   uint64_t my_nonce = 0;
   chorus__random_bytes(&my_nonce, sizeof my_nonce);
-  char addrs_mine[128];
-  snprintf(addrs_mine, sizeof addrs_mine, "%s %d", ifaddr, data_port);
+  snprintf(b->addrs_mine, sizeof b->addrs_mine, "%s %d", ifaddr, data_port);
   size_t mine_cap = 700 + (ucx_hex ? strlen(ucx_hex) : 0);
   char *mine = malloc(mine_cap);
   char err[512] = "out of memory";
   st = CHORUS_ERR_NO_MEMORY;
   if (mine) {
-    snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s%s|%s", addrs_mine, my_nonce,
-             ucx_hex ? (ucx_kind == 'U' ? "U" : "A") : "-", ucx_hex ? ucx_hex : "", ident);
-    st = chorus__rdzv_allgather(ctx->store, prefix, "addr", rank, size, mine, deadline, &addrs,
-                                err, sizeof err);
+    snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s%s|%s", b->addrs_mine, my_nonce,
+             ucx_hex ? (b->ucx_kind == 'U' ? "U" : "A") : "-", ucx_hex ? ucx_hex : "", b->ident);
+    st = chorus__rdzv_allgather(b->ctx->store, b->prefix, "addr", rank, size, mine, b->deadline,
+                                &b->addrs, err, sizeof err);
   }
   free(mine);
   free(ucx_hex);
-  if (st != CHORUS_OK) {
-    chorus__ucx_worker_free(ucx);
-    close(lfd);
-    chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
-    goto fail;
-  }
-  ctx->world_id = world_id;
+  if (st != CHORUS_OK)
+    return chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
+  return CHORUS_OK;
+}
+
+/* 5.  Every record came through the store: checked before it is used.
+ * Each is cut in place into its address (what the transport parses) and
+ * the rest.  UCX between hosts when every rank has an address; an error on
+ * every rank when one forced it and another cannot. */
+static chorus_result_t build_records(world_build_t *b) {
+  const chorus__env_t *env = chorus__env();
+  chorus__ctx_t *ctx = b->ctx;
+  const int rank = b->rank, size = b->size;
+  ctx->world_id = b->world_id;
   ctx->host = calloc((size_t)size, sizeof *ctx->host);
-  uint64_t *nonce = calloc((size_t)size, sizeof *nonce);
-  ctx->memreg = chorus__memreg_new(env->JOB_ID, world_id, rank);
-  const char **ucx_addrs = calloc((size_t)size, sizeof *ucx_addrs); /* the UCX fields */
-  if (!ctx->host || !nonce || !ctx->memreg || !ucx_addrs) {
-    free(nonce);
-    free(ucx_addrs);
-    chorus__ucx_worker_free(ucx);
-    close(lfd);
-    st = chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-    goto fail;
-  }
-  /* Every value came through the store: checked before it is used.  Each
-   * is cut in place into its address (what the transport parses) and the
-   * rest. */
+  b->nonce = calloc((size_t)size, sizeof *b->nonce);
+  ctx->memreg = chorus__memreg_new(env->JOB_ID, b->world_id, rank);
+  b->ucx_addrs = calloc((size_t)size, sizeof *b->ucx_addrs); /* the UCX fields */
+  if (!ctx->host || !b->nonce || !ctx->memreg || !b->ucx_addrs)
+    return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   static const uint8_t hkey[16] = "chorus-hostident";
-  for (int r = 0; r < size && st == CHORUS_OK; r++) {
-    char *bar = strchr(addrs[r], '|');
+  for (int r = 0; r < size; r++) {
+    char *bar = strchr(b->addrs[r], '|');
     char *bar2 = bar ? strchr(bar + 1, '|') : NULL;
     char *bar3 = bar2 ? strchr(bar2 + 1, '|') : NULL;
     char *end = NULL;
-    if (bar && bar2 && bar2 - bar == 17) nonce[r] = strtoull(bar + 1, &end, 16);
-    if (!bar3 || end != bar2) {
-      st = chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d: rank %d published a "
-                             "malformed address record (another chorus version?)", rank, size, r);
-      break;
-    }
+    if (bar && bar2 && bar2 - bar == 17) b->nonce[r] = strtoull(bar + 1, &end, 16);
+    if (!bar3 || end != bar2)
+      return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d: rank %d published a "
+                               "malformed address record (another chorus version?)", rank, size,
+                               r);
     *bar = '\0';
     *bar3 = '\0';
-    ucx_addrs[r] = bar2 + 1;
+    b->ucx_addrs[r] = bar2 + 1;
     const char *their = bar3 + 1;
     ctx->host[r] = chorus__siphash(hkey, their, strlen(their));
-    if (!strcmp(their, ident)) ctx->local_count++;
+    if (!strcmp(their, b->ident)) ctx->local_count++;
   }
-  /* UCX between hosts when every rank has an address; an error on every
-   * rank when one forced it and another cannot. */
-  int use_ucx = 0;
-  if (st == CHORUS_OK) {
-    int bad = -1, use = chorus__ucx_decide(ucx_addrs, size, &bad);
-    if (use < 0) {
-      st = chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx on "
-                             "some ranks but rank %d has no UCX (another CHORUS_TRANSPORT, or UCX "
-                             "could not start there: see its log): set the same CHORUS_TRANSPORT "
-                             "on every rank", rank, size, bad);
-    } else if (!use) {
-      if (ucx)
-        CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s here, but rank %d has none: TCP between "
-                    "hosts", rdma, bad);
-      chorus__ucx_worker_free(ucx);
-      ucx = NULL;
-    } else {
-      use_ucx = 1;
-      for (int r = 0; r < size; r++) ucx_addrs[r]++; /* past U/A: the address */
-      if (ucx_kind == 'A')
-        CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s on every host: UCX between hosts", rdma);
-    }
+  int bad = -1, use = chorus__ucx_decide(b->ucx_addrs, size, &bad);
+  if (use < 0)
+    return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d/%d: CHORUS_TRANSPORT=ucx on "
+                             "some ranks but rank %d has no UCX (another CHORUS_TRANSPORT, or "
+                             "UCX could not start there: see its log): set the same "
+                             "CHORUS_TRANSPORT on every rank", rank, size, bad);
+  if (!use) {
+    if (b->ucx)
+      CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s here, but rank %d has none: TCP between "
+                  "hosts", b->rdma, bad);
+    chorus__ucx_worker_free(b->ucx);
+    b->ucx = NULL;
+  } else {
+    b->use_ucx = 1;
+    for (int r = 0; r < size; r++) b->ucx_addrs[r]++; /* past U/A: the address */
+    if (b->ucx_kind == 'A')
+      CHORUS_INFO(CHORUS__SUB_INIT, "RDMA device %s on every host: UCX between hosts", b->rdma);
   }
-  if (st != CHORUS_OK) {
-    free(nonce);
-    free(ucx_addrs);
-    chorus__ucx_worker_free(ucx);
-    close(lfd);
-    goto fail;
+  return CHORUS_OK;
+}
+
+/* 6.  The transport takes the listener and the UCX worker, whatever comes
+ * of it. */
+static chorus_result_t build_transport(world_build_t *b) {
+  const chorus__env_t *env = chorus__env();
+  chorus__ctx_t *ctx = b->ctx;
+  char err[512] = "";
+  chorus__tp_config_t tcfg = {.rank = b->rank, .size = b->size, .key = &b->ws->key,
+                              .world_id = b->world_id, .listen_fd = b->lfd,
+                              .addrs = (const char *const *)b->addrs, .deadline = b->deadline,
+                              .retry_ms = (int)env->CONNECT_RETRY_MS,
+                              .fp_format = chorus__fp_format, .host = ctx->host,
+                              .nonce = b->nonce, .ucx = b->ucx,
+                              .ucx_addrs = b->use_ucx ? b->ucx_addrs : NULL};
+  chorus_result_t st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
+  b->lfd = -1;
+  b->ucx = NULL;
+  if (st != CHORUS_OK)
+    return chorus__init_fail(st, "chorus rank %d/%d: connecting to the other ranks failed: %s",
+                             b->rank, b->size, err);
+  return CHORUS_OK;
+}
+
+/* What the steps made, when one failed. */
+static void build_abandon(world_build_t *b) {
+  if (b->ws) {
+    world_secret_done(b->ws);
+    free(b->ws);
   }
-  chorus__tp_config_t tcfg = {.rank = rank, .size = size, .key = &ws->key, .world_id = world_id,
-                              .listen_fd = lfd, .addrs = (const char *const *)addrs,
-                              .deadline = deadline, .retry_ms = (int)env->CONNECT_RETRY_MS,
-                              .fp_format = chorus__fp_format, .host = ctx->host, .nonce = nonce,
-                              .ucx = ucx, .ucx_addrs = use_ucx ? ucx_addrs : NULL};
-  st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
-  free(nonce);
-  free(ucx_addrs);
-  if (st != CHORUS_OK) {
-    chorus__init_fail(st, "chorus rank %d/%d: connecting to the other ranks failed: %s", rank, size, err);
-    goto fail;
+  free(b->nonce);
+  free(b->ucx_addrs);
+  chorus__ucx_worker_free(b->ucx);
+  if (b->lfd >= 0) close(b->lfd);
+  chorus__rdzv_free(b->addrs, b->size);
+  chorus__ctx_t *ctx = b->ctx;
+  if (ctx) {
+    if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
+    chorus__memreg_free(ctx->memreg);
+    free(ctx->host);
+    chorus_store_close(ctx->store);
+    chorus_store_server_stop(ctx->server);
+    pthread_mutex_destroy(&ctx->lock);
+    chorus__wipe(&ctx->key, sizeof ctx->key);
+    free(ctx);
   }
-  chorus__rdzv_free(addrs, size);
-  addrs = NULL;
-  world_secret_done(ws); /* every rank holds the key now */
-  free(ws);
-  ws = NULL;
+  free(b);
+}
+
+/* 7.  The communicator takes the context; b is freed either way. */
+static chorus_result_t build_comm(world_build_t *b, chorus_comm_t *out) {
+  const chorus_config_t *cfg = b->cfg;
+  chorus__ctx_t *ctx = b->ctx;
+  const int rank = b->rank, size = b->size, timeout_ms = b->timeout_ms;
+  /* What only init needed: every rank holds the key now. */
+  free(b->nonce);
+  free(b->ucx_addrs);
+  b->nonce = NULL, b->ucx_addrs = NULL;
+  chorus__rdzv_free(b->addrs, size);
+  b->addrs = NULL;
+  world_secret_done(b->ws);
+  free(b->ws);
+  b->ws = NULL;
   int *world = malloc(sizeof(int) * (size_t)size);
   if (!world) {
-    st = chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-    goto fail;
+    build_abandon(b);
+    return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   }
   for (int r = 0; r < size; r++) world[r] = r;
   chorus_comm_t comm;
   /* The set-up below still belongs to init: it runs under init's bound,
    * and the communicator gets its own timeout once it is ready. */
-  st = chorus__comm_create(ctx, 1, world, size, rank, init_ms, &comm);
+  chorus_result_t st = chorus__comm_create(ctx, 1, world, size, rank, b->init_ms, &comm);
   free(world);
   if (st != CHORUS_OK) {
-    chorus__init_fail(st, "chorus_comm_init: cannot create the communicator");
-    goto fail;
+    build_abandon(b);
+    return chorus__init_fail(st, "chorus_comm_init: cannot create the communicator");
   }
+  char addrs_mine[sizeof b->addrs_mine];
+  snprintf(addrs_mine, sizeof addrs_mine, "%s", b->addrs_mine);
+  free(b); /* the context is the communicator's now */
   comm->local_rank = cfg->local_rank;
   comm->local_size = cfg->local_world_size;
   st = chorus__apply_env_algos(comm);
@@ -607,20 +671,39 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   g_init_error[0] = '\0';
   *out = comm;
   return CHORUS_OK;
-fail:
-  if (ws) {
-    world_secret_done(ws);
-    free(ws);
-  }
-  chorus__rdzv_free(addrs, size);
-  if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
-  chorus__memreg_free(ctx->memreg);
-  free(ctx->host);
-  chorus_store_close(ctx->store);
-  chorus_store_server_stop(ctx->server);
-  pthread_mutex_destroy(&ctx->lock);
-  chorus__wipe(&ctx->key, sizeof ctx->key);
-  free(ctx);
+}
+
+/* Makes the world (the steps above).  *server, when not NULL, is the store
+ * this rank already serves (the launcher's key-value service published its
+ * port): the world takes it (*server becomes NULL) once it is past the
+ * argument checks.  secret_from, when not NULL, says where cfg->job_secret
+ * came from (a key-value exchange), for the log line that names the
+ * secret's source. */
+static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_t *job_key,
+                                  const char *join_base, chorus_store_server_t **server,
+                                  const char *secret_from, chorus_comm_t *out) {
+  chorus__log_init();
+  if (!out) return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: comm is NULL");
+  *out = NULL;
+  chorus_result_t st = check_config(cfg);
+  if (st != CHORUS_OK) return st;
+  world_build_t *b = calloc(1, sizeof *b);
+  if (!b) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  b->cfg = cfg;
+  b->lfd = -1;
+  st = build_begin(b, job_key, join_base);
+  if (st == CHORUS_OK) st = build_store(b, server);
+  if (st == CHORUS_OK && (secret_from || b->ws->from[0]))
+    /* Which secret this world runs on, never the secret: what a user (and
+     * tests/launcher, tests/python/torch) checks to see the job is not open. */
+    CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank %d/%d: job secret from %s", b->rank, b->size,
+                secret_from ? secret_from : b->ws->from);
+  if (st == CHORUS_OK) st = build_world_id(b);
+  if (st == CHORUS_OK) st = build_publish(b);
+  if (st == CHORUS_OK) st = build_records(b);
+  if (st == CHORUS_OK) st = build_transport(b);
+  if (st == CHORUS_OK) return build_comm(b, out);
+  build_abandon(b);
   return st;
 }
 
