@@ -278,6 +278,18 @@ def check_error_quotes():
     return fails
 
 
+def check_env_md():
+    gen = subprocess.run([os.path.join(BUILD, "chorusrun"), "--env-markdown"], capture_output=True,
+                         text=True).stdout
+    doc = open(os.path.join(SRC, "docs", "env.md"), encoding="utf-8").read()
+    if gen and doc.endswith(gen):
+        print("ok   docs/env.md's tables are chorusrun --env-markdown's")
+        return 0
+    print("FAIL docs/env.md: its tables are not what `build/chorusrun --env-markdown` prints "
+          "(regenerate them: that output replaces everything from the first table on)")
+    return 1
+
+
 def check_tour():
     readme = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
     a, b = readme.find("## Source tour"), readme.find("\n## ", readme.find("## Source tour") + 1)
@@ -405,6 +417,8 @@ def main():
     fails += check_error_quotes()
     # README's source tour names every file of src/ and python/chorus/.
     fails += check_tour()
+    # docs/env.md's tables are chorusrun --env-markdown's, as it says.
+    fails += check_env_md()
     # README's list of packages is scripts/deps.sh's.
     deps = open(os.path.join(SRC, "scripts", "deps.sh")).read()
     pkgs = set(re.findall(r"need\+=\(([a-z0-9][a-z0-9.+-]+)\)", deps))
