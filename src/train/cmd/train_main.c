@@ -29,6 +29,7 @@
 #include "chorus.h"
 #include "chorus_train.h"
 #include "opt.h"
+#include "../ckpt.h"    /* chorus__ckpt_file: a resumed checkpoint's name */
 #include "../runtime.h" /* chorus_ps_inject: --bad-push, a test knob */
 
 /* OpenBLAS's thread count (absent in other BLAS builds: then a no-op). */
@@ -582,14 +583,6 @@ static int loader_place(chorus_loader_t *ld, long epoch, size_t taken) {
 /* Every rank loads the newest usable checkpoint, whatever stage and number
  * of ranks wrote it; the sampler goes on from the same global position.
  * The step to start from, or -1 when a collective failed (reported). */
-/* 0 when dir/name exists (not followed if a link). */
-static int access_in(const char *dir, const char *name) {
-  char path[4200];
-  struct stat sb;
-  snprintf(path, sizeof path, "%s/%s", dir, name);
-  return lstat(path, &sb);
-}
-
 static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
   train_state_t ts;
   size_t len = 0;
@@ -622,12 +615,12 @@ static long resume(const opts_t *o, chorus_trainer_t *t, chorus_loader_t *ld) {
         "starts over\n", step);
     return step;
   }
-  /* The file's own name: an export may be named ckpt-6.bin by hand. */
-  char name[64];
-  snprintf(name, sizeof name, info.sharded ? "ckpt-%09ld" : "ckpt-%09ld.bin", step);
-  if (!info.sharded && access_in(o->ckpt_dir, name) != 0)
-    snprintf(name, sizeof name, "ckpt-%ld.bin", step);
-  say("resumed from %s/%s (saved by %d rank(s)%s%s, epoch %ld)\n", o->ckpt_dir, name,
+  /* The file's own name, as the runtime found it: an export may be named
+   * ckpt-6.bin by hand. */
+  char path[4200];
+  if (info.sharded) snprintf(path, sizeof path, "%s/ckpt-%09ld", o->ckpt_dir, step);
+  else chorus__ckpt_file(path, sizeof path, o->ckpt_dir, step);
+  say("resumed from %s (saved by %d rank(s)%s%s, epoch %ld)\n", path,
       (int)ts.world, info.sharded ? " at stage " : "",
       info.sharded ? (const char *[]){"0", "1", "2", "3"}[info.stage & 3] : "", (long)ts.epoch);
   return (long)ts.steps_done;
