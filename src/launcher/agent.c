@@ -117,7 +117,7 @@ static int named_worker(const job_t *job) {
       continue;
     int k = -1;
     for (int i = w->tail_count - 1; i >= 0 && k < 0; i--) {
-      const char *line = w->tail[(w->tail_next - w->tail_count + i + TAIL_LINES) % TAIL_LINES];
+      const char *line = tail_line(w, i);
       const char *t = line ? strstr(line, " timed out after ") : NULL;
       const char *q = t ? strstr(t, " ms ") : NULL;
       const char *n = q ? strstr(q, " rank ") : NULL;

@@ -365,6 +365,9 @@ void stream_drain(job_t *job, worker_t *w);
  * file). */
 void stream_close(job_t *job, worker_t *w, stream_t *s);
 void tail_clear(worker_t *w);
+/* The i-th of a worker's kept last lines, oldest first (i < tail_count);
+ * may be NULL. */
+const char *tail_line(const worker_t *w, int i);
 /* Prints the failure report of worker w (exit status, last lines). */
 void report_failure(job_t *job, worker_t *w);
 

@@ -258,7 +258,9 @@ void report_failure(job_t *job, worker_t *w) {
     return;
   }
   fprintf(stderr, "chorusrun: last %d output lines of rank %d:\n", w->tail_count, r);
-  int first = (w->tail_next - w->tail_count + TAIL_LINES) % TAIL_LINES;
-  for (int i = 0; i < w->tail_count; i++)
-    fprintf(stderr, "  | %s\n", w->tail[(first + i) % TAIL_LINES]);
+  for (int i = 0; i < w->tail_count; i++) fprintf(stderr, "  | %s\n", tail_line(w, i));
+}
+
+const char *tail_line(const worker_t *w, int i) {
+  return w->tail[(w->tail_next - w->tail_count + i + TAIL_LINES) % TAIL_LINES];
 }

@@ -1005,10 +1005,8 @@ void rdzv_failed(job_t *job, const worker_t *w, const char *why) {
                w->rank, job->node_rank, rz->id, (int)w->pid, f.code);
     }
     /* Its last lines, oldest first. */
-    for (int i = 0; i < w->tail_count; i++) {
-      int k = (w->tail_next - w->tail_count + i + TAIL_LINES) % TAIL_LINES;
-      if (w->tail[k]) rdzv_one_line(f.tail[f.ntail++], TAIL_LINE_MAX, w->tail[k]);
-    }
+    for (int i = 0; i < w->tail_count; i++)
+      if (tail_line(w, i)) rdzv_one_line(f.tail[f.ntail++], TAIL_LINE_MAX, tail_line(w, i));
   } else {
     snprintf(f.kind, sizeof f.kind, "error");
     f.code = EXIT_LAUNCHER;
