@@ -80,6 +80,13 @@ CHORUS_API chorus_result_t chorus_gpt_skip_layer(chorus_gpt_t *m, int layer, int
 /* Probabilities of the last forward: (B, T, vocab). */
 CHORUS_API const float *chorus_gpt_probs(const chorus_gpt_t *m);
 
+/* Generates n tokens after prompt (len >= 1 tokens) into out, each drawn
+ * from the model's distribution by a generator seeded with seed
+ * (splitmix64): the same weights, prompt and seed give the same tokens.
+ * The context is the last ctx tokens (a window that slides). */
+CHORUS_API chorus_result_t chorus_gpt_sample(chorus_gpt_t *m, const int *prompt, int len, int n,
+                                             uint64_t seed, int *out);
+
 /* Called during backward as soon as tensor i's gradient is complete (in
  * reverse order of the forward, the embeddings last) -- where DDP starts
  * reducing a bucket while the backward pass goes on. */
@@ -430,6 +437,26 @@ CHORUS_API chorus_result_t chorus_bpe_counter_merge(chorus_bpe_counter_t *into,
 CHORUS_API chorus_result_t chorus_bpe_train(const chorus_bpe_counter_t *c, int vocab_size,
                                             chorus_bpe_t **out, char *err, size_t errlen);
 
+/* ---------------------------------------------------------------- dataset
+ *
+ * A run's data with its vocabulary, as chorus-train opens it: the training
+ * split of spec and the validation split of val_spec (spec's when NULL),
+ * and the tokenizer -- the folder tokenizer, or, for token shards, the one
+ * that came with them (chorus_tokens_tokenizer_dir).  The vocabulary is
+ * vocab when not 0, else the tokenizer's, else 256 for text and GPT-2's
+ * 50257 for token files; a vocab smaller than the tokenizer's is refused.
+ * format: CHORUS_TOKENS_*. */
+typedef struct chorus_dataset {
+  chorus_tokens_t *train, *val;
+  chorus_bpe_t *bpe; /* NULL: no tokenizer */
+  int vocab;
+  char tokenizer[4096]; /* the tokenizer's folder, "" without */
+} chorus_dataset_t;
+CHORUS_API chorus_result_t chorus_dataset_open(const char *spec, const char *val_spec, int format,
+                                               int vocab, const char *tokenizer,
+                                               chorus_dataset_t *out);
+CHORUS_API void chorus_dataset_close(chorus_dataset_t *d);
+
 /* ------------------------------------------------------------------- DDP
  *
  * Data-parallel training over a communicator, like torch's
@@ -732,6 +759,39 @@ CHORUS_API chorus_result_t chorus_trainer_load(chorus_trainer_t *t, const char *
 CHORUS_API chorus_result_t chorus_trainer_export(chorus_trainer_t *t, const char *path, long step,
                                                  const void *extra, size_t extra_len);
 
+/* A run's checkpoints: chorus_trainer_save (and _export) with the
+ * loader's position as the extra bytes -- the epoch, the samples of it the
+ * whole world consumed, the data order's seed and length -- so that
+ * chorus_trainer_resume puts the loader on the very next sample, over the
+ * trainer's world whatever the world that saved it.  steps_done: the
+ * steps completed (the step to go on from). */
+CHORUS_API chorus_result_t chorus_trainer_save_run(chorus_trainer_t *t, const chorus_loader_t *ld,
+                                                   const char *dir, long steps_done, int keep);
+CHORUS_API chorus_result_t chorus_trainer_export_run(chorus_trainer_t *t,
+                                                     const chorus_loader_t *ld, const char *path,
+                                                     long steps_done);
+typedef struct chorus_resume {
+  long step;      /* the step to go on from: 0 without a checkpoint */
+  long ckpt_step; /* the checkpoint loaded, -1 when none was usable */
+  chorus_ckpt_info_t info;
+  int world;      /* the ranks that saved it; 0: its data position was not
+                   * taken (note says why) */
+  long epoch;     /* the data's epoch it resumed in */
+  int exact;      /* 1: the loader is on the next sample of the saved run */
+  char path[4200];  /* the checkpoint's folder or file */
+  char note[512];   /* why not exact (another data order, an unreadable
+                     * position: the order starts over), "" otherwise */
+} chorus_resume_t;
+/* Loads the newest usable checkpoint of dir into t (chorus_trainer_load)
+ * and places ld where the run that saved it stood: the same epoch and
+ * global position, re-sharded over this world.  A position in another
+ * data order (another dataset or seed) is not taken: that epoch starts
+ * over, and out->note says so.  Without a usable checkpoint the loader
+ * starts the data over, placed over the trainer's world (what a reload
+ * after a lost shard needs).  A collective; an error is a failed load. */
+CHORUS_API chorus_result_t chorus_trainer_resume(chorus_trainer_t *t, chorus_loader_t *ld,
+                                                 const char *dir, chorus_resume_t *out);
+
 /* When the last micro_step's forward started, its backward started and
  * ended (CLOCK_MONOTONIC ns). */
 CHORUS_API void chorus_trainer_pass_times(const chorus_trainer_t *t, int64_t ns[3]);
@@ -848,6 +908,28 @@ typedef struct chorus_elastic_stats {
   double last_recovery_s; /* the last recovery, from the failure seen to its end */
 } chorus_elastic_stats_t;
 CHORUS_API void chorus_elastic_get_stats(const chorus_elastic_t *e, chorus_elastic_stats_t *s);
+
+/* ------------------------------------------------------------------ trace
+ *
+ * A run's timeline for Perfetto or chrome://tracing: each rank records
+ * complete events (lane 0: compute, 1: collectives) in CLOCK_MONOTONIC ns
+ * (chorus_trace_now), chorus_trace_step adds a step's collectives as the
+ * trainer timed them (DDP's buckets; sharded: each unit's gathers,
+ * reductions and compute), and chorus_trace_write (a collective) puts
+ * every rank's events on rank 0's clock -- exact on rank 0's host,
+ * estimated by the shortest of 16 round trips elsewhere (ping: on every
+ * rank), the bound written with each rank -- and rank 0 writes one file.
+ * Names are kept as pointers: give strings that outlive the trace.  At
+ * most a million events a rank; more are dropped. */
+typedef struct chorus_trace chorus_trace_t;
+CHORUS_API chorus_result_t chorus_trace_create(chorus_trace_t **out);
+CHORUS_API void chorus_trace_destroy(chorus_trace_t *tr);
+CHORUS_API int64_t chorus_trace_now(void);
+CHORUS_API void chorus_trace_add(chorus_trace_t *tr, const char *name, int lane, int step,
+                                 int bucket, int64_t t0_ns, int64_t t1_ns, size_t bytes);
+CHORUS_API void chorus_trace_step(chorus_trace_t *tr, chorus_trainer_t *t, long step);
+CHORUS_API chorus_result_t chorus_trace_write(chorus_trace_t *tr, chorus_comm_t comm, int ping,
+                                              const char *path);
 
 /* ---------------------------------------------- asynchronous data parallel
  *

@@ -325,6 +325,59 @@ const chorus_gpt_tensor_t *chorus_gpt_tensor(const chorus_gpt_t *m, int i) {
   return i >= 0 && i < m->ntensors ? &m->tensors[i] : NULL;
 }
 const float *chorus_gpt_probs(const chorus_gpt_t *m) { return m->probs; }
+
+/* A 64-bit mixer (splitmix64): the sampler's generator. */
+static uint64_t sample_mix(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+chorus_result_t chorus_gpt_sample(chorus_gpt_t *m, const int *prompt, int len, int n,
+                                  uint64_t seed, int *out) {
+  const int T = m->cfg.ctx, V = m->cfg.vocab;
+  if (!prompt || len < 1 || n < 0 || (n && !out))
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_gpt_sample: give a prompt of 1 token or more and room "
+                              "for n >= 0 tokens");
+  for (int i = 0; i < len; i++)
+    if (prompt[i] < 0 || prompt[i] >= V)
+      return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                                "chorus_gpt_sample: prompt token %d is %d, outside the "
+                                "vocabulary [0, %d)", i, prompt[i], V);
+  int *ctx = malloc(sizeof(int) * (size_t)T);
+  if (!ctx)
+    return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_gpt_sample: no memory for %d tokens",
+                              T);
+  /* The context: the prompt's last T tokens, then a window that slides. */
+  int have = len < T ? len : T;
+  memcpy(ctx, prompt + (len - have), sizeof(int) * (size_t)have);
+  uint64_t s = seed;
+  chorus_result_t st = CHORUS_OK;
+  for (int i = 0; i < n && st == CHORUS_OK; i++) {
+    if ((st = chorus_gpt_forward(m, ctx, NULL, 1, have, NULL)) != CHORUS_OK) break;
+    const float *p = m->probs + (size_t)(have - 1) * V;
+    double r = (double)(sample_mix(&s) >> 11) / 9007199254740992.0, acc = 0;
+    int next = V - 1;
+    for (int v = 0; v < V; v++) {
+      acc += p[v];
+      if (r < acc) {
+        next = v;
+        break;
+      }
+    }
+    out[i] = next;
+    if (have < T) {
+      ctx[have++] = next;
+    } else {
+      memmove(ctx, ctx + 1, sizeof(int) * (size_t)(T - 1));
+      ctx[T - 1] = next;
+    }
+  }
+  free(ctx);
+  return st;
+}
 void chorus_gpt_zero_grad(chorus_gpt_t *m) {
   if (m->grads) {
     memset(m->grads, 0, sizeof(float) * m->nparams);

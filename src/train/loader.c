@@ -349,3 +349,5 @@ long chorus_loader_epoch(const chorus_loader_t *l) { return l->epoch; }
 size_t chorus_loader_taken(const chorus_loader_t *l) { return l->taken; }
 size_t chorus_loader_len(const chorus_loader_t *l) { return chorus_sampler_len(l->sp); }
 size_t chorus_loader_sequences(const chorus_loader_t *l) { return l->nseq; }
+
+uint64_t chorus__loader_seed(const chorus_loader_t *l) { return l->cfg.seed; }

@@ -52,6 +52,14 @@ static inline size_t chorus__slice(size_t count, int n, int r, size_t *lo, size_
  * 0's slice (3).  Not part of the library's API. */
 void chorus_ps_inject(chorus_ps_t *ps, int fault);
 
+/* The data order's seed of a loader (loader.c): a run's checkpoint keeps
+ * it with the position (resume.c). */
+uint64_t chorus__loader_seed(const chorus_loader_t *l);
+
+/* Testing (chorus-train --clock-skew-ms): every time this rank records
+ * runs ns ahead (trace.c). */
+void chorus__trace_skew(chorus_trace_t *tr, int64_t ns);
+
 /* The optimizer's state in place: the step count and the arrays (m; v
  * for AdamW, else NULL) of n floats. */
 void chorus__optim_raw(chorus_optim_t *o, long **t, float **m, float **v, size_t *n);
