@@ -10,6 +10,12 @@
  * it; leave them out for a quiet run).  Rank 0 prints the losses, the
  * recovery, and the final loss of the 3 survivors.
  *
+ * With CKPT_DIR set, the loop also keeps a checkpoint there every 4 steps
+ * (the model, the optimizer and the data's position) and a new run goes
+ * on from the newest, on the very next sample, at any stage and on any
+ * number of ranks; STOP_AT=N ends the run after step N, as a job out of
+ * time would.
+ *
  * The peak learning rate is 1e-3.  At 3e-3 this small model's loss jumped
  * once, from 3.7 to 7.7 at step 6 on 4 ranks, and fell back to 3.5 at
  * step 7 -- on one rank with the same global batch too, so not the
@@ -72,12 +78,28 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s\n", chorus_train_last_error());
     return 1;
   }
+  /* A run that goes on from where another stopped (CKPT_DIR). */
+  const char *ckpt = getenv("CKPT_DIR");
+  const long stop_at = getenv("STOP_AT") ? atol(getenv("STOP_AT")) : -1;
+  long start = 0;
+  if (ckpt) {
+    chorus_resume_t rs;
+    if (chorus_trainer_resume(t, ld, ckpt, &rs) != CHORUS_OK) {
+      fprintf(stderr, "rank %d: resuming: %s\n", chorus_comm_rank(comm), chorus_train_last_error());
+      chorus_comm_abort(comm);
+      return 1;
+    }
+    if (chorus_comm_rank(comm) == 0 && rs.ckpt_step >= 0)
+      printf("resumed from %s at step %ld%s%s\n", rs.path, rs.step, rs.note[0] ? ": " : "",
+             rs.note);
+    start = rs.step;
+  }
   const int world0 = chorus_comm_size(comm);
   int *tok = malloc(sizeof(int) * BATCH * model.ctx);
   int *tgt = malloc(sizeof(int) * BATCH * model.ctx);
   size_t idx[BATCH];
   float loss = 0;
-  for (long step = 0; step < STEPS;) {
+  for (long step = start; step < STEPS && (stop_at < 0 || step <= stop_at);) {
     comm = chorus_elastic_comm(e); /* the survivors' after a recovery */
     const int rank = chorus_comm_rank(comm);
     if (step == kill_step && rank == kill_rank && chorus_comm_size(comm) == world0)
@@ -99,6 +121,8 @@ int main(int argc, char **argv) {
     }
     if (st == CHORUS_OK) /* the loss every rank saw, averaged */
       st = chorus_all_reduce(comm, &loss, &loss, 1, CHORUS_FLOAT32, CHORUS_AVG, NULL);
+    if (st == CHORUS_OK && ckpt && (step + 1) % 4 == 0) /* steps 0..step are done */
+      st = chorus_trainer_save_run(t, ld, ckpt, step + 1, 2);
     if (st != CHORUS_OK) {
       /* A rank died (or its host went away): go on from memory. */
       if (chorus_elastic_recover(e, &step) != CHORUS_OK) {
