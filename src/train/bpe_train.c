@@ -371,6 +371,86 @@ static int add_token(trainer_t *T, size_t id, const uint8_t *p, size_t n, const 
   return chorus__bpe_tokset_add(&T->set, T->blob, T->off, (uint32_t)id);
 }
 
+/* The words: the distinct pieces of two or more bytes (total bytes) as
+ * byte ids, their pairs counted and pushed; -1 when out of memory. */
+static int make_words(trainer_t *T, const chorus_bpe_counter_t *c, const uint32_t byte_id[256],
+                      size_t total) {
+  T->wtok = malloc((total ? total : 1) * sizeof *T->wtok);
+  T->wlen = malloc((T->nwords + 1) * sizeof *T->wlen);
+  T->wstamp = calloc(T->nwords + 1, sizeof *T->wstamp);
+  T->woff = malloc((T->nwords + 1) * sizeof *T->woff);
+  T->wcnt = malloc((T->nwords + 1) * sizeof *T->wcnt);
+  T->pmask = 1023;
+  T->ptab = calloc(T->pmask + 1, sizeof *T->ptab);
+  if (!T->wtok || !T->wlen || !T->wstamp || !T->woff || !T->wcnt || !T->ptab) return -1;
+  {
+    size_t w = 0, o = 0;
+    for (size_t k = 0; k <= c->mask; k++) {
+      const count_slot_t *s = &c->slot[k];
+      if (!s->count || s->len < 2) continue;
+      T->woff[w] = o;
+      T->wlen[w] = s->len;
+      T->wcnt[w] = s->count > INT64_MAX / 2 ? INT64_MAX / 2 : (int64_t)s->count;
+      for (size_t i = 0; i < s->len; i++) T->wtok[o + i] = byte_id[c->arena[s->off + i]];
+      for (size_t i = 0; i + 1 < s->len; i++)
+        pair_add(T, T->wtok[o + i], T->wtok[o + i + 1], T->wcnt[w], (uint32_t)w);
+      o += s->len;
+      w++;
+    }
+  }
+  if (T->oom || push_touched(T)) return -1;
+  return 0;
+}
+
+/* Makes up to want merges into ma and mb, the most frequent pair first;
+ * *made: how many.  -1 when out of memory. */
+static int make_merges(trainer_t *T, size_t want, uint32_t *ma, uint32_t *mb, size_t *made_out) {
+  size_t made = 0;
+  uint8_t cat[BPE_MAX_TOKEN];
+  while (made < want && T->nheap) {
+    hent_t top = hpop(T);
+    pair_t *q = &T->pairs[top.p];
+    if (q->dead) continue;
+    if (top.cnt != q->cnt) { /* stale: counts only fall */
+      if (q->cnt > 0 && hpush(T, top.p)) return -1;
+      continue;
+    }
+    uint32_t a = q->a, b = q->b;
+    size_t la = T->off[a + 1] - T->off[a], lb = T->off[b + 1] - T->off[b];
+    q->dead = 1;
+    if (la + lb > BPE_MAX_TOKEN) continue;
+    memcpy(cat, T->blob + T->off[a], la);
+    memcpy(cat + la, T->blob + T->off[b], lb);
+    if (chorus__bpe_tokset_find(&T->set, T->blob, T->off, cat, la + lb) >= 0)
+      continue; /* spelt already */
+    uint32_t id = 256 + (uint32_t)made;
+    if (add_token(T, id, cat, la + lb, NULL, 0)) return -1;
+    ma[made] = a;
+    mb[made] = b;
+    made++;
+    T->step = (uint32_t)made + 1; /* merge made - 1 */
+    T->cur_a = a;
+    T->cur_b = b;
+    /* q's word list is not appended to while it is merged ((a, b) gains
+     * nothing), but T->pairs may move: hold the list itself. */
+    uint32_t *words = q->words, nw = q->nw;
+    for (uint32_t k = 0; k < nw; k++) {
+      uint32_t w = words[k];
+      if (T->wstamp[w] == T->step) continue;
+      T->wstamp[w] = T->step;
+      merge_word(T, w, a, b, id);
+    }
+    q = &T->pairs[top.p];
+    q->cnt = 0;
+    free(q->words);
+    q->words = NULL;
+    q->nw = q->cw = 0;
+    if (T->oom || push_touched(T)) return -1;
+  }
+  *made_out = made;
+  return 0;
+}
+
 chorus_result_t chorus_bpe_train(const chorus_bpe_counter_t *c, int vocab_size,
                                  chorus_bpe_t **out, char *err, size_t errlen) {
   if (out) *out = NULL;
@@ -409,80 +489,17 @@ chorus_result_t chorus_bpe_train(const chorus_bpe_counter_t *c, int vocab_size,
                           "chorus_bpe_train: %zu distinct pieces (at most 4G)", T.nwords);
     goto fail;
   }
-  T.wtok = malloc((total ? total : 1) * sizeof *T.wtok);
-  T.wlen = malloc((T.nwords + 1) * sizeof *T.wlen);
-  T.wstamp = calloc(T.nwords + 1, sizeof *T.wstamp);
-  T.woff = malloc((T.nwords + 1) * sizeof *T.woff);
-  T.wcnt = malloc((T.nwords + 1) * sizeof *T.wcnt);
-  T.pmask = 1023;
-  T.ptab = calloc(T.pmask + 1, sizeof *T.ptab);
-  if (!T.wtok || !T.wlen || !T.wstamp || !T.woff || !T.wcnt || !T.ptab) goto nomem;
-  {
-    size_t w = 0, o = 0;
-    for (size_t k = 0; k <= c->mask; k++) {
-      const count_slot_t *s = &c->slot[k];
-      if (!s->count || s->len < 2) continue;
-      T.woff[w] = o;
-      T.wlen[w] = s->len;
-      T.wcnt[w] = s->count > INT64_MAX / 2 ? INT64_MAX / 2 : (int64_t)s->count;
-      for (size_t i = 0; i < s->len; i++) T.wtok[o + i] = byte_id[c->arena[s->off + i]];
-      for (size_t i = 0; i + 1 < s->len; i++)
-        pair_add(&T, T.wtok[o + i], T.wtok[o + i + 1], T.wcnt[w], (uint32_t)w);
-      o += s->len;
-      w++;
-    }
-  }
-  if (T.oom || push_touched(&T)) goto nomem;
+  if (make_words(&T, c, byte_id, total)) goto nomem;
 
   /* Merges. */
   size_t made = 0;
-  uint8_t cat[BPE_MAX_TOKEN];
   uint32_t *ma = malloc((want + 1) * sizeof *ma), *mb = malloc((want + 1) * sizeof *mb);
   if (!ma || !mb) {
     free(ma);
     free(mb);
     goto nomem;
   }
-  while (made < want && T.nheap) {
-    hent_t top = hpop(&T);
-    pair_t *q = &T.pairs[top.p];
-    if (q->dead) continue;
-    if (top.cnt != q->cnt) { /* stale: counts only fall */
-      if (q->cnt > 0 && hpush(&T, top.p)) goto nomem_m;
-      continue;
-    }
-    uint32_t a = q->a, b = q->b;
-    size_t la = T.off[a + 1] - T.off[a], lb = T.off[b + 1] - T.off[b];
-    q->dead = 1;
-    if (la + lb > BPE_MAX_TOKEN) continue;
-    memcpy(cat, T.blob + T.off[a], la);
-    memcpy(cat + la, T.blob + T.off[b], lb);
-    if (chorus__bpe_tokset_find(&T.set, T.blob, T.off, cat, la + lb) >= 0)
-      continue; /* spelt already */
-    uint32_t id = 256 + (uint32_t)made;
-    if (add_token(&T, id, cat, la + lb, NULL, 0)) goto nomem_m;
-    ma[made] = a;
-    mb[made] = b;
-    made++;
-    T.step = (uint32_t)made + 1; /* merge made - 1 */
-    T.cur_a = a;
-    T.cur_b = b;
-    /* q's word list is not appended to while it is merged ((a, b) gains
-     * nothing), but T.pairs may move: hold the list itself. */
-    uint32_t *words = q->words, nw = q->nw;
-    for (uint32_t k = 0; k < nw; k++) {
-      uint32_t w = words[k];
-      if (T.wstamp[w] == T.step) continue;
-      T.wstamp[w] = T.step;
-      merge_word(&T, w, a, b, id);
-    }
-    q = &T.pairs[top.p];
-    q->cnt = 0;
-    free(q->words);
-    q->words = NULL;
-    q->nw = q->cw = 0;
-    if (T.oom || push_touched(&T)) goto nomem_m;
-  }
+  if (make_merges(&T, want, ma, mb, &made)) goto nomem_m;
   if (made < want) {
     free(ma);
     free(mb);
