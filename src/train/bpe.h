@@ -1,5 +1,6 @@
 /*
- * bpe.h - internals of the tokenizer (bpe.c) that its tests use.
+ * bpe.h - internals of the tokenizer that its tests use: the pre-split of
+ * bpe_scan.c.  What only the tokenizer's files share is bpe_internal.h.
  */
 #ifndef CHORUS_TRAIN_BPE_H
 #define CHORUS_TRAIN_BPE_H
