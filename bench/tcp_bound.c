@@ -154,7 +154,7 @@ static double transfer(struct side *s, int is_server) {
   return now_s() - t0;
 }
 
-/* The socket buffers chorus's TCP channel asks for (src/transport/tcp.c),
+/* The socket buffers chorus's TCP channel asks for (src/transport/tcp_connect.c),
  * set before connecting so the window scale allows them. */
 static void set_bufs(int fd) {
   int sz = 4 << 20;

@@ -1,6 +1,6 @@
 /*
  * fuzz_handshake - the data port's acceptor check of a connect message
- * (tcp.c: hs_verify through chorus__tp_fuzz_handshake).  The store's
+ * (tcp_handshake.c: chorus__tcp_hs_verify through chorus__tp_fuzz_handshake).  The store's
  * server-side handshake is fuzzed by fuzz_store (modes 0 and 1).
  *
  * Connect message (76 bytes, docs/design.md "Authentication"):
@@ -56,7 +56,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   return 0;
 }
 
-/* What tcp.c's hs_mac computes, written from the protocol's description. */
+/* What tcp_handshake.c's chorus__tcp_hs_mac computes, written from the protocol's description. */
 static void connect_mac(const chorus__key_t *key, uint32_t connector, uint32_t acceptor,
                         uint32_t v, const uint8_t *nc, uint8_t mac[CHORUS__MAC_LEN]) {
   static const char label[] = "chorus data connect"; /* with its NUL */

@@ -1,5 +1,5 @@
 /*
- * fuzz_tcp_recv - the TCP transport's receive path (tcp.c: read_conn,
+ * fuzz_tcp_recv - the TCP transport's receive path (tcp_io.c: chorus__tcp_read_stream,
  * on_header, route_data, the unexpected-message list, the receive budget,
  * ABORT/BYE/PING handling, fingerprint and length checks).
  *
@@ -32,7 +32,7 @@
  *   rest     the byte stream from world rank 1; if it contains the 8-byte
  *            marker "#rank2#\n", what follows is world rank 2's stream.
  *            If rank 1's stream contains "#piece#\n" (and bit 6 is clear),
- *            rank 1 has a piece connection to this rank (tcp.c): what
+ *            rank 1 has a piece connection to this rank (tcp_io.c): what
  *            follows the marker is that connection's stream of pieces (PART
  *            headers + bytes); the part before it may carry HEADs.  The streams are fed in alternating chunks.  Each is a
  *            sequence of messages: 56-byte header (transport/wire.h) +

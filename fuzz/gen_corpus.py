@@ -4,7 +4,7 @@ valid messages of each format, so the fuzzers start from the real layouts.
 
     python3 fuzz/gen_corpus.py        # rewrites fuzz/corpus/
 
-The formats: src/transport/wire.h (message header), tcp.c (connect
+The formats: src/transport/wire.h (message header), tcp_connect.c and tcp_handshake.c (connect
 message), src/store/store.h and store_proto.h (store frames).  The input
 layouts (leading flag bytes) are described at the top of each harness.
 Only the generated seeds live in fuzz/corpus/; the fuzz runs work on copies
@@ -56,7 +56,7 @@ PIECE = b"#piece#\n"
 
 
 def part_msg(msg, off, length, payload=b""):
-    """A piece of message msg (tcp.c's piece connections): its header and
+    """A piece of message msg (tcp_io.c's piece connections): its header and
     the first bytes of it."""
     return hdr(PART, 0, msg, off, 0, 0, 0, 0, 0, 0, 0, 0, length) + payload
 

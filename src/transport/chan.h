@@ -1,6 +1,6 @@
 /*
  * chan.h - between the endpoint layer (endpoint.c) and the channels that
- * move its bytes (tcp.c, ...).  Internal to src/transport/.
+ * move its bytes (tcp.c, shm_chan.c, ucx.c).  Internal to src/transport/.
  *
  * The endpoint layer owns everything that does not depend on how bytes
  * travel: endpoints, matching of messages to receives, the buffer for
@@ -79,7 +79,7 @@ typedef struct chorus__tx {
   chorus__req_t *req;  /* completed when written; NULL for control */
   chorus__ep_t *ep;    /* owner, for detaching on failure; NULL for control */
   char *owned;         /* payload copy owned by the item */
-  /* A message a channel cut into pieces (tcp.c) is several
+  /* A message a channel cut into pieces (tcp_io.c) is several
    * items: the whole (its request, its first piece) with pieces = how many
    * of its items are not yet written or lost, itself included, and one item
    * per other piece with whole pointing to it.  The request completes when
@@ -329,7 +329,7 @@ void chorus__tp_free(chorus__tp_t *tp);
  * this rank's; *out stays NULL when there is none.  Opened first. */
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                       chorus__chan_t **out, char *errmsg, size_t errcap);
-/* TCP (tcp.c): carries the peers no other channel carries, one connection
+/* TCP (tcp.c and its tcp_*.c): carries the peers no other channel carries, one connection
  * per pair made when the first message between them is sent, and
  * CHORUS_SOCKET_NSTREAMS more per rank and peer for the pieces of large
  * messages (the listener cfg->listen_fd accepts for as long as the channel

@@ -2,7 +2,7 @@
  * wire.h - the message header of the TCP transport: its byte layout, its
  * encoding and decoding, and the checks every received header must pass
  * before the transport acts on it.  Pure code (no I/O, no state), shared by
- * tcp.c and tests/unit/test_wire.c.
+ * tcp_io.c and tests/unit/test_wire.c.
  *
  * Wire format of every message: a 56-byte header followed by `len` payload
  * bytes.  Every field is little-endian, whatever the host.
@@ -96,7 +96,7 @@ void chorus__wire_decode(const uint8_t *p, chorus__wire_hdr_t *h);
  * header", "unknown message type").  A header that fails them is a
  * protocol violation: the transport closes the connection.  The checks that
  * need state (is the sender a member of the endpoint, is the call the one
- * this rank executes) are tcp.c's. */
+ * this rank executes) are the endpoint's and tcp_io.c's. */
 const char *chorus__wire_check(const chorus__wire_hdr_t *h);
 
 /* How a message of len bytes is cut for k connections: the number of

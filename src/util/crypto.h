@@ -14,7 +14,7 @@
  *     costs an attacker that much per guess and tables cannot be shared
  *     between jobs.
  * Connections then prove knowledge of the key with HMAC-SHA256 over fresh
- * nonces from both sides (store.h, tcp.c), and CHORUS_ENCRYPT derives per
+ * nonces from both sides (store.h, tcp_handshake.c), and CHORUS_ENCRYPT derives per
  * connection AES-256-GCM keys from the key and both nonces with HKDF.
  */
 #ifndef CHORUS_UTIL_CRYPTO_H

@@ -123,7 +123,7 @@ static int connected_peers(unsigned long long *mask) {
   return n;
 }
 
-/* Piece connections per rank and peer (CHORUS_SOCKET_NSTREAMS, as tcp.c
+/* Piece connections per rank and peer (CHORUS_SOCKET_NSTREAMS, as tcp_connect.c
  * clamps it). */
 static int streams_per_pair(void) {
   const char *v = getenv("CHORUS_SOCKET_NSTREAMS");

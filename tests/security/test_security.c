@@ -214,7 +214,7 @@ static int rank_addr(int r, char *host, int *port) {
 }
 
 
-/* The data handshake's MAC, computed the way tcp.c does (a connecting
+/* The data handshake's MAC, computed the way tcp_handshake.c does (a connecting
  * rank's proof, or an accepting rank's with accept_side). */
 static void data_mac(const chorus__key_t *key, int accept_side, uint64_t world, uint32_t c,
                      uint32_t a, uint32_t v, const uint8_t *na, const uint8_t *nc, uint8_t *mac) {

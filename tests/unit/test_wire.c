@@ -2,7 +2,7 @@
  * test_wire.c - the TCP message header of src/transport/wire.{h,c}: encoding
  * and decoding, the byte layout (little-endian fields at fixed offsets, as
  * documented in wire.h), and chorus__wire_check, the stateless validation
- * tcp.c's on_header applies to every received header before acting on it.
+ * tcp_io.c applies to every received header before acting on it.
  *
  * Round trips use pseudo-random headers (every field drawn from all of its
  * bits); the layout test checks single bytes of a header whose every field
@@ -388,7 +388,7 @@ TEST(check_random_against_reference) {
   ASSERT_TRUE(accepted > 1000);
 }
 
-/* A piece header as tcp.c writes one: every field zero but the message
+/* A piece header as tcp_io.c writes one: every field zero but the message
  * number, the offset and the length. */
 TEST(check_part) {
   hdr_t h;
