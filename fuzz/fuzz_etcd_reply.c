@@ -1,8 +1,8 @@
 /*
  * fuzz_etcd_reply - what chorusrun's etcd client makes of a reply body
- * (src/launcher/kv_etcd.c): jansson's strict parse of the whole body, then
- * the value of a /v3/kv/range reply (kvs[0].value, canonical base64, no NUL
- * byte).  The HTTP around the body is libcurl's.
+ * (src/launcher/kv_etcd_codec.c): jansson's strict parse of the whole body,
+ * then the value of a /v3/kv/range reply (kvs[0].value, canonical base64, no
+ * NUL byte).  The HTTP around the body is libcurl's.
  *
  * The input is the body.  Requirements: 1 comes with a NUL-terminated value
  * that is valid base64 of itself (it is re-encoded and must decode the same

@@ -3,7 +3,7 @@
  * backend): get, put, compare-and-set and delete-by-prefix on an etcd v3
  * cluster through its JSON gateway (POST /v3/kv/range, /v3/kv/put,
  * /v3/kv/txn, /v3/kv/deleterange), over HTTP or HTTPS with libcurl, replies
- * read with jansson.
+ * read with jansson (base64 and the replies' JSON: kv_etcd_codec.c).
  *
  * Why these libraries: libcurl brings TLS with certificate checks and
  * client certificates, keep-alive, proxies and timeouts, all of it used by
@@ -74,12 +74,11 @@
  * "etcdserver: authentication failed, invalid user ID or password", an
  * expired token "etcdserver: invalid auth token".
  */
-#include "launcher/launcher.h"
+#include "launcher/kv_etcd.h"
 
 #include <curl/curl.h>
 #include <errno.h>
 #include <jansson.h>
-#include <openssl/evp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,7 +98,6 @@
 #define REFUSED_WINDOW_MS 1000
 #define DEFAULT_CALL_MS 5000
 #define WHY_CAP 300 /* one endpoint's last failure */
-#define SHOWN 100   /* bytes of a bad reply quoted */
 #define TOKEN_MAX 4096
 
 typedef struct {
@@ -109,12 +107,6 @@ typedef struct {
   int bad;                  /* answered wrongly in the current call: skipped */
   int refused;              /* its last attempt found nothing listening */
 } endpoint_t;
-
-typedef struct {
-  char *b;
-  size_t len, cap;
-  int over; /* more than REPLY_MAX arrived: the transfer was stopped */
-} rbuf_t;
 
 typedef struct {
   kv_t base;
@@ -158,79 +150,6 @@ static int set_why(endpoint_t *ep, int rc, const char *fmt, ...) {
   vsnprintf(ep->why, sizeof ep->why, fmt, ap);
   va_end(ap);
   return rc;
-}
-
-/* Copies up to SHOWN bytes of untrusted text for a message: anything not
- * printable ASCII (or a double quote) becomes '?', "..." marks a cut. */
-static const char *shown(char *out, size_t cap, const char *s, size_t n) {
-  size_t o = 0, lim = CHORUS__MIN(n, (size_t)SHOWN);
-  for (size_t i = 0; i < lim && o + 4 < cap; i++) {
-    unsigned char c = (unsigned char)s[i];
-    out[o++] = c >= 0x20 && c < 0x7f && c != '"' ? (char)c : '?';
-  }
-  if (n > lim && o + 4 < cap) {
-    memcpy(out + o, "...", 3);
-    o += 3;
-  }
-  out[o] = '\0';
-  return out;
-}
-
-/* ---------------------------------------------------------------- base64
- * Encoding by libcrypto; decoding here, because EVP_DecodeBlock skips
- * whitespace and does not check padding or unused bits, and a value that
- * is not exactly what etcd writes is a malformed reply. */
-
-static int b64_val(unsigned char c) {
-  if (c >= 'A' && c <= 'Z') return c - 'A';
-  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-  if (c >= '0' && c <= '9') return c - '0' + 52;
-  if (c == '+') return 62;
-  if (c == '/') return 63;
-  return -1;
-}
-
-/* Decodes canonical padded base64 into out (room for n / 4 * 3 bytes): the
- * length, or -1 (length, alphabet, padding, unused bits). */
-static long b64_decode(const char *s, size_t n, unsigned char *out) {
-  if (n % 4) return -1;
-  size_t o = 0;
-  for (size_t i = 0; i < n; i += 4) {
-    int pad = 0, v[4];
-    for (int j = 0; j < 4; j++) {
-      unsigned char c = (unsigned char)s[i + j];
-      if (c == '=' && i + 4 == n && j >= 2) {
-        if (j == 2 && s[i + 3] != '=') return -1;
-        v[j] = 0;
-        pad++;
-        continue;
-      }
-      if (pad || (v[j] = b64_val(c)) < 0) return -1;
-    }
-    uint32_t x = (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
-    if ((pad == 1 && (x & 0xff)) || (pad == 2 && (x & 0xffff))) return -1;
-    out[o++] = (unsigned char)(x >> 16);
-    if (pad < 2) out[o++] = (unsigned char)(x >> 8);
-    if (pad < 1) out[o++] = (unsigned char)x;
-  }
-  return (long)o;
-}
-
-/* The JSON string base64(a b), or NULL (out of memory). */
-static json_t *b64_json(const char *a, const char *b) {
-  size_t al = strlen(a), bl = strlen(b), n = al + bl;
-  unsigned char *raw = malloc(n + 1);
-  char *enc = malloc((n + 2) / 3 * 4 + 1);
-  json_t *j = NULL;
-  if (raw && enc) {
-    memcpy(raw, a, al);
-    memcpy(raw + al, b, bl);
-    int el = EVP_EncodeBlock((unsigned char *)enc, raw, (int)n);
-    j = json_stringn(enc, (size_t)el);
-  }
-  free(raw);
-  free(enc);
-  return j;
 }
 
 /* ------------------------------------------------------------- endpoints */
@@ -337,32 +256,6 @@ static size_t on_body(char *p, size_t size, size_t nmemb, void *arg) {
   r->len += n;
   r->b[r->len] = '\0';
   return n;
-}
-
-/* The body as JSON, or NULL when it is not an object. */
-static json_t *parse_body(const rbuf_t *r, json_error_t *je) {
-  json_t *root = json_loadb(r->len ? r->b : "", r->len, JSON_REJECT_DUPLICATES, je);
-  if (root && !json_is_object(root)) {
-    snprintf(je->text, sizeof je->text, "not an object");
-    json_decref(root);
-    root = NULL;
-  }
-  return root;
-}
-
-/* The message of an error reply: etcd's "message" (or "error") when the
- * body is JSON with one, else the body's beginning. */
-static const char *error_text(const rbuf_t *r, char *out, size_t cap) {
-  json_error_t je;
-  json_t *root = parse_body(r, &je);
-  json_t *m = root ? json_object_get(root, "message") : NULL;
-  if (!json_is_string(m) && root) m = json_object_get(root, "error");
-  if (json_is_string(m))
-    shown(out, cap, json_string_value(m), json_string_length(m));
-  else
-    shown(out, cap, r->len ? r->b : "", r->len);
-  json_decref(root);
-  return out;
 }
 
 /* ------------------------------------------------------------- requests */
@@ -481,11 +374,11 @@ static int reply(kv_etcd_t *k, CURL *c, endpoint_t *ep, const char *path, json_t
   curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
   if (status == 200) {
     json_error_t je;
-    if ((*root = parse_body(&k->r, &je))) return A_OK;
+    if ((*root = etcd_parse_body(&k->r, &je))) return A_OK;
     return set_why(ep, A_BAD, "malformed JSON in the reply to %s (%s): \"%s\"", path, je.text,
-                   shown(q, sizeof q, k->r.len ? k->r.b : "", k->r.len));
+                   etcd_shown(q, sizeof q, k->r.len ? k->r.b : "", k->r.len));
   }
-  error_text(&k->r, q, sizeof q);
+  etcd_error_text(&k->r, q, sizeof q);
   if (status >= 500) return set_why(ep, A_RETRY, "HTTP %ld: %s", status, q);
   if (status == 404 || status == 405)
     return set_why(ep, A_BAD,
@@ -725,68 +618,19 @@ static int value_ok(kv_etcd_t *k, const char *key, const char *val) {
   return 0;
 }
 
-static int range_of(const json_t *r, char **val, char *err, size_t cap) {
-  *val = NULL;
-  json_t *kvs = json_object_get(r, "kvs"), *kv0 = json_array_get(kvs, 0);
-  if (!kvs) return 0;
-  if (!json_is_array(kvs) || (json_array_size(kvs) && !json_is_object(kv0))) {
-    snprintf(err, cap, "kvs is not a list of objects");
-    return -1;
-  }
-  if (json_array_size(kvs) == 0) return 0;
-  json_t *v = json_object_get(kv0, "value");
-  if (!v) { /* left out: empty */
-    *val = calloc(1, 1);
-    if (!*val) snprintf(err, cap, "out of memory");
-    return *val ? 1 : -1;
-  }
-  if (!json_is_string(v)) {
-    snprintf(err, cap, "the value is not a string");
-    return -1;
-  }
-  size_t len = json_string_length(v);
-  unsigned char *out = malloc(len / 4 * 3 + 1);
-  long vl = out ? b64_decode(json_string_value(v), len, out) : -1;
-  if (vl < 0 || memchr(out, '\0', (size_t)vl)) {
-    snprintf(err, cap, "%s",
-             !out     ? "out of memory"
-             : vl < 0 ? "the value is not valid base64"
-                      : "the value is not text (a NUL byte inside): not chorusrun's");
-    free(out);
-    return -1;
-  }
-  out[vl] = '\0';
-  *val = (char *)out;
-  return 1;
-}
-
 /* The value in kvs[0] of the range reply r: 1 (*val), 0 no key, -1 (err). */
 static int range_value(kv_etcd_t *k, const json_t *r, const char *key, const char *what,
                        char **val) {
   char why[128];
-  int rc = range_of(r, val, why, sizeof why);
+  int rc = etcd_range_of(r, val, why, sizeof why);
   if (rc < 0)
     set_err(k, "etcd %s: a malformed reply to %s('%.100s'): %s", k->ep[k->cur].name, what, key,
             why);
   return rc;
 }
 
-int kv_etcd__range_reply(const char *body, size_t n, char **val, char *err, size_t cap) {
-  rbuf_t r = {.b = (char *)body, .len = n};
-  json_error_t je;
-  json_t *root = parse_body(&r, &je);
-  *val = NULL;
-  if (!root) {
-    snprintf(err, cap, "malformed JSON (%s)", je.text);
-    return -1;
-  }
-  int rc = range_of(root, val, err, cap);
-  json_decref(root);
-  return rc;
-}
-
 static json_t *key_json(kv_etcd_t *k, const char *key) {
-  return b64_json(k->prefix, key);
+  return etcd_b64_json(k->prefix, key);
 }
 
 static int kve_get(kv_t *kv, const char *key, char **val) {
@@ -804,10 +648,10 @@ static int kve_set(kv_t *kv, const char *key, const char *val) {
   kv_etcd_t *k = (kv_etcd_t *)kv;
   if (!value_ok(k, key, val)) return -1;
   json_t *root;
-  int retried,
-      rc = request_json(k, "/v3/kv/put",
-                        json_pack("{s:o,s:o}", "key", key_json(k, key), "value", b64_json("", val)),
-                        NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
+  int retried, rc = request_json(
+                   k, "/v3/kv/put",
+                   json_pack("{s:o,s:o}", "key", key_json(k, key), "value", etcd_b64_json("", val)),
+                   NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
   json_decref(root);
   return rc;
 }
@@ -815,13 +659,14 @@ static int kve_set(kv_t *kv, const char *key, const char *val) {
 /* The txn of a cas; with_read: a failed comparison also reads the key. */
 static json_t *cas_body(kv_etcd_t *k, const char *key, const char *expected, const char *desired,
                         int with_read) {
-  json_t *cmp = expected ? json_pack("{s:o,s:s,s:s,s:o}", "key", key_json(k, key), "result",
-                                     "EQUAL", "target", "VALUE", "value", b64_json("", expected))
-                         /* Created at revision 0: the key does not exist. */
-                         : json_pack("{s:o,s:s,s:s,s:s}", "key", key_json(k, key), "result",
-                                     "EQUAL", "target", "CREATE", "create_revision", "0");
+  json_t *cmp = expected
+                    ? json_pack("{s:o,s:s,s:s,s:o}", "key", key_json(k, key), "result", "EQUAL",
+                                "target", "VALUE", "value", etcd_b64_json("", expected))
+                    /* Created at revision 0: the key does not exist. */
+                    : json_pack("{s:o,s:s,s:s,s:s}", "key", key_json(k, key), "result", "EQUAL",
+                                "target", "CREATE", "create_revision", "0");
   json_t *t = json_pack("{s:[o],s:[{s:{s:o,s:o}}]}", "compare", cmp, "success", "request_put",
-                        "key", key_json(k, key), "value", b64_json("", desired));
+                        "key", key_json(k, key), "value", etcd_b64_json("", desired));
   if (t && with_read &&
       json_object_set_new(t, "failure",
                           json_pack("[{s:{s:o}}]", "request_range", "key", key_json(k, key)))) {
@@ -875,10 +720,10 @@ static int kve_del_prefix(kv_t *kv, const char *key) {
   memcpy(end + pl, key, kl + 1);
   if (pl + kl) end[pl + kl - 1]++;
   json_t *root;
-  int retried, rc = request_json(
-                   k, "/v3/kv/deleterange",
-                   json_pack("{s:o,s:o}", "key", key_json(k, key), "range_end", b64_json("", end)),
-                   NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
+  int retried, rc = request_json(k, "/v3/kv/deleterange",
+                                 json_pack("{s:o,s:o}", "key", key_json(k, key), "range_end",
+                                           etcd_b64_json("", end)),
+                                 NULL, chorus__deadline_ms(k->call_ms), &root, &retried);
   free(end);
   json_decref(root);
   return rc;

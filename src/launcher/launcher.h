@@ -29,6 +29,7 @@
  *              c10d and static backends), and starting the launcher's store
  *              servers
  *   kv_etcd.c  the same service on etcd
+ *   kv_etcd_codec.c  base64 and the JSON of etcd's replies (kv_etcd.h)
  *   xalloc.c   allocations that cannot fail (out of memory: exit)
  *
  * Design
@@ -336,8 +337,8 @@ int kv_store_open(const char *host, int port, const chorus__key_t *key, int time
  * permissions, not an etcd anywhere), -1 with err. */
 int kv_etcd_open(const char *endpoints, const char *prefix, int timeout_ms, int call_timeout_ms,
                  const kv_etcd_opts_t *opts, kv_t **out, char *err, size_t cap);
-/* The value in a /v3/kv/range reply body (for the fuzzer): 1 and *val, 0
- * no key, -1 with err. */
+/* The value in a /v3/kv/range reply body (kv_etcd_codec.c, for the
+ * fuzzer): 1 and *val, 0 no key, -1 with err. */
 int kv_etcd__range_reply(const char *body, size_t n, char **val, char *err, size_t cap);
 
 /* ------------------------------------------------------------ spawn.c */
