@@ -3,7 +3,7 @@
  *
  * A transport context (chorus__tp_t) holds the way to every other rank of
  * the world (a channel per peer, chan.h: TCP today), one progress thread,
- * and the matching tables (endpoint.c).  Every
+ * and the matching tables (endpoint_match.c).  Every
  * communicator (world or subgroup) registers an endpoint (chorus__ep_t): its
  * id, its members (world ranks) and its failure state.  Messages carry the
  * endpoint id, so all communicators share the connections.
