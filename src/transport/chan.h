@@ -1,5 +1,5 @@
 /*
- * chan.h - between the endpoint layer (endpoint.c) and the channels that
+ * chan.h - between the endpoint layer (endpoint*.c) and the channels that
  * move its bytes (tcp.c, shm_chan.c, ucx.c).  Internal to src/transport/.
  *
  * The endpoint layer owns everything that does not depend on how bytes
@@ -236,7 +236,7 @@ struct chorus__tp {
    * right after epoll_wait; a thread that wants it (to post, or woken to
    * see a completion) could lose that race for as long as bytes keep
    * coming.  So such threads say so, and the progress thread steps aside
-   * between events while they do (endpoint.c: progress_yield). */
+   * between events while they do (endpoint_progress.c: progress_yield). */
   int lock_wanted; /* atomic: threads in chorus__tp_lock */
   int nsleep;      /* threads asleep on cond in ep_wait (lock held) */
   int kicked;      /* atomic: of those, woken and not yet holding lock */
@@ -336,7 +336,7 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
  * lives). */
 chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                  chorus__chan_t **out, char *errmsg, size_t errcap);
-/* UCX (ucx.c): carries the peers no other channel carries, over the
+/* UCX (ucx*.c): carries the peers no other channel carries, over the
  * worker cfg->ucx (ownership passes, also on failure) to the addresses
  * cfg->ucx_addrs.  Only in a library built with UCX. */
 chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,

@@ -406,7 +406,7 @@ static int big_ok(const unsigned char *p, size_t n, int k) {
 
 /* A receive posted while its message is arriving: the bytes buffered so far
  * are copied and the rest of the payload lands in the receive's buffer
- * (endpoint.c).  Rank 1 sends messages just under the budget (so they are
+ * (endpoint_match.c).  Rank 1 sends messages just under the budget (so they are
  * buffered, not held back) in pieces (over 1 MiB); rank 0 posts each
  * receive after a delay from 0 to 4 ms, so some arrive whole first, some
  * are caught part way (at a ragged edge with several piece connections)

@@ -27,7 +27,7 @@
 
 #define N 4
 #define SECRET "ucx-stranger-test-secret"
-#define AM_ID 0u /* the channel's (src/transport/ucx.c) */
+#define AM_ID 0u /* the channel's (src/transport/ucx_internal.h) */
 #define AM_HDR 96
 
 static pid_t g_store, g_pids[N];

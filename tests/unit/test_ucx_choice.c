@@ -1,6 +1,6 @@
 /*
  * test_ucx_choice.c - how a world decides between TCP and UCX between hosts
- * (src/transport/ucx.c, built with or without UCX):
+ * (src/transport/ucx_load.c, built with or without UCX):
  *   - chorus__rdma_active finds the RDMA devices with an active port in a
  *     sysfs-like tree (made here in a temporary directory: a device with an
  *     active port counts, one whose ports are all down or that has no ports
