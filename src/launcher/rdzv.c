@@ -63,7 +63,6 @@
  */
 #include "launcher/rdzv.h"
 
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,17 +76,6 @@
 #include "util/util.h"
 
 #define LOST_BEATS 4
-
-/* ------------------------------------------------------------- helpers */
-
-void rdzv__sleep_or_signal(job_t *job, int ms) {
-  struct pollfd p = {.fd = g_selfpipe[0], .events = POLLIN};
-  if (ms < 0) ms = 0;
-  if (poll(&p, 1, ms) > 0) {
-    int sig = drain_selfpipe();
-    if (sig && !job->got_sig) job->got_sig = sig;
-  }
-}
 
 /* ------------------------------------------------------------- opening */
 
@@ -327,18 +315,6 @@ int rdzv_finish(job_t *job, int exit_code) {
                 "our workers finished; serving the store until the other nodes leave");
   clean_up(rz, linger(job, CHORUS__NO_DEADLINE));
   return exit_code;
-}
-
-void rdzv_interrupt(job_t *job, int sig) {
-  rdzv_t *rz = job->rz;
-  for (int tries = 0; tries < 100; tries++) {
-    if (rdzv__read_state(rz) != 1 || rz->st.phase == PH_CLOSED) break;
-    rz->nx = rz->st;
-    rz->nx.phase = PH_CLOSED;
-    rz->nx.exit_code = 128 + sig;
-    rdzv_set_reason(&rz->nx, "node %s got %s", rz->id, signal_name(sig));
-    if (rdzv__write_state(rz) != 0) break;
-  }
 }
 
 void rdzv_close(job_t *job, int exit_code) {

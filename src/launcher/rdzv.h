@@ -49,12 +49,10 @@ struct rdzv {
   int ngroup;
 };
 
-/* ------------------------------------------------------------- rdzv.c */
+/* -------------------------------------------------------- rdzv_keys.c */
 
 /* Waits ms (or until a signal arrives: job->got_sig). */
 void rdzv__sleep_or_signal(job_t *job, int ms);
-
-/* -------------------------------------------------------- rdzv_keys.c */
 
 /* buf = the job's prefix "rdzv/<run id>/" + the formatted rest. */
 void rdzv__key_of(const rdzv_t *rz, char *buf, size_t cap, const char *fmt, ...)

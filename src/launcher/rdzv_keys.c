@@ -1,11 +1,13 @@
 /*
  * rdzv_keys.c - the rendezvous's values on the key-value service: every
  * value sealed with the job key, the state read and compare-and-set, the
- * heartbeats written and read (peers), and the rounds' failure records.
- * The keys are described at the top of rdzv.c.
+ * heartbeats written and read (peers), and the rounds' failure records;
+ * the wait between two calls.  The keys are described at the top of
+ * rdzv.c.
  */
 #include "launcher/rdzv.h"
 
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +36,15 @@ static int ok(rdzv_t *rz, int rc) {
 
 int rdzv__lost_store(const rdzv_t *rz) {
   return chorus__now_ns() - rz->last_ok > rz->svc_lost_ns;
+}
+
+void rdzv__sleep_or_signal(job_t *job, int ms) {
+  struct pollfd p = {.fd = g_selfpipe[0], .events = POLLIN};
+  if (ms < 0) ms = 0;
+  if (poll(&p, 1, ms) > 0) {
+    int sig = drain_selfpipe();
+    if (sig && !job->got_sig) job->got_sig = sig;
+  }
 }
 
 /* ------------------------------------------------------ sealed values */

@@ -2,7 +2,8 @@
  * rdzv_round.c - the rendezvous's rounds: joining one and waiting until it
  * is frozen (the last call, the freeze, this node's placement), the
  * workers' store of an etcd round, and opening the next round or closing
- * the job.  The protocol is described at the top of rdzv.c.
+ * the job (no restarts left, or a node interrupted).  The protocol is
+ * described at the top of rdzv.c.
  */
 #include "launcher/rdzv.h"
 
@@ -70,6 +71,18 @@ void rdzv__advance(job_t *job, int failure, const char *lost, int exit_code, con
       rdzv_set_reason(&rz->nx, "%s", reason);
     }
     if (rdzv__write_state(rz) != 0) return;
+  }
+}
+
+void rdzv_interrupt(job_t *job, int sig) {
+  rdzv_t *rz = job->rz;
+  for (int tries = 0; tries < 100; tries++) {
+    if (rdzv__read_state(rz) != 1 || rz->st.phase == PH_CLOSED) break;
+    rz->nx = rz->st;
+    rz->nx.phase = PH_CLOSED;
+    rz->nx.exit_code = 128 + sig;
+    rdzv_set_reason(&rz->nx, "node %s got %s", rz->id, signal_name(sig));
+    if (rdzv__write_state(rz) != 0) break;
   }
 }
 
