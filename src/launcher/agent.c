@@ -280,10 +280,8 @@ static int wind_down(job_t *job, gen_t *g) {
 /* The poll's timeout: the next deadline, at most TICK_MS. */
 static int poll_timeout(const job_t *job, const gen_t *g) {
   int timeout = TICK_MS;
-  if (g->stopping && !g->killed)
-    timeout = CHORUS__MIN(timeout, chorus__ms_left(g->kill_deadline));
-  if (g->killed && g->running)
-    timeout = CHORUS__MIN(timeout, chorus__ms_left(g->abandon_deadline));
+  if (g->stopping && !g->killed) timeout = CHORUS__MIN(timeout, chorus__ms_left(g->kill_deadline));
+  if (g->killed && g->running) timeout = CHORUS__MIN(timeout, chorus__ms_left(g->abandon_deadline));
   if (g->running == 0) timeout = CHORUS__MIN(timeout, chorus__ms_left(g->drain_deadline));
   if (job->rz) timeout = CHORUS__MIN(timeout, rdzv_poll_ms(job));
   return timeout;

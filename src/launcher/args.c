@@ -565,7 +565,9 @@ action_t parse_args(int argc, char **argv, job_t *job) {
   check_output(&c, job);
   job->argv = argv + i;
   int nodes = job->max_nodes > 1 || c.backend || job->node_rank_opt > 0;
-  if (!nodes) one_node(&c, job);
-  else several_nodes(&c, job);
+  if (!nodes)
+    one_node(&c, job);
+  else
+    several_nodes(&c, job);
   return ACT_RUN;
 }
