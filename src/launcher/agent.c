@@ -145,25 +145,21 @@ static void stop_group(job_t *job, int *stopping, int64_t *kill_deadline) {
   *kill_deadline = chorus__now_ns() + job->grace_ns;
 }
 
-/* Runs one generation of all workers until every one has exited and its
- * output is drained.  *failed_rank receives the blamed local index
- * (GEN_FAILED), *ev what the rendezvous said (GEN_REMOTE). */
-static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *ev) {
-  int first_failed = -1;
-  rdzv_event_t remote = RDZV_EV_NONE;
-  int stopping = 0, killed = 0, spawn_error = 0;
-  int64_t kill_deadline = CHORUS__NO_DEADLINE, abandon_deadline = CHORUS__NO_DEADLINE;
-  int64_t drain_deadline = CHORUS__NO_DEADLINE;
-  nfds_t cap = 1 + 2 * (nfds_t)job->nproc;
-  struct pollfd *pfd = xmalloc(cap * sizeof *pfd);
-  stream_t **owner_s = xmalloc(cap * sizeof *owner_s);
-  worker_t **owner_w = xmalloc(cap * sizeof *owner_w);
+/* One generation's progress, shared by the steps of run_generation. */
+typedef struct {
+  int first_failed;    /* the local index blamed, or -1 */
+  rdzv_event_t remote; /* what the rendezvous said */
+  int stopping, killed, spawn_error;
+  int64_t kill_deadline, abandon_deadline, drain_deadline;
+  int running; /* workers still running, as last counted */
+  struct pollfd *pfd;
+  stream_t **owner_s;
+  worker_t **owner_w;
+} gen_t;
 
-  /* A signal that arrived between generations cancels the next one. */
-  int sig = drain_selfpipe();
-  if (sig && !job->got_sig) job->got_sig = sig;
-  if (job->got_sig) goto done;
-
+/* Clears the workers' last generation and starts each; a worker that
+ * cannot start stops the others. */
+static void start_workers(job_t *job, gen_t *g) {
   for (int r = 0; r < job->nproc; r++) {
     worker_t *w = &job->w[r];
     tail_clear(w);
@@ -178,8 +174,8 @@ static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *
     if (rc < 0) {
       fprintf(stderr, "chorusrun: cannot start rank %d: %s; stopping the others\n",
               job->w[r].rank, strerror(-rc));
-      spawn_error = 1;
-      stop_group(job, &stopping, &kill_deadline);
+      g->spawn_error = 1;
+      stop_group(job, &g->stopping, &g->kill_deadline);
       if (job->rz) {
         char why[200];
         snprintf(why, sizeof why, "cannot start rank %d: %s", job->w[r].rank, strerror(-rc));
@@ -188,146 +184,171 @@ static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *
       break;
     }
   }
+}
 
-  for (;;) {
-    int fresh_fail = first_failed < 0;
-    reap(job, &first_failed, !stopping);
-    if (job->inplace) {
-      /* --elastic inplace: a failed worker is reported as it happens and
-       * the others go on (they shrink their communicators). */
-      for (int r = 0; r < job->nproc; r++) {
-        worker_t *w = &job->w[r];
-        if (w->pid > 0 && !w->running && !w->reported && failed_status(w->status)) {
-          w->reported = 1;
-          report_failure(job, w);
-          fprintf(stderr, "chorusrun: the other workers go on (--elastic inplace)\n");
-        }
-      }
-    } else if (fresh_fail && first_failed >= 0 && !stopping) {
-      int st = job->w[first_failed].status, s = WIFEXITED(st) ? stopped_worker(job) : -1;
-      if (s >= 0) {
-        job->w[s].blame_kind = BLAME_STOPPED;
-        job->w[s].blame_code = status_exit_code(st);
-        first_failed = s;
-      }
-      CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group",
-                  job->w[first_failed].rank);
-      stop_group(job, &stopping, &kill_deadline);
-      if (job->rz) {
-        /* Its last lines go into the job's failure record: read what its
-         * pipes hold first. */
-        stream_drain(job, &job->w[first_failed]);
-        rdzv_failed(job, &job->w[first_failed], NULL);
-      }
-    }
-    if (job->rz) {
-      /* Heartbeats go on while we stop (the others must not think us lost);
-       * the rendezvous's news only matters while the group runs. */
-      rdzv_event_t e = rdzv_poll(job);
-      if (e != RDZV_EV_NONE && !stopping) {
-        remote = e;
-        CHORUS_INFO(CHORUS__SUB_LAUNCH, "the rendezvous stops the group (event %d)", (int)e);
-        stop_group(job, &stopping, &kill_deadline);
-      }
-    }
-
-    int running = 0, open = 0;
+/* Reaps the workers that exited; the first failure stops the group (in
+ * place: each failure is reported and the others go on). */
+static void watch_workers(job_t *job, gen_t *g) {
+  int fresh_fail = g->first_failed < 0;
+  reap(job, &g->first_failed, !g->stopping);
+  if (job->inplace) {
+    /* --elastic inplace: a failed worker is reported as it happens and
+     * the others go on (they shrink their communicators). */
     for (int r = 0; r < job->nproc; r++) {
-      running += job->w[r].running;
-      open += (job->w[r].st[0].fd >= 0) + (job->w[r].st[1].fd >= 0);
-    }
-    int64_t now = chorus__now_ns();
-    if (running == 0) {
-      if (drain_deadline == CHORUS__NO_DEADLINE) {
-        /* Every worker is gone: kill what they left behind so the pipes
-         * reach EOF, then give the pipes a bounded time to drain. */
-        sweep_children();
-        drain_deadline = chorus__now_ns() + (int64_t)DRAIN_MS * 1000000;
-      }
-      if (open == 0) break;
-      if (now >= drain_deadline) {
-        for (int r = 0; r < job->nproc; r++)
-          for (int k = 0; k < 2; k++) stream_close(job, &job->w[r], &job->w[r].st[k]);
-        break;
+      worker_t *w = &job->w[r];
+      if (w->pid > 0 && !w->running && !w->reported && failed_status(w->status)) {
+        w->reported = 1;
+        report_failure(job, w);
+        fprintf(stderr, "chorusrun: the other workers go on (--elastic inplace)\n");
       }
     }
-    if (stopping && !killed && now >= kill_deadline) {
-      if (running) CHORUS_INFO(CHORUS__SUB_LAUNCH, "grace period over; sending SIGKILL");
-      signal_groups(job, SIGKILL);
-      killed = 1;
-      abandon_deadline = now + (int64_t)ABANDON_MS * 1000000;
+  } else if (fresh_fail && g->first_failed >= 0 && !g->stopping) {
+    int st = job->w[g->first_failed].status, s = WIFEXITED(st) ? stopped_worker(job) : -1;
+    if (s >= 0) {
+      job->w[s].blame_kind = BLAME_STOPPED;
+      job->w[s].blame_code = status_exit_code(st);
+      g->first_failed = s;
     }
-    if (killed && running && now >= abandon_deadline) {
-      for (int r = 0; r < job->nproc; r++)
-        if (job->w[r].running)
-          fprintf(stderr, "chorusrun: rank %d (pid %d) survived SIGKILL; giving up on it\n", r,
-                  (int)job->w[r].pid);
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "rank %d failed; stopping the group",
+                job->w[g->first_failed].rank);
+    stop_group(job, &g->stopping, &g->kill_deadline);
+    if (job->rz) {
+      /* Its last lines go into the job's failure record: read what its
+       * pipes hold first. */
+      stream_drain(job, &job->w[g->first_failed]);
+      rdzv_failed(job, &job->w[g->first_failed], NULL);
+    }
+  }
+}
+
+/* Heartbeats go on while we stop (the others must not think us lost);
+ * the rendezvous's news only matters while the group runs. */
+static void watch_rdzv(job_t *job, gen_t *g) {
+  rdzv_event_t e = rdzv_poll(job);
+  if (e != RDZV_EV_NONE && !g->stopping) {
+    g->remote = e;
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "the rendezvous stops the group (event %d)", (int)e);
+    stop_group(job, &g->stopping, &g->kill_deadline);
+  }
+}
+
+/* The end of the generation: once no worker runs, the pipes drain (bounded
+ * by DRAIN_MS); a group that was stopped gets SIGKILL after the grace
+ * period, and survivors of SIGKILL are given up after ABANDON_MS.  1 when
+ * the generation is over. */
+static int wind_down(job_t *job, gen_t *g) {
+  int open = 0;
+  g->running = 0;
+  for (int r = 0; r < job->nproc; r++) {
+    g->running += job->w[r].running;
+    open += (job->w[r].st[0].fd >= 0) + (job->w[r].st[1].fd >= 0);
+  }
+  int64_t now = chorus__now_ns();
+  if (g->running == 0) {
+    if (g->drain_deadline == CHORUS__NO_DEADLINE) {
+      /* Every worker is gone: kill what they left behind so the pipes
+       * reach EOF, then give the pipes a bounded time to drain. */
+      sweep_children();
+      g->drain_deadline = chorus__now_ns() + (int64_t)DRAIN_MS * 1000000;
+    }
+    if (open == 0) return 1;
+    if (now >= g->drain_deadline) {
       for (int r = 0; r < job->nproc; r++)
         for (int k = 0; k < 2; k++) stream_close(job, &job->w[r], &job->w[r].st[k]);
-      spawn_error = 1;
-      break;
+      return 1;
     }
-
-    int timeout = TICK_MS;
-    if (stopping && !killed) timeout = CHORUS__MIN(timeout, chorus__ms_left(kill_deadline));
-    if (killed && running) timeout = CHORUS__MIN(timeout, chorus__ms_left(abandon_deadline));
-    if (running == 0) timeout = CHORUS__MIN(timeout, chorus__ms_left(drain_deadline));
-    if (job->rz) timeout = CHORUS__MIN(timeout, rdzv_poll_ms(job));
-
-    nfds_t n = 0;
-    pfd[n] = (struct pollfd){.fd = g_selfpipe[0], .events = POLLIN};
-    owner_s[n] = NULL;
-    owner_w[n++] = NULL;
-    for (int r = 0; r < job->nproc; r++)
-      for (int k = 0; k < 2; k++)
-        if (job->w[r].st[k].fd >= 0) {
-          pfd[n] = (struct pollfd){.fd = job->w[r].st[k].fd, .events = POLLIN};
-          owner_s[n] = &job->w[r].st[k];
-          owner_w[n++] = &job->w[r];
-        }
-    int ready = poll(pfd, n, timeout);
-    if (ready < 0) {
-      if (errno == EINTR) continue;
-      /* Should not happen (EINVAL/ENOMEM); stop everything hard rather
-       * than spin. */
-      fprintf(stderr, "chorusrun: poll failed: %s; killing the workers\n", strerror(errno));
-      signal_groups(job, SIGKILL);
-      if (!killed) {
-        killed = stopping = 1;
-        abandon_deadline = chorus__now_ns() + (int64_t)ABANDON_MS * 1000000;
-      }
-      spawn_error = 1;
-      struct timespec ts = {0, 10 * 1000000};
-      nanosleep(&ts, NULL);
-      continue;
-    }
-    if (pfd[0].revents) {
-      sig = drain_selfpipe();
-      if (sig) {
-        if (!job->got_sig) {
-          job->got_sig = sig;
-          fprintf(stderr, "chorusrun: got %s; stopping the workers\n", signal_name(sig));
-          signal_groups(job, sig);
-          if (job->rz) rdzv_interrupt(job, sig); /* the whole job stops */
-          if (!stopping) {
-            stopping = 1;
-            kill_deadline = chorus__now_ns() + job->grace_ns;
-          }
-        } else if (!killed) {
-          fprintf(stderr, "chorusrun: got %s again; killing the workers\n", signal_name(sig));
-          kill_deadline = chorus__now_ns();
-        }
-      }
-    }
-    for (nfds_t i = 1; i < n; i++)
-      if (pfd[i].revents) stream_read(job, owner_w[i], owner_s[i]);
   }
+  if (g->stopping && !g->killed && now >= g->kill_deadline) {
+    if (g->running) CHORUS_INFO(CHORUS__SUB_LAUNCH, "grace period over; sending SIGKILL");
+    signal_groups(job, SIGKILL);
+    g->killed = 1;
+    g->abandon_deadline = now + (int64_t)ABANDON_MS * 1000000;
+  }
+  if (g->killed && g->running && now >= g->abandon_deadline) {
+    for (int r = 0; r < job->nproc; r++)
+      if (job->w[r].running)
+        fprintf(stderr, "chorusrun: rank %d (pid %d) survived SIGKILL; giving up on it\n", r,
+                (int)job->w[r].pid);
+    for (int r = 0; r < job->nproc; r++)
+      for (int k = 0; k < 2; k++) stream_close(job, &job->w[r], &job->w[r].st[k]);
+    g->spawn_error = 1;
+    return 1;
+  }
+  return 0;
+}
 
-done:
-  free(pfd);
-  free(owner_s);
-  free(owner_w);
-  if (job->inplace && first_failed >= 0 && !job->got_sig && !spawn_error) {
+/* The poll's timeout: the next deadline, at most TICK_MS. */
+static int poll_timeout(const job_t *job, const gen_t *g) {
+  int timeout = TICK_MS;
+  if (g->stopping && !g->killed) timeout = CHORUS__MIN(timeout, chorus__ms_left(g->kill_deadline));
+  if (g->killed && g->running) timeout = CHORUS__MIN(timeout, chorus__ms_left(g->abandon_deadline));
+  if (g->running == 0) timeout = CHORUS__MIN(timeout, chorus__ms_left(g->drain_deadline));
+  if (job->rz) timeout = CHORUS__MIN(timeout, rdzv_poll_ms(job));
+  return timeout;
+}
+
+/* A signal to us: the first stops the workers (it is forwarded, and ends
+ * the job on every node), a second one cuts the grace period short. */
+static void take_signal(job_t *job, gen_t *g) {
+  int sig = drain_selfpipe();
+  if (sig) {
+    if (!job->got_sig) {
+      job->got_sig = sig;
+      fprintf(stderr, "chorusrun: got %s; stopping the workers\n", signal_name(sig));
+      signal_groups(job, sig);
+      if (job->rz) rdzv_interrupt(job, sig); /* the whole job stops */
+      if (!g->stopping) {
+        g->stopping = 1;
+        g->kill_deadline = chorus__now_ns() + job->grace_ns;
+      }
+    } else if (!g->killed) {
+      fprintf(stderr, "chorusrun: got %s again; killing the workers\n", signal_name(sig));
+      g->kill_deadline = chorus__now_ns();
+    }
+  }
+}
+
+/* Waits for output, a signal or the next deadline, and handles what came. */
+static void poll_once(job_t *job, gen_t *g) {
+  int timeout = poll_timeout(job, g);
+  nfds_t n = 0;
+  g->pfd[n] = (struct pollfd){.fd = g_selfpipe[0], .events = POLLIN};
+  g->owner_s[n] = NULL;
+  g->owner_w[n++] = NULL;
+  for (int r = 0; r < job->nproc; r++)
+    for (int k = 0; k < 2; k++)
+      if (job->w[r].st[k].fd >= 0) {
+        g->pfd[n] = (struct pollfd){.fd = job->w[r].st[k].fd, .events = POLLIN};
+        g->owner_s[n] = &job->w[r].st[k];
+        g->owner_w[n++] = &job->w[r];
+      }
+  int ready = poll(g->pfd, n, timeout);
+  if (ready < 0) {
+    if (errno == EINTR) return;
+    /* Should not happen (EINVAL/ENOMEM); stop everything hard rather
+     * than spin. */
+    fprintf(stderr, "chorusrun: poll failed: %s; killing the workers\n", strerror(errno));
+    signal_groups(job, SIGKILL);
+    if (!g->killed) {
+      g->killed = g->stopping = 1;
+      g->abandon_deadline = chorus__now_ns() + (int64_t)ABANDON_MS * 1000000;
+    }
+    g->spawn_error = 1;
+    struct timespec ts = {0, 10 * 1000000};
+    nanosleep(&ts, NULL);
+    return;
+  }
+  if (g->pfd[0].revents) take_signal(job, g);
+  for (nfds_t i = 1; i < n; i++)
+    if (g->pfd[i].revents) stream_read(job, g->owner_w[i], g->owner_s[i]);
+}
+
+/* What the generation came to, once every worker has exited: in place,
+ * success when some worker finished; else the worker blamed (a timeout's
+ * named rank over the one that reported it), our signal, an error of ours
+ * or the rendezvous's news. */
+static gen_outcome_t outcome(job_t *job, gen_t *g, int *failed_rank, rdzv_event_t *ev) {
+  if (job->inplace && g->first_failed >= 0 && !job->got_sig && !g->spawn_error) {
     /* In place, the job succeeded if some worker ran to its end and every
      * worker that did not fail exited 0. */
     int finished = 0, failed = 0;
@@ -341,26 +362,57 @@ done:
       return GEN_OK;
     }
   }
-  if (first_failed >= 0) {
+  if (g->first_failed >= 0) {
     /* A worker that exited on a timeout: every such worker may name the one
      * they waited for, which is then the cause. */
-    const worker_t *f = &job->w[first_failed];
+    const worker_t *f = &job->w[g->first_failed];
     int n = !f->blame_kind && WIFEXITED(f->status) ? named_worker(job) : -1;
-    if (n >= 0 && n != first_failed) {
+    if (n >= 0 && n != g->first_failed) {
       job->w[n].blame_kind = BLAME_NAMED;
       job->w[n].blame_code = status_exit_code(f->status);
-      first_failed = n;
+      g->first_failed = n;
     }
-    *failed_rank = first_failed;
+    *failed_rank = g->first_failed;
     return GEN_FAILED;
   }
   if (job->got_sig) return GEN_SIGNALED;
-  if (spawn_error) return GEN_ERROR;
-  if (remote != RDZV_EV_NONE) {
-    *ev = remote;
+  if (g->spawn_error) return GEN_ERROR;
+  if (g->remote != RDZV_EV_NONE) {
+    *ev = g->remote;
     return GEN_REMOTE;
   }
   return GEN_OK;
+}
+
+/* Runs one generation of all workers until every one has exited and its
+ * output is drained.  *failed_rank receives the blamed local index
+ * (GEN_FAILED), *ev what the rendezvous said (GEN_REMOTE). */
+static gen_outcome_t run_generation(job_t *job, int *failed_rank, rdzv_event_t *ev) {
+  gen_t g = {.first_failed = -1, .remote = RDZV_EV_NONE};
+  g.kill_deadline = g.abandon_deadline = g.drain_deadline = CHORUS__NO_DEADLINE;
+  nfds_t cap = 1 + 2 * (nfds_t)job->nproc;
+  g.pfd = xmalloc(cap * sizeof *g.pfd);
+  g.owner_s = xmalloc(cap * sizeof *g.owner_s);
+  g.owner_w = xmalloc(cap * sizeof *g.owner_w);
+
+  /* A signal that arrived between generations cancels the next one. */
+  int sig = drain_selfpipe();
+  if (sig && !job->got_sig) job->got_sig = sig;
+  if (job->got_sig) goto done;
+
+  start_workers(job, &g);
+  for (;;) {
+    watch_workers(job, &g);
+    if (job->rz) watch_rdzv(job, &g);
+    if (wind_down(job, &g)) break;
+    poll_once(job, &g);
+  }
+
+done:
+  free(g.pfd);
+  free(g.owner_s);
+  free(g.owner_w);
+  return outcome(job, &g, failed_rank, ev);
 }
 
 /* ------------------------------------------------------ restart loop */

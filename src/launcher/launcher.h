@@ -19,12 +19,18 @@
  *   guard.c    the cleanup guard process, sweeping leftover descendants,
  *              removing a crashed job's /dev/shm names
  *   signals.c  the self-pipe signal handling and signal names
- *   rdzv.c     several nodes: the rendezvous (join, last call, freeze, rank
- *              assignment), heartbeats and lost nodes, failure records and
- *              the root-cause summary, re-forming the group; its protocol
- *              is described at the top of that file and in docs/launcher.md
+ *   rdzv.c     several nodes: the rendezvous's connection, opened (hosting
+ *              or reaching the service) and left; its protocol is described
+ *              at the top of that file and in docs/launcher.md
+ *   rdzv_round.c  a rendezvous round: join, last call, freeze, placement,
+ *              the next round opened (or the job closed)
+ *   rdzv_watch.c  a formed group: heartbeats and lost nodes, admitting
+ *              waiting nodes, failure records and the root-cause summary
+ *   rdzv_keys.c  the rendezvous's sealed values on the service: the state,
+ *              heartbeats, failure records (rdzv.h: what the rdzv files share)
  *   rdzv_state.c  the rendezvous's values as text and the round decisions
- *              that read nothing else (rdzv_state.h; unit-tested on their own)
+ *              that read nothing else, the freeze's rank assignment among
+ *              them (rdzv_state.h; unit-tested on their own)
  *   kv_store.c the rendezvous's key-value service on chorus's store (the
  *              c10d and static backends), and starting the launcher's store
  *              servers
@@ -281,7 +287,7 @@ action_t parse_args(int argc, char **argv, job_t *job);
  * succeeds, fails for good or we are interrupted.  Returns our exit code. */
 int agent_run(job_t *job);
 
-/* ------------------------------------------------------------- rdzv.c */
+/* --------------------------------- rdzv.c, rdzv_round.c, rdzv_watch.c */
 
 /* Opens the rendezvous: hosts the store when this node is the endpoint (or
  * static node 0), connects to it otherwise.  0, or an exit code after a

@@ -4,6 +4,7 @@
  */
 #include "launcher/rdzv_state.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,15 @@ void rdzv_one_line(char *dst, size_t cap, const char *src) {
   size_t k = 0;
   for (const char *p = src; *p && k + 1 < cap; p++) dst[k++] = (*p == '\n' || *p == '\r') ? ' ' : *p;
   dst[k] = '\0';
+}
+
+void rdzv_set_reason(rstate_t *s, const char *fmt, ...) {
+  char buf[REASON_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  rdzv_one_line(s->reason, sizeof s->reason, buf);
 }
 
 int rdzv_find(const rnode_t *v, int n, const char *id) {
@@ -208,5 +218,39 @@ int rdzv_all_expected_in(const rstate_t *s) {
   return 1;
 }
 
+int rdzv_rank_order(const rstate_t *s, int by_want, rstate_t *n) {
+  int count = s->nmem;
+  int slot[MAX_NODES], used[MAX_NODES];
+  for (int i = 0; i < count; i++) slot[i] = -1, used[i] = 0;
+  if (by_want) {
+    for (int i = 0; i < count; i++) {
+      int w = s->mem[i].want;
+      if (w < 0 || w >= count || slot[w] >= 0) return -1; /* checked at join */
+      slot[w] = i;
+    }
+  } else {
+    /* Last round's nodes keep their group rank when it still exists. */
+    for (int i = 0; i < count; i++) {
+      int p = rdzv_find(s->prev, s->nprev, s->mem[i].id);
+      if (p >= 0 && s->prev[p].want < count && slot[s->prev[p].want] < 0) {
+        slot[s->prev[p].want] = i;
+        used[i] = 1;
+      }
+    }
+    /* The rest fill the holes: last round's nodes in their old order, then
+     * new ones in join order. */
+    int next = 0;
+    for (int pass = 0; pass < 2; pass++)
+      for (int k = 0; k < (pass ? count : s->nprev); k++) {
+        int i = pass ? k : rdzv_find(s->mem, count, s->prev[k].id);
+        if (i < 0 || used[i]) continue;
+        while (slot[next] >= 0) next++;
+        slot[next] = i;
+        used[i] = 1;
+      }
+  }
+  for (int r = 0; r < count; r++) n->mem[r] = s->mem[slot[r]];
+  return 0;
+}
 
 int rdzv_run_id_ok(const char *s) { return rdzv_id_ok(s, 128); }

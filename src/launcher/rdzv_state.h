@@ -49,6 +49,8 @@ typedef struct {
 int rdzv_id_ok(const char *s, size_t max);
 /* src made one line (no newline), bounded by cap. */
 void rdzv_one_line(char *dst, size_t cap, const char *src);
+/* s->reason from the format, made one line. */
+void rdzv_set_reason(rstate_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* The index of the node id in v[0..n), or -1. */
 int rdzv_find(const rnode_t *v, int n, const char *id);
 /* Parses a state value into s: 0, or -1 with the reason in err. */
@@ -60,5 +62,12 @@ char *rdzv_fail_format(const fail_t *f);
 int rdzv_fail_parse(const char *text, fail_t *f);
 /* 1 when the round waits for named nodes and all of them are members. */
 int rdzv_all_expected_in(const rstate_t *s);
+/* The freeze's group ranks: n->mem (n not s) gets s's members in group-rank
+ * order.  by_want (static): each member's rank is its --node-rank; -1 when
+ * two want the same one or one is out of range.  Else last round's nodes
+ * keep their rank while it is below the new count, and the rest fill the
+ * holes, last round's nodes first (in their old order), then new ones in
+ * join order.  0, or -1. */
+int rdzv_rank_order(const rstate_t *s, int by_want, rstate_t *n);
 
 #endif
