@@ -229,6 +229,43 @@ TEST(all_expected_in) {
   ASSERT_EQ(rdzv_find(g_a.mem, g_a.nmem, "c/3"), -1);
 }
 
+/* The freeze's group ranks: a node of the last round keeps its rank while
+ * it exists, the rest fill the holes (last round's nodes first), and static
+ * ranks are taken as asked or refused. */
+TEST(rank_order) {
+  static rstate_t n;
+  memset(&g_a, 0, sizeof g_a);
+  node(&g_a.prev[g_a.nprev++], "a/1", 0, 0);
+  node(&g_a.prev[g_a.nprev++], "b/2", 0, 1);
+  node(&g_a.prev[g_a.nprev++], "c/3", 0, 2);
+  node(&g_a.mem[g_a.nmem++], "new/9", 1, -1);
+  node(&g_a.mem[g_a.nmem++], "c/3", 1, -1);
+  node(&g_a.mem[g_a.nmem++], "b/2", 1, -1);
+  ASSERT_EQ(rdzv_rank_order(&g_a, 0, &n), 0);
+  /* b keeps 1, c keeps 2, the newcomer fills 0. */
+  ASSERT_EQ(strcmp(n.mem[0].id, "new/9"), 0);
+  ASSERT_EQ(strcmp(n.mem[1].id, "b/2"), 0);
+  ASSERT_EQ(strcmp(n.mem[2].id, "c/3"), 0);
+  /* Two nodes: c's rank 2 is gone, so c fills a hole before the newcomer. */
+  g_a.nmem = 0;
+  node(&g_a.mem[g_a.nmem++], "new/9", 1, -1);
+  node(&g_a.mem[g_a.nmem++], "c/3", 1, -1);
+  ASSERT_EQ(rdzv_rank_order(&g_a, 0, &n), 0);
+  ASSERT_EQ(strcmp(n.mem[0].id, "c/3"), 0);
+  ASSERT_EQ(strcmp(n.mem[1].id, "new/9"), 0);
+  /* Static ranks: as asked; a duplicate or one out of range is refused. */
+  g_a.nmem = 0;
+  node(&g_a.mem[g_a.nmem++], "x/1", 1, 1);
+  node(&g_a.mem[g_a.nmem++], "y/2", 1, 0);
+  ASSERT_EQ(rdzv_rank_order(&g_a, 1, &n), 0);
+  ASSERT_EQ(strcmp(n.mem[0].id, "y/2"), 0);
+  ASSERT_EQ(strcmp(n.mem[1].id, "x/1"), 0);
+  g_a.mem[0].want = 0;
+  ASSERT_EQ(rdzv_rank_order(&g_a, 1, &n), -1);
+  g_a.mem[0].want = 2;
+  ASSERT_EQ(rdzv_rank_order(&g_a, 1, &n), -1);
+}
+
 int main(void) {
   RUN(state_round_trip);
   RUN(closed_state_keeps_its_exit_code);
@@ -241,5 +278,6 @@ int main(void) {
   RUN(malformed_failure_records_are_refused);
   RUN(ids);
   RUN(all_expected_in);
+  RUN(rank_order);
   return HARNESS_DONE();
 }
