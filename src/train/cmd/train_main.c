@@ -1,12 +1,13 @@
 /*
- * chorus-train - trains the GPT of chorus_train.h on a byte-level text file,
- * data-parallel over every process chorusrun started (one process without
- * it).  Each step: every rank takes its next batch from chorus_sampler
- * (PyTorch's DistributedSampler, index for index), forward, backward with
- * DDP reducing gradient buckets while backward runs, gradient clipping,
- * AdamW with warm-up + cosine learning rate.  Prints per-step loss and
- * timings, validation loss every --val-every steps, and a sample of
- * generated text at the end.
+ * chorus-train's data-parallel loop and its report: trains the GPT of
+ * chorus_train.h data-parallel over every process chorusrun started (one
+ * process without it).  Each step: every rank takes its next batch from
+ * the loader (PyTorch's DistributedSampler, index for index), forward,
+ * backward with DDP reducing gradient buckets while backward runs (or
+ * ZeRO's gathers and reductions), gradient clipping, AdamW with warm-up +
+ * cosine learning rate.  Prints per-step loss and timings, validation loss
+ * every --val-every steps, and a sample of generated text at the end.  Its
+ * options are train_opts.c's; --mode async is train_async.c.
  *
  *   chorusrun -n 2 build/chorus-train --steps 300
  */
