@@ -207,6 +207,7 @@ struct chorus_ps {
   long *ck_pushes;
 };
 
+/* CLOCK_MONOTONIC, in nanoseconds. */
 static inline int64_t chorus__ps_now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -233,7 +234,7 @@ void chorus__ps_pair_error(chorus_comm_t c, char *why, size_t cap);
 /* A range's checkpoint buffers: 0, or -1. */
 int chorus__ps_range_ck_alloc(chorus_ps_t *ps, range_t *r);
 
-/* ps_server.c: the steps the mirrors take on a range they serve. */
+/* ps_server.c: what the mirrors and the take-over call. */
 /* Packs range r's state (FULL) or its last update (UPDATE) into dst.
  * Lock held. */
 void chorus__ps_pack(range_t *r, unsigned char *dst, int kind, const float *g, int acc_k,
