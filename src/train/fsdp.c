@@ -451,28 +451,12 @@ static chorus_result_t on_event(void *arg, chorus_gpt_event_t ev, int unit, int 
 
 /* -------------------------------------------------------------- create */
 
-chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint64_t seed,
-                                   const chorus_fsdp_config_t *cfg, chorus_fsdp_t **out) {
-  static const chorus_fsdp_config_t defaults = CHORUS_FSDP_CONFIG_DEFAULT;
-  if (!out) return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: out is NULL");
-  *out = NULL;
-  const chorus_fsdp_config_t c = cfg ? *cfg : defaults;
-  if (!comm || !model || c.stage < 1 || c.stage > 3 || c.prefetch < 0 ||
-      (c.reduce_dtype != CHORUS_FLOAT32 && c.reduce_dtype != CHORUS_BFLOAT16) ||
-      (c.param_dtype != CHORUS_FLOAT32 && c.param_dtype != CHORUS_BFLOAT16))
-    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
-                              "chorus_fsdp_create: bad arguments (stage %d: 1, 2 or "
-                              "3; prefetch %d >= 0; dtypes float32 or bfloat16)",
-                              c.stage, c.prefetch);
-  if (chorus_gpt_params(model))
-    return chorus__train_fail(
-        CHORUS_ERR_INVALID_ARG,
-        "chorus_fsdp_create: the model holds its own parameters; "
-        "make it with chorus_gpt_create_ex(..., CHORUS_GPT_EXTERNAL, ...) so that the "
-        "runtime places them");
-  /* Every rank must start from the same weights (the same seed) and walk
-   * the same schedule (the same configuration and model): otherwise their
-   * collectives would differ.  Max and -min of each value in one call. */
+/* Every rank must start from the same weights (the same seed) and walk
+ * the same schedule (the same configuration and model): otherwise their
+ * collectives would differ.  CHORUS_OK, or the error (recorded). */
+static chorus_result_t agree(chorus_comm_t comm, chorus_gpt_t *model, uint64_t seed,
+                             const chorus_fsdp_config_t c) {
+  /* Max and -min of each value in one call. */
   const int64_t vals[8] = {(int64_t)(seed >> 32), (int64_t)(seed & 0xffffffffu), c.stage,
                            c.prefetch, (int64_t)c.param_dtype * 64 + (int64_t)c.reduce_dtype,
                            c.overlap, (int64_t)chorus_gpt_num_params(model),
@@ -493,21 +477,12 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
         chorus_comm_rank(comm),
         memcmp(agreed, mine, 4 * sizeof *mine) ? "the seed" : "the configuration",
         (unsigned long long)seed, c.stage, c.prefetch, c.overlap, chorus_gpt_num_params(model));
-  chorus_fsdp_t *f = calloc(1, sizeof *f);
-  if (!f) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
-  f->comm = comm;
-  f->model = model;
-  f->cfg = c;
-  f->rank = chorus_comm_rank(comm);
-  f->size = chorus_comm_size(comm);
-  f->nu = chorus_gpt_num_units(model);
-  if (f->cfg.prefetch > 2 * f->nu) f->cfg.prefetch = 2 * f->nu; /* the whole schedule */
-  f->sync = 1;
-  f->u = calloc((size_t)f->nu, sizeof *f->u);
-  f->nsched = 2 * f->nu;
-  f->sched = calloc((size_t)f->nsched, sizeof *f->sched);
-  f->ev = calloc(MAX_EVENTS, sizeof *f->ev);
-  if (!f->u || !f->sched || !f->ev) goto oom;
+  return CHORUS_OK;
+}
+
+/* The layout: each unit's slice of the shard and place in the flat
+ * buffers, and the schedule of their uses. */
+static void lay_out(chorus_fsdp_t *f, chorus_gpt_t *model) {
   const size_t N = (size_t)f->size;
   for (int v = 0; v < f->nu; v++) {
     const chorus_gpt_unit_t *gu = chorus_gpt_unit(model, v);
@@ -529,11 +504,16 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
   }
   for (int i = f->nu; i < f->nsched; i++)
     for (int k = 0; k < f->sched[i].nneeds; k++) f->u[f->sched[i].needs[k]].bwd_last = i;
-  /* Storage, and the initial values of what this rank keeps. */
+}
+
+/* Storage, and the initial values of what this rank keeps.  0, or -1 (out
+ * of memory). */
+static int place(chorus_fsdp_t *f, chorus_gpt_t *model, uint64_t seed) {
+  const chorus_fsdp_config_t c = f->cfg;
   const int master = c.stage == 3 || c.param_dtype == CHORUS_BFLOAT16;
   if (c.stage <= 2) {
     f->pflat = calloc(f->flat ? f->flat : 1, sizeof(float));
-    if (!f->pflat) goto oom;
+    if (!f->pflat) return -1;
     for (int v = 0; v < f->nu; v++) {
       unit_t *u = &f->u[v];
       chorus_gpt_init_range(model, seed, u->off, u->count, f->pflat + u->foff);
@@ -541,17 +521,17 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
   }
   if (c.stage == 1) {
     f->gflat = calloc(f->flat ? f->flat : 1, sizeof(float));
-    if (!f->gflat) goto oom;
+    if (!f->gflat) return -1;
     if (c.reduce_dtype == CHORUS_BFLOAT16)
       for (int v = 0; v < f->nu; v++)
-        if (!(f->u[v].ghalf = malloc(2 * (f->u[v].count ? f->u[v].count : 1)))) goto oom;
+        if (!(f->u[v].ghalf = malloc(2 * (f->u[v].count ? f->u[v].count : 1)))) return -1;
   } else {
     f->gshard = calloc(f->shard ? f->shard : 1, sizeof(float));
-    if (!f->gshard) goto oom;
+    if (!f->gshard) return -1;
   }
   if (master) {
     f->pshard = calloc(f->shard ? f->shard : 1, sizeof(float));
-    if (!f->pshard) goto oom;
+    if (!f->pshard) return -1;
     for (int v = 0; v < f->nu; v++) {
       unit_t *u = &f->u[v];
       size_t lo = (size_t)f->rank * u->s, hi = lo + u->s < u->count ? lo + u->s : u->count;
@@ -562,44 +542,90 @@ chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint
     for (int v = 0; v < f->nu; v++)
       chorus__round_bf16(f->pflat + f->u[v].foff, f->pflat + f->u[v].foff, f->u[v].count);
   for (int v = 0; v < f->nu; v++) rebind(f, v);
-  /* The most the working buffers can hold at once (for --mem-cap): walk
-   * the schedule as the hook would. */
-  {
-    const int K = c.stage == 3 ? f->cfg.prefetch : 0;
-    unsigned char *seen = calloc(f->nu > 0 ? (size_t)f->nu : 1, 1);
-    if (!seen) goto oom;
-    size_t biggest = 0;
-    for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;
-    size_t pb = 0;
-    if (c.stage == 3) {
-      const size_t per = N * (sizeof(float) + (c.param_dtype == CHORUS_BFLOAT16 ? 2 : 0)) + 2;
-      for (int i = 0; i < f->nsched; i++) {
-        size_t sum = 0;
-        memset(seen, 0, (size_t)f->nu);
-        for (int j = i; j <= i + K + 1 && j < f->nsched; j++)
-          for (int k = 0; k < f->sched[j].nneeds; k++) {
-            int v = f->sched[j].needs[k];
-            if (seen[v]) continue;
-            seen[v] = 1;
-            sum += f->u[v].s * per;
-          }
-        if (sum > pb) pb = sum;
-      }
+  return 0;
+}
+
+/* The most the working buffers can hold at once (for --mem-cap): walk
+ * the schedule as the hook would.  0, or -1 (out of memory). */
+static int bound_work(chorus_fsdp_t *f) {
+  const chorus_fsdp_config_t c = f->cfg;
+  const size_t N = (size_t)f->size;
+  const int K = c.stage == 3 ? f->cfg.prefetch : 0;
+  unsigned char *seen = calloc(f->nu > 0 ? (size_t)f->nu : 1, 1);
+  if (!seen) return -1;
+  size_t biggest = 0;
+  for (int v = 0; v < f->nu; v++) biggest = f->u[v].s > biggest ? f->u[v].s : biggest;
+  size_t pb = 0;
+  if (c.stage == 3) {
+    const size_t per = N * (sizeof(float) + (c.param_dtype == CHORUS_BFLOAT16 ? 2 : 0)) + 2;
+    for (int i = 0; i < f->nsched; i++) {
+      size_t sum = 0;
+      memset(seen, 0, (size_t)f->nu);
+      for (int j = i; j <= i + K + 1 && j < f->nsched; j++)
+        for (int k = 0; k < f->sched[j].nneeds; k++) {
+          int v = f->sched[j].needs[k];
+          if (seen[v]) continue;
+          seen[v] = 1;
+          sum += f->u[v].s * per;
+        }
+      if (sum > pb) pb = sum;
     }
-    /* Gradients: unit 0 held through backward, the one computing, and the
-     * reductions in flight (each with its output and bf16 copy). */
-    size_t gb = 0;
-    if (c.stage >= 2) {
-      const size_t half = c.reduce_dtype == CHORUS_BFLOAT16;
-      const size_t per = N * (sizeof(float) + 2 * half) + (half ? 2 : 4);
-      /* Without overlap every unit's gradient waits for chorus_fsdp_wait. */
-      gb = c.overlap ? (f->u[0].s + (MAX_REDUCING + 1) * biggest) * per : f->shard * per;
-    }
-    /* Stages 1-2 with bf16 parameters: sync_params's bf16 copies, all at once. */
-    if (c.stage <= 2 && c.param_dtype == CHORUS_BFLOAT16) pb = 2 * (f->flat + f->shard);
-    free(seen);
-    f->work_bound = pb + gb;
   }
+  /* Gradients: unit 0 held through backward, the one computing, and the
+   * reductions in flight (each with its output and bf16 copy). */
+  size_t gb = 0;
+  if (c.stage >= 2) {
+    const size_t half = c.reduce_dtype == CHORUS_BFLOAT16;
+    const size_t per = N * (sizeof(float) + 2 * half) + (half ? 2 : 4);
+    /* Without overlap every unit's gradient waits for chorus_fsdp_wait. */
+    gb = c.overlap ? (f->u[0].s + (MAX_REDUCING + 1) * biggest) * per : f->shard * per;
+  }
+  /* Stages 1-2 with bf16 parameters: sync_params's bf16 copies, all at once. */
+  if (c.stage <= 2 && c.param_dtype == CHORUS_BFLOAT16) pb = 2 * (f->flat + f->shard);
+  free(seen);
+  f->work_bound = pb + gb;
+  return 0;
+}
+
+chorus_result_t chorus_fsdp_create(chorus_comm_t comm, chorus_gpt_t *model, uint64_t seed,
+                                   const chorus_fsdp_config_t *cfg, chorus_fsdp_t **out) {
+  static const chorus_fsdp_config_t defaults = CHORUS_FSDP_CONFIG_DEFAULT;
+  if (!out) return chorus__train_fail(CHORUS_ERR_INVALID_ARG, "chorus_fsdp_create: out is NULL");
+  *out = NULL;
+  const chorus_fsdp_config_t c = cfg ? *cfg : defaults;
+  if (!comm || !model || c.stage < 1 || c.stage > 3 || c.prefetch < 0 ||
+      (c.reduce_dtype != CHORUS_FLOAT32 && c.reduce_dtype != CHORUS_BFLOAT16) ||
+      (c.param_dtype != CHORUS_FLOAT32 && c.param_dtype != CHORUS_BFLOAT16))
+    return chorus__train_fail(CHORUS_ERR_INVALID_ARG,
+                              "chorus_fsdp_create: bad arguments (stage %d: 1, 2 or "
+                              "3; prefetch %d >= 0; dtypes float32 or bfloat16)",
+                              c.stage, c.prefetch);
+  if (chorus_gpt_params(model))
+    return chorus__train_fail(
+        CHORUS_ERR_INVALID_ARG,
+        "chorus_fsdp_create: the model holds its own parameters; "
+        "make it with chorus_gpt_create_ex(..., CHORUS_GPT_EXTERNAL, ...) so that the "
+        "runtime places them");
+  chorus_result_t st = agree(comm, model, seed, c);
+  if (st != CHORUS_OK) return st;
+  chorus_fsdp_t *f = calloc(1, sizeof *f);
+  if (!f) return chorus__train_fail(CHORUS_ERR_NO_MEMORY, "chorus_fsdp_create: out of memory");
+  f->comm = comm;
+  f->model = model;
+  f->cfg = c;
+  f->rank = chorus_comm_rank(comm);
+  f->size = chorus_comm_size(comm);
+  f->nu = chorus_gpt_num_units(model);
+  if (f->cfg.prefetch > 2 * f->nu) f->cfg.prefetch = 2 * f->nu; /* the whole schedule */
+  f->sync = 1;
+  f->u = calloc((size_t)f->nu, sizeof *f->u);
+  f->nsched = 2 * f->nu;
+  f->sched = calloc((size_t)f->nsched, sizeof *f->sched);
+  f->ev = calloc(MAX_EVENTS, sizeof *f->ev);
+  if (!f->u || !f->sched || !f->ev) goto oom;
+  lay_out(f, model);
+  if (place(f, model, seed) != 0) goto oom;
+  if (bound_work(f) != 0) goto oom;
   chorus_gpt_set_unit_hook(model, on_event, f);
   *out = f;
   return CHORUS_OK;
