@@ -2,7 +2,7 @@
  * ckpt.c - atomic single-file checkpoints of model, optimizer and caller
  * state, for a program of one process (the file layout is in ckpt.h; the
  * checkpoints of a data-parallel run, written by every rank, are in
- * dist_ckpt.c, which reads these files too).
+ * dist_ckpt.c; dist_ckpt_load.c reads these files too).
  */
 #include <ctype.h>
 #include <dirent.h>

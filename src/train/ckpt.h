@@ -40,7 +40,7 @@ static inline uint64_t chorus__fnv(uint64_t h, const void *p, size_t n) {
 int chorus__ckpt_write_all(int fd, const void *p, size_t n, uint64_t *h);
 void chorus__ckpt_shape(const chorus_gpt_t *m, int32_t s[5]);
 
-/* The checkpoints in a directory: ckpt-<step>/ (sharded, dist_ckpt.c) and
+/* The checkpoints in a directory: ckpt-<step>/ (sharded, dist_ckpt.c and dist_ckpt_load.c) and
  * ckpt-<step>.bin (one file), newest first, a step's sharded one before
  * its single file.  *n of them; NULL when none (or dir is missing). */
 typedef struct {
@@ -55,7 +55,7 @@ int chorus__ckpt_file(char *buf, size_t len, const char *dir, long step);
 
 /* chorus_trainer_save / _load for a rank that holds one range of the
  * layout, the floats [lo, lo + n), in par, with opt's state over those n
- * floats (a parameter server, ps.c).  Collective over comm (NULL: alone),
+ * floats (a parameter server, ps_server.c).  Collective over comm (NULL: alone),
  * whose ranks' ranges must not overlap; a load fills the range from any
  * checkpoint whatever wrote it (n = 0: it only takes part).  The files are
  * those of chorus_trainer_save (the index records stage 0): the save is

@@ -290,17 +290,19 @@ static void leave_the_dead(chorus_ps_t *ps, const int *alive) {
       r->rx_started = 0;
     }
   }
-  pthread_mutex_unlock(&ps->mu);
+  /* Returns holding ps->mu: holdings() records what is left under the
+   * same lock, as nothing may change in between. */
 }
 
 /* What each survivor holds: the ranges it serves, and whole copies
  * still good (being kept up to date, or complete: their server ended,
- * or died).  0, or -1 with why. */
+ * or died).  Called with ps->mu held (leave_the_dead), which it lets
+ * go.  0, or -1 with why. */
 static int holdings(chorus_ps_t *ps, takeover_t *t, char *why, size_t cap) {
   const int S = ps->nrange;
   const int *alive = t->alive;
   int64_t *rec = t->rec;
-  pthread_mutex_lock(&ps->mu);
+  /* ps->mu is held (leave_the_dead). */
   rec[0] = ps->me;
   rec[1] = ps->ck_done;
   for (int k = 0; k < S; k++) {

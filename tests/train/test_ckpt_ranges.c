@@ -1,5 +1,5 @@
 /*
- * test_ckpt_ranges.c - sharded checkpoints of ranges (src/train/dist_ckpt.c,
+ * test_ckpt_ranges.c - sharded checkpoints of ranges (src/train/dist_ckpt*.c,
  * as parameter servers write them), in one process: three ranges of the
  * layout, each with its own AdamW stepped a different number of times, saved
  * as the three files of one checkpoint and read back exactly, range by range
