@@ -7,10 +7,10 @@
 #   test_links.sh CHORUSRUN CHORUS_BENCH FIXTURES_DIR
 # Needs root; exits 77 (skipped, reason printed) when hosts cannot be made.
 set -u
+. "$(dirname "$0")/../lib.sh"
 RUN=$1 BENCH=$2 FIXTURES=$3
 . "$FIXTURES/hosts_test.sh"
 hosts_test_begin links
-FAILS=0
 
 cp "$RUN" "$TMP/chorusrun" && cp "$BENCH" "$TMP/chorus-bench" || exit 1
 hosts_up 3
@@ -33,9 +33,6 @@ for i in 0 1 2; do wait "${PID[i]}"; RC[i]=$?; done
 # so it is on whichever host came first.
 OUT=$TMP/h0.out
 for i in 0 1 2; do grep -q "^\[rank0\]:" "$TMP/h$i.out" && { OUT=$TMP/h$i.out; break; }; done
-ok() { echo "ok   $*"; }
-fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
-
 if ((RC[0] == 0 && RC[1] == 0 && RC[2] == 0)); then ok "every host exits 0"
 else fail "exit statuses ${RC[*]}"; fi
 grep -q "bandwidth (MB/s), row = from" "$OUT" && grep -q "one-way latency (us)" "$OUT" &&
@@ -60,7 +57,7 @@ if ((nlinks == 6)); then ok "all 6 directed links: tcp over eth0 between the hos
 else fail "$nlinks of 6 link lines name tcp over eth0"; fi
 if ((FAILS)); then
   echo "---- rank 0's output:"; sed 's/^/  /' "$OUT" | tail -n 40
-  echo "$FAILS check(s) FAILED"; exit 1
+else
+  sed -n '/one-way latency/,/no slow\|slow links/p' "$OUT" | head -n 14
 fi
-sed -n '/one-way latency/,/no slow\|slow links/p' "$OUT" | head -n 14
-echo "all checks passed"
+summary "all checks passed"

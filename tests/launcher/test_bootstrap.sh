@@ -25,19 +25,17 @@
 # the mode exit 77 (CTest: skipped) after saying why.  The EXIT trap kills
 # what this script started and stops the fixture.
 set -u
+. "$(dirname "$0")/../lib.sh"
 MODE=$1 CHECK=$2 COLLS=$3 FIXTURES=${4:-} CHORUSRUN=${5:-} STRANGER=${6:-}
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-bootstrap.XXXXXX") || exit 1
+tmp_dir bootstrap
 OUT=$TMP/out
-FAILS=0
 SLURM_UP=0
 
 cleanup() {
   if ((SLURM_UP)); then bash "$FIXTURES/slurm.sh" down >/dev/null 2>&1; fi
   pkill -KILL -f "$TMP/" 2>/dev/null
-  rm -rf "$TMP"
 }
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+on_exit cleanup
 
 # Private copies, so pkill -f $TMP/ finds exactly our processes.
 cp "$CHECK" "$TMP/bootstrap_check" && cp "$COLLS" "$TMP/test_colls" || exit 1
@@ -45,14 +43,10 @@ CHECK=$TMP/bootstrap_check COLLS=$TMP/test_colls
 if [[ -n $CHORUSRUN ]]; then cp "$CHORUSRUN" "$TMP/chorusrun" || exit 1; CHORUSRUN=$TMP/chorusrun; fi
 if [[ -n $STRANGER ]]; then cp "$STRANGER" "$TMP/secret_stranger" || exit 1; STRANGER=$TMP/secret_stranger; fi
 
-ok() { echo "ok   $*"; }
-fail() {
-  echo "FAIL $*"
+fail_details() {
   echo "---- output (first 30 lines):"; head -n 30 "$OUT" | cut -c1-300; echo "----"
-  FAILS=$((FAILS + 1))
 }
 skip() { echo "SKIPPED: $*"; exit 77; }
-now_ms() { date +%s%3N; }
 
 # run SECONDS cmd...: output to $OUT, sets RC and MS.
 run() {
@@ -294,5 +288,4 @@ case $MODE in
   slurm) mode_slurm ;;
   *) echo "unknown mode $MODE" >&2; exit 2 ;;
 esac
-if ((FAILS)); then echo "$FAILS check(s) failed"; exit 1; fi
-echo "all checks passed"
+summary "all checks passed" "check(s) failed"

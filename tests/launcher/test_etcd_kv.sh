@@ -16,6 +16,7 @@
 # Exits 77 (skipped, reason printed) when etcd cannot be installed or run
 # here.  The EXIT trap always takes etcd down and removes the state.
 set -u
+. "$(dirname "$0")/../lib.sh"
 
 # Internal: the kill command the test runs in the middle of its calls.
 if [ "${1:-}" = --kill-leader ]; then
@@ -35,20 +36,11 @@ fi
 
 BIN=$1 FIXTURES=$2
 ETCD=$FIXTURES/etcd.sh
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-etcd-kv.XXXXXX") || exit 1
+tmp_dir etcd-kv
 export CHORUS_ETCD_DIR=$TMP/etcd CHORUS_ETCD_PORT=${CHORUS_ETCD_KV_PORT:-}
 unset CHORUS_ETCD_ADDR # loopback: the test checks the local address it reports
-FAILS=0
 
-cleanup() {
-  bash "$ETCD" down >/dev/null 2>&1
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
-
-ok() { echo "ok   $*"; }
-fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
+on_exit 'bash "$ETCD" down >/dev/null 2>&1'
 
 # up N: N members, CHORUS_ETCD_ENDPOINTS set; skips the test (77) when
 # etcd cannot be had here.
@@ -93,5 +85,4 @@ up 3
 export CHORUS_ETCD_ENDPOINTS
 run kill-lead cluster "$CHORUS_ETCD_ENDPOINTS" "bash '$0' --kill-leader '$FIXTURES'"
 
-if ((FAILS)); then echo "$FAILS failed"; exit 1; fi
-echo "all passed"
+summary "all passed" failed

@@ -22,37 +22,31 @@
 # The EXIT trap kills our agents and workers (private copies under the
 # mktemp dir, so pkill -f finds only ours) and takes etcd down.
 set -u
+. "$(dirname "$0")/../lib.sh"
 RUN=$1 WORKER=$2 KV=$3 FIXTURES=$4
 shift 4
 CASES=${*:-tls auth replay}
 ETCD=$FIXTURES/etcd.sh
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-etcd-sec.XXXXXX") || exit 1
+tmp_dir etcd-sec
 export CHORUS_ETCD_DIR=$TMP/etcd
 unset CHORUS_ETCD_ADDR CHORUS_ETCD_PORT CHORUS_ETCD_MEMBERS RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
-FAILS=0
 
 cleanup() {
   pkill -KILL -f "$TMP/" 2>/dev/null
   bash "$ETCD" down >/dev/null 2>&1
-  rm -rf "$TMP"
 }
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+on_exit cleanup
 
 cp "$RUN" "$TMP/chorusrun" && cp "$WORKER" "$TMP/worker" || exit 1
 RUN=$TMP/chorusrun WORKER=$TMP/worker
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
 export CHORUS_JOB_SECRET_FILE=$TMP/key
 
-ok() { echo "ok   $*"; }
-fail() {
-  echo "FAIL $*"
+fail_details() {
   for f in "$TMP"/*.out; do
     [ -e "$f" ] && { echo "---- $(basename "$f"):"; tail -n 15 "$f" | cut -c1-300; }
   done
-  FAILS=$((FAILS + 1))
 }
-now_ms() { date +%s%3N; }
 
 # up SECURE: etcd afresh; sets EP (and the env the fixture prints)
 up() {
@@ -262,5 +256,4 @@ PY
 }
 
 for c in $CASES; do "case_$c"; done
-if ((FAILS)); then echo "$FAILS failed"; exit 1; fi
-echo "all passed"
+summary "all passed" failed

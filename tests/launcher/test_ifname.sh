@@ -16,10 +16,10 @@
 #   test_ifname.sh BOOTSTRAP_CHECK FIXTURES_DIR
 # Needs root; exits 77 (skipped, reason printed) when hosts cannot be made.
 set -u
+. "$(dirname "$0")/../lib.sh"
 CHECK=$1 FIXTURES=$2
 . "$FIXTURES/hosts_test.sh"
 hosts_test_begin ifname
-FAILS=0
 
 cp "$CHECK" "$TMP/bootstrap_check" || exit 1
 CHECK=$TMP/bootstrap_check
@@ -47,11 +47,8 @@ world() {
   wait $p1; RC1=$?
   SECS=$((SECONDS - t0))
 }
-ok() { echo "ok   $*"; }
-fail() {
-  echo "FAIL $*"
+fail_details() { # MESSAGE NAME: the tails of world NAME's outputs
   for f in "$TMP"/"$2".r*; do [ -e "$f" ] && { echo "---- $(basename "$f"):"; tail -n 5 "$f"; }; done
-  FAILS=$((FAILS + 1))
 }
 formed() { # formed NAME: both ranks printed "bootstrap ok" and exited 0
   ((RC0 == 0 && RC1 == 0)) && grep -q "bootstrap ok" "$TMP/$1.r0" && grep -q "bootstrap ok" "$TMP/$1.r1"
@@ -92,5 +89,4 @@ else
   fail "CHORUS_SOCKET_IFNAME==eth matched an interface (exit $RC0)" exact
 fi
 
-((FAILS == 0)) || { echo "$FAILS check(s) FAILED"; exit 1; }
-echo "all checks passed"
+summary "all checks passed"

@@ -10,45 +10,34 @@
 # left and removes the directory, also when a case fails or the script is
 # interrupted.  Prints "ok"/"FAIL" per check and exits non-zero on failure.
 set -u
+. "$(dirname "$0")/../lib.sh"
 
 if [ $# -ne 2 ]; then
   echo "usage: $0 CHORUSRUN LAUNCH_WORKER" >&2
   exit 2
 fi
 CHORUSRUN=$1
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorusrun-test.XXXXXX") || exit 1
+tmp_dir launcher
 WORKER="$TMP/launch_worker"
 cp "$2" "$WORKER" || exit 1
 OUT="$TMP/out"
 ERR="$TMP/err"
-FAILS=0
 BG=""
 
 ours() { pgrep -f "$TMP/"; }
 
-# Only the test's own shell cleans up: a subshell that inherited the EXIT
-# trap (one CI run lost $TMP halfway through the signal cases) must not.
-MAIN_PID=$BASHPID
 cleanup() {
   local pids
-  [ "$BASHPID" = "$MAIN_PID" ] || return 0
   [ -n "$BG" ] && kill -KILL "$BG" 2>/dev/null
   pids=$(ours)
   [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
-  rm -rf "$TMP"
 }
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+on_exit cleanup
 
-now_ms() { date +%s%3N; }
-
-ok() { echo "ok   $*"; }
-fail() {
-  echo "FAIL $*"
+fail_details() {
   echo "---- stdout (first 20 lines):"; head -n 20 "$OUT" 2>/dev/null | cut -c1-200
   echo "---- stderr (first 20 lines):"; head -n 20 "$ERR" 2>/dev/null | cut -c1-200
   echo "----"
-  FAILS=$((FAILS + 1))
 }
 check() { # check DESCRIPTION command...
   local what=$1
@@ -489,9 +478,4 @@ case_inplace
 case_signals
 case_store
 
-if [ "$FAILS" -ne 0 ]; then
-  echo "$FAILS check(s) FAILED"
-  exit 1
-fi
-echo "all launcher checks passed"
-exit 0
+summary "all launcher checks passed"

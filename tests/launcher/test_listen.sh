@@ -23,6 +23,7 @@
 # run on the machine).  The EXIT trap kills whatever is left and removes the
 # directory.  Skips (77) without ss or python3.
 set -u
+. "$(dirname "$0")/../lib.sh"
 
 if [ $# -ne 2 ]; then
   echo "usage: $0 CHORUSRUN LAUNCH_WORKER" >&2
@@ -32,33 +33,24 @@ CHORUSRUN=$1
 command -v ss >/dev/null || { echo "skip: no ss (iproute2)"; exit 77; }
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3) || { echo "skip: no python3"; exit 77; }
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-listen.XXXXXX") || exit 1
+tmp_dir listen
 chmod 755 "$TMP"
 WORKER="$TMP/launch_worker"
 cp "$2" "$WORKER" || exit 1
-FAILS=0
 
 ours() { pgrep -f "$TMP/"; }
-MAIN_PID=$BASHPID
 cleanup() {
   local pids
-  [ "$BASHPID" = "$MAIN_PID" ] || return 0
   pids=$(ours)
   [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
-  rm -rf "$TMP"
 }
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+on_exit cleanup
 
-now_ms() { date +%s%3N; }
-ok() { echo "ok   $*"; }
-fail() {
-  echo "FAIL $*"
+fail_details() {
   for f in "${D:-$TMP}"/*.out "${D:-$TMP}"/*.err; do
     [ -s "$f" ] || continue
     echo "---- $f (first 15 lines):"; head -n 15 "$f" | cut -c1-400
   done
-  FAILS=$((FAILS + 1))
 }
 
 # A secret for the chorusrun cases (c10d wants one).
@@ -296,8 +288,4 @@ done
 left=$(ours)
 [ -n "$left" ] && { fail "processes left behind: $left"; kill -KILL $left 2>/dev/null; }
 
-if [ "$FAILS" -gt 0 ]; then
-  echo "$FAILS check(s) failed"
-  exit 1
-fi
-echo "all passed"
+summary "all passed" "check(s) failed"

@@ -34,23 +34,22 @@
 # the fixture cannot make hosts.  The EXIT trap kills every agent and
 # removes the hosts.
 set -u
+. "$(dirname "$0")/../lib.sh"
 RUN=$1 WORKER=$2 COLLS=$3 FIXTURES=$4
 shift 4
 CASES=${*:-c10d static lastcall worker agent link grow store signal etcd bad}
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-nodes.XXXXXX") || exit 1
+tmp_dir nodes
 export CHORUS_NETNS_DIR=$TMP/netns CHORUS_NETNS_PREFIX=chn$$
 NETNS=$FIXTURES/netns.sh
-FAILS=0 UP=0 ETCD_UP=0
+UP=0 ETCD_UP=0
 ETCD=$FIXTURES/etcd.sh
 
 cleanup() {
   pkill -KILL -f "$TMP/" 2>/dev/null
   if ((ETCD_UP)); then CHORUS_ETCD_DIR=$TMP/etcd bash "$ETCD" down >/dev/null 2>&1; fi
   if ((UP)); then bash "$NETNS" down >/dev/null 2>&1; fi
-  rm -rf "$TMP"
 }
-trap cleanup EXIT
-trap 'echo "interrupted"; exit 1' INT TERM HUP
+on_exit cleanup
 
 # Private copies, so pkill -f $TMP/ finds exactly our processes.
 cp "$RUN" "$TMP/chorusrun" && cp "$WORKER" "$TMP/worker" && cp "$COLLS" "$TMP/test_colls" || exit 1
@@ -59,17 +58,13 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$T
 export CHORUS_JOB_SECRET_FILE=$TMP/key
 unset CHORUS_JOB_SECRET RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
 
-ok() { echo "ok   $*"; }
-fail() {
-  echo "FAIL $*"
+fail_details() {
   for f in "$TMP"/h*.out; do
     [ -e "$f" ] || continue
     echo "---- $(basename "$f") (last 25 lines):"; tail -n 25 "$f" | cut -c1-300
   done
   echo "----"
-  FAILS=$((FAILS + 1))
 }
-now_ms() { date +%s%3N; }
 
 out=$(bash "$NETNS" up 4 2>&1)
 rc=$?
@@ -376,5 +371,4 @@ case_bad() {
 }
 
 for c in $CASES; do "case_$c"; done
-if ((FAILS)); then echo "$FAILS check(s) failed"; exit 1; fi
-echo "all checks passed"
+summary "all checks passed" "check(s) failed"

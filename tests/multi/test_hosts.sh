@@ -20,14 +20,12 @@
 # (skipped, reason printed) when the hosts, or the shaping a case needs
 # (lossy: the kernel's sch_netem), cannot be made here.
 set -u
+. "$(dirname "$0")/../lib.sh"
 RUN=$1 COLLS=$2 BENCH=$3 FIXTURES=$4
 shift 4
 CASES=${*:-matrix streams ucx lossy linkdown linkdown_ucx}
 . "$FIXTURES/hosts_test.sh"
 hosts_test_begin hosts
-FAILS=0
-ok() { echo "ok   $*"; }
-fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
 
 cp "$RUN" "$TMP/chorusrun" && cp "$COLLS" "$TMP/test_colls" && cp "$BENCH" "$TMP/chorus-bench" || exit 1
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/key" && chmod 600 "$TMP/key"
@@ -141,8 +139,4 @@ for c in $CASES; do
     *) echo "unknown case $c"; exit 2 ;;
   esac
 done
-if ((FAILS)); then
-  echo "$FAILS check(s) FAILED"
-  exit 1
-fi
-echo "all checks passed"
+summary "all checks passed"

@@ -5,12 +5,9 @@
 # bad one fails the world's creation naming its line.
 #   test_tuning.sh CHORUSRUN CHORUS_BENCH
 set -u
+. "$(dirname "$0")/../lib.sh"
 RUN=$1 BENCH=$2
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/chorus-tuning.XXXXXX") || exit 1
-trap 'rm -rf "$TMP"' EXIT
-FAILS=0
-ok() { echo "ok   $*"; }
-fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
+tmp_dir tuning
 export CHORUS_TRANSPORT=tcp CHORUS_TIMEOUT=60
 unset CHORUS_TUNING_FILE CHORUS_ALGO CHORUS_ALL_REDUCE_ALGO
 
@@ -58,5 +55,4 @@ if ((rc != 0)) && grep -q "bad.tune line 2: all_reduce has no algorithm 'no_such
 else
   fail "bad file: exit $rc"; tail -n 5 "$TMP/bad.out"
 fi
-if ((FAILS)); then echo "$FAILS check(s) FAILED"; exit 1; fi
-echo "all checks passed"
+summary "all checks passed"

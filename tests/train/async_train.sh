@@ -32,12 +32,12 @@
 #   async_train.sh CHORUSRUN CHORUS_TRAIN CMP_WEIGHTS DATA SANITIZER
 # Every run is bounded by timeout; the EXIT trap kills what is left.
 set -u
+. "$(dirname "$0")/../lib.sh"
 run=$1 train=$2 cmp=$3 data=$4 sanitizer=${5:-}
-tmp=$(mktemp -d /tmp/chorus-async.XXXXXX)
-# A private copy, so that pkill -f "$tmp/" finds exactly our processes.
-cp "$train" "$tmp/chorus-train" && train=$tmp/chorus-train || exit 1
-trap 'pkill -9 -f "$tmp/" 2>/dev/null; [ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
-fails=0
+tmp_dir async
+on_exit 'pkill -9 -f "$TMP/" 2>/dev/null'
+# A private copy, so that pkill -f "$TMP/" finds exactly our processes.
+cp "$train" "$TMP/chorus-train" && train=$TMP/chorus-train || exit 1
 model=(--layers 2 --heads 4 --channels 64 --ctx 64 --batch 8 --warmup 5 --sample 0
        --log-every 10 --threads 1 --data "$data")
 # A sanitizer build looks for memory errors and races in the servers and
@@ -52,27 +52,24 @@ train_run() { # NAME RANKS [chorusrun args --] [chorus-train args...]: must succ
   while (($#)) && [[ $1 != -- ]]; do pre+=("$1"); shift; done
   if (($#)); then shift; else set -- "${pre[@]}"; pre=(); fi
   if ! timeout 240 "$run" --standalone -n "$n" "${pre[@]}" -- "$train" "${model[@]}" "$@" \
-      >"$tmp/$name.log" 2>&1; then
-    echo "FAIL $name: the run failed"; tail -n 8 "$tmp/$name.log" | cut -c1-300
-    fails=$((fails + 1))
+      >"$TMP/$name.log" 2>&1; then
+    fail "$name: the run failed"; tail -n 8 "$TMP/$name.log" | cut -c1-300
   fi
 }
-ok() { echo "ok   $1"; }
-bad() { echo "FAIL $1"; fails=$((fails + 1)); }
 has() { # WHAT LOG PATTERN
-  if grep -q -- "$3" "$tmp/$2.log"; then ok "$1"; else bad "$1"; tail -n 6 "$tmp/$2.log" | cut -c1-300; fi
+  if grep -q -- "$3" "$TMP/$2.log"; then ok "$1"; else fail "$1"; tail -n 6 "$TMP/$2.log" | cut -c1-300; fi
 }
 same() { # WHAT A B TOL
-  if "$cmp" "$tmp/$2" "$tmp/$3" "$4"; then ok "$1"; else bad "$1"; fi
+  if "$cmp" "$TMP/$2" "$TMP/$3" "$4"; then ok "$1"; else fail "$1"; fi
 }
-num() { sed -n "s/$2/\1/p" "$tmp/$1.log" | tail -n 1; }
+num() { sed -n "s/$2/\1/p" "$TMP/$1.log" | tail -n 1; }
 wait_log() { # LOG PATTERN [POLL_S]: up to 60 s for the pattern in LOG, a look every POLL_S (0.1)
   local poll=${3:-0.1} end=$((SECONDS + 60))
-  until grep -q -- "$2" "$tmp/$1.log"; do ((SECONDS < end)) || return 1; sleep "$poll"; done
+  until grep -q -- "$2" "$TMP/$1.log"; do ((SECONDS < end)) || return 1; sleep "$poll"; done
 }
 rank_pid() { # RANK: the pid of our chorus-train process of that rank
   local p
-  for p in $(pgrep -f "$tmp/chorus-train"); do
+  for p in $(pgrep -f "$TMP/chorus-train"); do
     tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return; }
   done
 }
@@ -87,19 +84,19 @@ rank_pid() { # RANK: the pid of our chorus-train process of that rank
 # pass.
 # 1. Synchronous = DDP.
 if [ -z "$sanitizer" ]; then
-  train_run ddp 3 --steps 20 --dump "$tmp/ddp"
-  train_run s0 4 --mode async --max-staleness 0 --steps 20 --dump "$tmp/s0"
+  train_run ddp 3 --steps 20 --dump "$TMP/ddp"
+  train_run s0 4 --mode async --max-staleness 0 --steps 20 --dump "$TMP/s0"
   has "S=0: every gradient had staleness 0" s0 "staleness: 0: 100.0%; mean 0.00, max 0$"
   same "S=0, one server, 3 workers = DDP on 3 ranks" ddp s0 1e-4
   a=$(num ddp '.*validation loss [0-9.]* -> \([0-9.]*\)$') b=$(num s0 '.*validation loss \([0-9.]*\) (final.*')
-  [ -n "$a" ] && [ "$a" = "$b" ] && ok "and the same validation loss ($b)" || bad "validation loss: DDP '$a', async '$b'"
+  [ -n "$a" ] && [ "$a" = "$b" ] && ok "and the same validation loss ($b)" || fail "validation loss: DDP '$a', async '$b'"
 fi
 if [ -z "$sanitizer" ]; then
-  train_run ddpc 3 --steps 20 --clip 0 --dump "$tmp/ddpc"
-  train_run s0b 5 --mode async --servers 2 --max-staleness 0 --steps 20 --clip 0 --dump "$tmp/s0b"
+  train_run ddpc 3 --steps 20 --clip 0 --dump "$TMP/ddpc"
+  train_run s0b 5 --mode async --servers 2 --max-staleness 0 --steps 20 --clip 0 --dump "$TMP/s0b"
   same "S=0, two servers (ranges), 3 workers = DDP" ddpc s0b 1e-4
-  train_run s16 4 --mode async --max-staleness 16 --steps 20 --clip 0 --dump "$tmp/s16"
-  if "$cmp" "$tmp/ddpc" "$tmp/s16" 1e-4 >/dev/null; then bad "unbounded staleness differs from DDP"
+  train_run s16 4 --mode async --max-staleness 16 --steps 20 --clip 0 --dump "$TMP/s16"
+  if "$cmp" "$TMP/ddpc" "$TMP/s16" 1e-4 >/dev/null; then fail "unbounded staleness differs from DDP"
   else ok "unbounded staleness differs from DDP (so the check above can fail)"; fi
 fi
 
@@ -119,12 +116,12 @@ d=$(num dslow '^.*trained [0-9]* tokens in [0-9.]* s = \([0-9]*\) tok\/s.*')
 w=$(num d40 '.*validation loss [0-9.]* -> \([0-9.]*\)$')
 if [ -n "$d" ] && [ -n "$x" ] && [ "$x" -gt "$d" ]; then
   ok "async $x tok/s > DDP $d tok/s on the same 4 ranks, one worker 4x slower"
-else bad "async '$x' tok/s vs DDP '$d'"; fi
+else fail "async '$x' tok/s vs DDP '$d'"; fi
 ref=
 [ -n "$w" ] && ref=" and within 5 % of DDP on 3 ranks ($w)"
 if [ -n "$v" ] && awk -v v="$v" -v w="${w:-0}" 'BEGIN { exit !(v < 3.25 && (w == 0 || v <= 1.05 * w)) }'; then
   ok "async validation loss $v < 3.25 after 61440 tokens$ref"
-else bad "async validation loss '$v' (want < 3.25$ref)"; fi
+else fail "async validation loss '$v' (want < 3.25$ref)"; fi
 fi
 
 # 3. A worker SIGKILLed at its step 10.
@@ -136,7 +133,7 @@ has "and the final loss is reported" kill "validation loss [0-9.]* (final"
 # 3b. A worker that stops answering (SIGSTOP) is declared dead after
 # CHORUS_PEER_TIMEOUT_MS and dropped; the others finish.
 CHORUS_PEER_TIMEOUT_MS=2000 timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" \
-  "${model[@]}" --mode async --steps 60 >"$tmp/stop.log" 2>&1 &
+  "${model[@]}" --mode async --steps 60 >"$TMP/stop.log" 2>&1 &
 job=$!
 wait_log stop "async step"
 stopped=$(rank_pid 2)
@@ -166,7 +163,7 @@ fi
 
 # 5. The server dies: every worker fails, fast, naming it.
 timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" "${model[@]}" --mode async \
-  --steps 100000 >"$tmp/skill.log" 2>&1 &
+  --steps 100000 >"$TMP/skill.log" 2>&1 &
 job=$!
 wait_log skill "async step"
 victim=$(rank_pid 0)
@@ -176,7 +173,7 @@ wait "$job"
 rc=$? ms=$((($(date +%s%N) - t0) / 1000000))
 if [ -n "$victim" ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$ms" -lt 30000 ]; then
   ok "the server's death fails the job (exit $rc) in $ms ms"
-else bad "server killed ('$victim'): exit $rc after $ms ms"; fi
+else fail "server killed ('$victim'): exit $rc after $ms ms"; fi
 has "every worker names the dead server" skill "server 0 (rank 0) is gone or failed: .*the job fails"
 
 # 5b. Mirrored servers: a server SIGKILLed at a random moment loses nothing.
@@ -188,25 +185,25 @@ mkill() { # NAME VICTIM_RANK RANKS ARGS...: runs, kills the victim soon after st
   local name=$1 v=$2 n=$3
   shift 3
   timeout 180 "$run" --standalone -n "$n" --elastic inplace -- "$train" "${model[@]}" "$@" \
-    --data-delay-ms 25 >"$tmp/$name.log" 2>&1 &
+    --data-delay-ms 25 >"$TMP/$name.log" 2>&1 &
   local job=$!
   wait_log "$name" "async step  *[1-9][0-9]/" 0.01
   sleep "0.0$((RANDOM % 5))" # a random moment of the next few steps
   local pid
   pid=$(rank_pid "$v")
   [ -n "$pid" ] && kill -9 "$pid" && echo "     killed server rank $v (pid $pid)"
-  wait "$job" || { bad "$name: the run failed"; tail -n 8 "$tmp/$name.log" | cut -c1-300; }
-  grep -h "took its range" "$tmp/$name.log" | cut -c1-170 | sed 's/^/     /'
+  wait "$job" || { fail "$name: the run failed"; tail -n 8 "$TMP/$name.log" | cut -c1-300; }
+  grep -h "took its range" "$TMP/$name.log" | cut -c1-170 | sed 's/^/     /'
 }
 mir=(--mode async --servers 2 --mirror --max-staleness 0 --steps 40)
-train_run mref 5 "${mir[@]}" --dump "$tmp/mref"
+train_run mref 5 "${mir[@]}" --dump "$TMP/mref"
 if [ -z "$sanitizer" ]; then
-  train_run mplain 5 --mode async --servers 2 --max-staleness 0 --steps 40 --dump "$tmp/mplain"
+  train_run mplain 5 --mode async --servers 2 --max-staleness 0 --steps 40 --dump "$TMP/mplain"
   same "--mirror leaves the result as it was (bit for bit)" mplain mref 0
 fi
 v=$((RANDOM % 2))
-mkill mkill "$v" 5 "${mir[@]}" --checkpoint-dir "$tmp/ck8" --checkpoint-every 10 --keep 10 \
-  --dump "$tmp/mkill"
+mkill mkill "$v" 5 "${mir[@]}" --checkpoint-dir "$TMP/ck8" --checkpoint-every 10 --keep 10 \
+  --dump "$TMP/mkill"
 has "the other server takes the dead one's range over from its copy" mkill \
   "server process $v died; server $((1 - v)) took its range $v over from its copy"
 has "the workers send that range there" mkill "range $v goes to server $((1 - v)), which kept its copy"
@@ -216,61 +213,60 @@ same "and the weights are bit for bit the run's nobody killed" mref mkill 0
 # the kill fell into step 30's (its collective fails, and that checkpoint is
 # not written: the log says so).
 after=$(awk '/took its range/ {t = 1} t && /checkpoint: .*\(2 server file\(s\)/ {
-               sub(/.*ckpt-/, ""); sub(/ .*/, ""); print; exit}' "$tmp/mkill.log")
-if [ -n "$after" ] && [ -d "$tmp/ck8/ckpt-$after" ]; then
+               sub(/.*ckpt-/, ""); sub(/ .*/, ""); print; exit}' "$TMP/mkill.log")
+if [ -n "$after" ] && [ -d "$TMP/ck8/ckpt-$after" ]; then
   ok "the survivor checkpoints both ranges, a file each (step $((10#$after)))"
-else bad "the survivor wrote no checkpoint of both ranges after the take-over"; fi
+else fail "the survivor wrote no checkpoint of both ranges after the take-over"; fi
 if [ -z "$sanitizer" ] && [ -n "$after" ]; then
-  mkdir -p "$tmp/ck9" && cp -r "$tmp/ck8/ckpt-$after" "$tmp/ck9/"
-  train_run mres2 5 "${mir[@]}" --checkpoint-dir "$tmp/ck9" --dump "$tmp/mres2"
+  mkdir -p "$TMP/ck9" && cp -r "$TMP/ck8/ckpt-$after" "$TMP/ck9/"
+  train_run mres2 5 "${mir[@]}" --checkpoint-dir "$TMP/ck9" --dump "$TMP/mres2"
   same "a run resumed from that checkpoint ends at the same weights, bit for bit" mref mres2 0
 fi
 
 # 5c. One server and a standby, asynchronous: the standby serves on.
 stb=(--mode async --servers 1 --mirror --standby --steps 40)
-mkill mstand 0 5 "${stb[@]}" --checkpoint-dir "$tmp/ck6" --checkpoint-every 10 --keep 10
+mkill mstand 0 5 "${stb[@]}" --checkpoint-dir "$TMP/ck6" --checkpoint-every 10 --keep 10
 has "the standby takes the range over" mstand "server process 0 died; server 1 took its range 0 over"
 has "the budget is applied" mstand "summary: async.* of 120 gradient(s) (0 refused, 0 worker(s) dropped)"
-heard=$(sed -n 's/.*worker [0-9]* (rank [0-9]*): \([0-9]*\) step(s) applied.*/\1/p' "$tmp/mstand.log" |
+heard=$(sed -n 's/.*worker [0-9]* (rank [0-9]*): \([0-9]*\) step(s) applied.*/\1/p' "$TMP/mstand.log" |
         awk '{ s += $1 } END { print s + 0 }')
 [ "$heard" -eq 120 ] && ok "the gradients the workers heard were applied add up to it ($heard)" ||
-  bad "the workers heard of $heard applied gradients, not 120"
+  fail "the workers heard of $heard applied gradients, not 120"
 has "checkpoints go on after the take-over" mstand "checkpoint: .*ckpt-000000030 (1 server file(s)"
 if [ -z "$sanitizer" ]; then
-  mkdir -p "$tmp/ck7" && cp -r "$tmp/ck6/ckpt-000000030" "$tmp/ck7/"
-  train_run mres 5 "${stb[@]}" --checkpoint-dir "$tmp/ck7"
+  mkdir -p "$TMP/ck7" && cp -r "$TMP/ck6/ckpt-000000030" "$TMP/ck7/"
+  train_run mres 5 "${stb[@]}" --checkpoint-dir "$TMP/ck7"
   has "and a run with a standby resumes from them" mres "resumed from .*ckpt-000000030 (written by 1 rank(s), asynchronous): 9[0-9] of 120"
 fi
 
 # 6. Checkpoints of two servers, and a resume.
 ck=(--mode async --servers 2 --max-staleness 0 --steps 20 --clip 0 --checkpoint-every 10)
-train_run c1 5 "${ck[@]}" --checkpoint-dir "$tmp/ck1" --dump "$tmp/c1"
+train_run c1 5 "${ck[@]}" --checkpoint-dir "$TMP/ck1" --dump "$TMP/c1"
 has "two servers write one checkpoint" c1 "checkpoint: .*ckpt-000000010 (2 server file(s) and an index)"
-n=$(ls "$tmp/ck1/ckpt-000000010" 2>/dev/null | grep -c '^shard-0000[01]-of-00002\.bin$')
-[ "$n" -eq 2 ] && [ -s "$tmp/ck1/ckpt-000000010/index.bin" ] && ok "a file per server and an index" ||
-  bad "files: $(ls "$tmp/ck1/ckpt-000000010" 2>&1)"
-mkdir -p "$tmp/ck2" "$tmp/ck3" && cp -r "$tmp/ck1/ckpt-000000010" "$tmp/ck2/" &&
-  cp -r "$tmp/ck1/ckpt-000000010" "$tmp/ck3/"
-train_run c2 5 "${ck[@]}" --checkpoint-dir "$tmp/ck2" --dump "$tmp/c2"
+n=$(ls "$TMP/ck1/ckpt-000000010" 2>/dev/null | grep -c '^shard-0000[01]-of-00002\.bin$')
+[ "$n" -eq 2 ] && [ -s "$TMP/ck1/ckpt-000000010/index.bin" ] && ok "a file per server and an index" ||
+  fail "files: $(ls "$TMP/ck1/ckpt-000000010" 2>&1)"
+mkdir -p "$TMP/ck2" "$TMP/ck3" && cp -r "$TMP/ck1/ckpt-000000010" "$TMP/ck2/" &&
+  cp -r "$TMP/ck1/ckpt-000000010" "$TMP/ck3/"
+train_run c2 5 "${ck[@]}" --checkpoint-dir "$TMP/ck2" --dump "$TMP/c2"
 has "the servers resume from it" c2 "resumed from .*ckpt-000000010 (written by 2 rank(s), asynchronous): 30 of 60"
 same "and end at the uninterrupted run's weights, bit for bit" c1 c2 0
 if [ -z "$sanitizer" ]; then
 # Asynchronous servers update apart (their optimizers' step counts
 # differ): their checkpoints still load, and every threshold is written.
 aas=(--mode async --servers 2 --steps 20 --checkpoint-every 5)
-train_run c4 5 "${aas[@]}" --checkpoint-dir "$tmp/ck4" --keep 5
+train_run c4 5 "${aas[@]}" --checkpoint-dir "$TMP/ck4" --keep 5
 has "asynchronous servers write every checkpoint" c4 "checkpoint: .*ckpt-000000015 (2 server"
 has "and the final one" c4 "checkpoint: .*ckpt-000000020 (2 server"
-mkdir -p "$tmp/ck5" && cp -r "$tmp/ck4/ckpt-000000010" "$tmp/ck5/"
-train_run c5 5 "${aas[@]}" --checkpoint-dir "$tmp/ck5"
+mkdir -p "$TMP/ck5" && cp -r "$TMP/ck4/ckpt-000000010" "$TMP/ck5/"
+train_run c5 5 "${aas[@]}" --checkpoint-dir "$TMP/ck5"
 has "and resume from one" c5 "resumed from .*ckpt-000000010 (written by 2 rank(s), asynchronous)"
 has "to the end" c5 "checkpoint: .*ckpt-000000020 (2 server"
-train_run c3 3 --steps 20 --clip 0 --checkpoint-dir "$tmp/ck3"
+train_run c3 3 --steps 20 --clip 0 --checkpoint-dir "$TMP/ck3"
 has "DDP resumes from the servers' checkpoint" c3 "checkpoint of step 10: its training state is unreadable; the data order starts over"
 fi
 if timeout 60 "$run" --standalone -n 2 -- "$train" "${model[@]}" --mode async --shard 1 \
-    >"$tmp/refuse.log" 2>&1; then bad "--mode async --shard 1 is refused"
+    >"$TMP/refuse.log" 2>&1; then fail "--mode async --shard 1 is refused"
 else has "--mode async --shard 1 is refused" refuse "does not take --shard"; fi
 
-[ "$fails" -eq 0 ] && echo "all asynchronous data parallel checks passed" && exit 0
-echo "$fails asynchronous data parallel check(s) FAILED"; exit 1
+summary "all asynchronous data parallel checks passed" "asynchronous data parallel check(s) FAILED"

@@ -41,10 +41,10 @@
 # fixture cannot make hosts.  The EXIT trap kills what it started and removes
 # the hosts.
 set -u
+. "$(dirname "$0")/../lib.sh"
 RUN=$1 TRAIN=$2 CMP=$3 DATA=$4 FIXTURES=$5 MODE=${6:-ddp}
 . "$FIXTURES/hosts_test.sh"
 hosts_test_begin "el$MODE"
-FAILS=0
 
 # Private copies, so pkill -f $TMP/ finds exactly our processes.
 cp "$RUN" "$TMP/chorusrun" && cp "$TRAIN" "$TMP/chorus-train" || exit 1
@@ -57,13 +57,11 @@ STEPS=40
 [[ $MODE == shards ]] && STEPS=24
 MODEL=(--data "$DATA" --layers 2 --heads 4 --channels 128 --ctx 64 --batch 8 --steps "$STEPS"
        --warmup 5 --val-every 0 --sample 0 --log-every 1 --threads 1)
-fail() {
-  echo "FAIL $*"
+fail_details() {
   for f in "$TMP"/*.out; do
     [ -e "$f" ] || continue
     echo "---- $(basename "$f") (last 15 lines):"; tail -n 15 "$f" | cut -c1-300
   done
-  FAILS=$((FAILS + 1))
 }
 
 # job NAME NHOSTS PORT [chorusrun args --] chorus-train args: one agent per
@@ -140,7 +138,7 @@ reference() {
     --dump "$TMP/${name}ref.bin"
   job_wait
   if "$CMP" "$TMP/$name.bin" "$TMP/${name}ref.bin" 0; then
-    echo "ok   $what: bit-identical to the reference"
+    ok "$what: bit-identical to the reference"
   else
     fail "$what: the weights differ from the reference's"
   fi
@@ -164,7 +162,7 @@ for i in 0 1 2; do
 done
 if ((survivors_ok)) && ((RCS[VICTIM] == 137)) && [[ -n $M ]] && [[ -s $TMP/inplace.bin ]] &&
   grep -q "was killed by SIGKILL\|killed by signal 9" "$TMP/el.h$VICTIM.out"; then
-  echo "ok   the survivors finished $STEPS steps in place (agents: ${RCS[*]})"
+  ok "the survivors finished $STEPS steps in place (agents: ${RCS[*]})"
 else
   fail "elastic run: agents ${RCS[*]}, resumed at '${M}'"
 fi
@@ -186,14 +184,14 @@ if [[ -n $M ]]; then
   [[ ${RCS[*]} == "0 0 0" ]] || fail "uninterrupted run: agents ${RCS[*]}"
   # 3. The comparison.
   if "$CMP" "$TMP/inplace.bin" "$TMP/reference.bin" 0; then
-    echo "ok   the survivors' weights equal the reference's bit for bit"
+    ok "the survivors' weights equal the reference's bit for bit"
   else
     fail "the survivors' weights differ from the reference's"
   fi
   if ((M < STEPS)) && "$CMP" "$TMP/inplace.bin" "$TMP/straight.bin" 0 >/dev/null 2>&1; then
     fail "the survivors' weights equal the uninterrupted run's: the check cannot tell"
   else
-    echo "ok   ... and differ from the uninterrupted 3-host run's"
+    ok "... and differ from the uninterrupted 3-host run's"
   fi
 fi
 # 4. A host unplugged (the fixture's link down) after a random step: no
@@ -215,7 +213,7 @@ done
 if ((survivors_ok)) && ((RCS[VICTIM] != 0)) && [[ -s $TMP/link.bin ]] &&
   grep -q "elastic: 2 of 3 rank(s) go on" "$TMP"/link.h*.out &&
   grep -q "went silent" "$TMP"/link.h*.out; then
-  echo "ok   host $VICTIM unplugged after step $AFTER: the other two finished in place (agents: ${RCS[*]})"
+  ok "host $VICTIM unplugged after step $AFTER: the other two finished in place (agents: ${RCS[*]})"
 else
   fail "host $VICTIM unplugged after step $AFTER: agents ${RCS[*]}"
 fi
@@ -243,13 +241,13 @@ G=$(sed -n 's/.*elastic: 1 new rank(s) joined at step \([0-9]*\):.*/\1/p' "$TMP"
 echo "host 2 arrived after step $AFTER was logged; it joined at step ${G:-?}"
 grep -h "joined\|admitted" "$TMP"/grow.h*.out | cut -c1-200 | sed 's/^/  /'
 if [[ ${RCS[*]} == "0 0 0" && -n $G && -s $TMP/grow.bin ]]; then
-  echo "ok   the job grew from 2 to 3 hosts in place and finished"
+  ok "the job grew from 2 to 3 hosts in place and finished"
   job gref1 2 29506 -- --checkpoint-dir "$TMP/gck" --stop-after "$G"
   job_wait
   job gref2 3 29507 -- --checkpoint-dir "$TMP/gck" --dump "$TMP/grow-ref.bin"
   job_wait
   if "$CMP" "$TMP/grow.bin" "$TMP/grow-ref.bin" 0; then
-    echo "ok   the grown job's weights equal the reference's (2 hosts to step $G, then 3) bit for bit"
+    ok "the grown job's weights equal the reference's (2 hosts to step $G, then 3) bit for bit"
   else
     fail "the grown job's weights differ from the reference's"
   fi
@@ -272,7 +270,7 @@ M=$(sed -n 's/.*elastic: 3 of 4 rank(s) go on from step \([0-9]*\) .*/\1/p' "$TM
 echo "stage 3: host $V's worker SIGKILLed after step $AFTER was logged; the survivors went on from step ${M:-?}"
 grep -h "recovery took\|after the failure was seen" "$TMP"/sk.h*.out | sed 's/^/  /'
 if [[ -n $M && -s $TMP/sk.bin ]] && ((RCS[V] == 137)); then
-  echo "ok   stage 3: the survivors rebuilt the lost shard and finished on 3 (agents: ${RCS[*]})"
+  ok "stage 3: the survivors rebuilt the lost shard and finished on 3 (agents: ${RCS[*]})"
   reference "stage 3, a worker killed" sk 29511 4 3 "$M" 3
 else
   fail "stage 3, a worker killed: agents ${RCS[*]}, resumed at '${M}'"
@@ -290,7 +288,7 @@ echo "stage $S: host $V unplugged after step $AFTER was logged; the others went 
 grep -h "went silent\|recovery took\|after the failure was seen" "$TMP"/su.h*.out | grep -v WARN |
   cut -c1-200 | sed 's/^/  /'
 if [[ -n $M && -s $TMP/su.bin ]] && grep -q "went silent" "$TMP"/su.h*.out; then
-  echo "ok   stage $S: host $V unplugged: the other three finished in place"
+  ok "stage $S: host $V unplugged: the other three finished in place"
   reference "stage $S, a host unplugged" su 29515 4 3 "$M" "$S"
 else
   fail "stage $S, host $V unplugged: agents ${RCS[*]}, resumed at '${M}'"
@@ -310,7 +308,7 @@ job_wait
 G=$(sed -n 's/.*elastic: 1 new rank(s) joined at step \([0-9]*\):.*/\1/p' "$TMP"/sg.h*.out | head -n 1)
 echo "stage $S: host 3 arrived after step $AFTER was logged; it joined at step ${G:-?}"
 if [[ ${RCS[*]} == "0 0 0 0" && -n $G && -s $TMP/sg.bin ]]; then
-  echo "ok   stage $S: the job grew from 3 to 4 hosts in place, re-sharded, and finished"
+  ok "stage $S: the job grew from 3 to 4 hosts in place, re-sharded, and finished"
   reference "stage $S, grown from 3 to 4" sg 29518 3 4 "$G" "$S"
 else
   fail "stage $S, growing: agents ${RCS[*]}, joined at '$G'"
@@ -333,7 +331,7 @@ echo "stage $S: ranks $V and $W (which kept $V's replica) killed after step $AFT
 grep -h "no longer in memory" "$TMP"/sd.h*.out | head -n 1 | cut -c1-250 | sed 's/^/  /'
 if [[ -n $C && -s $TMP/sd.bin ]] && grep -q "no longer in memory" "$TMP"/sd.h*.out &&
   grep -q "elastic: 2 of 4 rank(s) go on" "$TMP"/sd.h*.out; then
-  echo "ok   stage $S: shard and replica lost: the two survivors went on from the checkpoint"
+  ok "stage $S: shard and replica lost: the two survivors went on from the checkpoint"
   reference "stage $S, a shard and its replica lost" sd 29521 4 2 "$C" "$S"
 else
   fail "stage $S, a shard and its replica lost: agents ${RCS[*]}, checkpoint '${C}'"
@@ -362,11 +360,11 @@ else
     grep -q "server process $R died; server $((1 - R)) took its range $R over" "$TMP"/pu.h*.out &&
     grep -q "summary: async.* $STEPS update(s) of $((2 * STEPS)) gradient(s) (0 refused" \
       "$TMP"/pu.h*.out; then
-    echo "ok   mirrored servers: the other server took the range over, the budget was applied"
+    ok "mirrored servers: the other server took the range over, the budget was applied"
     job pr 4 29524 -- "${PS[@]}" --dump "$TMP/pr.bin"
     job_wait
     if "$CMP" "$TMP/pu.bin" "$TMP/pr.bin" 0; then
-      echo "ok   mirrored servers, a host unplugged: bit-identical to the run nobody unplugged"
+      ok "mirrored servers, a host unplugged: bit-identical to the run nobody unplugged"
     else
       fail "mirrored servers, a host unplugged: the weights differ from the unplugged-free run's"
     fi
@@ -381,6 +379,4 @@ case $MODE in
   shards) run_shards ;;
   *) echo "unknown mode $MODE (ddp or shards)"; exit 2 ;;
 esac
-((FAILS == 0)) && echo "all elastic checks passed" && exit 0
-echo "$FAILS elastic check(s) FAILED"
-exit 1
+summary "all elastic checks passed" "elastic check(s) FAILED"
