@@ -140,7 +140,8 @@ if(NOT CHORUS_PYBIND11_INCLUDE OR NOT CHORUS_TORCH_PYTHON_LIB)
   return()
 endif()
 enable_language(CXX)
-add_library(chorus_torch MODULE python/chorus/_torch.cpp)
+add_library(chorus_torch MODULE python/chorus/_torch.cpp python/chorus/_torch_tensors.cpp
+            python/chorus/_torch_work.cpp python/chorus/_torch_coll.cpp python/chorus/_torch_p2p.cpp)
 chorus_python_module(chorus_torch _torch)
 set_target_properties(chorus_torch PROPERTIES CXX_STANDARD 17 CXX_STANDARD_REQUIRED ON
                       CXX_EXTENSIONS OFF CXX_VISIBILITY_PRESET hidden)
