@@ -125,8 +125,7 @@ char* bytePtr(const at::Tensor& t);
 bool consecutive(const std::vector<at::Tensor>& ts);
 at::Tensor flatOver(const std::vector<at::Tensor>& ts);
 at::Tensor inputBuffer(const at::Tensor& t);
-at::Tensor outputBuffer(const char* fn, const at::Tensor& t, TensorPairs& copies,
-                        bool keepData);
+at::Tensor outputBuffer(const char* fn, const at::Tensor& t, TensorPairs& copies, bool keepData);
 at::Tensor pack(const std::vector<at::Tensor>& ts, const at::TensorOptions& opts);
 void unpackInto(const at::Tensor& flat, const std::vector<at::Tensor>& ts, TensorPairs& copies);
 
@@ -291,7 +290,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override;
   // all_reduce of sparse tensors
   c10::intrusive_ptr<ChorusWork> sparseAllreduce(std::vector<at::Tensor>& tensors,
-                                                const c10d::AllreduceOptions& opts);
+                                                 const c10d::AllreduceOptions& opts);
   [[noreturn]] void sparseMismatch(int r, const std::string& what) const;
 
   // ---- point-to-point (_torch_p2p.cpp)
@@ -299,10 +298,8 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
                                       int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
-  c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int srcRank,
-                                         int tag);
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   void setSequenceNumberForGroup() override {}  // 0 on every rank at creation
@@ -349,8 +346,7 @@ class ProcessGroupChorus : public c10d::ProcessGroup {
   void checkRoot(const char* fn, int64_t root) const;
   void checkPeer(const char* fn, int peer, int tag, bool anyOk = false) const;
   void checkList(const char* fn, const std::vector<at::Tensor>& list, const at::Tensor& ref,
-                 const char* what, const char* side = nullptr,
-                 const char* Side = nullptr) const;
+                 const char* what, const char* side = nullptr, const char* Side = nullptr) const;
   void splits(const char* fn, const char* what, const at::Tensor& t,
               const std::vector<int64_t>& split, std::vector<size_t>& counts,
               std::vector<size_t>& displs) const;
