@@ -73,8 +73,12 @@ function(chorus_python_module target name)
   endif()
 endfunction()
 
-add_library(chorus_python MODULE python/chorus/_chorus.c)
+add_library(chorus_python MODULE python/chorus/_chorus.c python/chorus/_chorus_comm.c
+            python/chorus/_chorus_coll.c python/chorus/_chorus_store.c)
 chorus_python_module(chorus_python _chorus)
+# Only PyInit__chorus leaves the module (PyMODINIT_FUNC exports it): the
+# chorus__ names its files share stay inside.
+set_target_properties(chorus_python PROPERTIES C_VISIBILITY_PRESET hidden)
 
 # `cmake --install` puts the package where this interpreter looks for the
 # install prefix: Debian's python3 reads /usr/lib/python3/dist-packages and
@@ -136,7 +140,8 @@ if(NOT CHORUS_PYBIND11_INCLUDE OR NOT CHORUS_TORCH_PYTHON_LIB)
   return()
 endif()
 enable_language(CXX)
-add_library(chorus_torch MODULE python/chorus/_torch.cpp)
+add_library(chorus_torch MODULE python/chorus/_torch.cpp python/chorus/_torch_tensors.cpp
+            python/chorus/_torch_work.cpp python/chorus/_torch_coll.cpp python/chorus/_torch_p2p.cpp)
 chorus_python_module(chorus_torch _torch)
 set_target_properties(chorus_torch PROPERTIES CXX_STANDARD 17 CXX_STANDARD_REQUIRED ON
                       CXX_EXTENSIONS OFF CXX_VISIBILITY_PRESET hidden)
