@@ -26,11 +26,11 @@
  * chorus_comm_destroy.  The completion thread is joined by the process
  * group's destructor.
  * Errors: arguments are checked here (sizes and dtypes of every list entry,
- * roots, split sizes) and raise at call time; a collective that raises on
- * one rank enters a barrier in its place, so the ranks that did call it fail
- * with CHORUS_ERR_MISMATCH at once instead of waiting for the timeout (when
- * every rank made the same mistake, the barriers match and the group stays
- * usable).  The library's errors read "CHORUS_ERR_<CODE>: <its message>".
+ * roots, split sizes) and raise at call time, leaving the group usable as
+ * Gloo's does: when the other ranks did enter the call, this rank's next
+ * collective meets theirs and every rank fails with CHORUS_ERR_MISMATCH
+ * (_torch_coll.cpp).  The library's errors read "CHORUS_ERR_<CODE>: <its
+ * message>".
  * Non-contiguous tensors go through contiguous temporaries, copied back on
  * completion.
  *
