@@ -859,8 +859,11 @@ static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, 
     }
     /* Restoring a large buffer takes long and ends at different times on
      * each rank (more so with more ranks than cores): line the ranks up
-     * again, untimed, or the timed call absorbs the others' restore. */
-    if (prepared && ipbytes + g->oop_recv * b->es >= ((size_t)1 << 16))
+     * again, untimed, or the timed call absorbs the others' restore.
+     * Decided by the size column, the same on every rank: a rooted
+     * collective's buffers differ between root and the rest, and a barrier
+     * on one rank only would meet the next call on the others. */
+    if (prepared && g->bytes >= ((size_t)1 << 15))
       check_rc(b, chorus_barrier(b->comm, NULL), "barrier (after restoring the buffer)");
     double c0 = cpu_s(), t0 = now_us();
     run_once(b, g, inplace);
