@@ -294,6 +294,11 @@ void chorus__txq_free(chorus__txq_t *q);
  * channel's close runs. */
 void chorus__tp_peer_failed(chorus__tp_t *tp, chorus__peer_t *p, const char *why,
                             chorus_result_t code);
+/* p ended without ever exchanging a byte with this rank (a local peer's
+ * process ended, seen by its pidfd): it had nothing to say goodbye for, so
+ * it is gone like one that did -- only an endpoint that has something
+ * pending with it fails now, and any that posts to it later. */
+void chorus__tp_peer_ended_quietly(chorus__tp_t *tp, chorus__peer_t *p, const char *why);
 /* p broke the protocol (what: the broken rule): logged, then peer_failed. */
 void chorus__tp_protocol_error(chorus__tp_t *tp, chorus__peer_t *p, const char *what);
 /* rx is a stream from p, read by ch (link: the channel's state for it);

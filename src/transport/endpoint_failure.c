@@ -298,15 +298,17 @@ void chorus__tp_wake_hooks_of(chorus__tp_t *tp, int w) {
 }
 
 /* The way to peer c ended.  Members of every endpoint containing it fail,
- * unless it said goodbye first, between two messages, and nothing is
- * pending with it.  code: CHORUS_ERR_PROTOCOL when the peer (or something
- * on the wire) broke the protocol, else CHORUS_ERR_REMOTE. */
-void chorus__tp_peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus_result_t code) {
+ * unless it said goodbye first (or, quiet, never exchanged a byte with this
+ * rank), between two messages, and nothing is pending with it: those fail
+ * only when they need it.  code: CHORUS_ERR_PROTOCOL when the peer (or
+ * something on the wire) broke the protocol, else CHORUS_ERR_REMOTE. */
+static void peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus_result_t code,
+                        int quiet) {
   if (c->dead) return;
   c->dead = 1;
   c->dead_code = code;
   snprintf(c->dead_why, sizeof c->dead_why, "%s", why);
-  int clean = c->bye_received;
+  int clean = c->bye_received || quiet;
   for (rx_t *rx = c->rxs; rx; rx = rx->next)
     if (rx->in_payload || rx->hgot) clean = 0;
   chorus__tp_wake_hooks_of(tp, c->rank);
@@ -341,6 +343,14 @@ void chorus__tp_peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus
   }
   if (c->chan) c->chan->ops->close(c->chan, c);
   wake_all(tp);
+}
+
+void chorus__tp_peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus_result_t code) {
+  peer_failed(tp, c, why, code, 0);
+}
+
+void chorus__tp_peer_ended_quietly(chorus__tp_t *tp, peer_t *c, const char *why) {
+  peer_failed(tp, c, why, CHORUS_ERR_REMOTE, 1);
 }
 
 /* The failure detector for what closes no connection (a host unplugged or

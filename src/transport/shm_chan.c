@@ -85,6 +85,10 @@
 #define HDR_SIZE CHORUS__WIRE_HDR_SIZE
 typedef chorus__tx_t txitem_t;
 
+#ifndef MADV_POPULATE_WRITE /* Linux 5.14; older headers */
+#define MADV_POPULATE_WRITE 23
+#endif
+
 #define INBOX_MAGIC 0x584f424e49524843ull /* "CHRINBOX" */
 #define INBOX_VERSION 1u
 /* Bytes copied before the other side is told (head / tail published), so
@@ -143,6 +147,7 @@ typedef struct link {
   inbox_hdr_t *peer_hdr;
   ring_t *out;
   unsigned char *out_data;
+  int out_ready; /* out_data's pages are reserved (reserve_ring) */
   chorus__txq_t txq;
   struct sockaddr_un bell;
   socklen_t bell_len;
@@ -158,6 +163,7 @@ struct shm_chan {
   size_t ring_bytes;
   int nlocal, me;   /* local ranks, this rank's index among them */
   link_t *links;    /* by local index; links[me] unused */
+  int lazy;         /* rings' pages reserved on first use (MADV_POPULATE_WRITE) */
   int bell_fd;      /* this rank's doorbell (bound) */
   int send_fd;      /* for ringing the others */
   chorus__watch_t bell_watch;
@@ -204,10 +210,37 @@ static void ring_get(const unsigned char *data, size_t size, uint64_t pos, void 
   if (n > first) memcpy((char *)dst + first, data, n - first);
 }
 
+/* An inbox's rings take memory only once used: the sender reserves its
+ * ring's pages in the peer's inbox before its first bytes, so a host of L
+ * ranks holds what its ranks' pairs actually carry, not L x (L - 1) rings.
+ * MADV_POPULATE_WRITE allocates them now or fails with ENOMEM, where a
+ * plain write would take the process down with SIGBUS when memory runs
+ * out.  Without it (Linux < 5.14) every inbox was reserved whole at
+ * creation.  0, or -1 with the peer failed. */
+static int reserve_ring(link_t *l) {
+  shm_chan_t *ch = l->ch;
+  if (!ch->lazy ||
+      madvise(l->out_data, ch->ring_bytes, MADV_POPULATE_WRITE) == 0) {
+    /* Linked from now on: its silence counts from here (shm_link_state). */
+    if (!__atomic_load_n(&l->in->head, __ATOMIC_ACQUIRE)) l->peer->last_heard = chorus__now_ns();
+    l->out_ready = 1;
+    return 0;
+  }
+  char why[200];
+  snprintf(why, sizeof why, "cannot reserve the %zu KiB shared-memory ring to it (%s); the host is "
+           "out of memory: run fewer ranks per host or lower CHORUS_SHM_P2P_RING",
+           ch->ring_bytes >> 10, strerror(errno));
+  chorus__tp_peer_failed(link_tp(l), l->peer, why, CHORUS_ERR_NO_MEMORY);
+  return -1;
+}
+
 /* Writes as much of l's queue as its ring takes.  Returns 1 if it wrote
  * anything. */
+static int reserve_ring(link_t *l);
+
 static int flush_link(link_t *l) {
   if (l->peer->dead || !l->txq.head) return 0;
+  if (!l->out_ready && reserve_ring(l) != 0) return 0;
   shm_chan_t *ch = l->ch;
   size_t size = ch->ring_bytes;
   uint64_t head = l->out->head; /* only this rank writes it */
@@ -330,12 +363,19 @@ static void on_bell(void *arg, uint32_t events) {
   progress_all(ch);
 }
 
+static int shm_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since);
+
 static void on_pid(void *arg, uint32_t events) {
   link_t *l = arg;
   (void)events;
   if (l->peer->dead) return;
   read_link(l); /* its goodbye may be in the ring */
-  if (!l->peer->dead)
+  if (l->peer->dead) return;
+  /* A peer that never exchanged a byte with this rank sends it no goodbye
+   * (shm_link_state): its end matters only to what needs it. */
+  if (shm_link_state(&l->ch->base, l->peer, NULL) == CHORUS__LINK_NONE)
+    chorus__tp_peer_ended_quietly(link_tp(l), l->peer, "exited (its process ended)");
+  else
     chorus__tp_peer_failed(link_tp(l), l->peer, "exited (its process ended)", CHORUS_ERR_REMOTE);
 }
 
@@ -414,6 +454,20 @@ static void shm_destroy(chorus__chan_t *base) {
   free(ch);
 }
 
+/* A pair is linked once bytes went either way: this rank's ring to the
+ * peer is in use, or the peer's to this rank holds or held bytes.  Until
+ * then no heartbeat flows between them and silence means nothing, as for a
+ * TCP pair never connected: a host of L ranks does not exchange L x (L - 1)
+ * heartbeats (nor reserve a ring per pair for them) when each rank talks
+ * with a few. */
+static int shm_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since) {
+  (void)ch;
+  (void)since;
+  const link_t *l = p->link;
+  return l->out_ready || __atomic_load_n(&l->in->head, __ATOMIC_ACQUIRE) ? CHORUS__LINK_READY
+                                                                         : CHORUS__LINK_NONE;
+}
+
 static const chorus__chan_ops_t shm_ops = {
     .name = "shm",
     .send = shm_send,
@@ -422,6 +476,7 @@ static const chorus__chan_ops_t shm_ops = {
     .pending = shm_pending,
     .close = shm_close,
     .link_desc = shm_link_desc,
+    .link_state = shm_link_state,
     .poll = NULL,
     .progress = shm_progress,
     .idle = shm_idle,
@@ -687,13 +742,20 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     st = CHORUS_ERR_SYSTEM;
     goto fail;
   }
-  int rc = ftruncate(fd, (off_t)bytes) == 0 ? posix_fallocate(fd, 0, (off_t)bytes) : errno;
+  /* The header and the rings' words now; the data on first use (reserve_ring)
+   * where the kernel can reserve pages on demand, else all of it now. */
+  const size_t meta = data_offset(nlocal);
+  int rc = ftruncate(fd, (off_t)bytes) == 0 ? posix_fallocate(fd, 0, (off_t)meta) : errno;
   if (rc == 0) {
     ch->mine = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (ch->mine == MAP_FAILED) {
       rc = errno;
       ch->mine = NULL;
     }
+  }
+  if (rc == 0) {
+    ch->lazy = madvise(ch->mine, meta, MADV_POPULATE_WRITE) == 0;
+    if (!ch->lazy) rc = posix_fallocate(fd, (off_t)meta, (off_t)(bytes - meta));
   }
   if (rc == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
     rc = errno;
