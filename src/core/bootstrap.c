@@ -276,6 +276,7 @@ typedef struct {
   chorus__ctx_t *ctx;
   uint64_t world_id;
   int lfd;                  /* the data listener, until the transport takes it */
+  int bell_fd;              /* the shared-memory doorbell, likewise */
   char addrs_mine[128];     /* "ADDR PORT" */
   char ident[400];          /* this host's identity */
   char **addrs;             /* every rank's record (then cut to its address) */
@@ -501,6 +502,18 @@ static chorus_result_t build_publish(world_build_t *b) {
     chorus__host_identity(b->ident, sizeof b->ident);
   uint64_t my_nonce = 0;
   chorus__random_bytes(&my_nonce, sizeof my_nonce);
+  /* The doorbell local peers hand their inboxes to, bound before the
+   * record goes out: one missing later is a rank that ended. */
+  if (strcasecmp(tmode, "tcp") != 0) {
+    b->bell_fd = chorus__shm_bell_bind(&b->ws->key, b->world_id, rank, my_nonce);
+    if (b->bell_fd < 0) {
+      int e = -b->bell_fd;
+      b->bell_fd = -1;
+      free(ucx_hex);
+      return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d: cannot make the "
+                               "shared-memory doorbell: %s", rank, strerror(e));
+    }
+  }
   snprintf(b->addrs_mine, sizeof b->addrs_mine, "%s %d", ifaddr, data_port);
   size_t mine_cap = 700 + (ucx_hex ? strlen(ucx_hex) : 0);
   char *mine = malloc(mine_cap);
@@ -584,10 +597,11 @@ static chorus_result_t build_transport(world_build_t *b) {
                               .addrs = (const char *const *)b->addrs, .deadline = b->deadline,
                               .retry_ms = (int)env->CONNECT_RETRY_MS,
                               .fp_format = chorus__fp_format, .host = ctx->host,
-                              .nonce = b->nonce, .ucx = b->ucx,
+                              .nonce = b->nonce, .bell_fd = b->bell_fd, .ucx = b->ucx,
                               .ucx_addrs = b->use_ucx ? b->ucx_addrs : NULL};
   chorus_result_t st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
   b->lfd = -1;
+  b->bell_fd = -1;
   b->ucx = NULL;
   if (st != CHORUS_OK)
     return chorus__init_fail(st, "chorus rank %d/%d: connecting to the other ranks failed: %s",
@@ -605,6 +619,7 @@ static void build_abandon(world_build_t *b) {
   free(b->ucx_addrs);
   chorus__ucx_worker_free(b->ucx);
   if (b->lfd >= 0) close(b->lfd);
+  if (b->bell_fd >= 0) close(b->bell_fd);
   chorus__rdzv_free(b->addrs, b->size);
   chorus__ctx_t *ctx = b->ctx;
   if (ctx) {
@@ -692,6 +707,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   if (!b) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   b->cfg = cfg;
   b->lfd = -1;
+  b->bell_fd = -1;
   st = build_begin(b, job_key, join_base);
   if (st == CHORUS_OK) st = build_store(b, server);
   if (st == CHORUS_OK && (secret_from || b->ws->from[0]))

@@ -210,8 +210,12 @@ void chorus__tp_free(chorus__tp_t *tp) {
 
 chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t **out,
                                   char *errmsg, size_t errcap) {
+  /* The doorbell the shared-memory channel takes (it is part of cfg only
+   * with the nonces). */
+  const int bell = cfg->nonce ? cfg->bell_fd : -1;
   chorus__tp_t *tp = chorus__tp_alloc(cfg->rank, cfg->size, cfg->key, cfg->world_id);
   if (!tp) {
+    if (bell >= 0) close(bell);
     close(cfg->listen_fd);
     chorus__ucx_worker_free(cfg->ucx);
     return CHORUS_ERR_NO_MEMORY;
@@ -227,6 +231,7 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   tp->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   tp->ev_watch = (chorus__watch_t){on_kick, tp};
   if (tp->evfd < 0 || chorus__tp_watch(tp, tp->evfd, EPOLLIN, &tp->ev_watch) < 0) {
+    if (bell >= 0) close(bell);
     close(cfg->listen_fd);
     chorus__ucx_worker_free(cfg->ucx);
     snprintf(errmsg, errcap, "eventfd: %s", strerror(errno));
@@ -245,12 +250,14 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
    * rest. */
   const char *mode = chorus__env()->TRANSPORT;
   if (cfg->host && cfg->nonce && !(mode && !strcmp(mode, "tcp"))) {
-    st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap);
+    st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap); /* takes the bell */
     if (st != CHORUS_OK) {
       close(cfg->listen_fd);
       chorus__ucx_worker_free(cfg->ucx);
       goto fail;
     }
+  } else if (bell >= 0) {
+    close(bell);
   }
   if (cfg->ucx) {
     close(cfg->listen_fd);

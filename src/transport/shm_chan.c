@@ -149,8 +149,13 @@ typedef struct link {
   unsigned char *out_data;
   int out_ready; /* out_data's pages are reserved (reserve_ring) */
   chorus__txq_t txq;
+  uint64_t nonce; /* the peer's: its doorbell's name, the handover's proof */
   struct sockaddr_un bell;
-  socklen_t bell_len;
+  socklen_t bell_len; /* 0 until the name is computed (bell_of) */
+  /* The pair is made on first use (offer): this rank's inbox handed over
+   * (offered), since when, and when to try again (0: not waiting). */
+  int offered, active;
+  int64_t offer_since, retry_at;
   int pidfd;
   chorus__watch_t pid_watch;
 } link_t;
@@ -164,6 +169,13 @@ struct shm_chan {
   int nlocal, me;   /* local ranks, this rank's index among them */
   link_t *links;    /* by local index; links[me] unused */
   int lazy;         /* rings' pages reserved on first use (MADV_POPULATE_WRITE) */
+  int memfd;        /* this rank's inbox, for handing over */
+  uint64_t world, nonce; /* the world's id, this rank's nonce */
+  int rank, size;        /* world rank and size */
+  int *lidx_of;          /* local index of each world rank, -1 elsewhere */
+  int *act, nact;        /* the links in use (offered or attached), in order */
+  int64_t window_ns;     /* how long a pair may take to be made */
+  int64_t retry_ns;      /* between attempts while a doorbell is busy */
   int bell_fd;      /* this rank's doorbell (bound) */
   int send_fd;      /* for ringing the others */
   chorus__watch_t bell_watch;
@@ -237,9 +249,14 @@ static int reserve_ring(link_t *l) {
 /* Writes as much of l's queue as its ring takes.  Returns 1 if it wrote
  * anything. */
 static int reserve_ring(link_t *l);
+static int offer(link_t *l);
 
 static int flush_link(link_t *l) {
   if (l->peer->dead || !l->txq.head) return 0;
+  if (!l->peer_base) { /* the pair is being made: its inbox comes first */
+    if (!l->offered && !l->retry_at) offer(l);
+    return 0;
+  }
   if (!l->out_ready && reserve_ring(l) != 0) return 0;
   shm_chan_t *ch = l->ch;
   size_t size = ch->ring_bytes;
@@ -345,21 +362,20 @@ static int read_link(link_t *l) {
 /* Every ring both ways; 1 if anything moved. */
 static int progress_all(shm_chan_t *ch) {
   int any = 0;
-  for (int i = 0; i < ch->nlocal; i++) {
-    if (i == ch->me) continue;
-    link_t *l = &ch->links[i];
+  for (int k = 0; k < ch->nact; k++) { /* only pairs in use can move bytes */
+    link_t *l = &ch->links[ch->act[k]];
     any |= read_link(l);
     any |= flush_link(l);
   }
   return any;
 }
 
+static void take_all(shm_chan_t *ch);
+
 static void on_bell(void *arg, uint32_t events) {
   shm_chan_t *ch = arg;
   (void)events;
-  char buf[64];
-  while (recv(ch->bell_fd, buf, sizeof buf, MSG_DONTWAIT) >= 0) {
-  }
+  take_all(ch); /* inboxes handed over, and wake-ups */
   progress_all(ch);
 }
 
@@ -421,8 +437,11 @@ static void shm_link_desc(chorus__chan_t *ch, chorus__peer_t *p, char *buf, size
 
 static int shm_progress(chorus__chan_t *ch) { return progress_all((shm_chan_t *)ch); }
 
+static void tick(shm_chan_t *ch);
+
 static int shm_idle(chorus__chan_t *ch, int sleeping) {
   shm_chan_t *s = (shm_chan_t *)ch;
+  if (sleeping) tick(s); /* pairs being made: retries and deadlines */
   __atomic_store_n(&s->hdr->sleeping, (uint32_t)sleeping, __ATOMIC_SEQ_CST);
   /* Going to sleep: look once more after raising the flag (a sender that
    * published before seeing it did not ring). */
@@ -448,9 +467,12 @@ static void shm_destroy(chorus__chan_t *base) {
     }
   }
   if (ch->mine) munmap(ch->mine, ch->mine_bytes);
+  if (ch->memfd >= 0) close(ch->memfd);
   if (ch->bell_fd >= 0) close(ch->bell_fd);
   if (ch->send_fd >= 0) close(ch->send_fd);
   free(ch->links);
+  free(ch->lidx_of);
+  free(ch->act);
   free(ch);
 }
 
@@ -462,10 +484,14 @@ static void shm_destroy(chorus__chan_t *base) {
  * with a few. */
 static int shm_link_state(chorus__chan_t *ch, chorus__peer_t *p, int64_t *since) {
   (void)ch;
-  (void)since;
   const link_t *l = p->link;
-  return l->out_ready || __atomic_load_n(&l->in->head, __ATOMIC_ACQUIRE) ? CHORUS__LINK_READY
-                                                                         : CHORUS__LINK_NONE;
+  if (l->peer_base && (l->out_ready || __atomic_load_n(&l->in->head, __ATOMIC_ACQUIRE)))
+    return CHORUS__LINK_READY;
+  if (!l->peer_base && (l->offered || l->retry_at)) {
+    if (since) *since = l->offer_since;
+    return CHORUS__LINK_DIALING;
+  }
+  return CHORUS__LINK_NONE;
 }
 
 static const chorus__chan_ops_t shm_ops = {
@@ -548,37 +574,42 @@ static void handover_mac(const chorus__key_t *key, const handover_t *m, uint64_t
   chorus__hmac(key, parts, lens, 5, mac);
 }
 
-/* Sends this rank's inbox (memfd) to l's doorbell: 1 sent, 0 not yet
- * (the peer has not bound it, or its queue is full), -1 error (errno). */
-static int hand_over(shm_chan_t *ch, const chorus__tp_config_t *cfg, link_t *l, int memfd) {
-  handover_t m = {INBOX_MAGIC, cfg->world_id, (uint32_t)cfg->rank, (uint32_t)l->peer->rank, {0}};
-  handover_mac(&ch->base.tp->key, &m, cfg->nonce[l->peer->rank], m.mac);
+/* l's doorbell's name, computed when first needed. */
+static const struct sockaddr_un *bell_of(link_t *l) {
+  if (!l->bell_len)
+    bell_addr(&l->bell, &l->bell_len, &l->ch->base.tp->key, l->ch->world, l->peer->rank, l->nonce);
+  return &l->bell;
+}
+
+/* Sends this rank's inbox to l's doorbell: 1 sent, 0 not now (its queue is
+ * full), -1 error (errno; ECONNREFUSED or ENOENT: the doorbell is gone). */
+static int hand_over(shm_chan_t *ch, link_t *l) {
+  handover_t m = {INBOX_MAGIC, ch->world, (uint32_t)ch->rank, (uint32_t)l->peer->rank, {0}};
+  handover_mac(&ch->base.tp->key, &m, l->nonce, m.mac);
   struct iovec iov = {&m, sizeof m};
   union {
     struct cmsghdr align;
     char buf[CMSG_SPACE(sizeof(int))];
   } ctl;
   memset(&ctl, 0, sizeof ctl);
-  struct msghdr mh = {.msg_name = &l->bell, .msg_namelen = l->bell_len, .msg_iov = &iov,
+  struct msghdr mh = {.msg_name = (void *)bell_of(l), .msg_namelen = l->bell_len, .msg_iov = &iov,
                       .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
   struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int));
-  memcpy(CMSG_DATA(c), &memfd, sizeof(int));
+  memcpy(CMSG_DATA(c), &ch->memfd, sizeof(int));
   if (sendmsg(ch->send_fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof m) return 1;
-  if (errno == ECONNREFUSED || errno == ENOENT || errno == EAGAIN || errno == EWOULDBLOCK ||
-      errno == ENOBUFS || errno == EINTR)
-    return 0;
+  if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR) return 0;
   return -1;
 }
 
-/* Takes one datagram off this rank's doorbell during set-up: a local
- * peer's inbox (attached to its link), or anything else (dropped, its
- * descriptors closed).  1 attached, 0 nothing usable, -1 nothing queued,
- * or -2 with *st set (a member's inbox is unusable). */
-static int take_handover(shm_chan_t *ch, const chorus__tp_config_t *cfg, const int *lidx_of,
-                         chorus_result_t *st, char *errmsg, size_t cap) {
+/* Takes one datagram off this rank's doorbell: a local peer's inbox
+ * (attached to its link, *lp), or anything else (dropped, its descriptors
+ * closed).  1 attached, 0 nothing usable, -1 nothing queued, or -2 with *st
+ * set and *lp the peer whose inbox is unusable. */
+static int take_handover(shm_chan_t *ch, link_t **lp, chorus_result_t *st, char *errmsg,
+                         size_t cap) {
   handover_t m;
   char extra;
   struct iovec iov[2] = {{&m, sizeof m}, {&extra, 1}};
@@ -606,84 +637,131 @@ static int take_handover(shm_chan_t *ch, const chorus__tp_config_t *cfg, const i
   int ok = 0;
   link_t *l = NULL;
   if (n == (ssize_t)sizeof m && !(mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && nfds == 1 &&
-      have_cred && cred.uid == geteuid() && m.magic == INBOX_MAGIC &&
-      m.world == cfg->world_id && m.to == (uint32_t)cfg->rank && m.from < (uint32_t)cfg->size &&
-      lidx_of[m.from] >= 0) {
-    l = &ch->links[lidx_of[m.from]];
+      have_cred && cred.uid == geteuid() && m.magic == INBOX_MAGIC && m.world == ch->world &&
+      m.to == (uint32_t)ch->rank && m.from < (uint32_t)ch->size && ch->lidx_of[m.from] >= 0) {
+    l = &ch->links[ch->lidx_of[m.from]];
     uint8_t want[CHORUS__MAC_LEN];
-    handover_mac(&ch->base.tp->key, &m, cfg->nonce[cfg->rank], want);
-    ok = !l->peer_base && chorus__ct_equal(want, m.mac, sizeof want);
+    handover_mac(&ch->base.tp->key, &m, ch->nonce, want);
+    ok = !l->peer_base && !l->peer->dead && chorus__ct_equal(want, m.mac, sizeof want);
   }
   if (!ok) {
     for (int i = 0; i < nfds; i++) close(fds[i]);
     /* A descriptor or a message of the handover's size from someone who
      * cannot prove the key: say so once (a wake-up is silent). */
-    if ((nfds || n == (ssize_t)sizeof m) && !(l && l->peer_base)) {
+    if ((nfds || n == (ssize_t)sizeof m) && !(l && (l->peer_base || l->peer->dead))) {
       static int said;
       if (!said++)
         CHORUS_WARN(CHORUS__SUB_TCP, "chorus rank %d: dropped a datagram on its shared-memory "
                     "doorbell that is not a local rank's inbox (uid %u, pid %d): a stranger, "
-                    "or another job", cfg->rank, (unsigned)cred.uid, (int)cred.pid);
+                    "or another job", ch->rank, (unsigned)cred.uid, (int)cred.pid);
     }
     return 0;
   }
+  *lp = l;
   *st = attach_peer(ch, l, fds[0], cred.pid, errmsg, cap);
   return *st == CHORUS_OK ? 1 : -2;
 }
 
-/* Every local peer gets this rank's inbox and hands over its own, within
- * cfg->deadline. */
-static chorus_result_t exchange_inboxes(shm_chan_t *ch, const chorus__tp_config_t *cfg,
-                                        int memfd, char *errmsg, size_t cap) {
-  int nlocal = ch->nlocal, to_send = nlocal - 1, to_take = nlocal - 1;
-  int *lidx_of = malloc(sizeof(int) * (size_t)cfg->size);
-  char *sent = calloc((size_t)nlocal, 1);
-  chorus_result_t st = CHORUS_OK;
-  if (!lidx_of || !sent) {
-    free(lidx_of), free(sent);
-    return CHORUS_ERR_NO_MEMORY;
+/* -------------------------------------------- pairs made on first use
+ *
+ * A pair of local ranks exchanges inboxes when the first message between
+ * them is sent, as TCP connects a pair: the sender hands its inbox over
+ * (offer), the peer maps it and answers with its own, and the messages
+ * queued meanwhile go.  Start-up does nothing per pair, so a host of L
+ * ranks makes the pairs its ranks use, not L x (L - 1).  Every doorbell was
+ * bound before its rank's record went out (chorus__shm_bell_bind), so one
+ * that is gone is a rank that ended; one that does not answer within the
+ * window fails the pair, as a dial does. */
+
+static void activate(link_t *l) {
+  shm_chan_t *ch = l->ch;
+  if (l->active) return;
+  l->active = 1;
+  ch->act[ch->nact++] = l->lidx;
+}
+
+/* Hands this rank's inbox to l's peer (the pair's first message, or the
+ * answer to the peer's).  0: sent, or to be tried again (retry_at); -1:
+ * the peer failed. */
+static int offer(link_t *l) {
+  shm_chan_t *ch = l->ch;
+  int64_t now = chorus__now_ns();
+  if (!l->offer_since) l->offer_since = now;
+  activate(l);
+  int rc = hand_over(ch, l);
+  l->retry_at = rc == 0 ? now + ch->retry_ns : 0;
+  if (rc == 1) l->offered = 1;
+  if (rc >= 0) return 0;
+  char why[300];
+  if (errno == ECONNREFUSED || errno == ENOENT)
+    snprintf(why, sizeof why, "its shared-memory doorbell is gone: its process has ended, or "
+             "left init with an error (its own output says why)");
+  else
+    snprintf(why, sizeof why, "cannot hand it this rank's shared-memory inbox: %s",
+             strerror(errno));
+  chorus__tp_peer_failed(link_tp(l), l->peer, why, CHORUS_ERR_REMOTE);
+  return -1;
+}
+
+/* Every datagram on the doorbell: inboxes handed over (each answered with
+ * this rank's, then the pair's queue goes), the rest dropped. */
+static void take_all(shm_chan_t *ch) {
+  chorus_result_t st;
+  char err[400];
+  link_t *l;
+  int rc;
+  while ((rc = take_handover(ch, &l, &st, err, sizeof err)) != -1) {
+    if (rc == -2) {
+      chorus__tp_peer_failed(link_tp(l), l->peer, err, st);
+      continue;
+    }
+    if (rc != 1) continue;
+    activate(l);
+    if (l->pidfd >= 0 && chorus__tp_watch(link_tp(l), l->pidfd, EPOLLIN, &l->pid_watch) < 0) {
+      close(l->pidfd);
+      l->pidfd = -1;
+    }
+    if (!l->offered && !l->retry_at && offer(l) != 0) continue;
+    flush_link(l);
   }
-  for (int r = 0; r < cfg->size; r++) lidx_of[r] = -1;
-  for (int i = 0; i < nlocal; i++)
-    if (i != ch->me) lidx_of[ch->links[i].peer->rank] = i;
-  for (;;) {
-    for (int i = 0; i < nlocal && to_send; i++) {
-      if (i == ch->me || sent[i]) continue;
-      int rc = hand_over(ch, cfg, &ch->links[i], memfd);
-      if (rc < 0) {
-        snprintf(errmsg, cap, "cannot hand the shared-memory inbox to local rank %d (world rank "
-                 "%d): %s", i, ch->links[i].peer->rank, strerror(errno));
-        st = CHORUS_ERR_SYSTEM;
-        goto out;
+}
+
+/* The pairs being made: doorbells that were busy tried again, and a peer
+ * that did not answer within the window failed. */
+static void tick(shm_chan_t *ch) {
+  int64_t now = chorus__now_ns();
+  for (int k = 0; k < ch->nact; k++) {
+    link_t *l = &ch->links[ch->act[k]];
+    if (l->peer->dead || (l->peer_base && !l->retry_at)) continue;
+    if (l->retry_at) {
+      if (now >= l->retry_at) {
+        l->retry_at = 0;
+        if (offer(l) == 0 && l->offered && l->peer_base) flush_link(l);
       }
-      if (rc) sent[i] = 1, to_send--;
+      continue;
     }
-    int rc;
-    while (to_take && (rc = take_handover(ch, cfg, lidx_of, &st, errmsg, cap)) != -1) {
-      if (rc == -2) goto out;
-      to_take -= rc;
+    if (now - l->offer_since > ch->window_ns) {
+      char why[200];
+      snprintf(why, sizeof why, "did not hand over its shared-memory inbox within %lld ms of this "
+               "rank's (its process is stopped or hung)", (long long)(ch->window_ns / 1000000));
+      chorus__tp_peer_failed(link_tp(l), l->peer, why, CHORUS_ERR_TIMEOUT);
     }
-    if (!to_send && !to_take) break;
-    int left = chorus__ms_left(cfg->deadline);
-    if (left == 0) {
-      int i = 0;
-      while (i < nlocal && (i == ch->me || (to_send ? sent[i] : ch->links[i].peer_base != NULL)))
-        i++;
-      if (i == nlocal) i = ch->me == 0 ? 1 : 0;
-      snprintf(errmsg, cap, to_send ? "local rank %d (world rank %d) did not open its "
-               "shared-memory doorbell in time, so it could not be handed this rank's inbox"
-               : "local rank %d (world rank %d) did not hand over its shared-memory inbox in "
-               "time", i, ch->links[i].peer->rank);
-      st = CHORUS_ERR_TIMEOUT;
-      goto out;
-    }
-    struct pollfd pf = {ch->bell_fd, POLLIN, 0};
-    poll(&pf, 1, CHORUS__MIN(left, to_send ? 1 : 100));
   }
-out:
-  free(lidx_of);
-  free(sent);
-  return st;
+}
+
+int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank, uint64_t nonce) {
+  struct sockaddr_un a;
+  socklen_t alen;
+  bell_addr(&a, &alen, key, world, rank, nonce);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), on = 1;
+  if (fd < 0) return -errno;
+  if (setsockopt(fd, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0 ||
+      bind(fd, (struct sockaddr *)&a, alen) < 0) {
+    int e = errno;
+    close(fd);
+    return -e;
+  }
+  return fd;
 }
 
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
@@ -695,14 +773,29 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     if (r == cfg->rank) me = nlocal;
     nlocal++;
   }
-  if (nlocal < 2) return CHORUS_OK; /* nobody to share memory with */
+  if (nlocal < 2) { /* nobody to share memory with */
+    if (cfg->bell_fd >= 0) close(cfg->bell_fd);
+    return CHORUS_OK;
+  }
   shm_chan_t *ch = calloc(1, sizeof *ch);
-  if (!ch) return CHORUS_ERR_NO_MEMORY;
+  if (!ch) {
+    if (cfg->bell_fd >= 0) close(cfg->bell_fd);
+    return CHORUS_ERR_NO_MEMORY;
+  }
   ch->base.ops = &shm_ops;
   ch->base.tp = tp;
   ch->nlocal = nlocal;
   ch->me = me;
-  ch->bell_fd = ch->send_fd = -1;
+  ch->bell_fd = cfg->bell_fd;
+  ch->send_fd = ch->memfd = -1;
+  ch->world = cfg->world_id;
+  ch->rank = cfg->rank;
+  ch->size = cfg->size;
+  ch->nonce = cfg->nonce[cfg->rank];
+  /* A pair may take as long to be made as forming the world could (at
+   * least 10 s), as a TCP dial. */
+  ch->window_ns = (int64_t)CHORUS__MAX(chorus__ms_left(cfg->deadline), 10000) * 1000000;
+  ch->retry_ns = (int64_t)(cfg->retry_ms > 0 ? cfg->retry_ms : 50) * 1000000;
   ch->bell_watch = (chorus__watch_t){on_bell, ch};
   /* Ring size: CHORUS_SHM_P2P_RING, at most 64 MiB of inbox per rank. */
   long want = chorus__env()->SHM_P2P_RING;
@@ -714,24 +807,28 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   while (p2 * 2 <= rb) p2 *= 2;
   ch->ring_bytes = p2;
   ch->links = calloc((size_t)nlocal, sizeof(link_t));
+  ch->act = calloc((size_t)nlocal, sizeof(int));
+  ch->lidx_of = malloc(sizeof(int) * (size_t)cfg->size);
   chorus_result_t st = CHORUS_OK;
-  if (!ch->links) {
+  if (!ch->links || !ch->act || !ch->lidx_of) {
     st = CHORUS_ERR_NO_MEMORY;
     goto fail;
   }
-  /* This rank's doorbell (the kernel adds each sender's credentials),
-   * then its inbox; the bell is watched once the inboxes went round. */
-  struct sockaddr_un a;
-  socklen_t alen;
-  const chorus__key_t *key = &tp->key;
-  bell_addr(&a, &alen, key, cfg->world_id, cfg->rank, cfg->nonce[cfg->rank]);
-  ch->bell_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  /* This rank's doorbell (the kernel adds each sender's credentials): bound
+   * before its record went out (bootstrap), else here; then its inbox. */
+  if (ch->bell_fd < 0) {
+    int fd = chorus__shm_bell_bind(&tp->key, cfg->world_id, cfg->rank, cfg->nonce[cfg->rank]);
+    if (fd < 0) {
+      snprintf(errmsg, errcap, "cannot make the shared-memory doorbell: %s", strerror(-fd));
+      st = CHORUS_ERR_SYSTEM;
+      goto fail;
+    }
+    ch->bell_fd = fd;
+  }
   ch->send_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  int on = 1;
-  if (ch->bell_fd < 0 || ch->send_fd < 0 ||
-      setsockopt(ch->bell_fd, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0 ||
-      bind(ch->bell_fd, (struct sockaddr *)&a, alen) < 0) {
-    snprintf(errmsg, errcap, "cannot make the shared-memory doorbell: %s", strerror(errno));
+  if (ch->send_fd < 0) {
+    snprintf(errmsg, errcap, "cannot make a socket for the shared-memory doorbells: %s",
+             strerror(errno));
     st = CHORUS_ERR_SYSTEM;
     goto fail;
   }
@@ -775,9 +872,12 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   ch->hdr->bytes = bytes;
   ch->hdr->pid = (int64_t)getpid();
   __atomic_store_n(&ch->hdr->magic, INBOX_MAGIC, __ATOMIC_RELEASE);
-  /* The peers: each carried by this channel from now on. */
+  /* The peers: each carried by this channel from now on; their pairs are
+   * made when first used (offer). */
+  ch->memfd = fd;
   int li = 0;
   for (int r = 0; r < cfg->size; r++) {
+    ch->lidx_of[r] = cfg->host[r] == cfg->host[cfg->rank] && r != cfg->rank ? li : -1;
     if (cfg->host[r] != cfg->host[cfg->rank]) continue;
     link_t *l = &ch->links[li];
     l->ch = ch;
@@ -789,22 +889,12 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     l->in = (ring_t *)((char *)ch->mine + rings_offset()) + l->lidx;
     l->in_data = (unsigned char *)ch->mine + data_offset(nlocal) + (size_t)l->lidx * ch->ring_bytes;
     l->pid_watch = (chorus__watch_t){on_pid, l};
-    bell_addr(&l->bell, &l->bell_len, key, cfg->world_id, r, cfg->nonce[r]);
+    l->nonce = cfg->nonce[r];
     chorus__tp_rx_attach(tp, l->peer, &l->rx, &ch->base, l);
     l->peer->chan = &ch->base;
     l->peer->link = l;
   }
-  /* Every local peer's inbox, and ours to each of them. */
-  st = exchange_inboxes(ch, cfg, fd, errmsg, errcap);
-  close(fd);
-  for (int i = 0; i < nlocal && st == CHORUS_OK; i++) {
-    link_t *l = &ch->links[i];
-    if (i != me && l->pidfd >= 0 && chorus__tp_watch(tp, l->pidfd, EPOLLIN, &l->pid_watch) < 0) {
-      close(l->pidfd);
-      l->pidfd = -1;
-    }
-  }
-  if (st == CHORUS_OK && chorus__tp_watch(tp, ch->bell_fd, EPOLLIN, &ch->bell_watch) < 0) {
+  if (chorus__tp_watch(tp, ch->bell_fd, EPOLLIN, &ch->bell_watch) < 0) {
     snprintf(errmsg, errcap, "cannot watch the shared-memory doorbell: %s", strerror(errno));
     st = CHORUS_ERR_SYSTEM;
   }

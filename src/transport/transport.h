@@ -106,6 +106,10 @@ typedef struct chorus__tp_config {
    * shared-memory inbox and doorbell. */
   const uint64_t *host;
   const uint64_t *nonce;
+  /* With nonce: this rank's shared-memory doorbell, bound before its
+   * record went out (chorus__shm_bell_bind), so that a doorbell missing
+   * later is a rank that ended; ownership passes.  -1: none yet. */
+  int bell_fd;
   /* With CHORUS_TRANSPORT=ucx: this rank's UCX worker (chorus__ucx_worker_new;
    * tp_create owns it, also when it fails) and every rank's worker address
    * as it published it (hex).  UCX then carries the peers of other hosts
@@ -113,6 +117,11 @@ typedef struct chorus__tp_config {
   struct chorus__ucx_worker *ucx;
   const char *const *ucx_addrs;
 } chorus__tp_config_t;
+
+/* The abstract datagram socket a local peer hands its shared-memory inbox
+ * to, bound for (world, rank, nonce) under the job key: a descriptor, or
+ * -errno (shm_chan.c). */
+int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank, uint64_t nonce);
 
 /* UCX (ucx.c): whether this library was built with it; a worker made
  * before the ranks exchange addresses, and its address in hex to publish
