@@ -25,8 +25,9 @@
  *
  * An inbox has no name: nobody can create it first, open it, or find one
  * left behind by a crash (its memory goes with the last descriptor and
- * mapping).  The owner hands its descriptor to each local peer over the
- * peer's doorbell (SCM_RIGHTS), with a message that names the world, both
+ * mapping).  The owner hands its descriptor to a local peer over the
+ * peer's doorbell (SCM_RIGHTS) when the pair is first used ("pairs made on
+ * first use" below), with a message that names the world, both
  * ranks and an HMAC under the job key over them and the receiver's nonce;
  * the receiver takes it only with that proof and with the sender's
  * credentials, which the kernel adds (SO_PASSCRED), showing this user and
