@@ -48,16 +48,19 @@ static chorus_result_t set_key(chorus_store_t *store, const char *key, const voi
   return chorus_store_set(store, key, val, len);
 }
 
-/* Rank 0: every rank's value, in rank order, as the table; *why on failure
- * (also for the others). */
+/* Rank 0: every rank's value as the table, in rank order; *why on failure
+ * (also for the others).  Its own is read back last, as the store holds it
+ * when the others have published (what each rank used to read). */
 static chorus_result_t gather_table(chorus_store_t *store, const char *prefix, const char *name,
                                     int size, int64_t deadline, uint8_t **table, size_t *tlen,
                                     char *why, size_t cap) {
-  size_t len = 4, have = 0;
+  size_t len = 4, have = 0, *at = calloc((size_t)size, sizeof *at);
   uint8_t *t = NULL;
   char key[512];
-  chorus_result_t st = CHORUS_OK;
-  for (int r = 0; r < size && st == CHORUS_OK; r++) {
+  chorus_result_t st = at ? CHORUS_OK : CHORUS_ERR_NO_MEMORY;
+  if (!at) snprintf(why, cap, "out of memory for the table of %d values", size);
+  for (int i = 1; i <= size && st == CHORUS_OK; i++) {
+    const int r = i % size;
     void *val = NULL;
     size_t vlen = 0;
     snprintf(key, sizeof key, "%s%s/%d", prefix, name, r);
@@ -83,6 +86,7 @@ static chorus_result_t gather_table(chorus_store_t *store, const char *prefix, c
       }
     }
     if (st == CHORUS_OK) {
+      at[r] = len;
       chorus__le32_put(t + len, (uint32_t)vlen);
       if (vlen) memcpy(t + len + 4, val, vlen);
       len += 4 + vlen;
@@ -90,9 +94,24 @@ static chorus_result_t gather_table(chorus_store_t *store, const char *prefix, c
     free(val);
   }
   if (st != CHORUS_OK) {
+    free(at);
     free(t);
     return st;
   }
+  /* Rank order: rank 0's entry was read last, so it moves to the front. */
+  size_t first = len - at[0];
+  uint8_t *o = malloc(len);
+  if (!o) {
+    free(at);
+    free(t);
+    snprintf(why, cap, "out of memory for the table of %d values", size);
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  memcpy(o + 4, t + at[0], first);
+  memcpy(o + 4 + first, t + 4, at[0] - 4);
+  free(at);
+  free(t);
+  t = o;
   if (len > UINT32_MAX) {
     snprintf(why, cap, "the table of %d values would be %zu bytes, more than 4 GiB", size, len);
     free(t);
@@ -274,8 +293,8 @@ chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix
   if (st == CHORUS_OK) st = split_table(t, tlen, size, out, errmsg, cap);
   free(t);
   /* This rank's own value came back as it went: else the table is not
-   * this rendezvous's (or the store is not ours). */
-  if (st == CHORUS_OK && strcmp((*out)[rank], value) != 0) {
+   * this rendezvous's.  (Rank 0 made it from what the store held.) */
+  if (st == CHORUS_OK && rank != 0 && strcmp((*out)[rank], value) != 0) {
     snprintf(errmsg, cap, "the table from rank 0 holds another value for this rank");
     chorus__rdzv_free(*out, size);
     *out = NULL;
