@@ -344,6 +344,11 @@ static void mismatch_rank(int rank, int n) {
    * learns of it (at the latest) on its next call. */
   if (st == CHORUS_OK) st = chorus_barrier(comm, NULL);
   report(st, now_ms() - t0, chorus_comm_last_error(comm));
+  /* Alive until the parent has every report (it kills the ranks then): a
+   * rank that left at once could end before a slower one, still in its
+   * first call, reached it (UCX connects late), which then reports the
+   * departure, not the mismatch this scenario is about. */
+  for (int i = 0; i < 300; i++) usleep(100000);
   chorus_comm_destroy(comm);
 }
 
