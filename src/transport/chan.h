@@ -136,7 +136,7 @@ typedef struct chorus__peer {
   char addr[80];      /* "host:port" of its listener, for messages */
   int dead;
   chorus_result_t dead_code; /* why it died, for endpoints made afterwards */
-  char dead_why[160];
+  char *dead_why;            /* its text (malloc'd: only failed peers hold one) */
   int bye_received;
   int64_t last_heard; /* monotonic ns of the last byte received */
   size_t unexp_bytes; /* its messages buffered before their receive */
@@ -145,6 +145,11 @@ typedef struct chorus__peer {
   chorus__chan_t *chan; /* the channel that carries it (NULL: self) */
   void *link;           /* that channel's state for it */
 } chorus__peer_t;
+
+/* Why p died, for messages ("" text when it could not be kept). */
+static inline const char *chorus__peer_why(const chorus__peer_t *p) {
+  return p->dead_why ? p->dead_why : "(its reason was lost: out of memory)";
+}
 
 enum { CHORUS__LINK_NONE, CHORUS__LINK_DIALING, CHORUS__LINK_READY };
 

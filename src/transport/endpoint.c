@@ -160,7 +160,7 @@ void chorus__tp_tx_lost(chorus__tp_t *tp, peer_t *p, chorus__tx_t *it) {
   chorus__tx_t *w = it->whole ? it->whole : it;
   if (w->req && w->ep && w->ep->status == CHORUS_OK)
     chorus__ep_fail_locked(w->ep, CHORUS_ERR_REMOTE, 0, "chorus: send to world rank %d failed: %s",
-                           p->rank, p->dead_why);
+                           p->rank, chorus__peer_why(p));
   w->req = NULL; /* lost once: it never completes */
   if ((w = tx_last_piece(it))) chorus__tx_free(w);
 }
@@ -218,13 +218,13 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
           ep, CHORUS_ERR_PROTOCOL, 0,
           "chorus rank %d/%d: the connection with rank %d (world rank %d, %s) failed "
           "earlier: %s",
-          me, n, g, members[g], c->addr, c->dead_why);
+          me, n, g, members[g], c->addr, chorus__peer_why(c));
     else if (g != me && c->dead && !c->bye_received)
       chorus__ep_fail_locked(
           ep, c->dead_code ? c->dead_code : CHORUS_ERR_REMOTE, 0,
           "chorus rank %d/%d: rank %d (world rank %d, %s) is gone (its connection "
           "closed earlier: %s)",
-          me, n, g, members[g], c->addr, c->dead_why);
+          me, n, g, members[g], c->addr, chorus__peer_why(c));
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
     if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {

@@ -307,7 +307,7 @@ static void peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus_res
   if (c->dead) return;
   c->dead = 1;
   c->dead_code = code;
-  snprintf(c->dead_why, sizeof c->dead_why, "%s", why);
+  c->dead_why = strdup(why); /* NULL: chorus__peer_why says so */
   int clean = c->bye_received || quiet;
   for (rx_t *rx = c->rxs; rx; rx = rx->next)
     if (rx->in_payload || rx->hgot) clean = 0;

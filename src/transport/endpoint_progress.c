@@ -189,8 +189,10 @@ chorus__tp_t *chorus__tp_alloc(int rank, int size, const chorus__key_t *key, uin
 void chorus__tp_free(chorus__tp_t *tp) {
   /* The streams live in the channels: their ABORT texts go first. */
   if (tp->peers) {
-    for (int r = 0; r < tp->size; r++)
+    for (int r = 0; r < tp->size; r++) {
       for (rx_t *rx = tp->peers[r].rxs; rx; rx = rx->next) free(rx->abort);
+      free(tp->peers[r].dead_why);
+    }
   }
   if (tp->net) tp->net->ops->destroy(tp->net);
   if (tp->local) tp->local->ops->destroy(tp->local);
