@@ -37,6 +37,10 @@ on_exit cleanup
 fail_details() {
   echo "---- stdout (first 20 lines):"; head -n 20 "$OUT" 2>/dev/null | cut -c1-200
   echo "---- stderr (first 20 lines):"; head -n 20 "$ERR" 2>/dev/null | cut -c1-200
+  # What the agent itself said, among the workers' lines: every line of
+  # stderr that no rank's prefix starts.
+  echo "---- stderr lines without a rank prefix (first 20):"
+  grep -v '^\[rank[0-9]*\]:' "$ERR" 2>/dev/null | head -n 20 | cut -c1-300
   echo "----"
 }
 check() { # check DESCRIPTION command...

@@ -49,7 +49,8 @@ on_exit cleanup
 fail_details() {
   for f in "${D:-$TMP}"/*.out "${D:-$TMP}"/*.err; do
     [ -s "$f" ] || continue
-    echo "---- $f (first 15 lines):"; head -n 15 "$f" | cut -c1-400
+    echo "---- $f (first 15 lines, and the last 15 of more):"; head -n 15 "$f" | cut -c1-400
+    if [ "$(wc -l <"$f")" -gt 15 ]; then echo "  ..."; tail -n 15 "$f" | cut -c1-400; fi
   done
 }
 
