@@ -326,14 +326,6 @@ const chorus_gpt_tensor_t *chorus_gpt_tensor(const chorus_gpt_t *m, int i) {
 }
 const float *chorus_gpt_probs(const chorus_gpt_t *m) { return m->probs; }
 
-/* A 64-bit mixer (splitmix64): the sampler's generator. */
-static uint64_t sample_mix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 chorus_result_t chorus_gpt_sample(chorus_gpt_t *m, const int *prompt, int len, int n,
                                   uint64_t seed, int *out) {
   const int T = m->cfg.ctx, V = m->cfg.vocab;
@@ -358,7 +350,7 @@ chorus_result_t chorus_gpt_sample(chorus_gpt_t *m, const int *prompt, int len, i
   for (int i = 0; i < n && st == CHORUS_OK; i++) {
     if ((st = chorus_gpt_forward(m, ctx, NULL, 1, have, NULL)) != CHORUS_OK) break;
     const float *p = m->probs + (size_t)(have - 1) * V;
-    double r = (double)(sample_mix(&s) >> 11) / 9007199254740992.0, acc = 0;
+    double r = (double)(rng_next(&s) >> 11) / 9007199254740992.0, acc = 0;
     int next = V - 1;
     for (int v = 0; v < V; v++) {
       acc += p[v];
