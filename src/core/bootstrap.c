@@ -11,8 +11,11 @@
  *      (rank 0 publishes it) so connections of another job or of an earlier
  *      generation of this one are refused;
  *   3. every rank listens on a fresh port on the interface it uses to reach
- *      the store and publishes "address port";
- *   4. the transport connects the full mesh and starts its progress thread.
+ *      the store, publishes "address port" and counts itself in; the host
+ *      map comes from the launcher's placement (hostmap.c), else from every
+ *      rank's record;
+ *   4. the transport starts its progress thread; it connects a pair when
+ *      the pair first exchanges a message, reading the peer's record then.
  * Every step is bounded by the timeout, and each error names the address,
  * rank or variable involved.
  */
@@ -261,11 +264,16 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
  *                       with a store that refuses while the secret's file
  *                       is replaced;
  *   3. build_world_id   a fresh id for this world, from rank 0;
- *   4. build_publish    this rank's record -- where it listens, a nonce,
- *                       its UCX address, its host -- all-gathered;
- *   5. build_records    the records checked; the host map; UCX or not;
- *   6. build_transport  the transport over them;
- *   7. build_comm       the world communicator, its shared memory and
+ *   4. build_publish    this rank's record: where it listens, its UCX
+ *                       address, its host;
+ *   5. build_join       the record published and this rank counted in
+ *                       (three store operations, whatever the size);
+ *   6. build_records    the host map from the launcher; or, when some rank
+ *                       needs them (UCX, no map), every record all-gathered
+ *                       and checked, the host map from them, UCX or not;
+ *   7. build_transport  the transport, which reads a peer's record when it
+ *                       first dials it (world_lookup);
+ *   8. build_comm       the world communicator, its shared memory and
  *                       algorithms, its own timeout. */
 typedef struct {
   const chorus_config_t *cfg;
@@ -279,11 +287,12 @@ typedef struct {
   int bell_fd;              /* the shared-memory doorbell, likewise */
   char addrs_mine[128];     /* "ADDR PORT" */
   char ident[400];          /* this host's identity */
-  char **addrs;             /* every rank's record (then cut to its address) */
+  char *record;             /* this rank's: "ADDR PORT|UCX|IDENT" */
+  int full;                 /* every rank reads every record (build_join) */
+  char **addrs;             /* full: every rank's record (then cut to its address) */
   chorus__ucx_worker_t *ucx; /* until the transport takes it */
   char ucx_kind;            /* 'U' forced, 'A' automatic, '-' none */
   char rdma[256];           /* the RDMA device seen here */
-  uint64_t *nonce;          /* per rank */
   const char **ucx_addrs;   /* per rank, into addrs */
   int use_ucx;
 } world_build_t;
@@ -370,6 +379,11 @@ static chorus_result_t build_store(world_build_t *b, chorus_store_server_t **ser
     }
     port = chorus_store_server_port(ctx->server);
   }
+  if (ctx->server) { /* every rank will hold a connection to it */
+    char why[700];
+    if (chorus__store_server_expect(ctx->server, size, why, sizeof why) != CHORUS_OK)
+      return chorus__init_fail(CHORUS_ERR_SYSTEM, "chorus rank %d/%d: %s", rank, size, why);
+  }
   if (port <= 0)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus rank %d: store port 0 is only valid "
                              "for the rank that serves the store", rank);
@@ -444,15 +458,13 @@ static chorus_result_t build_world_id(world_build_t *b) {
   return CHORUS_OK;
 }
 
-/* 4.  One round publishes what the transport needs of each rank: the
- * address it listens on, a random nonce (names its shared-memory inbox
- * and doorbell, so nobody outside the job can know them), and its host
- * identity (which ranks share memory, the host map of the hierarchical
- * algorithms), and its UCX worker's address when it would use UCX
- * between hosts: "U<hex>" with CHORUS_TRANSPORT=ucx, "A<hex>" when
- * automatic and this host has an active RDMA device, "-" otherwise
- * (chorus__ucx_decide makes every rank's choice from all of them):
- * "ADDR PORT|NONCE|UCX|IDENT". */
+/* 4.  The record holds what the transport needs of a rank: the address it
+ * listens on, its host identity (which ranks share memory, the host map of
+ * the hierarchical algorithms, when the launcher does not say it), and its
+ * UCX worker's address when it would use UCX between hosts: "U<hex>" with
+ * CHORUS_TRANSPORT=ucx, "A<hex>" when automatic and this host has an
+ * active RDMA device, "-" otherwise (chorus__ucx_decide makes every
+ * rank's choice from all of them): "ADDR PORT|UCX|IDENT". */
 static chorus_result_t build_publish(world_build_t *b) {
   const chorus__env_t *env = chorus__env();
   const chorus_config_t *cfg = b->cfg;
@@ -500,12 +512,10 @@ static chorus_result_t build_publish(world_build_t *b) {
     snprintf(b->ident, sizeof b->ident, "id %s", env->HOST_ID);
   else
     chorus__host_identity(b->ident, sizeof b->ident);
-  uint64_t my_nonce = 0;
-  chorus__random_bytes(&my_nonce, sizeof my_nonce);
   /* The doorbell local peers hand their inboxes to, bound before the
    * record goes out: one missing later is a rank that ended. */
   if (strcasecmp(tmode, "tcp") != 0) {
-    b->bell_fd = chorus__shm_bell_bind(&b->ws->key, b->world_id, rank, my_nonce);
+    b->bell_fd = chorus__shm_bell_bind(&b->ws->key, b->world_id, rank);
     if (b->bell_fd < 0) {
       int e = -b->bell_fd;
       b->bell_fd = -1;
@@ -516,23 +526,46 @@ static chorus_result_t build_publish(world_build_t *b) {
   }
   snprintf(b->addrs_mine, sizeof b->addrs_mine, "%s %d", ifaddr, data_port);
   size_t mine_cap = 700 + (ucx_hex ? strlen(ucx_hex) : 0);
-  char *mine = malloc(mine_cap);
-  char err[512] = "out of memory";
-  st = CHORUS_ERR_NO_MEMORY;
-  if (mine) {
-    snprintf(mine, mine_cap, "%s|%016" PRIx64 "|%s%s|%s", b->addrs_mine, my_nonce,
+  b->record = malloc(mine_cap);
+  if (b->record)
+    snprintf(b->record, mine_cap, "%s|%s%s|%s", b->addrs_mine,
              ucx_hex ? (b->ucx_kind == 'U' ? "U" : "A") : "-", ucx_hex ? ucx_hex : "", b->ident);
-    st = chorus__rdzv_allgather(b->ctx->store, b->prefix, "addr", rank, size, mine, b->deadline,
-                                &b->addrs, err, sizeof err);
-  }
-  free(mine);
   free(ucx_hex);
-  if (st != CHORUS_OK)
-    return chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
+  if (!b->record) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   return CHORUS_OK;
 }
 
-/* 5.  Every record came through the store: checked before it is used.
+/* 5.  The record out and this rank counted in.  A rank votes for every
+ * record when it would use UCX (which needs every rank's worker address)
+ * or finds no host map in what the launcher says (hostmap.c); one vote
+ * and every rank all-gathers them. */
+static chorus_result_t build_join(world_build_t *b) {
+  chorus__ctx_t *ctx = b->ctx;
+  const int rank = b->rank, size = b->size;
+  ctx->host = calloc((size_t)size, sizeof *ctx->host);
+  if (!ctx->host) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  int mapped = chorus__hostmap_from_launcher(rank, size, ctx->host, &ctx->local_count);
+  int votes = 0;
+  char err[1024] = "";
+  chorus_result_t st = chorus__rdzv_join(ctx->store, b->prefix, b->world_id, rank, size, b->record,
+                                         b->ucx_kind != '-' || !mapped, b->deadline, &votes, err,
+                                         sizeof err);
+  if (st == CHORUS_OK && votes > 0) {
+    b->full = 1;
+    ctx->local_count = 0;
+    st = chorus__rdzv_allgather(ctx->store, b->prefix, "addr", rank, size, b->record, 1,
+                                b->deadline, &b->addrs, err, sizeof err);
+  }
+  if (st != CHORUS_OK)
+    return chorus__init_fail(st, "chorus rank %d/%d: rendezvous failed: %s", rank, size, err);
+  CHORUS_INFO(CHORUS__SUB_INIT, "chorus rank %d/%d: joined; %s", rank, size,
+              b->full ? "every rank reads every record (UCX, or a rank without the launcher's "
+                        "host map)" : "host map from the launcher, records read when dialled");
+  return CHORUS_OK;
+}
+
+/* 6.  Without every record: the launcher's host map (build_join).  With
+ * them: every record came through the store, checked before it is used.
  * Each is cut in place into its address (what the transport parses) and
  * the rest.  UCX between hosts when every rank has an address; an error on
  * every rank when one forced it and another cannot. */
@@ -541,27 +574,23 @@ static chorus_result_t build_records(world_build_t *b) {
   chorus__ctx_t *ctx = b->ctx;
   const int rank = b->rank, size = b->size;
   ctx->world_id = b->world_id;
-  ctx->host = calloc((size_t)size, sizeof *ctx->host);
-  b->nonce = calloc((size_t)size, sizeof *b->nonce);
   ctx->memreg = chorus__memreg_new(env->JOB_ID, b->world_id, rank);
+  if (!ctx->memreg) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  if (!b->full) return CHORUS_OK;
   b->ucx_addrs = calloc((size_t)size, sizeof *b->ucx_addrs); /* the UCX fields */
-  if (!ctx->host || !b->nonce || !ctx->memreg || !b->ucx_addrs)
-    return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
+  if (!b->ucx_addrs) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   static const uint8_t hkey[16] = "chorus-hostident";
   for (int r = 0; r < size; r++) {
     char *bar = strchr(b->addrs[r], '|');
     char *bar2 = bar ? strchr(bar + 1, '|') : NULL;
-    char *bar3 = bar2 ? strchr(bar2 + 1, '|') : NULL;
-    char *end = NULL;
-    if (bar && bar2 && bar2 - bar == 17) b->nonce[r] = strtoull(bar + 1, &end, 16);
-    if (!bar3 || end != bar2)
+    if (!bar2)
       return chorus__init_fail(CHORUS_ERR_PROTOCOL, "chorus rank %d/%d: rank %d published a "
                                "malformed address record (another chorus version?)", rank, size,
                                r);
     *bar = '\0';
-    *bar3 = '\0';
-    b->ucx_addrs[r] = bar2 + 1;
-    const char *their = bar3 + 1;
+    *bar2 = '\0';
+    b->ucx_addrs[r] = bar + 1;
+    const char *their = bar2 + 1;
     ctx->host[r] = chorus__siphash(hkey, their, strlen(their));
     if (!strcmp(their, b->ident)) ctx->local_count++;
   }
@@ -586,18 +615,38 @@ static chorus_result_t build_records(world_build_t *b) {
   return CHORUS_OK;
 }
 
-/* 6.  The transport takes the listener and the UCX worker, whatever comes
+/* A peer's listener, from the record it published in the join, when this
+ * rank first dials it (the transport's lookup): "host:port". */
+static int world_lookup(void *arg, int rank, char *addr, size_t cap, char *why, size_t whycap) {
+  chorus__ctx_t *ctx = arg;
+  char *rec = NULL, host[64];
+  int port;
+  if (chorus__rdzv_record(ctx->store, ctx->rec_prefix, rank, -1, &rec, why, whycap) != CHORUS_OK)
+    return -1;
+  rec[strcspn(rec, "|")] = '\0';
+  int rc = chorus__net_split_addr(rec, ' ', host, sizeof host, &port);
+  if (rc < 0) snprintf(why, whycap, "it published an unparsable address '%.100s'", rec);
+  else snprintf(addr, cap, "%s:%d", host, port);
+  free(rec);
+  return rc < 0 ? -1 : 0;
+}
+
+/* 7.  The transport takes the listener and the UCX worker, whatever comes
  * of it. */
 static chorus_result_t build_transport(world_build_t *b) {
   const chorus__env_t *env = chorus__env();
   chorus__ctx_t *ctx = b->ctx;
   char err[512] = "";
+  if (!b->full && !(ctx->rec_prefix = strdup(b->prefix)))
+    return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   chorus__tp_config_t tcfg = {.rank = b->rank, .size = b->size, .key = &b->ws->key,
                               .world_id = b->world_id, .listen_fd = b->lfd,
-                              .addrs = (const char *const *)b->addrs, .deadline = b->deadline,
+                              .addrs = (const char *const *)b->addrs,
+                              .lookup = b->full ? NULL : world_lookup, .lookup_arg = ctx,
+                              .deadline = b->deadline,
                               .retry_ms = (int)env->CONNECT_RETRY_MS,
                               .fp_format = chorus__fp_format, .host = ctx->host,
-                              .nonce = b->nonce, .bell_fd = b->bell_fd, .ucx = b->ucx,
+                              .bell_fd = b->bell_fd, .ucx = b->ucx,
                               .ucx_addrs = b->use_ucx ? b->ucx_addrs : NULL};
   chorus_result_t st = chorus__tp_create(&tcfg, &ctx->tp, err, sizeof err);
   b->lfd = -1;
@@ -615,7 +664,7 @@ static void build_abandon(world_build_t *b) {
     world_secret_done(b->ws);
     free(b->ws);
   }
-  free(b->nonce);
+  free(b->record);
   free(b->ucx_addrs);
   chorus__ucx_worker_free(b->ucx);
   if (b->lfd >= 0) close(b->lfd);
@@ -626,6 +675,7 @@ static void build_abandon(world_build_t *b) {
     if (ctx->tp) chorus__tp_destroy(ctx->tp, chorus__deadline_ms(0));
     chorus__memreg_free(ctx->memreg);
     free(ctx->host);
+    free(ctx->rec_prefix);
     chorus_store_close(ctx->store);
     chorus_store_server_stop(ctx->server);
     pthread_mutex_destroy(&ctx->lock);
@@ -641,9 +691,9 @@ static chorus_result_t build_comm(world_build_t *b, chorus_comm_t *out) {
   chorus__ctx_t *ctx = b->ctx;
   const int rank = b->rank, size = b->size, timeout_ms = b->timeout_ms;
   /* What only init needed: every rank holds the key now. */
-  free(b->nonce);
+  free(b->record);
   free(b->ucx_addrs);
-  b->nonce = NULL, b->ucx_addrs = NULL;
+  b->record = NULL, b->ucx_addrs = NULL;
   chorus__rdzv_free(b->addrs, size);
   b->addrs = NULL;
   world_secret_done(b->ws);
@@ -717,6 +767,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
                 secret_from ? secret_from : b->ws->from);
   if (st == CHORUS_OK) st = build_world_id(b);
   if (st == CHORUS_OK) st = build_publish(b);
+  if (st == CHORUS_OK) st = build_join(b);
   if (st == CHORUS_OK) st = build_records(b);
   if (st == CHORUS_OK) st = build_transport(b);
   if (st == CHORUS_OK) return build_comm(b, out);

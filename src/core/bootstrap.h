@@ -1,7 +1,8 @@
 /*
  * bootstrap.h - what the files that make the world share, and no one else:
  * bootstrap.c (the secret, the world), bootstrap_env.c (the launcher's
- * environment) and bootstrap_kvs.c (the key-value exchange).  Private to
+ * environment), hostmap.c (its placement of ranks on hosts) and
+ * bootstrap_kvs.c (the key-value exchange).  Private to
  * src/core/.
  */
 #ifndef CHORUS_CORE_BOOTSTRAP_H
@@ -22,6 +23,12 @@ int chorus__runtime_file(const char *name, char *buf, size_t cap, char *why, siz
  * cfg->job_secret came from, for the log. */
 chorus_result_t chorus__world_init(const chorus_config_t *cfg, chorus_store_server_t *server,
                                    const char *secret_from, chorus_comm_t *out);
+
+/* host[r] for each of size ranks (equal values: one host) and how many
+ * share this rank's, from the blocks the launcher placed ranks in
+ * (hostmap.c): 1, or 0 when the launcher says nothing that covers this
+ * world or this rank's own place disagrees with it. */
+int chorus__hostmap_from_launcher(int rank, int size, uint64_t *host, int *local_count);
 
 /* Who takes part in a key-value exchange. */
 typedef struct {

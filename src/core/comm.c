@@ -133,6 +133,7 @@ static void ctx_unref(chorus__ctx_t *ctx) {
   pthread_mutex_destroy(&ctx->lock);
   chorus__memreg_free(ctx->memreg);
   free(ctx->host);
+  free(ctx->rec_prefix);
   chorus__wipe(&ctx->key, sizeof ctx->key);
   free(ctx);
 }

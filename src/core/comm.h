@@ -40,6 +40,8 @@ typedef struct chorus__ctx {
   uint64_t world_id;
   uint64_t *host; /* per world rank: hash of its host name and boot id */
   int local_count; /* world ranks on this host */
+  char *rec_prefix; /* where the ranks' records are (chorus__rdzv_record);
+                       NULL: the transport was given every address */
   chorus__memreg_t *memreg; /* chorus_mem_alloc memory, mine and mapped */
   /* What a larger world grown from this one needs (grow.c): the job key,
    * the store's address and where joiners and members meet in it. */

@@ -242,6 +242,8 @@ typedef struct {
   int node_rank;   /* this node's rank among them (GROUP_RANK) */
   int rank_base;   /* global rank of this node's local rank 0 */
   int world_size;  /* workers in the whole group */
+  char *node_sizes; /* every node's workers, GROUP_RANK order ("8x3,6"; NULL: one
+                       node, this one: CHORUS_NODE_SIZES) */
   long round;      /* rendezvous round (CHORUS_RESTART_COUNT: separates the
                       store keys of each generation) */
   long restarts;   /* restarts after failures so far (TORCHELASTIC_RESTART_COUNT) */

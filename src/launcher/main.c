@@ -169,6 +169,15 @@ int main(int argc, char **argv) {
       return EXIT_LAUNCHER;
     }
     job.port = chorus_store_server_port(srv);
+    char why[700];
+    if (chorus__store_server_expect(srv, job.nproc + 1, why, sizeof why) != CHORUS_OK) {
+      fprintf(stderr, "chorusrun: %s\n", why);
+      chorus_store_server_stop(srv);
+      chorus__wipe(&key, sizeof key);
+      guard_stop();
+      if (g_secret_file[0]) unlink(g_secret_file);
+      return EXIT_LAUNCHER;
+    }
     CHORUS_INFO(CHORUS__SUB_LAUNCH, "job %s: store on %s:%d, %d workers, max %d restarts",
                 job.job_id, job.master_addr, job.port, job.nproc, job.max_restarts);
   }

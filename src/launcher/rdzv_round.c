@@ -109,6 +109,18 @@ static void take_placement(job_t *job) {
     p->seen = now; /* a long rendezvous is not silence */
   }
   for (int r = 0; r < job->nproc; r++) job->w[r].rank = job->rank_base + r;
+  /* CHORUS_NODE_SIZES: runs of equal counts, "8x3,6". */
+  free(job->node_sizes);
+  size_t cap = 24 * (size_t)s->nmem + 1, at = 0;
+  job->node_sizes = xmalloc(cap);
+  job->node_sizes[0] = '\0';
+  for (int i = 0; i < s->nmem;) {
+    int j = i;
+    while (j < s->nmem && s->mem[j].nproc == s->mem[i].nproc) j++;
+    at += (size_t)snprintf(job->node_sizes + at, cap - at, j - i > 1 ? "%s%dx%d" : "%s%d",
+                           i ? "," : "", s->mem[i].nproc, j - i);
+    i = j;
+  }
 }
 
 /* Freezes the round in rz->st: orders the members by group rank. */

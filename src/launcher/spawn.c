@@ -98,6 +98,8 @@ static char *contract_value(const job_t *job, const worker_t *w, contract_var_t 
     case CV_CHORUS_RESTART_COUNT: return xasprintf("%ld", job->round);
     case CV_CHORUS_ELASTIC: return xstrdup(job->inplace ? "inplace" : "restart");
     case CV_CHORUS_JOIN: return job->joining ? xstrdup("1") : NULL;
+    case CV_CHORUS_NODE_SIZES:
+      return job->node_sizes ? xstrdup(job->node_sizes) : xasprintf("%d", job->nproc);
     case CV_TORCHELASTIC_MAX_RESTARTS: return xasprintf("%d", job->max_restarts);
     case CV_TORCHELASTIC_RUN_ID: return xstrdup(job->run_id);
     case CV_CHORUS_JOB_ID: return xstrdup(job->job_id);

@@ -1,10 +1,19 @@
 /*
- * rendezvous.c - one value per rank, all-gathered through the store in
- * O(1) operations per rank: each rank sets its value, rank 0 reads them
+ * rendezvous.c - forming a world through the store.
+ *
+ * The join (chorus__rdzv_join): each rank sets its record, adds itself to
+ * a counter of the world and waits for the last to arrive, who writes
+ * what the counter reached under a key the others wait on: three store
+ * operations per rank whatever the world's size, and no rank reads
+ * another's record until it dials it (chorus__rdzv_record).  The counter
+ * also sums a vote: ranks that need every record (UCX between hosts, a
+ * host map nobody told them) say so, and then all of them all-gather.
+ *
+ * The all-gather (chorus__rdzv_allgather): one value per rank in O(1)
+ * operations per rank: each rank sets its value, rank 0 reads them
  * all and sets one table, every other rank reads the table.  The store
- * serves 2 operations per rank and P + 2 for rank 0, where every rank
- * reading every other's key was P per rank (P^2 round trips through one
- * store: 65,536 of them for 256 ranks of one host, most of its start-up).
+ * serves 2 operations per rank and P + 2 for rank 0, but P values to every
+ * rank: P^2 bytes, which is why the join does without it.
  *
  * The table is "<prefix><name>/all/<i>", cut into pieces of at most
  * PIECE_MAX bytes; piece 0 is set last, so a rank that has it finds the
@@ -23,7 +32,9 @@
 
 #include "store/store.h"
 #include "util/clock.h"
+#include "util/env.h"
 #include "util/le.h"
+#include "util/util.h"
 
 /* Each piece of the table: far below the store's frame limit. */
 #define PIECE_MAX ((size_t)1 << 20)
@@ -265,7 +276,8 @@ static chorus_result_t split_table(const uint8_t *t, size_t tlen, int size, char
 
 chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix,
                                        const char *name, int rank, int size, const char *value,
-                                       int64_t deadline, char ***out, char *errmsg, size_t cap) {
+                                       int published, int64_t deadline, char ***out, char *errmsg,
+                                       size_t cap) {
   char key[512];
   snprintf(key, sizeof key, "%s%s/%d", prefix, name, rank);
   if (strlen(value) > VALUE_MAX) {
@@ -273,7 +285,7 @@ chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix
              VALUE_MAX);
     return CHORUS_ERR_INVALID_ARG;
   }
-  chorus_result_t st = set_key(store, key, value, strlen(value), deadline);
+  chorus_result_t st = published ? CHORUS_OK : set_key(store, key, value, strlen(value), deadline);
   if (st != CHORUS_OK) {
     snprintf(errmsg, cap, "%s", chorus_store_last_error(store));
     return st;
@@ -301,4 +313,152 @@ chorus_result_t chorus__rdzv_allgather(chorus_store_t *store, const char *prefix
     st = CHORUS_ERR_PROTOCOL;
   }
   return st;
+}
+
+/* ---------------------------------------------------------------- join */
+
+/* The counter's fields: arrivals in the low bits, votes above them. */
+#define JOIN_BITS 21
+#define JOIN_MASK ((int64_t)CHORUS__RDZV_MAX_RANKS)
+
+/* After a join that timed out: which ranks never published, by CHECKs of
+ * 64 keys at a time (then one at a time within a batch that lacks one),
+ * naming at most 8 and counting the rest; a few seconds at most. */
+static void name_missing(chorus_store_t *store, const char *prefix, int size, char *errmsg,
+                         size_t cap) {
+  int64_t until = chorus__deadline_ms(3000);
+  char keys[64][160];
+  const char *kp[64];
+  int named = 0, missing = 0, checked = 0;
+  size_t at = strlen(errmsg);
+  for (int base = 0; base < size && chorus__ms_left(until) > 0; base += 64) {
+    int n = CHORUS__MIN(64, size - base), all = 1;
+    for (int i = 0; i < n; i++) {
+      snprintf(keys[i], sizeof keys[i], "%saddr/%d", prefix, base + i);
+      kp[i] = keys[i];
+    }
+    chorus__store_set_timeout(store, chorus__ms_left_bound(until));
+    if (chorus_store_check(store, kp, n, &all) != CHORUS_OK) break;
+    checked = base + n;
+    for (int i = 0; i < n && !all; i++) {
+      int one = 1;
+      if (chorus_store_check(store, kp + i, 1, &one) != CHORUS_OK) break;
+      if (one) continue;
+      missing++;
+      if (named++ < 8 && at < cap)
+        at += (size_t)snprintf(errmsg + at, cap - at, "%s%d", named == 1 ? "; missing: rank " : ", ",
+                               base + i);
+    }
+  }
+  if (at < cap && missing > 8)
+    at += (size_t)snprintf(errmsg + at, cap - at, " and %d more", missing - 8);
+  if (at < cap && checked < size)
+    snprintf(errmsg + at, cap - at, " (ranks from %d on not checked)", checked);
+  else if (at < cap && !missing)
+    snprintf(errmsg + at, cap - at, "; every rank published its record: one of them did not "
+             "count itself in (it failed between the two)");
+}
+
+chorus_result_t chorus__rdzv_join_begin(chorus_store_t *store, const char *prefix,
+                                        uint64_t world, int rank, int size, const char *record,
+                                        int vote, int64_t deadline, int64_t *ticket, char *errmsg,
+                                        size_t cap) {
+  char key[512];
+  if (size < 1 || size > CHORUS__RDZV_MAX_RANKS || rank < 0 || rank >= size) {
+    snprintf(errmsg, cap, "rank %d of %d: a world joins with 1 to %d ranks", rank, size,
+             CHORUS__RDZV_MAX_RANKS);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  if (strlen(record) > VALUE_MAX) {
+    snprintf(errmsg, cap, "a record of %zu bytes: at most %zu", strlen(record), VALUE_MAX);
+    return CHORUS_ERR_INVALID_ARG;
+  }
+  snprintf(key, sizeof key, "%saddr/%d", prefix, rank);
+  chorus_result_t st = set_key(store, key, record, strlen(record), deadline);
+  snprintf(key, sizeof key, "%sjoined/%016llx", prefix, (unsigned long long)world);
+  if (st == CHORUS_OK) {
+    chorus__store_set_timeout(store, chorus__ms_left_bound(deadline));
+    st = chorus_store_add(store, key, 1 + ((int64_t)(vote != 0) << JOIN_BITS), ticket);
+  }
+  if (st != CHORUS_OK) snprintf(errmsg, cap, "%s", chorus_store_last_error(store));
+  return st;
+}
+
+chorus_result_t chorus__rdzv_join_end(chorus_store_t *store, const char *prefix, uint64_t world,
+                                      int size, int64_t total, int64_t deadline, int *votes,
+                                      char *errmsg, size_t cap) {
+  char done[512];
+  chorus_result_t st;
+  snprintf(done, sizeof done, "%sjoined/%016llx/all", prefix, (unsigned long long)world);
+  void *val = NULL;
+  size_t len = 0;
+  if ((total & JOIN_MASK) == size) {
+    /* The last to arrive says so; the first writer of the key wins, so
+     * every rank reads one answer even if someone else wrote it. */
+    char txt[32];
+    snprintf(txt, sizeof txt, "%lld", (long long)total);
+    chorus__store_set_timeout(store, chorus__ms_left_bound(deadline));
+    st = chorus_store_compare_set(store, done, NULL, 0, txt, strlen(txt), &val, &len);
+  } else {
+    st = get_key(store, done, deadline, &val, &len);
+  }
+  if (st != CHORUS_OK) {
+    snprintf(errmsg, cap, "%d of %d ranks joined within the timeout (%s)",
+             (int)(total & JOIN_MASK), size, chorus_store_last_error(store));
+    if (st == CHORUS_ERR_TIMEOUT) name_missing(store, prefix, size, errmsg, cap);
+    free(val);
+    return st;
+  }
+  char txt[32];
+  long got = -1;
+  snprintf(txt, sizeof txt, "%.*s", (int)CHORUS__MIN(len, sizeof txt - 1), (const char *)val);
+  free(val);
+  if (chorus__parse_long(txt, &got) < 0 || got < 0 || (got & JOIN_MASK) != size ||
+      (got >> JOIN_BITS) > size) {
+    snprintf(errmsg, cap, "'%s' holds '%s', not the count of a world of %d ranks (another "
+             "world under the same prefix?)", done, txt, size);
+    return CHORUS_ERR_PROTOCOL;
+  }
+  *votes = (int)(got >> JOIN_BITS);
+  return CHORUS_OK;
+}
+
+chorus_result_t chorus__rdzv_join(chorus_store_t *store, const char *prefix, uint64_t world,
+                                  int rank, int size, const char *record, int vote,
+                                  int64_t deadline, int *votes, char *errmsg, size_t cap) {
+  int64_t ticket = 0;
+  chorus_result_t st = chorus__rdzv_join_begin(store, prefix, world, rank, size, record, vote,
+                                               deadline, &ticket, errmsg, cap);
+  if (st != CHORUS_OK) return st;
+  return chorus__rdzv_join_end(store, prefix, world, size, ticket, deadline, votes, errmsg, cap);
+}
+
+chorus_result_t chorus__rdzv_record(chorus_store_t *store, const char *prefix, int r,
+                                    int timeout_ms, char **record, char *errmsg, size_t cap) {
+  char key[512];
+  snprintf(key, sizeof key, "%saddr/%d", prefix, r);
+  void *val = NULL;
+  size_t len = 0;
+  chorus_result_t st = chorus__store_get_timeout(store, key, timeout_ms, &val, &len);
+  if (st != CHORUS_OK) {
+    snprintf(errmsg, cap, "cannot read its record '%s' from the store: %s", key,
+             chorus_store_last_error(store));
+    return st;
+  }
+  if (len > VALUE_MAX || memchr(val, '\0', len)) {
+    snprintf(errmsg, cap, "its record '%s' is malformed (%zu bytes)", key, len);
+    free(val);
+    return CHORUS_ERR_PROTOCOL;
+  }
+  char *out = malloc(len + 1);
+  if (!out) {
+    free(val);
+    snprintf(errmsg, cap, "out of memory");
+    return CHORUS_ERR_NO_MEMORY;
+  }
+  memcpy(out, val, len);
+  out[len] = '\0';
+  free(val);
+  *record = out;
+  return CHORUS_OK;
 }

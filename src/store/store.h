@@ -53,6 +53,26 @@ chorus_result_t chorus__store_server_start_key(const char *host, int port,
                                                chorus_store_server_t **server);
 chorus_result_t chorus__store_connect_key(const char *host, int port, const chorus__key_t *key,
                                           int timeout_ms, chorus_store_t **client);
+/* The same, its connections leaving from the numeric address source
+ * (bench/scale plays many hosts' ranks from one machine so). */
+chorus_result_t chorus__store_connect_from(const char *host, int port, const char *source,
+                                           const chorus__key_t *key, int timeout_ms,
+                                           chorus_store_t **client);
+
+/* What a store server did since it started (its own thread counts; any
+ * thread may read): requests answered, bytes in and out, connections
+ * accepted. */
+typedef struct {
+  uint64_t requests, bytes_in, bytes_out, accepted;
+} chorus__store_stats_t;
+void chorus__store_server_stats(const chorus_store_server_t *server, chorus__store_stats_t *out);
+
+/* How many clients the server can hold at once (its descriptor limit less
+ * the reserve); and CHORUS_OK when clients fit -- raising the soft limit
+ * within the hard one if they need it -- else why not and what to change. */
+long chorus__store_server_capacity(const chorus_store_server_t *server);
+chorus_result_t chorus__store_server_expect(chorus_store_server_t *server, long clients,
+                                            char *why, size_t cap);
 
 /* 1 when the last failed connect of this thread failed because the store
  * refused the key (so a caller that reads its secret from a file may read

@@ -72,6 +72,7 @@ struct chorus_store {
   char addr[300]; /* "host:port" ("[v6]:port"), in every message */
   chorus__key_t key;
   int fd;         /* -1: disconnected; the next call reconnects */
+  char source[64]; /* the address connections leave from ("": the kernel's) */
   int timeout_ms; /* bound of every call without an explicit one */
   int retry_ms;   /* pause between connection attempts */
   char err[ERR_CAP];
@@ -224,7 +225,8 @@ static chorus_result_t open_conn(chorus_store_t *c, char *err, int64_t connect_d
   int wrong = CHORUS__STORE_ANS_NO_ANSWER; /* the last connection: accepted, then closed or silent */
   int64_t wrong_since = 0;
   for (;;) {
-    int fd = chorus__net_connect(c->host, c->port, connect_deadline, c->retry_ms);
+    int fd = chorus__net_connect_from(c->host, c->port, c->source[0] ? c->source : NULL,
+                                      connect_deadline, c->retry_ms);
     g_connect_answer = CHORUS__STORE_ANS_NO_ANSWER;
     if (fd < 0) {
       /* Out of time while connecting again after the endpoint had closed
@@ -538,6 +540,12 @@ int chorus__store_connect_answer(void) { return g_connect_answer; }
 
 chorus_result_t chorus__store_connect_key(const char *host, int port, const chorus__key_t *key,
                                           int timeout_ms, chorus_store_t **client) {
+  return chorus__store_connect_from(host, port, NULL, key, timeout_ms, client);
+}
+
+chorus_result_t chorus__store_connect_from(const char *host, int port, const char *source,
+                                           const chorus__key_t *key, int timeout_ms,
+                                           chorus_store_t **client) {
   g_connect_err[0] = '\0';
   g_connect_denied = 0;
   g_connect_answer = CHORUS__STORE_ANS_NO_ANSWER;
@@ -557,6 +565,7 @@ chorus_result_t chorus__store_connect_key(const char *host, int port, const chor
   pthread_mutex_init(&c->mu, NULL);
   snprintf(c->host, sizeof c->host, "%s", host);
   c->port = port;
+  if (source) snprintf(c->source, sizeof c->source, "%s", source);
   snprintf(c->addr, sizeof c->addr, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
   c->key = *key;
   c->fd = -1;

@@ -106,10 +106,14 @@
 #include "util/secret.h"
 #include "util/util.h"
 
-#define CHORUS__STORE_MAX_CONNS 4096
+/* A bound far above any descriptor limit seen in practice: the real one is
+ * RLIMIT_NOFILE less CHORUS_STORE_FD_RESERVE (fd_ceiling). */
+#define CHORUS__STORE_MAX_CONNS (1 << 22)
 #define HANDSHAKE_MS_DEFAULT 5000
 #define INITIAL_BUCKETS 64
-#define LISTEN_BACKLOG 1024
+/* The kernel cuts it to net.core.somaxconn (4096 on Linux >= 5.4): a
+ * world's ranks connect at once. */
+#define LISTEN_BACKLOG 65535
 #define ACCEPT_PAUSE_MS 100
 /* Sweeps for timed-out connections run at most this often. */
 #define SWEEP_MIN_NS ((int64_t)10 * 1000000)
@@ -148,6 +152,40 @@ static long fd_ceiling(const chorus_store_server_t *srv) {
       rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > (rlim_t)INT_MAX)
     return INT_MAX;
   return (long)rl.rlim_cur - srv->lim.fd_reserve;
+}
+
+long chorus__store_server_capacity(const chorus_store_server_t *srv) {
+  long ceiling = fd_ceiling(srv);
+  return ceiling == INT_MAX ? CHORUS__STORE_MAX_CONNS : CHORUS__MAX(0, ceiling - 8);
+}
+
+chorus_result_t chorus__store_server_expect(chorus_store_server_t *srv, long clients, char *why,
+                                            size_t cap) {
+  long can = chorus__store_server_capacity(srv);
+  if (clients <= can) return CHORUS_OK;
+  /* Each client holds a descriptor as long as it lives: the soft limit
+   * goes up as far as they need, within the hard one. */
+  struct rlimit rl;
+  getrlimit(RLIMIT_NOFILE, &rl);
+  rlim_t want = (rlim_t)(clients + srv->lim.fd_reserve + 64);
+  if (rl.rlim_cur < want) {
+    rlim_t old = rl.rlim_cur;
+    rl.rlim_cur = want < rl.rlim_max ? want : rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+      CHORUS_INFO(CHORUS__SUB_STORE, "%s: RLIMIT_NOFILE raised from %ld to %ld for %ld clients",
+                  srv->name, (long)old, (long)rl.rlim_cur, clients);
+    else
+      rl.rlim_cur = old;
+    can = chorus__store_server_capacity(srv);
+    if (clients <= can) return CHORUS_OK;
+  }
+  snprintf(why, cap, "%s: %ld clients will connect, but this process may open %ld descriptors "
+           "(RLIMIT_NOFILE, hard limit %ld) less CHORUS_STORE_FD_RESERVE=%ld: about %ld "
+           "clients. Raise the hard limit to at least %ld (ulimit -Hn as root, LimitNOFILE= in a "
+           "systemd unit, nofile in /etc/security/limits.conf; the kernel's fs.nr_open bounds "
+           "it), or serve the store elsewhere", srv->name, clients, (long)rl.rlim_cur,
+           (long)rl.rlim_max, srv->lim.fd_reserve, can, clients + srv->lim.fd_reserve + 64);
+  return CHORUS_ERR_SYSTEM;
 }
 
 static void accept_ready(chorus_store_server_t *srv) {
@@ -452,4 +490,11 @@ void chorus_store_server_stop(chorus_store_server_t *server) {
 
 void chorus__store_server_set_handshake_timeout(chorus_store_server_t *server, int timeout_ms) {
   if (server && timeout_ms > 0) atomic_store(&server->handshake_ms, timeout_ms);
+}
+
+void chorus__store_server_stats(const chorus_store_server_t *srv, chorus__store_stats_t *out) {
+  out->requests = __atomic_load_n(&srv->stats.requests, __ATOMIC_RELAXED);
+  out->bytes_in = __atomic_load_n(&srv->stats.bytes_in, __ATOMIC_RELAXED);
+  out->bytes_out = __atomic_load_n(&srv->stats.bytes_out, __ATOMIC_RELAXED);
+  out->accepted = __atomic_load_n(&srv->stats.accepted, __ATOMIC_RELAXED);
 }

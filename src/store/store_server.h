@@ -166,6 +166,7 @@ struct chorus_store_server {
   int64_t listen_resume_at;
   chorus__ratelimit_t reject_log; /* strangers: handshakes, refused connections */
   chorus__ratelimit_t limit_log;  /* limits hit by authenticated clients */
+  chorus__store_stats_t stats; /* atomic: read by chorus__store_server_stats */
   int stopping;
   chorus__exit_hook_t exit_hook; /* stops the thread if the process exits first */
   int thread_joined;

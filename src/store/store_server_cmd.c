@@ -238,7 +238,7 @@ static int do_delete(chorus_store_server_t *srv, conn_t *c, chorus__srd_t *r) {
 /* Handles one request frame of an authenticated connection.  Returns RQ_DONE
  * (answered), RQ_WAIT (parked on a key; the frame stays buffered and runs
  * again when the key is set) or RQ_CLOSED. */
-int chorus__store_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *body, size_t len) {
+static int request(chorus_store_server_t *srv, conn_t *c, const uint8_t *body, size_t len) {
   chorus__srd_t r = chorus__srd_make(body, len);
   int cmd = chorus__srd_u8(&r);
   switch (cmd) {
@@ -262,4 +262,11 @@ int chorus__store_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *
     default:
       return malformed(srv, c, cmd);
   }
+}
+
+int chorus__store_request(chorus_store_server_t *srv, conn_t *c, const uint8_t *body, size_t len) {
+  int rc = request(srv, c, body, len);
+  /* A parked request counts once, when it is answered. */
+  if (rc != RQ_WAIT) __atomic_add_fetch(&srv->stats.requests, 1, __ATOMIC_RELAXED);
+  return rc;
 }

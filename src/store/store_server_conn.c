@@ -241,6 +241,7 @@ static int conn_flush(chorus_store_server_t *srv, conn_t *c) {
     if (n > 0) {
       c->out_off += (size_t)n;
       c->active_ns = chorus__now_ns();
+      __atomic_add_fetch(&srv->stats.bytes_out, (uint64_t)n, __ATOMIC_RELAXED);
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -467,6 +468,7 @@ static ssize_t conn_recv(chorus_store_server_t *srv, conn_t *c, void *dst, size_
     ssize_t n = recv(c->fd, dst, len, 0);
     if (n > 0) {
       c->active_ns = chorus__now_ns();
+      __atomic_add_fetch(&srv->stats.bytes_in, (uint64_t)n, __ATOMIC_RELAXED);
       return n;
     }
     if (n == 0) {
@@ -620,6 +622,7 @@ static void conn_discard_new(chorus_store_server_t *srv, conn_t *c) {
 }
 
 void chorus__store_conn_accept(chorus_store_server_t *srv, int fd) {
+  __atomic_add_fetch(&srv->stats.accepted, 1, __ATOMIC_RELAXED);
   char host[64], peer[80];
   int port = 0;
   if (chorus__net_peer_addr(fd, host, sizeof host, &port) == 0) {

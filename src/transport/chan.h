@@ -253,6 +253,9 @@ struct chorus__tp {
   size_t budget; /* CHORUS_RECV_BUFFER_MAX */
   int encrypt;   /* CHORUS_ENCRYPT */
   int64_t peer_timeout_ns; /* CHORUS_PEER_TIMEOUT_MS; 0: silence is never death */
+  /* A peer's listener when it is first dialled (chorus__tp_config_t). */
+  int (*lookup)(void *arg, int rank, char *addr, size_t cap, char *why, size_t whycap);
+  void *lookup_arg;
 };
 
 /* Takes tp->lock from a thread other than the progress thread. */

@@ -213,8 +213,8 @@ void chorus__tp_free(chorus__tp_t *tp) {
 chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t **out,
                                   char *errmsg, size_t errcap) {
   /* The doorbell the shared-memory channel takes (it is part of cfg only
-   * with the nonces). */
-  const int bell = cfg->nonce ? cfg->bell_fd : -1;
+   * with the host map). */
+  const int bell = cfg->host ? cfg->bell_fd : -1;
   chorus__tp_t *tp = chorus__tp_alloc(cfg->rank, cfg->size, cfg->key, cfg->world_id);
   if (!tp) {
     if (bell >= 0) close(bell);
@@ -248,10 +248,12 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
     if (chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) == 0)
       snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "%s:%d", host, port);
   }
+  tp->lookup = cfg->lookup;
+  tp->lookup_arg = cfg->lookup_arg;
   /* Peers on this host first (shared memory), then TCP or UCX for the
    * rest. */
   const char *mode = chorus__env()->TRANSPORT;
-  if (cfg->host && cfg->nonce && !(mode && !strcmp(mode, "tcp"))) {
+  if (cfg->host && !(mode && !strcmp(mode, "tcp"))) {
     st = chorus__shm_chan_open(tp, cfg, &tp->local, errmsg, errcap); /* takes the bell */
     if (st != CHORUS_OK) {
       close(cfg->listen_fd);

@@ -28,7 +28,7 @@
  * mapping).  The owner hands its descriptor to a local peer over the
  * peer's doorbell (SCM_RIGHTS) when the pair is first used ("pairs made on
  * first use" below), with a message that names the world, both
- * ranks and an HMAC under the job key over them and the receiver's nonce;
+ * ranks and an HMAC under the job key over them;
  * the receiver takes it only with that proof and with the sender's
  * credentials, which the kernel adds (SO_PASSCRED), showing this user and
  * the pid the inbox's header names; it checks the seal and the geometry
@@ -38,7 +38,7 @@
  *
  * Doorbells.  Each rank binds an abstract datagram socket that the
  * progress thread watches, named "chorus-bell-" and 32 hex digits of an
- * HMAC under the job key of the world id, the rank and its nonce: only the
+ * HMAC under the job key of the world id and the rank: only the
  * job's ranks can compute it, and /proc/net/unix, which lists it to every
  * user, shows nothing a stranger can use.  A sender that published bytes
  * rings the owner's bell only when the owner sleeps and no owner thread
@@ -150,7 +150,6 @@ typedef struct link {
   unsigned char *out_data;
   int out_ready; /* out_data's pages are reserved (reserve_ring) */
   chorus__txq_t txq;
-  uint64_t nonce; /* the peer's: its doorbell's name, the handover's proof */
   struct sockaddr_un bell;
   socklen_t bell_len; /* 0 until the name is computed (bell_of) */
   /* The pair is made on first use (offer): this rank's inbox handed over
@@ -171,7 +170,7 @@ struct shm_chan {
   link_t *links;    /* by local index; links[me] unused */
   int lazy;         /* rings' pages reserved on first use (MADV_POPULATE_WRITE) */
   int memfd;        /* this rank's inbox, for handing over */
-  uint64_t world, nonce; /* the world's id, this rank's nonce */
+  uint64_t world;   /* the world's id */
   int rank, size;        /* world rank and size */
   int *lidx_of;          /* local index of each world rank, -1 elsewhere */
   int *act, nact;        /* the links in use (offered or attached), in order */
@@ -192,13 +191,13 @@ static void ring_bell(shm_chan_t *ch, link_t *l) {
 
 /* The abstract name of rank's doorbell (the file's comment). */
 static void bell_addr(struct sockaddr_un *a, socklen_t *len, const chorus__key_t *key,
-                      uint64_t world, int rank, uint64_t nonce) {
+                      uint64_t world, int rank) {
   static const char label[] = "chorus shm bell";
   uint32_t r = (uint32_t)rank;
-  const void *parts[] = {label, &world, &r, &nonce};
-  const size_t lens[] = {sizeof label, sizeof world, sizeof r, sizeof nonce};
+  const void *parts[] = {label, &world, &r};
+  const size_t lens[] = {sizeof label, sizeof world, sizeof r};
   uint8_t mac[CHORUS__MAC_LEN];
-  chorus__hmac(key, parts, lens, 4, mac);
+  chorus__hmac(key, parts, lens, 3, mac);
   char hex[33];
   chorus__hex(hex, mac, 16);
   memset(a, 0, sizeof *a);
@@ -566,19 +565,18 @@ typedef struct {
   uint8_t mac[CHORUS__MAC_LEN];
 } handover_t;
 
-static void handover_mac(const chorus__key_t *key, const handover_t *m, uint64_t nonce_to,
+static void handover_mac(const chorus__key_t *key, const handover_t *m,
                          uint8_t mac[CHORUS__MAC_LEN]) {
   static const char label[] = "chorus shm inbox";
-  const void *parts[] = {label, &m->world, &m->from, &m->to, &nonce_to};
-  const size_t lens[] = {sizeof label, sizeof m->world, sizeof m->from, sizeof m->to,
-                         sizeof nonce_to};
-  chorus__hmac(key, parts, lens, 5, mac);
+  const void *parts[] = {label, &m->world, &m->from, &m->to};
+  const size_t lens[] = {sizeof label, sizeof m->world, sizeof m->from, sizeof m->to};
+  chorus__hmac(key, parts, lens, 4, mac);
 }
 
 /* l's doorbell's name, computed when first needed. */
 static const struct sockaddr_un *bell_of(link_t *l) {
   if (!l->bell_len)
-    bell_addr(&l->bell, &l->bell_len, &l->ch->base.tp->key, l->ch->world, l->peer->rank, l->nonce);
+    bell_addr(&l->bell, &l->bell_len, &l->ch->base.tp->key, l->ch->world, l->peer->rank);
   return &l->bell;
 }
 
@@ -586,7 +584,7 @@ static const struct sockaddr_un *bell_of(link_t *l) {
  * full), -1 error (errno; ECONNREFUSED or ENOENT: the doorbell is gone). */
 static int hand_over(shm_chan_t *ch, link_t *l) {
   handover_t m = {INBOX_MAGIC, ch->world, (uint32_t)ch->rank, (uint32_t)l->peer->rank, {0}};
-  handover_mac(&ch->base.tp->key, &m, l->nonce, m.mac);
+  handover_mac(&ch->base.tp->key, &m, m.mac);
   struct iovec iov = {&m, sizeof m};
   union {
     struct cmsghdr align;
@@ -642,7 +640,7 @@ static int take_handover(shm_chan_t *ch, link_t **lp, chorus_result_t *st, char 
       m.to == (uint32_t)ch->rank && m.from < (uint32_t)ch->size && ch->lidx_of[m.from] >= 0) {
     l = &ch->links[ch->lidx_of[m.from]];
     uint8_t want[CHORUS__MAC_LEN];
-    handover_mac(&ch->base.tp->key, &m, ch->nonce, want);
+    handover_mac(&ch->base.tp->key, &m, want);
     ok = !l->peer_base && !l->peer->dead && chorus__ct_equal(want, m.mac, sizeof want);
   }
   if (!ok) {
@@ -750,10 +748,10 @@ static void tick(shm_chan_t *ch) {
   }
 }
 
-int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank, uint64_t nonce) {
+int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank) {
   struct sockaddr_un a;
   socklen_t alen;
-  bell_addr(&a, &alen, key, world, rank, nonce);
+  bell_addr(&a, &alen, key, world, rank);
   int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), on = 1;
   if (fd < 0) return -errno;
   if (setsockopt(fd, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) < 0 ||
@@ -792,7 +790,6 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   ch->world = cfg->world_id;
   ch->rank = cfg->rank;
   ch->size = cfg->size;
-  ch->nonce = cfg->nonce[cfg->rank];
   /* A pair may take as long to be made as forming the world could (at
    * least 10 s), as a TCP dial. */
   ch->window_ns = (int64_t)CHORUS__MAX(chorus__ms_left(cfg->deadline), 10000) * 1000000;
@@ -818,7 +815,7 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   /* This rank's doorbell (the kernel adds each sender's credentials): bound
    * before its record went out (bootstrap), else here; then its inbox. */
   if (ch->bell_fd < 0) {
-    int fd = chorus__shm_bell_bind(&tp->key, cfg->world_id, cfg->rank, cfg->nonce[cfg->rank]);
+    int fd = chorus__shm_bell_bind(&tp->key, cfg->world_id, cfg->rank);
     if (fd < 0) {
       snprintf(errmsg, errcap, "cannot make the shared-memory doorbell: %s", strerror(-fd));
       st = CHORUS_ERR_SYSTEM;
@@ -890,7 +887,8 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
     l->in = (ring_t *)((char *)ch->mine + rings_offset()) + l->lidx;
     l->in_data = (unsigned char *)ch->mine + data_offset(nlocal) + (size_t)l->lidx * ch->ring_bytes;
     l->pid_watch = (chorus__watch_t){on_pid, l};
-    l->nonce = cfg->nonce[r];
+    if (!strcmp(l->peer->addr, "?")) /* no record read: named by where it is */
+      snprintf(l->peer->addr, sizeof l->peer->addr, "this host");
     chorus__tp_rx_attach(tp, l->peer, &l->rx, &ch->base, l);
     l->peer->chan = &ch->base;
     l->peer->link = l;

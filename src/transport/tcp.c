@@ -339,7 +339,8 @@ chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
     int mine = tp->peers[r].chan == &t->base;
     ntcp += mine;
     /* Named already (chorus__tp_create); ours must be reachable. */
-    if (mine && chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) < 0) {
+    if (mine && cfg->addrs &&
+        chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) < 0) {
       snprintf(errmsg, errcap, "rank %d published an unparsable address '%s'", r, cfg->addrs[r]);
       tcp_abandon(t);
       return CHORUS_ERR_PROTOCOL;

@@ -149,6 +149,25 @@ static void dial_retry(stream_t *s) {
   s->retry_at = chorus__now_ns() + (int64_t)s->c->ch->retry_ms * 1000000;
 }
 
+/* The peer's listener, read from its record when a world formed without
+ * every record (chorus__tp_config_t's lookup): 0, or -1 after failing the
+ * stream.  Once per peer; a blocking read of the store, bounded by the
+ * dial's own deadline. */
+static int dial_lookup(stream_t *s) {
+  chorus__tp_t *tp = stream_tp(s);
+  chorus__peer_t *p = s->c->peer;
+  if (!tp->lookup || strcmp(p->addr, "?") != 0) return 0;
+  char addr[sizeof p->addr], why[400];
+  int64_t left_ms = (s->deadline - chorus__now_ns()) / 1000000;
+  if (tp->lookup(tp->lookup_arg, p->rank, addr, sizeof addr, why, sizeof why) < 0 ||
+      left_ms <= 0) {
+    dial_fail(s, left_ms <= 0 ? "no time left to find its listener" : why, 0);
+    return -1;
+  }
+  memcpy(p->addr, addr, sizeof addr);
+  return 0;
+}
+
 /* Starts an attempt (C_IDLE, or C_CONNECTING waiting to retry). */
 void chorus__tcp_dial_start(stream_t *s) {
   tcp_chan_t *t = s->c->ch;
@@ -160,6 +179,7 @@ void chorus__tcp_dial_start(stream_t *s) {
   s->hs_got = 0;
   char host[64];
   int port;
+  if (dial_lookup(s) < 0) return;
   if (chorus__net_split_addr(s->c->peer->addr, ':', host, sizeof host, &port) < 0) {
     dial_fail(s, "the address it published cannot be parsed", 0);
     return;

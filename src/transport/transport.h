@@ -96,17 +96,19 @@ typedef struct chorus__tp_config {
   const chorus__key_t *key; /* the job key (util/crypto.h) */
   uint64_t world_id;        /* random id every rank of this world agreed on */
   int listen_fd;            /* already listening socket (ownership passes) */
-  const char *const *addrs; /* "host port" of every rank's listener */
+  /* "host port" of every rank's listener; NULL: lookup finds each when
+   * this rank first dials it. */
+  const char *const *addrs;
+  int (*lookup)(void *arg, int rank, char *addr, size_t cap, char *why, size_t whycap);
+  void *lookup_arg;
   int64_t deadline;         /* for opening the channels; what is left of it
                              * (at least 10 s) bounds each later dial */
   int retry_ms;
   chorus__fp_format_fn fp_format;
   /* Per world rank: its host (ranks with equal values share memory; NULL:
-   * every peer over TCP) and the random nonce it drew for the names of its
-   * shared-memory inbox and doorbell. */
+   * every peer over TCP). */
   const uint64_t *host;
-  const uint64_t *nonce;
-  /* With nonce: this rank's shared-memory doorbell, bound before its
+  /* With host: this rank's shared-memory doorbell, bound before its
    * record went out (chorus__shm_bell_bind), so that a doorbell missing
    * later is a rank that ended; ownership passes.  -1: none yet. */
   int bell_fd;
@@ -119,9 +121,9 @@ typedef struct chorus__tp_config {
 } chorus__tp_config_t;
 
 /* The abstract datagram socket a local peer hands its shared-memory inbox
- * to, bound for (world, rank, nonce) under the job key: a descriptor, or
- * -errno (shm_chan.c). */
-int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank, uint64_t nonce);
+ * to, bound for (world, rank) under the job key: a descriptor, or -errno
+ * (shm_chan.c). */
+int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank);
 
 /* UCX (ucx.c): whether this library was built with it; a worker made
  * before the ranks exchange addresses, and its address in hex to publish

@@ -117,11 +117,22 @@ static int wait_fd(int fd, short events, int64_t deadline) {
   }
 }
 
-static int connect_once(const struct addrinfo *ai, int64_t deadline) {
+static int connect_once(const struct addrinfo *ai, const char *src, int64_t deadline) {
   int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                   ai->ai_protocol);
   if (fd < 0) return -errno;
-  int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+  int rc = 0;
+  if (src && *src) { /* leave from this address (any port) */
+    struct addrinfo *sa = NULL;
+    rc = resolve(src, 0, AI_NUMERICHOST | AI_PASSIVE, &sa);
+    if (rc == 0 && (!sa || bind(fd, sa->ai_addr, sa->ai_addrlen) < 0)) rc = sa ? -errno : -EINVAL;
+    if (sa) freeaddrinfo(sa);
+    if (rc < 0) {
+      close(fd);
+      return rc;
+    }
+  }
+  rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
   if (rc < 0 && errno != EINPROGRESS) {
     rc = -errno;
     close(fd);
@@ -148,6 +159,11 @@ static int connect_once(const struct addrinfo *ai, int64_t deadline) {
 }
 
 int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_ms) {
+  return chorus__net_connect_from(host, port, NULL, deadline, retry_ms);
+}
+
+int chorus__net_connect_from(const char *host, int port, const char *src, int64_t deadline,
+                             int retry_ms) {
   if (port <= 0 || port > 65535) return -EINVAL;
   if (retry_ms <= 0) retry_ms = 50;
   for (;;) {
@@ -156,7 +172,7 @@ int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_
     if (rc == 0) {
       rc = -ECONNREFUSED;
       for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        rc = connect_once(ai, deadline);
+        rc = connect_once(ai, src, deadline);
         if (rc >= 0) break;
       }
       freeaddrinfo(res);

@@ -18,6 +18,9 @@ int chorus__net_listen(const char *host, int port, int backlog, int *bound_port)
 /* Connects to host:port, retrying refused/unreachable attempts every retry_ms
  * until deadline.  Returns a blocking fd with TCP_NODELAY set. */
 int chorus__net_connect(const char *host, int port, int64_t deadline, int retry_ms);
+/* The same, leaving from the numeric address src (NULL: the kernel's choice). */
+int chorus__net_connect_from(const char *host, int port, const char *src, int64_t deadline,
+                             int retry_ms);
 
 /* Starts connecting to the numeric address host:port without waiting:
  * returns a non-blocking fd whose connection may still be in progress

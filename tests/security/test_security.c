@@ -962,7 +962,7 @@ TEST(encrypted_tamper) {
   /* Give rank 1 the proxy's address for rank 0. */
   chorus_store_t *c = NULL;
   ASSERT_EQ(chorus_store_connect("127.0.0.1", g_port, SECRET, 5000, &c), CHORUS_OK);
-  /* Rank 0's record is "ADDR PORT|NONCE|HOST": only the address changes. */
+  /* Rank 0's record is "ADDR PORT|UCX|HOST": only the address changes. */
   char key[64], val[700];
   snprintf(key, sizeof key, "case%d/addr/0", g_case);
   char *orig = store_get(key);

@@ -69,8 +69,8 @@ static void rank_main(int rank, int port, int wfd) {
   _exit(st == CHORUS_OK ? 0 : 1);
 }
 
-/* The UCX address rank r published: the third field of its record
- * ("ADDR PORT|NONCE|U<hex>|IDENT"). */
+/* The UCX address rank r published: the second field of its record
+ * ("ADDR PORT|U<hex>|IDENT"). */
 static int address_of(chorus_store_t *store, int r, uint8_t **out, size_t *len) {
   char key[64];
   snprintf(key, sizeof key, "u/addr/%d", r);
@@ -82,7 +82,6 @@ static int address_of(chorus_store_t *store, int r, uint8_t **out, size_t *len) 
   }
   if (!val) return -1;
   char *rec = val, *f = strchr(rec, '|');
-  f = f ? strchr(f + 1, '|') : NULL;
   char *end = f ? strchr(f + 1, '|') : NULL;
   if (!f || !end || f[1] != 'U') {
     chorus_free(val);
