@@ -68,7 +68,8 @@
  * unchanged for `lost` since that read is a dead node (or one later than
  * the slack).  The last beat of a dead node is seen within one read, and
  * the first read `lost` after that names it: bound.  Up to 600 nodes
- * nothing changes (beat = read = 0.15 s, lost 0.6 s, bound 0.9 s); 1,000
+ * the times are as they were (beat = read = 0.15 s, lost 0.6 s, bound
+ * 0.9 s; the state's poll below stretches from 400); 1,000
  * nodes: beat 0.25 s, bound 1.0 s; 10,000: beat 2.5 s, lost 3.1 s, bound
  * 4.8 s.  The service's load is H / beat heartbeat writes/s and
  * 2 H / read + H / poll reads/s: 4,000 and 28,000 at 10,000 nodes (was
