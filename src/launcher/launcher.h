@@ -28,6 +28,8 @@
  *              waiting nodes, failure records and the root-cause summary
  *   rdzv_keys.c  the rendezvous's sealed values on the service: the state,
  *              heartbeats, failure records (rdzv.h: what the rdzv files share)
+ *   rdzv_hb.c  heartbeats that scale: the plan for a group of H nodes, the
+ *              few nodes each agent watches, one watching step
  *   rdzv_state.c  the rendezvous's values as text and the round decisions
  *              that read nothing else, the freeze's rank assignment among
  *              them (rdzv_state.h; unit-tested on their own)

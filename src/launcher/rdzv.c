@@ -32,6 +32,9 @@
  *               wait ID NPROC WANT     arrived after the freeze
  *   hb/ID     a node's heartbeat, "<counter> run" while it takes part, then
  *             "<counter> done <exit code>" once it has left
+ *   gen       the state's fingerprint (its seal), set by whoever changed
+ *             the state, after the compare-and-set: polled instead of the
+ *             state, whose text grows with the nodes
  *   fail/R    the first failure of round R anywhere in the job, written
  *             once (compare-and-set on an absent key): the root cause
  *
@@ -46,16 +49,47 @@
  * goes to `wait`; group rank 0's agent then opens the next round if the
  * group has room (scale-up, not counted as a restart).
  *
- * While a group runs, every agent writes its heartbeat every `heartbeat`
- * seconds and reads the others'; a node whose counter has not moved for 4
- * heartbeats (and that has not left) is lost.  A failed worker or a lost
- * node makes the agent that sees it write fail/R, then open round R+1 with
- * restarts+1, or close the job when no restarts are left (or a node of the
- * round already finished: its workers cannot rejoin).  Every agent polls
- * the state every monitor interval; a new round stops its workers and it
- * joins again; a closed one stops them and it exits with the job's code
- * after printing the root cause.  A service that has not answered for 4
- * heartbeats is lost too: the agent stops its workers and exits.
+ * While a group of H nodes runs (rdzv_hb.c), each agent writes its own
+ * heartbeat and reads only the heartbeats of the RDZV_HB_WATCH (2) nodes
+ * after it in group-rank order, as a ring, skipping nodes that left (or,
+ * --elastic inplace, were reported gone); so every node is watched by 2
+ * agents, and a node whose watchers died with it is covered by theirs
+ * being named.  With hb = the `heartbeat` setting (0.15 s):
+ *
+ *   beat  = max(hb, H / 4000 s)         our heartbeat's period: at most
+ *                                       4,000 heartbeat writes/s per job
+ *   read  = max(hb, beat / 3)           each watched node's reads
+ *   lost  = beat + max(3 hb, beat / 4)  a watched node whose counter has not
+ *                                       grown for this long is lost
+ *   bound = lost + 2 read               from a node's death to its naming
+ *
+ * A live node's next beat comes within beat (plus its lateness) of the
+ * last one, which came before the read that first showed it; so a counter
+ * unchanged for `lost` since that read is a dead node (or one later than
+ * the slack).  The last beat of a dead node is seen within one read, and
+ * the first read `lost` after that names it: bound.  Up to 600 nodes
+ * the times are as they were (beat = read = 0.15 s, lost 0.6 s, bound
+ * 0.9 s; the state's poll below stretches from 400); 1,000
+ * nodes: beat 0.25 s, bound 1.0 s; 10,000: beat 2.5 s, lost 3.1 s, bound
+ * 4.8 s.  The service's load is H / beat heartbeat writes/s and
+ * 2 H / read + H / poll reads/s: 4,000 and 28,000 at 10,000 nodes (was
+ * 67,000 and 670 million; the state holds MAX_NODES = 1,024 nodes today,
+ * bench/scale_hb.c plays more).  A failed worker or a lost node makes the
+ * agent that sees it write fail/R, then open round R+1 with restarts+1, or
+ * close the job when no restarts are left (or a node of the round already
+ * finished: its workers cannot rejoin); the others learn it from the
+ * state.  A node we start to watch (the ring moved, or
+ * our own loop or the service kept us from reading for a while) gets a
+ * fresh `lost` from then: that silence was ours.
+ *
+ * Every agent polls the state every poll = max(monitor interval,
+ * H / 4000 s) by reading `gen` (80 bytes), and reads the whole state only
+ * when `gen` no longer names the one it holds (or every max(10 polls,
+ * H x 20 ms) regardless, in case a writer died between its compare-and-set
+ * and `gen`): a new round stops its workers and it joins again; a closed
+ * one stops them and it exits with the job's code after printing the root
+ * cause.  A service that has not answered for `lost` (etcd: at least 10 s)
+ * is lost too: the agent stops its workers and exits.
  *
  * Received values are untrusted: the state is parsed line by line with
  * bounded fields and counts, node ids are checked character by character,
@@ -127,17 +161,20 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   }
   job->rz = rz;
   job->round = -1;
-  snprintf(rz->pfx, sizeof rz->pfx, "rdzv/%s/", job->run_id);
-  rz->lost_ns = LOST_BEATS * job->heartbeat_ns;
+  snprintf(rz->io.pfx, sizeof rz->io.pfx, "rdzv/%s/", job->run_id);
+  rz->io.peers = rz->peers;
+  rz->io.peer_cap = (int)CHORUS__ARRAY_LEN(rz->peers);
+  int64_t lost_ns = LOST_BEATS * job->heartbeat_ns;
   /* Our store is one process: no answer for 4 heartbeats means it is gone.
    * etcd elects a new leader when one dies (a second or two without
-   * answers), so give it longer before giving up on it. */
-  rz->svc_lost_ns = job->backend == BACKEND_ETCD ? CHORUS__MAX(rz->lost_ns, 10000000000LL)
-                                                 : rz->lost_ns;
-  rz->key = key;
+   * answers), so give it longer before giving up on it.  A large group's
+   * slower plan stretches both (rdzv__use_plan). */
+  rz->svc_lost_base = job->backend == BACKEND_ETCD ? CHORUS__MAX(lost_ns, 10000000000LL) : 0;
+  rdzv__use_plan(job, 1);
+  rz->io.key = key;
   const char *host = job->rdzv_host;
   int port = job->rdzv_port;
-  int call_ms = (int)CHORUS__MAX(rz->lost_ns / 1000000, 200);
+  int call_ms = (int)CHORUS__MAX(lost_ns / 1000000, 200);
   char err[700] = "";
   int etcd = job->backend == BACKEND_ETCD;
 
@@ -187,9 +224,9 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
   int wrong_tries = 0;
   for (;;) {
     int attempt = CHORUS__MIN(CHORUS__MAX(chorus__ms_left(deadline), 1), etcd ? 2000 : 1000);
-    int rc = etcd ? kv_etcd_open(host, "/chorus/", attempt, call_ms, &job->etcd, &rz->kv, err,
+    int rc = etcd ? kv_etcd_open(host, "/chorus/", attempt, call_ms, &job->etcd, &rz->io.kv, err,
                                  sizeof err)
-                  : kv_store_open(host, port, key, attempt, call_ms, &rz->kv, err, sizeof err);
+                  : kv_store_open(host, port, key, attempt, call_ms, &rz->io.kv, err, sizeof err);
     if (rc == 0) break;
     if (rc == -2 && etcd) {
       fprintf(stderr, "chorusrun: %s\n", err);
@@ -233,18 +270,18 @@ int rdzv_open(job_t *job, const chorus__key_t *key) {
       return EXIT_LAUNCHER;
     }
   }
-  rz->last_ok = chorus__now_ns();
+  rz->io.last_ok = chorus__now_ns();
   char addr[64] = "node"; /* numeric: an IPv6 address takes 45 at most */
-  if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
-  snprintf(rz->id, sizeof rz->id, "%s/%d", addr, (int)getpid());
-  if (!rdzv_id_ok(rz->id, ID_MAX)) snprintf(rz->id, sizeof rz->id, "node/%d", (int)getpid());
+  if (rz->io.kv->ops->local_addr(rz->io.kv, addr, sizeof addr) != 0) snprintf(addr, sizeof addr, "node");
+  snprintf(rz->io.id, sizeof rz->io.id, "%s/%d", addr, (int)getpid());
+  if (!rdzv_id_ok(rz->io.id, ID_MAX)) snprintf(rz->io.id, sizeof rz->io.id, "node/%d", (int)getpid());
   job->master_addr = host;
   job->port = port;
-  CHORUS_INFO(CHORUS__SUB_LAUNCH, "node %s: rendezvous %s at %s (run %s)", rz->id,
+  CHORUS_INFO(CHORUS__SUB_LAUNCH, "node %s: rendezvous %s at %s (run %s)", rz->io.id,
               job->backend == BACKEND_STATIC ? "static"
               : job->backend == BACKEND_ETCD ? "etcd"
                                              : "c10d",
-              rz->kv->where, job->run_id);
+              rz->io.kv->where, job->run_id);
   return 0;
 }
 
@@ -260,9 +297,9 @@ static int others_here(rdzv_t *rz) {
   const int counts[] = {s->nmem, s->nwait, s->nexp};
   for (int l = 0; l < 3; l++)
     for (int i = 0; i < counts[l]; i++) {
-      if (!strcmp(lists[l][i].id, rz->id)) continue;
-      peer_t *p = rdzv__observe(rz, lists[l][i].id);
-      if (p && !p->done && !rdzv__peer_lost(rz, p)) here++;
+      if (!strcmp(lists[l][i].id, rz->io.id)) continue;
+      peer_t *p = rdzv__observe(&rz->io, lists[l][i].id);
+      if (p && !p->done && !rdzv__peer_lost(&rz->io, p)) here++;
     }
   return here;
 }
@@ -273,7 +310,7 @@ static int others_here(rdzv_t *rz) {
  * without asking when we host no store and nothing is to be cleaned up). */
 static int linger(job_t *job, int64_t deadline) {
   rdzv_t *rz = job->rz;
-  if (!rz->srv && !rz->round_srv) return rz->kv->ops->del_prefix ? others_here(rz) : -1;
+  if (!rz->srv && !rz->round_srv) return rz->io.kv->ops->del_prefix ? others_here(rz) : -1;
   for (;;) {
     int waiting = others_here(rz);
     if (waiting < 0) return waiting;
@@ -299,17 +336,17 @@ static int linger(job_t *job, int64_t deadline) {
  * gone too, and a job whose every agent was killed leaves all of them
  * (etcdctl del --prefix /chorus/rdzv/<run id>/ removes them). */
 static void clean_up(rdzv_t *rz, int others) {
-  if (others != 0 || !rz->kv->ops->del_prefix) return;
-  if (rz->kv->ops->del_prefix(rz->kv, rz->pfx) == 0)
-    CHORUS_INFO(CHORUS__SUB_LAUNCH, "the last node to leave: removed %s at %s", rz->pfx,
-                rz->kv->where);
+  if (others != 0 || !rz->io.kv->ops->del_prefix) return;
+  if (rz->io.kv->ops->del_prefix(rz->io.kv, rz->io.pfx) == 0)
+    CHORUS_INFO(CHORUS__SUB_LAUNCH, "the last node to leave: removed %s at %s", rz->io.pfx,
+                rz->io.kv->where);
   else
-    CHORUS_WARN(CHORUS__SUB_LAUNCH, "could not remove the job's keys %s: %s", rz->pfx, rz->kv->err);
+    CHORUS_WARN(CHORUS__SUB_LAUNCH, "could not remove the job's keys %s: %s", rz->io.pfx, rz->io.kv->err);
 }
 
 int rdzv_finish(job_t *job, int exit_code) {
   rdzv_t *rz = job->rz;
-  rdzv__beat(rz, 1, exit_code);
+  rdzv__beat(&rz->io, 1, exit_code);
   if (rz->srv || rz->round_srv)
     CHORUS_INFO(CHORUS__SUB_LAUNCH,
                 "our workers finished; serving the store until the other nodes leave");
@@ -320,12 +357,12 @@ int rdzv_finish(job_t *job, int exit_code) {
 void rdzv_close(job_t *job, int exit_code) {
   rdzv_t *rz = job->rz;
   if (!rz) return;
-  if (rz->kv && !rz->dead) {
-    int was_left = rz->left;
-    if (!was_left) rdzv__beat(rz, 1, exit_code);
+  if (rz->io.kv && !rz->dead) {
+    int was_left = rz->io.left;
+    if (!was_left) rdzv__beat(&rz->io, 1, exit_code);
     int others = linger(job, chorus__now_ns() + job->close_timeout_ns);
     if (!was_left) clean_up(rz, others); /* rdzv_finish did, when it was called */
-    rz->kv->ops->close(rz->kv);
+    rz->io.kv->ops->close(rz->io.kv);
   }
   rdzv__round_store_stop(rz);
   if (rz->srv) chorus_store_server_stop(rz->srv);

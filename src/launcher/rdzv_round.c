@@ -34,8 +34,8 @@ static void next_round(rdzv_t *rz, int failure, const char *lost) {
   for (int i = 0; i < s->nmem; i++) {
     n->prev[n->nprev] = s->mem[i];
     n->prev[n->nprev++].want = i;
-    peer_t *p = rdzv__peer(rz, s->mem[i].id);
-    if ((lost && !strcmp(lost, s->mem[i].id)) || p->done || rdzv__peer_lost(rz, p)) continue;
+    peer_t *p = rdzv__peer(&rz->io, s->mem[i].id);
+    if ((lost && !strcmp(lost, s->mem[i].id)) || p->done || rdzv__peer_lost(&rz->io, p)) continue;
     n->exp[n->nexp++] = s->mem[i];
   }
   for (int i = 0; i < s->nwait && n->nexp < MAX_NODES; i++) n->exp[n->nexp++] = s->wait[i];
@@ -53,7 +53,7 @@ void rdzv__advance(job_t *job, int failure, const char *lost, int exit_code, con
     const char *finished = NULL;
     if (failure)
       for (int i = 0; i < rz->st.nmem && !finished; i++) {
-        peer_t *p = strcmp(rz->st.mem[i].id, rz->id) ? rdzv__observe(rz, rz->st.mem[i].id) : NULL;
+        peer_t *p = strcmp(rz->st.mem[i].id, rz->io.id) ? rdzv__observe(&rz->io, rz->st.mem[i].id) : NULL;
         if (p && p->done && p->exit_code == 0) finished = p->id;
       }
     if (failure && (rz->st.restarts >= rz->st.max_restarts || finished)) {
@@ -81,7 +81,7 @@ void rdzv_interrupt(job_t *job, int sig) {
     rz->nx = rz->st;
     rz->nx.phase = PH_CLOSED;
     rz->nx.exit_code = 128 + sig;
-    rdzv_set_reason(&rz->nx, "node %s got %s", rz->id, signal_name(sig));
+    rdzv_set_reason(&rz->nx, "node %s got %s", rz->io.id, signal_name(sig));
     if (rdzv__write_state(rz) != 0) break;
   }
 }
@@ -90,7 +90,7 @@ void rdzv_interrupt(job_t *job, int sig) {
 static void take_placement(job_t *job) {
   rdzv_t *rz = job->rz;
   const rstate_t *s = &rz->st;
-  int me = rdzv_find(s->mem, s->nmem, rz->id);
+  int me = rdzv_find(s->mem, s->nmem, rz->io.id);
   job->round = s->round;
   job->restarts = s->restarts;
   job->nnodes = s->nmem;
@@ -103,9 +103,10 @@ static void take_placement(job_t *job) {
   }
   rz->ngroup = s->nmem;
   memcpy(rz->group, s->mem, sizeof s->mem[0] * (size_t)s->nmem);
+  rdzv__use_plan(job, s->nmem);
   int64_t now = chorus__now_ns();
   for (int i = 0; i < s->nmem; i++) {
-    peer_t *p = rdzv__peer(rz, s->mem[i].id);
+    peer_t *p = rdzv__peer(&rz->io, s->mem[i].id);
     p->seen = now; /* a long rendezvous is not silence */
   }
   for (int r = 0; r < job->nproc; r++) job->w[r].rank = job->rank_base + r;
@@ -141,29 +142,29 @@ static int freeze(job_t *job) {
 static int round_store(job_t *job) {
   rdzv_t *rz = job->rz;
   char key[300];
-  rdzv__key_of(rz, key, sizeof key, "store/%ld", job->round);
+  rdzv__key_of(&rz->io, key, sizeof key, "store/%ld", job->round);
   if (job->node_rank == 0) {
     char addr[128], val[200];
-    if (rz->kv->ops->local_addr(rz->kv, addr, sizeof addr) != 0) {
+    if (rz->io.kv->ops->local_addr(rz->io.kv, addr, sizeof addr) != 0) {
       fprintf(stderr, "chorusrun: cannot tell this node's address for the workers' store\n");
       return EXIT_LAUNCHER;
     }
     /* On the address published, the one this node reaches etcd from. */
-    chorus_result_t src = start_store(addr, 0, rz->key, &rz->round_srv);
+    chorus_result_t src = start_store(addr, 0, rz->io.key, &rz->round_srv);
     if (src != CHORUS_OK) {
       fprintf(stderr, "chorusrun: cannot start the workers' store: %s\n", chorus_strerror(src));
       return EXIT_LAUNCHER;
     }
     snprintf(val, sizeof val, "%s %d", addr, chorus_store_server_port(rz->round_srv));
-    if (rdzv__kset(rz, key, val) < 0) {
-      fprintf(stderr, "chorusrun: cannot publish the workers' store: %s\n", rz->kv->err);
+    if (rdzv__kset(&rz->io, key, val) < 0) {
+      fprintf(stderr, "chorusrun: cannot publish the workers' store: %s\n", rz->io.kv->err);
       return EXIT_LAUNCHER;
     }
   }
   int64_t deadline = chorus__now_ns() + job->join_timeout_ns;
   for (;;) {
     char *val = NULL;
-    int rc = rdzv__kget(rz, key, &val, NULL);
+    int rc = rdzv__kget(&rz->io, key, &val, NULL);
     if (rc == 1) {
       char host[128];
       int port = 0;
@@ -181,7 +182,7 @@ static int round_store(job_t *job) {
     }
     if (rc == -2 || (rc < 0 && rdzv__lost_store(rz)) || chorus__now_ns() >= deadline) {
       fprintf(stderr, "chorusrun: node 0 of round %ld never published the workers' store (%s)\n",
-              job->round, rc < 0 ? rz->kv->err : "join_timeout");
+              job->round, rc < 0 ? rz->io.kv->err : "join_timeout");
       return EXIT_LAUNCHER;
     }
     if (job->got_sig) return 128 + job->got_sig;
@@ -206,7 +207,7 @@ static void add_self(job_t *job, int waiting) {
   int *n = waiting ? &rz->nx.nwait : &rz->nx.nmem;
   rnode_t *me = &list[(*n)++];
   *me = (rnode_t){.nproc = job->nproc, .want = job->node_rank_opt};
-  snprintf(me->id, sizeof me->id, "%s", rz->id);
+  snprintf(me->id, sizeof me->id, "%s", rz->io.id);
   rdzv__write_state(rz);
 }
 
@@ -216,7 +217,7 @@ int rdzv_join(job_t *job) {
   int64_t last_call = CHORUS__NO_DEADLINE;
   int said_waiting = 0;
   long waited_in = -1; /* the frozen round this node waits to enter */
-  rz->left = 0;
+  rz->io.left = 0;
   job->joining = 0;
   rdzv__round_store_stop(rz); /* the last round's workers are gone */
   for (;;) {
@@ -226,8 +227,8 @@ int rdzv_join(job_t *job) {
     }
     int64_t now = chorus__now_ns();
     if (now >= rz->next_hb) {
-      rdzv__beat(rz, 0, 0);
-      rz->next_hb = now + job->heartbeat_ns;
+      rdzv__beat(&rz->io, 0, 0);
+      rz->next_hb = now + rz->plan.beat_ns;
     }
     int rc = rdzv__read_state(rz);
     if (rc == -2) {
@@ -239,13 +240,15 @@ int rdzv_join(job_t *job) {
         fprintf(stderr,
                 "chorusrun: the rendezvous store at %s stopped answering during the "
                 "rendezvous (%s); the node hosting it may be down\n",
-                rz->kv->where, rz->kv->err);
+                rz->io.kv->where, rz->io.kv->err);
         return EXIT_LAUNCHER;
       }
       rdzv__sleep_or_signal(job, JOIN_POLL_MS);
       continue;
     }
     rstate_t *s = &rz->st;
+    /* A large round beats as slowly as the group it will be. */
+    if (rc == 1 && s->nmem > rz->plan.nodes) rdzv__use_plan(job, s->nmem);
     if (rc == 0) {
       /* The first agent creates round 0. */
       rstate_t *n = &rz->nx;
@@ -269,7 +272,7 @@ int rdzv_join(job_t *job) {
               job->min_nodes, job->max_nodes, job->run_id, s->min, s->max);
       return EXIT_USAGE;
     }
-    int me = rdzv_find(s->mem, s->nmem, rz->id);
+    int me = rdzv_find(s->mem, s->nmem, rz->io.id);
     if (s->phase == PH_CLOSED) {
       fprintf(stderr, "chorusrun: run '%s' is over (%s); start a new job with another --rdzv-id\n",
               job->run_id, s->reason[0] ? s->reason : "closed");
@@ -292,7 +295,7 @@ int rdzv_join(job_t *job) {
         rdzv__advance(job, 0, NULL, 0, "a node rejoins");
         continue;
       }
-      if (rdzv_find(s->wait, s->nwait, rz->id) < 0 && s->nwait < MAX_NODES) {
+      if (rdzv_find(s->wait, s->nwait, rz->io.id) < 0 && s->nwait < MAX_NODES) {
         add_self(job, 1);
         waited_in = s->round;
         continue;
@@ -339,7 +342,7 @@ int rdzv_join(job_t *job) {
               job->run_id, job->join_timeout_ns / 1e9, s->nmem, s->round, s->min,
               s->phase == PH_FROZEN ? " (this node was waiting for room in the running group)"
                                     : "");
-      rdzv__beat(rz, 1, EXIT_LAUNCHER);
+      rdzv__beat(&rz->io, 1, EXIT_LAUNCHER);
       return EXIT_LAUNCHER;
     }
     rdzv__sleep_or_signal(job, JOIN_POLL_MS);
