@@ -5,7 +5,7 @@
  * machine.
  *
  *   chorus-scale [-p PROCS] [-t THREADS] [-l RANKS_PER_HOST] [-k PEERS]
- *                [-r REPEATS] [-o OPS_MAX] P [P ...]
+ *                [-r REPEATS] [-o OPS_MAX] [-m MAX_SECONDS] P [P ...]
  *
  * Per P and repetition: a fresh store (chorus's server) in a process of
  * its own; PROCS client processes of THREADS threads, each thread playing
@@ -28,9 +28,10 @@
  *
  * One line per P, medians: seconds from the start to a formed world and
  * to the last record read, store operations and bytes per rank (counted
- * by the store itself), the store's CPU seconds and peak RSS.  With -o,
- * the exit status is 1 when operations per rank exceed OPS_MAX + k (the
- * target of issue 45: 4 + k) or a world did not form.
+ * by the store itself), the store's CPU seconds and peak RSS.  The exit
+ * status is 1 when a world did not form, when (-o) operations per rank
+ * exceed OPS_MAX + k (issue 45's target: 4 + k), or when (-m) the median
+ * world took more than MAX_SECONDS to form (the suite's bench.scale).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -58,9 +59,10 @@ typedef struct {
   int procs, threads, per_host, k, repeats;
   long ops_max;
   int timeout_ms;
+  double max_s;
 } opts_t;
 
-static opts_t g_o = {4, 8, 64, 2, 3, -1, 120000};
+static opts_t g_o = {4, 8, 64, 2, 3, -1, 120000, 0};
 static chorus__key_t g_key;
 
 /* ---------------------------------------------------------- the store */
@@ -348,13 +350,13 @@ static double median(double *v, int n) {
 
 static void usage(void) {
   fprintf(stderr, "usage: chorus-scale [-p PROCS] [-t THREADS] [-l RANKS_PER_HOST] [-k PEERS] "
-                  "[-r REPEATS] [-o OPS_MAX] P [P ...]\n");
+                  "[-r REPEATS] [-o OPS_MAX] [-m MAX_SECONDS] P [P ...]\n");
   exit(2);
 }
 
 int main(int argc, char **argv) {
   int opt;
-  while ((opt = getopt(argc, argv, "p:t:l:k:r:o:T:")) != -1) {
+  while ((opt = getopt(argc, argv, "p:t:l:k:r:o:m:T:")) != -1) {
     long v = strtol(optarg, NULL, 10);
     if (v < 0 || v > 1 << 24) usage();
     switch (opt) {
@@ -365,6 +367,7 @@ int main(int argc, char **argv) {
       case 'r': g_o.repeats = (int)(v ? v : 1); break;
       case 'o': g_o.ops_max = v; break;
       case 'T': g_o.timeout_ms = (int)(v * 1000); break;
+      case 'm': g_o.max_s = (double)v; break;
       default: usage();
     }
   }
@@ -404,13 +407,18 @@ int main(int argc, char **argv) {
       printf("| %d | failed | | | | | |\n", size);
       continue;
     }
-    double mops = median(ops, n);
-    printf("| %d | %.3f | %.3f | %.2f | %.0f | %.2f | %.1f |\n", size, median(f, n), median(d, n),
+    double mops = median(ops, n), mformed = median(f, n);
+    printf("| %d | %.3f | %.3f | %.2f | %.0f | %.2f | %.1f |\n", size, mformed, median(d, n),
            mops, median(by, n), median(cpu, n), median(rss, n));
     fflush(stdout);
     if (g_o.ops_max >= 0 && mops > (double)(g_o.ops_max + g_o.k)) {
       fprintf(stderr, "chorus-scale: P=%d: %.2f store operations per rank, more than %ld + %d\n",
               size, mops, g_o.ops_max, g_o.k);
+      bad = 1;
+    }
+    if (g_o.max_s > 0 && mformed > g_o.max_s) {
+      fprintf(stderr, "chorus-scale: P=%d: formed in %.2f s, more than %.0f s\n", size, mformed,
+              g_o.max_s);
       bad = 1;
     }
   }
