@@ -222,7 +222,7 @@ static int step(block_t *b, int s, int64_t deadline) {
       for (int p = 0; p < g_o.k && p < b->size - 1; p++) {
         char *rec = NULL;
         st = chorus__rdzv_record(c, PREFIX, peer_of(r, p, b->size),
-                                 chorus__ms_left_bound(deadline), &rec, err, sizeof err);
+                                 chorus__ms_left_bound(deadline), NULL, &rec, err, sizeof err);
         free(rec);
         if (st != CHORUS_OK) return fail(b, r, g_step_name[s], err);
       }

@@ -616,13 +616,30 @@ static chorus_result_t build_records(world_build_t *b) {
 }
 
 /* A peer's listener, from the record it published in the join, when this
- * rank first dials it (the transport's lookup): "host:port". */
+ * rank first dials it (the transport's lookup, under its lock): "host:port".
+ * Through the world's store client -- unless another thread is in a call
+ * on it, which may wait for something this dial must carry first (a key a
+ * peer sets once it heard from this rank): then through a client of its
+ * own, made on that first need. */
 static int world_lookup(void *arg, int rank, char *addr, size_t cap, char *why, size_t whycap) {
   chorus__ctx_t *ctx = arg;
   char *rec = NULL, host[64];
-  int port;
-  if (chorus__rdzv_record(ctx->store, ctx->rec_prefix, rank, -1, &rec, why, whycap) != CHORUS_OK)
-    return -1;
+  int port, busy = 0;
+  const int ms = 30000;
+  chorus_result_t st = chorus__rdzv_record(ctx->store, ctx->rec_prefix, rank, ms, &busy, &rec,
+                                           why, whycap);
+  if (st == CHORUS_OK && busy) {
+    if (!ctx->lookup_store &&
+        chorus__store_connect_key(ctx->store_host, ctx->store_port, &ctx->key, ms,
+                                  &ctx->lookup_store) != CHORUS_OK) {
+      snprintf(why, whycap, "cannot reach the store to read its record: %s",
+               chorus__store_connect_error());
+      return -1;
+    }
+    st = chorus__rdzv_record(ctx->lookup_store, ctx->rec_prefix, rank, ms, NULL, &rec, why,
+                             whycap);
+  }
+  if (st != CHORUS_OK) return -1;
   rec[strcspn(rec, "|")] = '\0';
   int rc = chorus__net_split_addr(rec, ' ', host, sizeof host, &port);
   if (rc < 0) snprintf(why, whycap, "it published an unparsable address '%.100s'", rec);
@@ -676,6 +693,7 @@ static void build_abandon(world_build_t *b) {
     chorus__memreg_free(ctx->memreg);
     free(ctx->host);
     free(ctx->rec_prefix);
+    chorus_store_close(ctx->lookup_store);
     chorus_store_close(ctx->store);
     chorus_store_server_stop(ctx->server);
     pthread_mutex_destroy(&ctx->lock);

@@ -128,6 +128,7 @@ static void ctx_unref(chorus__ctx_t *ctx) {
   if (left > 0) return;
   long bye_ms = chorus__env()->BYE_TIMEOUT_MS;
   chorus__tp_destroy(ctx->tp, chorus__deadline_ms(bye_ms < 0 ? 0 : bye_ms));
+  chorus_store_close(ctx->lookup_store);
   chorus_store_close(ctx->store);
   chorus_store_server_stop(ctx->server);
   pthread_mutex_destroy(&ctx->lock);

@@ -42,6 +42,7 @@ typedef struct chorus__ctx {
   int local_count; /* world ranks on this host */
   char *rec_prefix; /* where the ranks' records are (chorus__rdzv_record);
                        NULL: the transport was given every address */
+  chorus_store_t *lookup_store; /* reads them while another thread uses store */
   chorus__memreg_t *memreg; /* chorus_mem_alloc memory, mine and mapped */
   /* What a larger world grown from this one needs (grow.c): the job key,
    * the store's address and where joiners and members meet in it. */

@@ -434,12 +434,20 @@ chorus_result_t chorus__rdzv_join(chorus_store_t *store, const char *prefix, uin
 }
 
 chorus_result_t chorus__rdzv_record(chorus_store_t *store, const char *prefix, int r,
-                                    int timeout_ms, char **record, char *errmsg, size_t cap) {
+                                    int timeout_ms, int *busy, char **record, char *errmsg,
+                                    size_t cap) {
   char key[512];
   snprintf(key, sizeof key, "%saddr/%d", prefix, r);
   void *val = NULL;
   size_t len = 0;
-  chorus_result_t st = chorus__store_get_timeout(store, key, timeout_ms, &val, &len);
+  chorus_result_t st;
+  *record = NULL;
+  if (busy) {
+    *busy = !chorus__store_get_if_free(store, key, timeout_ms, &val, &len, &st);
+    if (*busy) return CHORUS_OK;
+  } else {
+    st = chorus__store_get_timeout(store, key, timeout_ms, &val, &len);
+  }
   if (st != CHORUS_OK) {
     snprintf(errmsg, cap, "cannot read its record '%s' from the store: %s", key,
              chorus_store_last_error(store));

@@ -47,8 +47,11 @@ chorus_result_t chorus__rdzv_join_end(chorus_store_t *store, const char *prefix,
                                       char *errmsg, size_t cap);
 
 /* Rank r's record as it published it in the join (the world formed: it is
- * there), NUL-terminated and malloc'd; by timeout_ms. */
+ * there), NUL-terminated and malloc'd; by timeout_ms.  With busy: read
+ * only if no other thread is in a call on store, else *busy = 1 and
+ * nothing read (*record NULL). */
 chorus_result_t chorus__rdzv_record(chorus_store_t *store, const char *prefix, int r,
-                                    int timeout_ms, char **record, char *errmsg, size_t cap);
+                                    int timeout_ms, int *busy, char **record, char *errmsg,
+                                    size_t cap);
 
 #endif

@@ -104,6 +104,12 @@ void chorus__store_set_timeout(chorus_store_t *client, int timeout_ms);
 chorus_result_t chorus__store_get_timeout(chorus_store_t *c, const char *key,
                                           int timeout_ms, void **val, size_t *len);
 
+/* get, unless another thread is in a call on c (which may be waiting for
+ * something the caller must do first): 0 then, nothing done; else 1 with
+ * the call's result in *st. */
+int chorus__store_get_if_free(chorus_store_t *c, const char *key, int timeout_ms, void **val,
+                              size_t *len, chorus_result_t *st);
+
 /* "host:port" the client is connected to. */
 const char *chorus__store_address(const chorus_store_t *client);
 

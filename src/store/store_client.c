@@ -687,6 +687,18 @@ chorus_result_t chorus__store_get_timeout(chorus_store_t *c, const char *key, in
   return res;
 }
 
+int chorus__store_get_if_free(chorus_store_t *c, const char *key, int timeout_ms, void **val,
+                              size_t *len, chorus_result_t *st) {
+  if (!c) {
+    *st = CHORUS_ERR_INVALID_ARG;
+    return 1;
+  }
+  if (pthread_mutex_trylock(&c->mu) != 0) return 0;
+  *st = get_locked(c, key, timeout_ms, val, len);
+  pthread_mutex_unlock(&c->mu);
+  return 1;
+}
+
 chorus_result_t chorus_store_get(chorus_store_t *c, const char *key, void **val, size_t *len) {
   return chorus__store_get_timeout(c, key, -1, val, len);
 }
