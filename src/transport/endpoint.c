@@ -177,24 +177,32 @@ void chorus__tp_tx_done(chorus__tp_t *tp, chorus__tx_t *it) {
 
 /* ---------------------------------------------------------- endpoints */
 
+/* Orders members by world rank (chorus__ep_group). */
+static int member_cmp(const void *a, const void *b) {
+  int x = ((const struct chorus__member *)a)->world, y = ((const struct chorus__member *)b)->world;
+  return (x > y) - (x < y);
+}
+
 chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *members, int n,
                                   int me, chorus__ep_t **out) {
   if (__atomic_load_n(&tp->exiting, __ATOMIC_ACQUIRE)) return CHORUS_ERR_ABORTED;
   chorus__ep_t *ep = calloc(1, sizeof *ep);
   if (!ep) return CHORUS_ERR_NO_MEMORY;
   ep->members = malloc(sizeof(int) * (size_t)n);
-  ep->w2g = malloc(sizeof(int) * (size_t)tp->size);
-  if (!ep->members || !ep->w2g) {
+  int same = n == tp->size; /* group rank g is world rank g */
+  for (int g = 0; g < n && same; g++) same = members[g] == g;
+  if (!same) ep->by_world = malloc(sizeof *ep->by_world * (size_t)n);
+  if (!ep->members || (!same && !ep->by_world)) {
     free(ep->members);
-    free(ep->w2g);
+    free(ep->by_world);
     free(ep);
     return CHORUS_ERR_NO_MEMORY;
   }
-  for (int w = 0; w < tp->size; w++) ep->w2g[w] = -1;
   for (int g = 0; g < n; g++) {
     ep->members[g] = members[g];
-    ep->w2g[members[g]] = g;
+    if (!same) ep->by_world[g] = (struct chorus__member){members[g], g};
   }
+  if (!same) qsort(ep->by_world, (size_t)n, sizeof *ep->by_world, member_cmp);
   ep->tp = tp;
   ep->id = id;
   ep->n = n;
@@ -204,7 +212,7 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
   if (chorus__tp_find_ep(tp, id)) {
     pthread_mutex_unlock(&tp->lock);
     free(ep->members);
-    free(ep->w2g);
+    free(ep->by_world);
     free(ep);
     return CHORUS_ERR_INTERNAL;
   }
@@ -228,9 +236,9 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
           me, n, g, members[g], c->addr, chorus__peer_why(c));
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
-    if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {
+    if (u->h.type == T_ABORT && u->h.ep_id == id && chorus__ep_group(ep, u->src) >= 0) {
       char rd[64], text[MAX_ABORT_TEXT + 1];
-      chorus__ep_rank_desc(ep, ep->w2g[u->src], rd, sizeof rd);
+      chorus__ep_rank_desc(ep, chorus__ep_group(ep, u->src), rd, sizeof rd);
       chorus__escape(u->buf ? u->buf : "", u->h.len, text, sizeof text);
       chorus__ep_fail_locked(ep, chorus__abort_code(u->h.tag), 0,
                              "chorus rank %d/%d: %s reported an error: %s", me, n, rd, text);
@@ -275,7 +283,7 @@ void chorus__ep_destroy(chorus__ep_t *ep) {
   chorus__tp_resume_all(tp); /* messages for it that wait in sockets are discarded */
   pthread_mutex_unlock(&tp->lock);
   free(ep->members);
-  free(ep->w2g);
+  free(ep->by_world);
   free(ep);
 }
 

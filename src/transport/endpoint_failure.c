@@ -111,7 +111,7 @@ int chorus__ep_rank_desc(const chorus__ep_t *ep, int g, char *buf, size_t cap) {
 
 /* "rank 2 of comm 0x... (world rank 5, 127.0.0.1:4000)" style peer name. */
 void chorus__ep_peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
-  int g = ep->w2g[world];
+  int g = chorus__ep_group(ep, world);
   if (g == world && ep->n == ep->tp->size)
     snprintf(buf, cap, "rank %d (%s)", g, chorus__tp_peer_addr(ep->tp, world));
   else
@@ -306,7 +306,7 @@ chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *ne
  * w (it left: they must re-check whether what they wait for can come). */
 void chorus__tp_wake_hooks_of(chorus__tp_t *tp, int w) {
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next)
-    if (ep->w2g[w] >= 0 && ep->fail_hook) ep->fail_hook(ep->fail_arg);
+    if (chorus__ep_group(ep, w) >= 0 && ep->fail_hook) ep->fail_hook(ep->fail_arg);
 }
 
 /* The way to peer c ended.  Members of every endpoint containing it fail,
@@ -325,7 +325,7 @@ static void peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus_res
     if (rx->in_payload || rx->hgot) clean = 0;
   chorus__tp_wake_hooks_of(tp, c->rank);
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
-    int g = ep->w2g[c->rank];
+    int g = chorus__ep_group(ep, c->rank);
     if (g < 0 || ep->status != CHORUS_OK) continue;
     int pending = c->chan && c->chan->ops->pending(c->chan, c, ep);
     for (chorus__req_t *r = ep->recvs; r; r = r->next)

@@ -219,7 +219,7 @@ static int route_data(chorus__tp_t *tp, rx_t *rx) {
   if (tp->bye_sent) return 1; /* leaving: nothing will receive it */
   chorus__ep_t *ep = chorus__tp_find_ep(tp, h->ep_id);
   if (ep) {
-    int g = ep->w2g[c->rank];
+    int g = chorus__ep_group(ep, c->rank);
     if (g < 0) {
       /* Ranks disagree on who is in this group (new_group with different
        * lists): fail the group, keep the connection. */
@@ -309,7 +309,7 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
       c->bye_received = 1;
       /* Nothing more will come from it: receives still waiting for it fail. */
       for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
-        int g = ep->w2g[c->rank];
+        int g = chorus__ep_group(ep, c->rank);
         if (g < 0 || ep->status != CHORUS_OK) continue;
         for (chorus__req_t *r = ep->recvs; r; r = r->next) {
           if (r->peer == CHORUS__ANY_PEER ? !others_gone(ep) : r->peer != g) continue;
@@ -396,11 +396,11 @@ static void on_payload_done(chorus__tp_t *tp, rx_t *rx) {
   } else if (rx->abort) {
     chorus__ep_t *ep = chorus__tp_find_ep(tp, rx->h.ep_id);
     if (ep) {
-      if (ep->w2g[c->rank] >= 0) {
+      if (chorus__ep_group(ep, c->rank) >= 0) {
         /* Forward it: whatever this rank sends later (a goodbye, say) must
          * not reach a peer before the cause does. */
         char rd[64], text[MAX_ABORT_TEXT + 1];
-        chorus__ep_rank_desc(ep, ep->w2g[c->rank], rd, sizeof rd);
+        chorus__ep_rank_desc(ep, chorus__ep_group(ep, c->rank), rd, sizeof rd);
         /* The peer's text is untrusted: escaped before any log or message. */
         chorus__escape(rx->abort, rx->abort_len, text, sizeof text);
         chorus__ep_fail_locked(ep, chorus__abort_code(rx->h.tag), 1,
@@ -438,8 +438,8 @@ chorus_result_t chorus__ep_post_recv(chorus__ep_t *ep, chorus__req_t *req) {
    * the one that arrived first). */
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
     if (u->h.type != T_DATA || u->h.ep_id != ep->id || u->req) continue;
-    if (any ? ep->w2g[u->src] < 0 : u->src != world) continue;
-    if (!req_matches(req, &u->h, ep->w2g[u->src])) continue;
+    if (any ? chorus__ep_group(ep, u->src) < 0 : u->src != world) continue;
+    if (!req_matches(req, &u->h, chorus__ep_group(ep, u->src))) continue;
     if (check_length(ep, req, &u->h, u->src) < 0) {
       st = ep->status;
       goto out;
@@ -448,7 +448,7 @@ chorus_result_t chorus__ep_post_recv(chorus__ep_t *ep, chorus__req_t *req) {
       st = ep->status;
       goto out;
     }
-    req->peer = ep->w2g[u->src];
+    req->peer = chorus__ep_group(ep, u->src);
     if (u->complete) {
       /* Copied without the lock, so the progress thread goes on reading
        * meanwhile.  Unlinked, u is no one else's; its bytes stay charged
