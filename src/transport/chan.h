@@ -130,10 +130,11 @@ typedef struct chorus__rx {
 } chorus__rx_t;
 
 /* What the endpoint layer knows of one world rank, whatever carries its
- * bytes. */
+ * bytes: made when the rank is first touched (chorus__tp_peer), so a rank
+ * holds one for the peers it talks with, not for every world rank. */
 typedef struct chorus__peer {
   int rank;
-  char addr[80];      /* "host:port" of its listener, for messages */
+  char addr[80]; /* "host:port" of its listener, for messages ("?": not known yet) */
   int dead;
   chorus_result_t dead_code; /* why it died, for endpoints made afterwards */
   char *dead_why;            /* its text (malloc'd: only failed peers hold one) */
@@ -219,7 +220,19 @@ struct chorus__tp {
   int rank, size;
   chorus__key_t key;
   uint64_t world_id;
-  chorus__peer_t *peers; /* indexed by world rank; peers[rank] is this rank */
+  /* Peers, made when first touched (chorus__tp_peer): peers[r] for world
+   * rank r, NULL until then (8 bytes per world rank); those made, in rank
+   * order, in touched[0 .. ntouched) (what the heartbeats, the silence
+   * detector and the goodbyes walk: chorus__tp_peer_next). */
+  chorus__peer_t **peers;
+  chorus__peer_t **touched;
+  int ntouched, cap_touched;
+  chorus__chan_t *carrier; /* carries the peers no other channel claimed (TCP): a new peer's */
+  /* The listeners of peers not touched yet, from every rank's record
+   * (chorus__tp_config_t's addrs), packed: addr_text + addr_off[r]; NULL
+   * without them (the host map: each is read when first dialled). */
+  char *addr_text;
+  uint32_t *addr_off;
   chorus__chan_t *net;   /* the channel between hosts (TCP or UCX) */
   chorus__chan_t *local; /* the channel between ranks of this host (shared memory), or NULL */
   int crowded;           /* fewer CPUs than local ranks: waiting threads poll local
@@ -331,7 +344,29 @@ int chorus__tp_watch(chorus__tp_t *tp, int fd, uint32_t events, chorus__watch_t 
 int chorus__tp_watch_mod(chorus__tp_t *tp, int fd, uint32_t events, chorus__watch_t *w);
 void chorus__tp_unwatch(chorus__tp_t *tp, int fd);
 
-/* A context with its peers and lock but no channel, progress thread or
+/* World rank r's state, made (and its channel the carrier's, unless r is
+ * this rank) when it is first touched: a send or an ABORT to it, a
+ * connection from it, a channel that claims it.  NULL: out of memory. */
+chorus__peer_t *chorus__tp_peer(chorus__tp_t *tp, int r);
+/* r's state if it was ever touched.  NULL: it was not -- not dead, not
+ * gone, nothing heard from it, nothing queued to it, never connected. */
+static inline chorus__peer_t *chorus__tp_peer_if(const chorus__tp_t *tp, int r) {
+  return tp->peers[r];
+}
+/* The touched peer of lowest rank above r (-1: the first), NULL past the
+ * last: a walk stays whole when its body touches peers. */
+chorus__peer_t *chorus__tp_peer_next(const chorus__tp_t *tp, int r);
+#define CHORUS__FOR_PEERS(tp, c) \
+  for (chorus__peer_t *c = chorus__tp_peer_next(tp, -1); c; c = chorus__tp_peer_next(tp, c->rank))
+/* r's listener "host:port" for messages ("?": not known yet). */
+const char *chorus__tp_peer_addr(const chorus__tp_t *tp, int r);
+/* The channel that carries r (NULL: r is this rank, or no channel does). */
+static inline chorus__chan_t *chorus__tp_chan_of(const chorus__tp_t *tp, int r) {
+  const chorus__peer_t *p = tp->peers[r];
+  return p ? p->chan : r == tp->rank ? NULL : tp->carrier;
+}
+
+/* A context with its peer table and lock but no channel, progress thread or
  * descriptors to watch yet (chorus__tp_create and the fuzzers). */
 chorus__tp_t *chorus__tp_alloc(int rank, int size, const chorus__key_t *key, uint64_t world);
 void chorus__tp_free(chorus__tp_t *tp);

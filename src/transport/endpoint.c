@@ -177,24 +177,32 @@ void chorus__tp_tx_done(chorus__tp_t *tp, chorus__tx_t *it) {
 
 /* ---------------------------------------------------------- endpoints */
 
+/* Orders members by world rank (chorus__ep_group). */
+static int member_cmp(const void *a, const void *b) {
+  int x = ((const struct chorus__member *)a)->world, y = ((const struct chorus__member *)b)->world;
+  return (x > y) - (x < y);
+}
+
 chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *members, int n,
                                   int me, chorus__ep_t **out) {
   if (__atomic_load_n(&tp->exiting, __ATOMIC_ACQUIRE)) return CHORUS_ERR_ABORTED;
   chorus__ep_t *ep = calloc(1, sizeof *ep);
   if (!ep) return CHORUS_ERR_NO_MEMORY;
   ep->members = malloc(sizeof(int) * (size_t)n);
-  ep->w2g = malloc(sizeof(int) * (size_t)tp->size);
-  if (!ep->members || !ep->w2g) {
+  int same = n == tp->size; /* group rank g is world rank g */
+  for (int g = 0; g < n && same; g++) same = members[g] == g;
+  if (!same) ep->by_world = malloc(sizeof *ep->by_world * (size_t)n);
+  if (!ep->members || (!same && !ep->by_world)) {
     free(ep->members);
-    free(ep->w2g);
+    free(ep->by_world);
     free(ep);
     return CHORUS_ERR_NO_MEMORY;
   }
-  for (int w = 0; w < tp->size; w++) ep->w2g[w] = -1;
   for (int g = 0; g < n; g++) {
     ep->members[g] = members[g];
-    ep->w2g[members[g]] = g;
+    if (!same) ep->by_world[g] = (struct chorus__member){members[g], g};
   }
+  if (!same) qsort(ep->by_world, (size_t)n, sizeof *ep->by_world, member_cmp);
   ep->tp = tp;
   ep->id = id;
   ep->n = n;
@@ -204,7 +212,7 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
   if (chorus__tp_find_ep(tp, id)) {
     pthread_mutex_unlock(&tp->lock);
     free(ep->members);
-    free(ep->w2g);
+    free(ep->by_world);
     free(ep);
     return CHORUS_ERR_INTERNAL;
   }
@@ -212,7 +220,8 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
   tp->eps = ep;
   /* A member may have died, or reported an error, before we got here. */
   for (int g = 0; g < n; g++) {
-    peer_t *c = &tp->peers[members[g]];
+    peer_t *c = chorus__tp_peer_if(tp, members[g]); /* NULL: never touched, not dead */
+    if (!c) continue;
     if (g != me && c->dead && !c->bye_received && c->dead_code == CHORUS_ERR_PROTOCOL)
       chorus__ep_fail_locked(
           ep, CHORUS_ERR_PROTOCOL, 0,
@@ -227,9 +236,9 @@ chorus_result_t chorus__ep_create(chorus__tp_t *tp, uint64_t id, const int *memb
           me, n, g, members[g], c->addr, chorus__peer_why(c));
   }
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
-    if (u->h.type == T_ABORT && u->h.ep_id == id && ep->w2g[u->src] >= 0) {
+    if (u->h.type == T_ABORT && u->h.ep_id == id && chorus__ep_group(ep, u->src) >= 0) {
       char rd[64], text[MAX_ABORT_TEXT + 1];
-      chorus__ep_rank_desc(ep, ep->w2g[u->src], rd, sizeof rd);
+      chorus__ep_rank_desc(ep, chorus__ep_group(ep, u->src), rd, sizeof rd);
       chorus__escape(u->buf ? u->buf : "", u->h.len, text, sizeof text);
       chorus__ep_fail_locked(ep, chorus__abort_code(u->h.tag), 0,
                              "chorus rank %d/%d: %s reported an error: %s", me, n, rd, text);
@@ -274,7 +283,7 @@ void chorus__ep_destroy(chorus__ep_t *ep) {
   chorus__tp_resume_all(tp); /* messages for it that wait in sockets are discarded */
   pthread_mutex_unlock(&tp->lock);
   free(ep->members);
-  free(ep->w2g);
+  free(ep->by_world);
   free(ep);
 }
 
@@ -307,6 +316,31 @@ void chorus__ep_end(chorus__ep_t *ep, uint64_t seq) {
   __atomic_store_n(&ep->in_coll, 0, __ATOMIC_RELEASE);
 }
 
+/* The send half of chorus__ep_post (ep not failed, lock held): queues req
+ * to world rank world, whose state is made now if need be.  CHORUS_OK, or
+ * ep's failure, or NO_MEMORY. */
+static chorus_result_t post_send(chorus__ep_t *ep, chorus__req_t *req, int world) {
+  peer_t *c = chorus__tp_peer(ep->tp, world);
+  if (!c) return CHORUS_ERR_NO_MEMORY;
+  if (c->dead || c->bye_received) {
+    chorus__ep_fail_peer_left(ep, c, "needs to send to it");
+    return ep->status;
+  }
+  txitem_t *it = calloc(1, sizeof *it);
+  if (!it) return CHORUS_ERR_NO_MEMORY;
+  hdr_t h = {.magic = MSG_MAGIC, .type = T_DATA, .kind = (uint16_t)req->kind, .ep_id = ep->id,
+             .seq = req->seq, .step = req->step, .tag = req->tag, .len = req->len};
+  h.fp = ep->cur_fp;
+  if (req->kind == CHORUS__KIND_P2P) h.fp = req->fp; /* its own description */
+  chorus__wire_encode(&h, it->hdr);
+  it->payload = req->buf;
+  it->len = req->len;
+  it->req = req;
+  it->ep = ep;
+  c->chan->ops->send(c->chan, c, it);
+  return ep->status;
+}
+
 chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   chorus__tp_t *tp = ep->tp;
   req->done = 0;
@@ -317,38 +351,12 @@ chorus_result_t chorus__ep_post(chorus__ep_t *ep, chorus__req_t *req) {
   if (any ? req->type != CHORUS__REQ_RECV || req->kind != CHORUS__KIND_P2P
           : req->peer < 0 || req->peer >= ep->n || req->peer == ep->me)
     return CHORUS_ERR_INTERNAL;
-  int world = any ? -1 : ep->members[req->peer];
-  peer_t *c = any ? NULL : &tp->peers[world];
   chorus__tp_lock(tp);
   req->seq = req->kind == CHORUS__KIND_COLL ? ep->cur_seq : 0;
   chorus_result_t st = ep->status;
-  if (st != CHORUS_OK) goto out;
-  if (req->type == CHORUS__REQ_SEND && (c->dead || c->bye_received)) { /* (never any) */
-    chorus__ep_fail_peer_left(ep, c, "needs to send to it");
-    st = ep->status;
-    goto out;
-  }
-  if (req->type == CHORUS__REQ_SEND) {
-    txitem_t *it = calloc(1, sizeof *it);
-    if (!it) {
-      st = CHORUS_ERR_NO_MEMORY;
-      goto out;
-    }
-    hdr_t h = {.magic = MSG_MAGIC, .type = T_DATA, .kind = (uint16_t)req->kind, .ep_id = ep->id,
-               .seq = req->seq, .step = req->step, .tag = req->tag, .len = req->len};
-    h.fp = ep->cur_fp;
-    if (req->kind == CHORUS__KIND_P2P) h.fp = req->fp; /* its own description */
-    chorus__wire_encode(&h, it->hdr);
-    it->payload = req->buf;
-    it->len = req->len;
-    it->req = req;
-    it->ep = ep;
-    c->chan->ops->send(c->chan, c, it);
-    st = ep->status;
-    goto out;
-  }
-  st = chorus__ep_post_recv(ep, req);
-out:
+  if (st == CHORUS_OK)
+    st = req->type == CHORUS__REQ_SEND ? post_send(ep, req, ep->members[req->peer]) /* never any */
+                                       : chorus__ep_post_recv(ep, req);
   pthread_mutex_unlock(&tp->lock);
   return st;
 }
@@ -364,9 +372,9 @@ void chorus__tp_wake(chorus__tp_t *tp) {
  * receive from any source: every other member is on it). */
 static int req_on_local(const chorus__ep_t *ep, const chorus__req_t *r) {
   const chorus__tp_t *tp = ep->tp;
-  if (r->peer != CHORUS__ANY_PEER) return tp->peers[ep->members[r->peer]].chan == tp->local;
+  if (r->peer != CHORUS__ANY_PEER) return chorus__tp_chan_of(tp, ep->members[r->peer]) == tp->local;
   for (int g = 0; g < ep->n; g++)
-    if (g != ep->me && tp->peers[ep->members[g]].chan != tp->local) return 0;
+    if (g != ep->me && chorus__tp_chan_of(tp, ep->members[g]) != tp->local) return 0;
   return 1;
 }
 

@@ -28,9 +28,8 @@
  * payloads being received into its receives are discarded. */
 void chorus__ep_detach_requests(chorus__tp_t *tp, chorus__ep_t *ep) {
   if (tp->exiting == 2) return; /* the channels are closed for good (tp_on_exit) */
-  for (int r = 0; r < tp->size; r++) {
-    peer_t *c = &tp->peers[r];
-    if (r == tp->rank || !c->chan) continue;
+  CHORUS__FOR_PEERS(tp, c) {
+    if (c->rank == tp->rank || !c->chan) continue;
     for (rx_t *rx = c->rxs; rx; rx = rx->next) {
       if (rx->req && rx->req->ep == ep) {
         rx->req = NULL;
@@ -72,8 +71,8 @@ static void ep_vfail_locked(chorus__ep_t *ep, chorus_result_t code, int notify,
   if (notify) {
     for (int g = 0; g < ep->n; g++) {
       if (g == ep->me) continue;
-      chorus__tp_send_control(ep->tp, &ep->tp->peers[ep->members[g]], T_ABORT, ep->id, ep->msg,
-                              (int32_t)ep->status);
+      peer_t *c = chorus__tp_peer(ep->tp, ep->members[g]); /* NULL: out of memory, not told */
+      if (c) chorus__tp_send_control(ep->tp, c, T_ABORT, ep->id, ep->msg, (int32_t)ep->status);
     }
   }
   wake_all(ep->tp);
@@ -112,11 +111,12 @@ int chorus__ep_rank_desc(const chorus__ep_t *ep, int g, char *buf, size_t cap) {
 
 /* "rank 2 of comm 0x... (world rank 5, 127.0.0.1:4000)" style peer name. */
 void chorus__ep_peer_desc(chorus__ep_t *ep, int world, char *buf, size_t cap) {
-  int g = ep->w2g[world];
+  int g = chorus__ep_group(ep, world);
   if (g == world && ep->n == ep->tp->size)
-    snprintf(buf, cap, "rank %d (%s)", g, ep->tp->peers[world].addr);
+    snprintf(buf, cap, "rank %d (%s)", g, chorus__tp_peer_addr(ep->tp, world));
   else
-    snprintf(buf, cap, "rank %d (world rank %d, %s)", g, world, ep->tp->peers[world].addr);
+    snprintf(buf, cap, "rank %d (world rank %d, %s)", g, world,
+             chorus__tp_peer_addr(ep->tp, world));
 }
 
 /* What ep is doing, for failure messages (lock held).  The current
@@ -183,8 +183,8 @@ void chorus__ep_fail_timeout_locked(chorus__ep_t *ep, int timeout_ms, const char
   silent[0] = '\0';
   int64_t now = chorus__now_ns();
   for (int g = 0; g < ep->n && so < sizeof silent; g++) {
-    peer_t *pc = &tp->peers[ep->members[g]];
-    if (g == ep->me || pc->dead) continue;
+    peer_t *pc = chorus__tp_peer_if(tp, ep->members[g]);
+    if (g == ep->me || !pc || pc->dead) continue; /* never touched: never connected */
     int64_t dialed;
     int ls = link_state(pc, &dialed);
     if (ls == CHORUS__LINK_DIALING && now - dialed > (int64_t)4 * HEARTBEAT_MS * 1000000) {
@@ -235,8 +235,8 @@ int chorus__ep_peer_gone(chorus__ep_t *ep, int peer) {
   chorus__tp_t *tp = ep->tp;
   if (peer < 0 || peer >= ep->n || peer == ep->me) return 0;
   pthread_mutex_lock(&tp->lock);
-  peer_t *c = &tp->peers[ep->members[peer]];
-  int gone = c->dead || c->bye_received;
+  peer_t *c = chorus__tp_peer_if(tp, ep->members[peer]);
+  int gone = c && (c->dead || c->bye_received);
   pthread_mutex_unlock(&tp->lock);
   return gone;
 }
@@ -244,7 +244,12 @@ int chorus__ep_peer_gone(chorus__ep_t *ep, int peer) {
 int chorus__tp_peer_state(chorus__tp_t *tp, int w) {
   if (w < 0 || w >= tp->size || w == tp->rank) return CHORUS__PEER_ALIVE;
   pthread_mutex_lock(&tp->lock);
-  peer_t *c = &tp->peers[w];
+  /* Made here if need be: a peer never connected is pinged below. */
+  peer_t *c = chorus__tp_peer(tp, w);
+  if (!c) {
+    pthread_mutex_unlock(&tp->lock);
+    return CHORUS__PEER_ALIVE; /* out of memory: nothing known */
+  }
   const int64_t quiet_ns = (int64_t)4 * HEARTBEAT_MS * 1000000, now = chorus__now_ns();
   int64_t since;
   int ls = link_state(c, &since);
@@ -268,7 +273,14 @@ void chorus__tp_link_desc(chorus__tp_t *tp, int w, char *buf, size_t cap) {
     return;
   }
   pthread_mutex_lock(&tp->lock);
-  peer_t *p = &tp->peers[w];
+  peer_t *p = chorus__tp_peer_if(tp, w), untouched;
+  if (!p) { /* never touched: as its channel would see it, not made for a description */
+    memset(&untouched, 0, sizeof untouched);
+    untouched.rank = w;
+    untouched.chan = chorus__tp_chan_of(tp, w);
+    snprintf(untouched.addr, sizeof untouched.addr, "%s", chorus__tp_peer_addr(tp, w));
+    p = &untouched;
+  }
   if (!p->chan)
     snprintf(buf, cap, "none");
   else if (p->dead)
@@ -282,8 +294,8 @@ chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *ne
   chorus__tp_t *tp = ep->tp;
   pthread_mutex_lock(&tp->lock);
   if (ep->status == CHORUS_OK && peer >= 0 && peer < ep->n && peer != ep->me) {
-    peer_t *c = &tp->peers[ep->members[peer]];
-    if (c->dead || c->bye_received) chorus__ep_fail_peer_left(ep, c, need);
+    peer_t *c = chorus__tp_peer_if(tp, ep->members[peer]);
+    if (c && (c->dead || c->bye_received)) chorus__ep_fail_peer_left(ep, c, need);
   }
   chorus_result_t st = ep->status;
   pthread_mutex_unlock(&tp->lock);
@@ -294,7 +306,7 @@ chorus_result_t chorus__ep_check_peer(chorus__ep_t *ep, int peer, const char *ne
  * w (it left: they must re-check whether what they wait for can come). */
 void chorus__tp_wake_hooks_of(chorus__tp_t *tp, int w) {
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next)
-    if (ep->w2g[w] >= 0 && ep->fail_hook) ep->fail_hook(ep->fail_arg);
+    if (chorus__ep_group(ep, w) >= 0 && ep->fail_hook) ep->fail_hook(ep->fail_arg);
 }
 
 /* The way to peer c ended.  Members of every endpoint containing it fail,
@@ -313,7 +325,7 @@ static void peer_failed(chorus__tp_t *tp, peer_t *c, const char *why, chorus_res
     if (rx->in_payload || rx->hgot) clean = 0;
   chorus__tp_wake_hooks_of(tp, c->rank);
   for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
-    int g = ep->w2g[c->rank];
+    int g = chorus__ep_group(ep, c->rank);
     if (g < 0 || ep->status != CHORUS_OK) continue;
     int pending = c->chan && c->chan->ops->pending(c->chan, c, ep);
     for (chorus__req_t *r = ep->recvs; r; r = r->next)
@@ -360,10 +372,9 @@ void chorus__tp_peer_ended_quietly(chorus__tp_t *tp, peer_t *c, const char *why)
  * since we last listened (try_resume). */
 void chorus__tp_check_silence(chorus__tp_t *tp, int64_t now) {
   if (!tp->peer_timeout_ns) return;
-  for (int r = 0; r < tp->size; r++) {
-    peer_t *c = &tp->peers[r];
+  CHORUS__FOR_PEERS(tp, c) {
     /* A peer that said goodbye stops its heartbeats. */
-    if (r == tp->rank || c->dead || c->npaused || !c->chan || c->bye_received ||
+    if (c->rank == tp->rank || c->dead || c->npaused || !c->chan || c->bye_received ||
         !chorus__peer_linked(c))
       continue;
     int64_t quiet = now - c->last_heard;
@@ -372,7 +383,7 @@ void chorus__tp_check_silence(chorus__tp_t *tp, int64_t now) {
     snprintf(why, sizeof why, "went silent (nothing, not even a heartbeat, for %lld ms, "
              "CHORUS_PEER_TIMEOUT_MS: its host unreachable or the process stopped)",
              (long long)(quiet / 1000000));
-    CHORUS_WARN(CHORUS__SUB_TCP, "chorus: world rank %d (%s) %s", r, c->addr, why);
+    CHORUS_WARN(CHORUS__SUB_TCP, "chorus: world rank %d (%s) %s", c->rank, c->addr, why);
     chorus__tp_peer_failed(tp, c, why, CHORUS_ERR_REMOTE);
   }
 }

@@ -39,7 +39,10 @@ struct chorus__ep {
   uint64_t id;
   int n, me;
   int *members;  /* group rank -> world rank */
-  int *w2g;      /* world rank -> group rank, -1 if not a member */
+  /* World rank -> group rank (chorus__ep_group): NULL where they are the
+   * same (the world's own endpoint), else the members sorted by world
+   * rank, n of them -- per endpoint O(n), not O(world size). */
+  struct chorus__member *by_world;
   uint64_t cur_seq, done_seq;
   int in_coll;
   chorus__fp_t cur_fp;
@@ -51,6 +54,23 @@ struct chorus__ep {
   void (*fail_hook)(void *);
   void *fail_arg;
 };
+
+/* A member of an endpoint: its world and group ranks. */
+struct chorus__member {
+  int world, g;
+};
+
+/* ep's group rank of world rank w, -1 when w is not a member. */
+static inline int chorus__ep_group(const chorus__ep_t *ep, int w) {
+  if (!ep->by_world) return w;
+  int lo = 0, hi = ep->n;
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2;
+    if (ep->by_world[mid].world < w) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < ep->n && ep->by_world[lo].world == w ? ep->by_world[lo].g : -1;
+}
 
 #define wake_all chorus__tp_wake
 

@@ -69,8 +69,8 @@ void chorus__tp_rx_detach(peer_t *p, rx_t *rx) {
  * come any more for a receive from any source. */
 static int others_gone(const chorus__ep_t *ep) {
   for (int g = 0; g < ep->n; g++) {
-    const peer_t *p = &ep->tp->peers[ep->members[g]];
-    if (g != ep->me && !p->dead && !p->bye_received) return 0;
+    const peer_t *p = chorus__tp_peer_if(ep->tp, ep->members[g]); /* NULL: never touched */
+    if (g != ep->me && (!p || (!p->dead && !p->bye_received))) return 0;
   }
   return 1;
 }
@@ -147,11 +147,12 @@ static unexp_t *new_unexp(chorus__tp_t *tp, const hdr_t *h, int src) {
   u->h = *h;
   u->src = src;
   u->cost = (size_t)h->len + sizeof *u;
-  tp->peers[src].unexp_bytes += u->cost;
+  peer_t *c = tp->peers[src]; /* touched: its stream brought h */
+  c->unexp_bytes += u->cost;
   if (h->len) {
     u->buf = malloc(h->len);
     if (!u->buf) {
-      tp->peers[src].unexp_bytes -= u->cost;
+      c->unexp_bytes -= u->cost;
       free(u);
       return NULL;
     }
@@ -168,7 +169,7 @@ static void on_payload_done(chorus__tp_t *tp, rx_t *rx);
 /* Frees a buffered message (already unlinked) and gives its bytes back to
  * its sender's budget. */
 void chorus__tp_free_unexp(chorus__tp_t *tp, unexp_t *u) {
-  peer_t *c = &tp->peers[u->src];
+  peer_t *c = tp->peers[u->src];
   c->unexp_bytes -= u->cost;
   free(u->buf);
   free(u);
@@ -193,7 +194,7 @@ static void unlink_unexp(chorus__tp_t *tp, unexp_t *u) {
 }
 
 static void rx_pause(chorus__tp_t *tp, rx_t *rx) {
-  peer_t *c = &tp->peers[rx->src];
+  peer_t *c = tp->peers[rx->src];
   rx->paused = 1;
   rx->paused_since = chorus__now_ns();
   c->npaused++;
@@ -211,14 +212,14 @@ static void rx_pause(chorus__tp_t *tp, rx_t *rx) {
  * does nothing. */
 static int route_data(chorus__tp_t *tp, rx_t *rx) {
   hdr_t *h = &rx->h;
-  peer_t *c = &tp->peers[rx->src];
+  peer_t *c = tp->peers[rx->src];
   rx->dst = NULL;
   rx->req = NULL;
   rx->unexp = NULL;
   if (tp->bye_sent) return 1; /* leaving: nothing will receive it */
   chorus__ep_t *ep = chorus__tp_find_ep(tp, h->ep_id);
   if (ep) {
-    int g = ep->w2g[c->rank];
+    int g = chorus__ep_group(ep, c->rank);
     if (g < 0) {
       /* Ranks disagree on who is in this group (new_group with different
        * lists): fail the group, keep the connection. */
@@ -265,7 +266,7 @@ static int route_data(chorus__tp_t *tp, rx_t *rx) {
  * posted, buffered bytes were taken, an endpoint failed or went away, or
  * this rank is leaving); reading resumes if it can go somewhere now. */
 static void try_resume(chorus__tp_t *tp, rx_t *rx) {
-  peer_t *c = &tp->peers[rx->src];
+  peer_t *c = tp->peers[rx->src];
   if (!rx->paused || c->dead) return;
   /* Cleared first: route_data may fail an endpoint, which resumes every
    * paused stream -- not this one a second time. */
@@ -285,13 +286,14 @@ static void resume_peer(chorus__tp_t *tp, peer_t *c) {
 }
 
 void chorus__tp_resume_all(chorus__tp_t *tp) {
-  for (int r = 0; r < tp->size; r++)
-    if (r != tp->rank && tp->peers[r].npaused) resume_peer(tp, &tp->peers[r]);
+  CHORUS__FOR_PEERS(tp, c) {
+    if (c->rank != tp->rank && c->npaused) resume_peer(tp, c);
+  }
 }
 
 void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
   hdr_t *h = &rx->h;
-  peer_t *c = &tp->peers[rx->src];
+  peer_t *c = tp->peers[rx->src];
   chorus__wire_decode(rx->hbuf, h);
   rx->dst = NULL;
   rx->req = NULL;
@@ -307,7 +309,7 @@ void chorus__tp_rx_header(chorus__tp_t *tp, rx_t *rx) {
       c->bye_received = 1;
       /* Nothing more will come from it: receives still waiting for it fail. */
       for (chorus__ep_t *ep = tp->eps; ep; ep = ep->next) {
-        int g = ep->w2g[c->rank];
+        int g = chorus__ep_group(ep, c->rank);
         if (g < 0 || ep->status != CHORUS_OK) continue;
         for (chorus__req_t *r = ep->recvs; r; r = r->next) {
           if (r->peer == CHORUS__ANY_PEER ? !others_gone(ep) : r->peer != g) continue;
@@ -367,13 +369,13 @@ void chorus__tp_rx_bytes(chorus__tp_t *tp, rx_t *rx, size_t n) {
 /* The stream filling early-message buffer u, if its channel lets the rest
  * of the payload go elsewhere. */
 static rx_t *unexp_stream(chorus__tp_t *tp, const unexp_t *u) {
-  for (rx_t *rx = tp->peers[u->src].rxs; rx; rx = rx->next)
+  for (rx_t *rx = tp->peers[u->src]->rxs; rx; rx = rx->next)
     if (rx->unexp == u) return rx->dst_fixed ? NULL : rx;
   return NULL;
 }
 
 static void on_payload_done(chorus__tp_t *tp, rx_t *rx) {
-  peer_t *c = &tp->peers[rx->src];
+  peer_t *c = tp->peers[rx->src];
   rx->in_payload = 0;
   rx->hgot = 0;
   if (rx->req) {
@@ -394,11 +396,11 @@ static void on_payload_done(chorus__tp_t *tp, rx_t *rx) {
   } else if (rx->abort) {
     chorus__ep_t *ep = chorus__tp_find_ep(tp, rx->h.ep_id);
     if (ep) {
-      if (ep->w2g[c->rank] >= 0) {
+      if (chorus__ep_group(ep, c->rank) >= 0) {
         /* Forward it: whatever this rank sends later (a goodbye, say) must
          * not reach a peer before the cause does. */
         char rd[64], text[MAX_ABORT_TEXT + 1];
-        chorus__ep_rank_desc(ep, ep->w2g[c->rank], rd, sizeof rd);
+        chorus__ep_rank_desc(ep, chorus__ep_group(ep, c->rank), rd, sizeof rd);
         /* The peer's text is untrusted: escaped before any log or message. */
         chorus__escape(rx->abort, rx->abort_len, text, sizeof text);
         chorus__ep_fail_locked(ep, chorus__abort_code(rx->h.tag), 1,
@@ -430,14 +432,14 @@ chorus_result_t chorus__ep_post_recv(chorus__ep_t *ep, chorus__req_t *req) {
   chorus__tp_t *tp = ep->tp;
   int any = req->peer == CHORUS__ANY_PEER;
   int world = any ? -1 : ep->members[req->peer];
-  peer_t *c = any ? NULL : &tp->peers[world];
+  peer_t *c = any ? NULL : chorus__tp_peer_if(tp, world); /* NULL too: never touched */
   chorus_result_t st = CHORUS_OK;
   /* Receive: look for a message that already arrived (from any member:
    * the one that arrived first). */
   for (unexp_t *u = tp->unexp_head; u; u = u->next) {
     if (u->h.type != T_DATA || u->h.ep_id != ep->id || u->req) continue;
-    if (any ? ep->w2g[u->src] < 0 : u->src != world) continue;
-    if (!req_matches(req, &u->h, ep->w2g[u->src])) continue;
+    if (any ? chorus__ep_group(ep, u->src) < 0 : u->src != world) continue;
+    if (!req_matches(req, &u->h, chorus__ep_group(ep, u->src))) continue;
     if (check_length(ep, req, &u->h, u->src) < 0) {
       st = ep->status;
       goto out;
@@ -446,7 +448,7 @@ chorus_result_t chorus__ep_post_recv(chorus__ep_t *ep, chorus__req_t *req) {
       st = ep->status;
       goto out;
     }
-    req->peer = ep->w2g[u->src];
+    req->peer = chorus__ep_group(ep, u->src);
     if (u->complete) {
       /* Copied without the lock, so the progress thread goes on reading
        * meanwhile.  Unlinked, u is no one else's; its bytes stay charged
@@ -487,7 +489,7 @@ chorus_result_t chorus__ep_post_recv(chorus__ep_t *ep, chorus__req_t *req) {
     st = ep->status;
     goto out;
   }
-  if (!any && (c->dead || c->bye_received)) {
+  if (c && (c->dead || c->bye_received)) {
     chorus__ep_fail_peer_left(ep, c, "waits for its data");
     st = ep->status;
     goto out;
@@ -497,7 +499,7 @@ chorus_result_t chorus__ep_post_recv(chorus__ep_t *ep, chorus__req_t *req) {
   *pp = req;
   if (any)
     chorus__tp_resume_all(tp); /* a held-back message may be this one */
-  else resume_peer(tp, c);
+  else if (c) resume_peer(tp, c);
 out:
   return st;
 }

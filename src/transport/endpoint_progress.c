@@ -100,10 +100,9 @@ static void *progress_main(void *arg) {
     int64_t now = chorus__now_ns();
     if (now - tp->last_ping >= (int64_t)HEARTBEAT_MS * 1000000) {
       tp->last_ping = now;
-      for (int r = 0; r < tp->size; r++) {
-        peer_t *c = &tp->peers[r];
-        if (r != tp->rank && c->chan && !c->dead && !tp->bye_sent && chorus__peer_linked(c) &&
-            !c->chan->ops->pending(c->chan, c, NULL))
+      CHORUS__FOR_PEERS(tp, c) {
+        if (c->rank != tp->rank && c->chan && !c->dead && !tp->bye_sent &&
+            chorus__peer_linked(c) && !c->chan->ops->pending(c->chan, c, NULL))
           chorus__tp_send_control(tp, c, T_PING, 0, NULL, -1);
       }
       chorus__tp_check_silence(tp, now);
@@ -138,10 +137,11 @@ static void tp_on_exit(void *arg) {
   int64_t until = chorus__now_ns() + (int64_t)EXIT_FLUSH_MS * 1000000;
   while (tp->thread_started && chorus__now_ns() < until) {
     int waiting = 0;
-    for (int r = 0; r < tp->size && !waiting; r++) {
-      peer_t *c = &tp->peers[r];
-      if (r != tp->rank && c->chan && !c->dead && c->chan->ops->pending(c->chan, c, NULL))
+    CHORUS__FOR_PEERS(tp, c) {
+      if (c->rank != tp->rank && c->chan && !c->dead && c->chan->ops->pending(c->chan, c, NULL)) {
         waiting = 1;
+        break;
+      }
     }
     if (!waiting) break;
     struct timespec step = chorus__deadline_timespec(chorus__now_ns() + 5000000);
@@ -171,28 +171,94 @@ chorus__tp_t *chorus__tp_alloc(int rank, int size, const chorus__key_t *key, uin
   tp->epfd = tp->evfd = -1;
   pthread_mutex_init(&tp->lock, NULL);
   chorus__cond_init_monotonic(&tp->cond);
-  tp->peers = calloc((size_t)size, sizeof(peer_t));
+  tp->peers = calloc((size_t)size, sizeof *tp->peers);
   tp->epfd = epoll_create1(EPOLL_CLOEXEC);
   if (!tp->peers || tp->epfd < 0) {
     chorus__tp_free(tp);
     return NULL;
   }
-  int64_t now = chorus__now_ns();
-  for (int r = 0; r < size; r++) {
-    tp->peers[r].rank = r;
-    tp->peers[r].last_heard = now;
-    snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "?");
-  }
   return tp;
+}
+
+/* Where rank r is, or would go, in tp->touched. */
+static int touched_pos(const chorus__tp_t *tp, int r) {
+  int lo = 0, hi = tp->ntouched;
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2;
+    if (tp->touched[mid]->rank < r) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+chorus__peer_t *chorus__tp_peer(chorus__tp_t *tp, int r) {
+  peer_t *p = tp->peers[r];
+  if (p) return p;
+  if (tp->ntouched == tp->cap_touched) {
+    int cap = tp->cap_touched ? 2 * tp->cap_touched : 16;
+    peer_t **t = realloc(tp->touched, sizeof *t * (size_t)cap);
+    if (!t) return NULL;
+    tp->touched = t;
+    tp->cap_touched = cap;
+  }
+  p = calloc(1, sizeof *p);
+  if (!p) return NULL;
+  p->rank = r;
+  p->last_heard = chorus__now_ns();
+  snprintf(p->addr, sizeof p->addr, "%s", chorus__tp_peer_addr(tp, r));
+  p->chan = r == tp->rank ? NULL : tp->carrier;
+  int i = touched_pos(tp, r);
+  memmove(tp->touched + i + 1, tp->touched + i, sizeof *tp->touched * (size_t)(tp->ntouched - i));
+  tp->touched[i] = p;
+  tp->ntouched++;
+  tp->peers[r] = p;
+  return p;
+}
+
+chorus__peer_t *chorus__tp_peer_next(const chorus__tp_t *tp, int r) {
+  int i = touched_pos(tp, r + 1);
+  return i < tp->ntouched ? tp->touched[i] : NULL;
+}
+
+const char *chorus__tp_peer_addr(const chorus__tp_t *tp, int r) {
+  if (tp->peers[r]) return tp->peers[r]->addr;
+  return tp->addr_off ? tp->addr_text + tp->addr_off[r] : "?";
+}
+
+/* Keeps every rank's listener from its record ("host port"), packed, for
+ * the peers touched later: "host:port", or "?" where it does not parse.
+ * -1: out of memory. */
+static int keep_addrs(chorus__tp_t *tp, const char *const *addrs) {
+  size_t len = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass) { /* len: what the first pass counted */
+      if (len > UINT32_MAX) return -1;
+      tp->addr_text = malloc(len);
+      tp->addr_off = malloc(sizeof *tp->addr_off * (size_t)tp->size);
+      if (!tp->addr_text || !tp->addr_off) return -1;
+    }
+    len = 0;
+    for (int r = 0; r < tp->size; r++) {
+      char host[64], one[80] = "?";
+      int port;
+      if (chorus__net_split_addr(addrs[r], ' ', host, sizeof host, &port) == 0)
+        snprintf(one, sizeof one, "%s:%d", host, port);
+      size_t n = strlen(one) + 1;
+      if (pass) {
+        memcpy(tp->addr_text + len, one, n);
+        tp->addr_off[r] = (uint32_t)len;
+      }
+      len += n;
+    }
+  }
+  return 0;
 }
 
 void chorus__tp_free(chorus__tp_t *tp) {
   /* The streams live in the channels: their ABORT texts go first. */
-  if (tp->peers) {
-    for (int r = 0; r < tp->size; r++) {
-      for (rx_t *rx = tp->peers[r].rxs; rx; rx = rx->next) free(rx->abort);
-      free(tp->peers[r].dead_why);
-    }
+  for (int i = 0; i < tp->ntouched; i++) {
+    for (rx_t *rx = tp->touched[i]->rxs; rx; rx = rx->next) free(rx->abort);
+    free(tp->touched[i]->dead_why);
   }
   if (tp->net) tp->net->ops->destroy(tp->net);
   if (tp->local) tp->local->ops->destroy(tp->local);
@@ -206,7 +272,11 @@ void chorus__tp_free(chorus__tp_t *tp) {
   if (tp->evfd >= 0) close(tp->evfd);
   pthread_mutex_destroy(&tp->lock);
   pthread_cond_destroy(&tp->cond);
+  for (int i = 0; i < tp->ntouched; i++) free(tp->touched[i]);
+  free(tp->touched);
   free(tp->peers);
+  free(tp->addr_text);
+  free(tp->addr_off);
   free(tp);
 }
 
@@ -242,11 +312,12 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   }
   /* Every peer is named by the address it published ("rank 1
    * (10.0.0.7:4000)"); a channel may name its own peers otherwise. */
-  for (int r = 0; r < cfg->size && cfg->addrs; r++) {
-    char host[64];
-    int port;
-    if (chorus__net_split_addr(cfg->addrs[r], ' ', host, sizeof host, &port) == 0)
-      snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "%s:%d", host, port);
+  if (cfg->addrs && keep_addrs(tp, cfg->addrs) < 0) {
+    if (bell >= 0) close(bell);
+    close(cfg->listen_fd);
+    chorus__ucx_worker_free(cfg->ucx);
+    st = CHORUS_ERR_NO_MEMORY;
+    goto fail;
   }
   tp->lookup = cfg->lookup;
   tp->lookup_arg = cfg->lookup_arg;
@@ -272,7 +343,7 @@ chorus_result_t chorus__tp_create(const chorus__tp_config_t *cfg, chorus__tp_t *
   if (st != CHORUS_OK) goto fail;
   /* Silence is counted from now: connecting may have taken a while. */
   int64_t start = chorus__now_ns();
-  for (int r = 0; r < cfg->size; r++) tp->peers[r].last_heard = start;
+  CHORUS__FOR_PEERS(tp, c) c->last_heard = start;
   tp->last_ping = start;
   if (pthread_create(&tp->thread, NULL, progress_main, tp) != 0) {
     snprintf(errmsg, errcap, "cannot start the progress thread");
@@ -306,9 +377,10 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   chorus__tp_resume_all(tp); /* leaving: held-back messages are read and dropped */
   /* Goodbyes go where there is a connection; a peer this rank never
    * talked with has nothing to wait for. */
-  for (int r = 0; r < tp->size; r++)
-    if (r != tp->rank && tp->peers[r].chan && chorus__peer_linked(&tp->peers[r]))
-      chorus__tp_send_control(tp, &tp->peers[r], T_BYE, 0, NULL, -1);
+  CHORUS__FOR_PEERS(tp, c) {
+    if (c->rank != tp->rank && c->chan && chorus__peer_linked(c))
+      chorus__tp_send_control(tp, c, T_BYE, 0, NULL, -1);
+  }
   /* A peer that sent nothing, not even a heartbeat, for four heartbeats is
    * stopped or hung: its goodbye is not worth waiting for (a survivor of a
    * failure would otherwise linger the whole bye timeout). */
@@ -316,9 +388,8 @@ void chorus__tp_destroy(chorus__tp_t *tp, int64_t bye_deadline) {
   for (;;) {
     int waiting = 0;
     int64_t now = chorus__now_ns();
-    for (int r = 0; r < tp->size; r++) {
-      peer_t *c = &tp->peers[r];
-      if (r == tp->rank || c->dead || !c->chan) continue;
+    CHORUS__FOR_PEERS(tp, c) {
+      if (c->rank == tp->rank || c->dead || !c->chan) continue;
       if (!chorus__peer_linked(c)) {
         /* An ABORT being dialled: a peer this rank never talked with, whose
          * handshake a stopped process never answers (its kernel accepts the

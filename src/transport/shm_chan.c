@@ -172,7 +172,6 @@ struct shm_chan {
   int memfd;        /* this rank's inbox, for handing over */
   uint64_t world;   /* the world's id */
   int rank, size;        /* world rank and size */
-  int *lidx_of;          /* local index of each world rank, -1 elsewhere */
   int *act, nact;        /* the links in use (offered or attached), in order */
   int64_t window_ns;     /* how long a pair may take to be made */
   int64_t retry_ns;      /* between attempts while a doorbell is busy */
@@ -471,7 +470,6 @@ static void shm_destroy(chorus__chan_t *base) {
   if (ch->bell_fd >= 0) close(ch->bell_fd);
   if (ch->send_fd >= 0) close(ch->send_fd);
   free(ch->links);
-  free(ch->lidx_of);
   free(ch->act);
   free(ch);
 }
@@ -637,8 +635,9 @@ static int take_handover(shm_chan_t *ch, link_t **lp, chorus_result_t *st, char 
   link_t *l = NULL;
   if (n == (ssize_t)sizeof m && !(mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && nfds == 1 &&
       have_cred && cred.uid == geteuid() && m.magic == INBOX_MAGIC && m.world == ch->world &&
-      m.to == (uint32_t)ch->rank && m.from < (uint32_t)ch->size && ch->lidx_of[m.from] >= 0) {
-    l = &ch->links[ch->lidx_of[m.from]];
+      m.to == (uint32_t)ch->rank && m.from < (uint32_t)ch->size &&
+      chorus__tp_chan_of(ch->base.tp, (int)m.from) == &ch->base) {
+    l = ch->base.tp->peers[m.from]->link; /* a local rank: touched when the channel opened */
     uint8_t want[CHORUS__MAC_LEN];
     handover_mac(&ch->base.tp->key, &m, want);
     ok = !l->peer_base && !l->peer->dead && chorus__ct_equal(want, m.mac, sizeof want);
@@ -763,6 +762,34 @@ int chorus__shm_bell_bind(const chorus__key_t *key, uint64_t world, int rank) {
   return fd;
 }
 
+/* Every other rank of this host: touched now, carried by this channel
+ * from now on; its pair is made when first used (offer).  NO_MEMORY when a
+ * peer's state could not be made. */
+static chorus_result_t claim_peers(shm_chan_t *ch, const chorus__tp_config_t *cfg) {
+  chorus__tp_t *tp = ch->base.tp;
+  int li = 0;
+  for (int r = 0; r < cfg->size; r++) {
+    if (cfg->host[r] != cfg->host[cfg->rank]) continue;
+    link_t *l = &ch->links[li];
+    l->ch = ch;
+    l->lidx = li;
+    l->pidfd = -1;
+    li++;
+    if (r == cfg->rank) continue;
+    if (!(l->peer = chorus__tp_peer(tp, r))) return CHORUS_ERR_NO_MEMORY;
+    l->in = (ring_t *)((char *)ch->mine + rings_offset()) + l->lidx;
+    l->in_data = (unsigned char *)ch->mine + data_offset(ch->nlocal) +
+                 (size_t)l->lidx * ch->ring_bytes;
+    l->pid_watch = (chorus__watch_t){on_pid, l};
+    if (!strcmp(l->peer->addr, "?")) /* no record read: named by where it is */
+      snprintf(l->peer->addr, sizeof l->peer->addr, "this host");
+    chorus__tp_rx_attach(tp, l->peer, &l->rx, &ch->base, l);
+    l->peer->chan = &ch->base;
+    l->peer->link = l;
+  }
+  return CHORUS_OK;
+}
+
 chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_t *cfg,
                                       chorus__chan_t **out, char *errmsg, size_t errcap) {
   *out = NULL;
@@ -806,9 +833,8 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   ch->ring_bytes = p2;
   ch->links = calloc((size_t)nlocal, sizeof(link_t));
   ch->act = calloc((size_t)nlocal, sizeof(int));
-  ch->lidx_of = malloc(sizeof(int) * (size_t)cfg->size);
   chorus_result_t st = CHORUS_OK;
-  if (!ch->links || !ch->act || !ch->lidx_of) {
+  if (!ch->links || !ch->act) {
     st = CHORUS_ERR_NO_MEMORY;
     goto fail;
   }
@@ -870,30 +896,9 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   ch->hdr->bytes = bytes;
   ch->hdr->pid = (int64_t)getpid();
   __atomic_store_n(&ch->hdr->magic, INBOX_MAGIC, __ATOMIC_RELEASE);
-  /* The peers: each carried by this channel from now on; their pairs are
-   * made when first used (offer). */
   ch->memfd = fd;
-  int li = 0;
-  for (int r = 0; r < cfg->size; r++) {
-    ch->lidx_of[r] = cfg->host[r] == cfg->host[cfg->rank] && r != cfg->rank ? li : -1;
-    if (cfg->host[r] != cfg->host[cfg->rank]) continue;
-    link_t *l = &ch->links[li];
-    l->ch = ch;
-    l->lidx = li;
-    l->pidfd = -1;
-    li++;
-    if (r == cfg->rank) continue;
-    l->peer = &tp->peers[r];
-    l->in = (ring_t *)((char *)ch->mine + rings_offset()) + l->lidx;
-    l->in_data = (unsigned char *)ch->mine + data_offset(nlocal) + (size_t)l->lidx * ch->ring_bytes;
-    l->pid_watch = (chorus__watch_t){on_pid, l};
-    if (!strcmp(l->peer->addr, "?")) /* no record read: named by where it is */
-      snprintf(l->peer->addr, sizeof l->peer->addr, "this host");
-    chorus__tp_rx_attach(tp, l->peer, &l->rx, &ch->base, l);
-    l->peer->chan = &ch->base;
-    l->peer->link = l;
-  }
-  if (chorus__tp_watch(tp, ch->bell_fd, EPOLLIN, &ch->bell_watch) < 0) {
+  st = claim_peers(ch, cfg);
+  if (st == CHORUS_OK && chorus__tp_watch(tp, ch->bell_fd, EPOLLIN, &ch->bell_watch) < 0) {
     snprintf(errmsg, errcap, "cannot watch the shared-memory doorbell: %s", strerror(errno));
     st = CHORUS_ERR_SYSTEM;
   }
@@ -905,11 +910,11 @@ chorus_result_t chorus__shm_chan_open(chorus__tp_t *tp, const chorus__tp_config_
   *out = &ch->base;
   return CHORUS_OK;
 fail:
-  for (int r = 0; r < tp->size; r++) {
-    if (tp->peers[r].chan != &ch->base) continue;
-    tp->peers[r].chan = NULL;
-    tp->peers[r].link = NULL;
-    tp->peers[r].rxs = NULL;
+  CHORUS__FOR_PEERS(tp, p) {
+    if (p->chan != &ch->base) continue;
+    p->chan = NULL;
+    p->link = NULL;
+    p->rxs = NULL;
   }
   if (ch->bell_fd >= 0) chorus__tp_unwatch(tp, ch->bell_fd);
   shm_destroy(&ch->base);

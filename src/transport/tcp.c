@@ -45,7 +45,8 @@ static void on_stream_event(void *arg, uint32_t events) {
 
 /* p's pair state; NULL while nothing was sent either way. */
 static conn_t *conn_of(chorus__chan_t *ch, const chorus__peer_t *p) {
-  return ((tcp_chan_t *)ch)->conns[p->rank];
+  (void)ch;
+  return p->link;
 }
 
 void chorus__tcp_stream_init(stream_t *s, conn_t *c, int kind, int idx) {
@@ -68,7 +69,7 @@ void chorus__tcp_stream_init(stream_t *s, conn_t *c, int kind, int idx) {
 
 /* p's pair state, made now if need be; NULL when out of memory. */
 conn_t *chorus__tcp_conn_make(tcp_chan_t *t, chorus__peer_t *p) {
-  conn_t *c = t->conns[p->rank];
+  conn_t *c = p->link;
   if (c) return c;
   if (t->nlive == t->cap_live) {
     int cap = t->cap_live ? 2 * t->cap_live : 16;
@@ -84,7 +85,6 @@ conn_t *chorus__tcp_conn_make(tcp_chan_t *t, chorus__peer_t *p) {
   chorus__tcp_stream_init(&c->s0, c, S_MAIN, 0);
   chorus__tp_rx_attach(t->base.tp, p, &c->rx, &t->base, c);
   p->link = c;
-  t->conns[p->rank] = c;
   t->live[t->nlive++] = c;
   return c;
 }
@@ -263,7 +263,6 @@ static void tcp_destroy(chorus__chan_t *ch) {
     free(c);
   }
   free(t->live);
-  free(t->conns);
   free(t);
 }
 
@@ -289,13 +288,10 @@ tcp_chan_t *chorus__tcp_new(chorus__tp_t *tp) {
   t->base.tp = tp;
   t->listen_fd = -1;
   t->nstreams = 1;
-  t->conns = calloc((size_t)tp->size, sizeof *t->conns);
-  if (!t->conns) {
-    free(t);
-    return NULL;
+  CHORUS__FOR_PEERS(tp, p) {
+    if (p->rank != tp->rank && !p->chan) p->chan = &t->base;
   }
-  for (int r = 0; r < tp->size; r++)
-    if (r != tp->rank && !tp->peers[r].chan) tp->peers[r].chan = &t->base;
+  tp->carrier = &t->base; /* and every peer touched from now on */
   return t;
 }
 
@@ -304,12 +300,13 @@ tcp_chan_t *chorus__tcp_new(chorus__tp_t *tp) {
 /* Undoes chorus__tcp_new when the channel never carried anything. */
 static void tcp_abandon(tcp_chan_t *t) {
   chorus__tp_t *tp = t->base.tp;
-  for (int r = 0; r < tp->size; r++) {
-    if (tp->peers[r].chan != &t->base) continue;
-    tp->peers[r].chan = NULL;
-    tp->peers[r].link = NULL;
-    tp->peers[r].rxs = NULL;
+  CHORUS__FOR_PEERS(tp, p) {
+    if (p->chan != &t->base) continue;
+    p->chan = NULL;
+    p->link = NULL;
+    p->rxs = NULL;
   }
+  if (tp->carrier == &t->base) tp->carrier = NULL;
   tcp_destroy(&t->base);
 }
 
@@ -336,7 +333,7 @@ chorus_result_t chorus__tcp_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
   for (int r = 0; r < cfg->size; r++) {
     char host[64];
     int port;
-    int mine = tp->peers[r].chan == &t->base;
+    int mine = chorus__tp_chan_of(tp, r) == &t->base;
     ntcp += mine;
     /* Named already (chorus__tp_create); ours must be reachable. */
     if (mine && cfg->addrs &&

@@ -229,10 +229,8 @@ typedef struct pending {
 
 struct tcp_chan {
   chorus__chan_t base;
-  /* Pair state, made on a pair's first message either way: conns[rank]
-   * (NULL until then; 8 bytes per world rank, not a conn_t), and every
-   * one made, in live[0 .. nlive). */
-  conn_t **conns;
+  /* Pair state, made on a pair's first message either way: the peer's
+   * link (NULL until then), and every one made, in live[0 .. nlive). */
   conn_t **live;
   int nlive, cap_live;
   int nstreams; /* CHORUS_SOCKET_NSTREAMS: what this rank asks for */

@@ -421,7 +421,8 @@ static void pending_complete(pending_t *p) {
   }
   conn_t *c = NULL;
   stream_t *s = NULL;
-  if (!deny && !(c = chorus__tcp_conn_make(t, &tp->peers[peer]))) {
+  chorus__peer_t *pp = deny ? NULL : chorus__tp_peer(tp, peer);
+  if (!deny && !(pp && (c = chorus__tcp_conn_make(t, pp)))) {
     chorus__wipe(keys, sizeof keys);
     pending_reject(p, "out of memory for the pair's state");
     return;

@@ -35,15 +35,28 @@ chorus__tp_t *chorus__tp_fuzz_new(int rank, int size, const chorus__key_t *key, 
     return NULL;
   }
   tp->net = &t->base;
-  for (int r = 0; r < size; r++)
-    snprintf(tp->peers[r].addr, sizeof tp->peers[r].addr, "fuzz:%d", r);
+  for (int r = 0; r < size; r++) {
+    if (r == rank) continue;
+    chorus__peer_t *p = chorus__tp_peer(tp, r);
+    if (!p) {
+      chorus__tp_free(tp);
+      return NULL;
+    }
+    snprintf(p->addr, sizeof p->addr, "fuzz:%d", r);
+  }
   return tp;
+}
+
+/* peer's pair state, made now if need be; NULL when out of memory. */
+static conn_t *fuzz_conn(chorus__tp_t *tp, int peer) {
+  chorus__peer_t *p = chorus__tp_peer(tp, peer);
+  return p ? chorus__tcp_conn_make((tcp_chan_t *)tp->net, p) : NULL;
 }
 
 void chorus__tp_set_fp_format(chorus__tp_t *tp, chorus__fp_format_fn fn) { tp->fp_format = fn; }
 
 int chorus__tp_fuzz_pieces(chorus__tp_t *tp, int peer, int k) {
-  conn_t *c = chorus__tcp_conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
+  conn_t *c = fuzz_conn(tp, peer);
   if (!c || k < 1 || k > MAX_STREAMS || c->nin) return -1;
   c->nin = k;
   return 0;
@@ -51,7 +64,7 @@ int chorus__tp_fuzz_pieces(chorus__tp_t *tp, int peer, int k) {
 
 int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *data, size_t n,
                          int *wfd) {
-  conn_t *c = chorus__tcp_conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
+  conn_t *c = fuzz_conn(tp, peer);
   if (!c || stream < 0 || stream > c->nin) return -1;
   stream_t *s = stream ? c->in[stream - 1] : &c->s0;
   if (!s) {
@@ -78,7 +91,7 @@ int chorus__tp_fuzz_feed(chorus__tp_t *tp, int peer, int stream, const void *dat
 }
 
 chorus__aead_t *chorus__tp_fuzz_encrypt(chorus__tp_t *tp, int peer) {
-  conn_t *c = chorus__tcp_conn_make((tcp_chan_t *)tp->net, &tp->peers[peer]);
+  conn_t *c = fuzz_conn(tp, peer);
   static const uint8_t zero[CHORUS__NONCE_LEN];
   uint8_t keys[64];
   if (!c || c->s0.rx_aead || peer <= tp->rank ||

@@ -71,7 +71,7 @@ int chorus__tcp_hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t c
     snprintf(why, cap, "authenticated peer claims impossible rank %u", peer);
     return -HS_DENY_RANK;
   }
-  if (tp->peers[peer].chan != &t->base) {
+  if (chorus__tp_chan_of(tp, (int)peer) != &t->base) {
     snprintf(why, cap, "rank %u shares this host: it talks over shared memory, not TCP", peer);
     return -HS_DENY_RANK;
   }
@@ -91,7 +91,8 @@ int chorus__tcp_hs_verify(tcp_chan_t *t, const pending_t *p, char *why, size_t c
  * main one; else its piece connection sidx - 1 of k), given the pair's
  * state here: 0 accept it, or a HS_DENY_* reason. */
 int chorus__tcp_hs_decide(tcp_chan_t *t, int peer, uint32_t sidx, uint32_t k) {
-  conn_t *c = t->conns[peer];
+  const chorus__peer_t *p = chorus__tp_peer_if(t->base.tp, peer); /* NULL: never touched */
+  conn_t *c = p ? p->link : NULL;
   if (sidx > 0) /* it dials its piece connections once the pair is connected */
     return c && c->state != C_CLOSED && c->state != C_IDLE && !c->in[sidx - 1] &&
                    (sidx == 1 ? !c->nin : c->nin && k == (uint32_t)c->nin && sidx <= k)

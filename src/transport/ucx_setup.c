@@ -161,8 +161,11 @@ chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
   chorus_result_t st = CHORUS_ERR_NO_MEMORY;
   if (!ch->links || !ch->addrs) goto fail;
   for (int r = 0; r < cfg->size; r++) {
-    chorus__peer_t *p = &tp->peers[r];
-    if (r == cfg->rank || p->chan) continue;
+    /* Every rank of another host is touched now: the addresses are all
+     * here (UCX forms its worlds with every record). */
+    if (r == cfg->rank || chorus__tp_chan_of(tp, r)) continue;
+    chorus__peer_t *p = chorus__tp_peer(tp, r);
+    if (!p) goto fail;
     /* Ours are named by their host ("rank 3 (ucx:10.0.0.8)"): their TCP
      * listener is not used. */
     char host[64];
@@ -209,12 +212,12 @@ chorus_result_t chorus__ucx_open(chorus__tp_t *tp, const chorus__tp_config_t *cf
   *out = &ch->base;
   return CHORUS_OK;
 fail:
-  for (int r = 0; r < cfg->size; r++)
-    if (tp->peers[r].chan == &ch->base) {
-      chorus__tp_rx_detach(&tp->peers[r], &ch->links[r].rx);
-      tp->peers[r].chan = NULL;
-      tp->peers[r].link = NULL;
-    }
+  CHORUS__FOR_PEERS(tp, p) {
+    if (p->chan != &ch->base) continue;
+    chorus__tp_rx_detach(p, &ch->links[p->rank].rx);
+    p->chan = NULL;
+    p->link = NULL;
+  }
   chorus__ucx_destroy(&ch->base);
   return st;
 }
