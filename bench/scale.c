@@ -241,9 +241,16 @@ static void *block_main(void *arg) {
   return NULL;
 }
 
+/* What a client process reports: one write, under PIPE_BUF, so that the
+ * reports of several processes on one pipe never interleave. */
+typedef struct {
+  int64_t end[STEPS];
+  char err[600];
+} report_t;
+
 /* A client process: its ranks [first, first + count) in THREADS blocks;
  * waits for the start, then reports each step's latest end and a failure
- * (one line) on out. */
+ * on out. */
 static void client_main(int first, int count, int size, int port, int go_fd, int out_fd) {
   int nt = g_o.threads < count ? g_o.threads : count;
   block_t *b = calloc((size_t)nt, sizeof *b);
@@ -259,18 +266,17 @@ static void client_main(int first, int count, int size, int port, int go_fd, int
   char go;
   if (read(go_fd, &go, 1) != 1) _exit(2);
   for (int t = 0; t < nt; t++) pthread_create(&th[t], NULL, block_main, &b[t]);
-  int64_t end[STEPS] = {0};
-  char err[700] = "";
+  report_t rep;
+  memset(&rep, 0, sizeof rep);
   for (int t = 0; t < nt; t++) {
     pthread_join(th[t], NULL);
-    for (int s = 0; s < STEPS; s++) end[s] = b[t].end[s] > end[s] ? b[t].end[s] : end[s];
-    if (b[t].failed && !err[0]) snprintf(err, sizeof err, "%s", b[t].err);
+    for (int s = 0; s < STEPS; s++) rep.end[s] = b[t].end[s] > rep.end[s] ? b[t].end[s] : rep.end[s];
+    if (b[t].failed && !rep.err[0]) snprintf(rep.err, sizeof rep.err, "%s", b[t].err);
   }
-  if (write(out_fd, end, sizeof end) != sizeof end || write(out_fd, err, sizeof err) != sizeof err)
-    _exit(3);
+  if (write(out_fd, &rep, sizeof rep) != sizeof rep) _exit(3);
   for (int t = 0; t < nt; t++)
     for (int i = 0; i < b[t].count; i++) chorus_store_close(b[t].c[i]);
-  _exit(err[0] ? 1 : 0);
+  _exit(rep.err[0] ? 1 : 0);
 }
 
 typedef struct {
@@ -310,17 +316,16 @@ static int run_once(int size, result_t *res) {
   int64_t end[STEPS] = {0};
   res->ok = 1;
   for (int p = 0; p < procs; p++) {
-    int64_t e[STEPS];
-    char err[700];
-    if (read(out[0], e, sizeof e) != sizeof e || read(out[0], err, sizeof err) != sizeof err) {
+    report_t rep;
+    if (read(out[0], &rep, sizeof rep) != sizeof rep) {
       res->ok = 0;
       if (!res->err[0]) snprintf(res->err, sizeof res->err, "a client process died");
       continue;
     }
-    for (int s = 0; s < STEPS; s++) end[s] = e[s] > end[s] ? e[s] : end[s];
-    if (err[0]) {
+    for (int s = 0; s < STEPS; s++) end[s] = rep.end[s] > end[s] ? rep.end[s] : end[s];
+    if (rep.err[0]) {
       res->ok = 0;
-      if (!res->err[0]) snprintf(res->err, sizeof res->err, "%s", err);
+      if (!res->err[0]) snprintf(res->err, sizeof res->err, "%s", rep.err);
     }
   }
   store_stats(&sp, &s1);

@@ -107,15 +107,28 @@ def client_main(first, count, size, port, threads, k, timeout, go, out):
     os._exit(0)
 
 
+def start_store(ctx):
+    """A TCPStore server in its own process: (process, port, stop event), or None.  A port
+    found free may be taken again before the store binds it: another port then."""
+    for _ in range(5):
+        port = free_port()
+        ready, stop = ctx.Event(), ctx.Event()
+        store = ctx.Process(target=store_main, args=(port, ready, stop))
+        store.start()
+        if ready.wait(30):
+            return store, port, stop
+        store.kill()
+        store.join()
+    return None
+
+
 def run_once(size, a):
     ctx = mp.get_context('fork')
-    port = free_port()
-    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
-    store = ctx.Process(target=store_main, args=(port, ready, stop))
-    store.start()
-    if not ready.wait(30):
-        store.kill()
+    go = ctx.Event()
+    started = start_store(ctx)
+    if not started:
         return None, 'the TCPStore did not start'
+    store, port, stop = started
     out = ctx.Queue()
     procs = min(a.procs, size)
     cl = []
