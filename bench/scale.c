@@ -5,7 +5,7 @@
  * machine.
  *
  *   chorus-scale [-p PROCS] [-t THREADS] [-l RANKS_PER_HOST] [-k PEERS]
- *                [-r REPEATS] [-o OPS_MAX] [-m MAX_SECONDS] P [P ...]
+ *                [-r REPEATS] [-o OPS_MAX] [-m MAX_SECONDS] [-R] P [P ...]
  *
  * Per P and repetition: a fresh store (chorus's server) in a process of
  * its own; PROCS client processes of THREADS threads, each thread playing
@@ -25,6 +25,13 @@
  * step that waits for the others -- world id, formed -- returns at once
  * for all but the first), so the store sees every rank's operations in
  * the order a real world makes them, P connections open at once.
+ *
+ * With -R, rank 0 is a real one: a process that calls
+ * chorus_comm_init_env() with chorusrun's variables (its node the first of
+ * P / L), forms the world with the others and reports what forming it
+ * added to its resident set -- the per-world state of a rank of a world
+ * of P, measured.  It touches no peer (a collective would wait for ranks
+ * that are only played).
  *
  * One line per P, medians: seconds from the start to a formed world and
  * to the last record read, store operations and bytes per rank (counted
@@ -50,8 +57,10 @@
 #include "util/clock.h"
 #include "util/crypto.h"
 
-#define PREFIX "scale/"
-#define WORLD 0x5ca1e5ca1e5ca1e5ull
+/* Where chorus_comm_init_env() puts a first generation's keys. */
+#define PREFIX "chorus/r0/"
+#define SECRET "chorus-scale"
+#define JOB_ID "scale"
 #define STEPS 5
 static const char *const g_step_name[STEPS] = {"connect", "world id", "join", "formed", "dial"};
 
@@ -60,9 +69,10 @@ typedef struct {
   long ops_max;
   int timeout_ms;
   double max_s;
+  int real; /* -R: rank 0 is a real rank */
 } opts_t;
 
-static opts_t g_o = {4, 8, 64, 2, 3, -1, 120000, 0};
+static opts_t g_o = {4, 8, 64, 2, 3, -1, 120000, 0, 0};
 static chorus__key_t g_key;
 
 /* ---------------------------------------------------------- the store */
@@ -148,6 +158,7 @@ static void store_stop(store_proc_t *sp) {
 
 typedef struct {
   int first, count, size, port;
+  uint64_t world;       /* the world id rank 0 set */
   chorus_store_t **c;   /* per rank of the block */
   int64_t *ticket;      /* per rank: the join counter as it left it */
   int64_t end[STEPS];   /* when the thread finished each step (monotonic ns) */
@@ -191,10 +202,14 @@ static int step(block_t *b, int s, int64_t deadline) {
       chorus__store_set_timeout(c, chorus__ms_left_bound(deadline));
       if (r == 0) {
         st = chorus_store_set(c, key, "5ca1e5ca1e5ca1e5", 16);
+        b->world = 0x5ca1e5ca1e5ca1e5ull;
       } else {
         void *v = NULL;
         size_t len = 0;
+        char id[20] = "";
         st = chorus_store_get(c, key, &v, &len);
+        if (st == CHORUS_OK) memcpy(id, v, len < 16 ? len : 16);
+        b->world = strtoull(id, NULL, 16);
         free(v);
       }
       if (st != CHORUS_OK) return fail(b, r, g_step_name[s], chorus_store_last_error(c));
@@ -203,7 +218,7 @@ static int step(block_t *b, int s, int64_t deadline) {
       source_of(r, src, sizeof src);
       snprintf(rec, sizeof rec, "%s %d|-|id scale-host-%d", src, 20000 + r % 40000,
                r / g_o.per_host);
-      st = chorus__rdzv_join_begin(c, PREFIX, WORLD, r, b->size, rec, 0, deadline, &b->ticket[i],
+      st = chorus__rdzv_join_begin(c, PREFIX, b->world, r, b->size, rec, 0, deadline, &b->ticket[i],
                                    err, sizeof err);
       if (st != CHORUS_OK) return fail(b, r, g_step_name[s], err);
     } else if (s == 3) {
@@ -213,7 +228,7 @@ static int step(block_t *b, int s, int64_t deadline) {
           int last = (b->ticket[j] & CHORUS__RDZV_MAX_RANKS) == b->size;
           if (last != (pass == 0)) continue;
           int votes = 0;
-          st = chorus__rdzv_join_end(b->c[j], PREFIX, WORLD, b->size, b->ticket[j], deadline,
+          st = chorus__rdzv_join_end(b->c[j], PREFIX, b->world, b->size, b->ticket[j], deadline,
                                      &votes, err, sizeof err);
           if (st != CHORUS_OK) return fail(b, b->first + j, g_step_name[s], err);
         }
@@ -279,8 +294,71 @@ static void client_main(int first, int count, int size, int port, int go_fd, int
   _exit(rep.err[0] ? 1 : 0);
 }
 
+/* ------------------------------------------------------ the real rank */
+
+typedef struct {
+  int64_t formed;          /* monotonic ns */
+  long rss_before, rss_after, hwm; /* kB */
+  char err[600];
+} real_t;
+
+static long status_kb(const char *field) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kb = -1;
+  size_t n = strlen(field);
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, field, n) && line[n] == ':') kb = strtol(line + n + 1, NULL, 10);
+  if (f) fclose(f);
+  return kb;
+}
+
+static void setenv_int(const char *name, long v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "%ld", v);
+  setenv(name, buf, 1);
+}
+
+/* Rank 0 of the world, for real: chorusrun's variables (its node holds
+ * the first L ranks), chorus_comm_init_env(), what it added to the
+ * resident set, destroy. */
+static void real_main(int size, int port, int go_fd, int out_fd) {
+  const int L = g_o.per_host < size ? g_o.per_host : size;
+  char spec[64];
+  if (size % L) snprintf(spec, sizeof spec, "%dx%d,%d", L, size / L, size % L);
+  else snprintf(spec, sizeof spec, "%dx%d", L, size / L);
+  setenv_int("RANK", 0);
+  setenv_int("WORLD_SIZE", size);
+  setenv_int("LOCAL_RANK", 0);
+  setenv_int("LOCAL_WORLD_SIZE", L);
+  setenv_int("GROUP_RANK", 0);
+  setenv_int("GROUP_WORLD_SIZE", (size + L - 1) / L);
+  setenv("CHORUS_NODE_SIZES", spec, 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv_int("MASTER_PORT", port);
+  setenv("CHORUS_STORE_EXTERNAL", "1", 1);
+  setenv("CHORUS_JOB_SECRET", SECRET, 1);
+  setenv("CHORUS_JOB_ID", JOB_ID, 1);
+  setenv_int("CHORUS_TIMEOUT", g_o.timeout_ms / 1000);
+  real_t rep;
+  memset(&rep, 0, sizeof rep);
+  char go;
+  if (read(go_fd, &go, 1) != 1) _exit(2);
+  rep.rss_before = status_kb("VmRSS");
+  chorus_comm_t comm = NULL;
+  chorus_result_t st = chorus_comm_init_env(&comm);
+  rep.formed = chorus__now_ns();
+  rep.rss_after = status_kb("VmRSS");
+  rep.hwm = status_kb("VmHWM");
+  if (st != CHORUS_OK) snprintf(rep.err, sizeof rep.err, "real rank 0: %s", chorus_last_init_error());
+  else chorus_comm_destroy(comm);
+  (void)!write(out_fd, &rep, sizeof rep);
+  _exit(st == CHORUS_OK ? 0 : 1);
+}
+
 typedef struct {
   double formed_s, dial_s, ops, bytes, cpu_s, rss_mib, step_s[STEPS];
+  double real_s, real_rss_mib, real_grew_mib; /* -R */
   int ok;
   char err[700];
 } result_t;
@@ -293,12 +371,23 @@ static int run_once(int size, result_t *res) {
     store_stop(&sp);
     return -1;
   }
-  int procs = g_o.procs < size ? g_o.procs : size;
-  int go[2], out[2];
-  if (pipe(go) < 0 || pipe(out) < 0) return -1;
-  pid_t *pids = calloc((size_t)procs, sizeof *pids);
+  const int played = size - g_o.real, base = g_o.real; /* ranks the clients play */
+  int procs = g_o.procs < played ? g_o.procs : played;
+  int go[2], out[2], rout[2] = {-1, -1};
+  if (pipe(go) < 0 || pipe(out) < 0 || (g_o.real && pipe(rout) < 0)) return -1;
+  pid_t *pids = calloc((size_t)procs + 1, sizeof *pids);
+  if (g_o.real) {
+    pids[procs] = fork();
+    if (pids[procs] == 0) {
+      close(go[1]);
+      close(rout[0]);
+      real_main(size, sp.port, go[0], rout[1]);
+    }
+    close(rout[1]);
+  }
   for (int p = 0; p < procs; p++) {
-    int first = (int)((long)size * p / procs), last = (int)((long)size * (p + 1) / procs);
+    int first = base + (int)((long)played * p / procs);
+    int last = base + (int)((long)played * (p + 1) / procs);
     pids[p] = fork();
     if (pids[p] == 0) {
       close(go[1]);
@@ -312,7 +401,7 @@ static int run_once(int size, result_t *res) {
   chorus__store_stats_t s0, s1;
   store_stats(&sp, &s0);
   int64_t t0 = chorus__now_ns();
-  for (int p = 0; p < procs; p++) (void)!write(go[1], "g", 1);
+  for (int p = 0; p < procs + g_o.real; p++) (void)!write(go[1], "g", 1);
   int64_t end[STEPS] = {0};
   res->ok = 1;
   for (int p = 0; p < procs; p++) {
@@ -328,15 +417,30 @@ static int run_once(int size, result_t *res) {
       if (!res->err[0]) snprintf(res->err, sizeof res->err, "%s", rep.err);
     }
   }
+  if (g_o.real) {
+    real_t rr;
+    if (read(rout[0], &rr, sizeof rr) != sizeof rr) {
+      res->ok = 0;
+      snprintf(res->err, sizeof res->err, "the real rank died");
+    } else if (rr.err[0]) {
+      res->ok = 0;
+      snprintf(res->err, sizeof res->err, "%s", rr.err);
+    } else {
+      res->real_s = (double)(rr.formed - t0) / 1e9;
+      res->real_rss_mib = (double)rr.rss_after / 1024;
+      res->real_grew_mib = (double)(rr.rss_after - rr.rss_before) / 1024;
+    }
+    close(rout[0]);
+  }
   store_stats(&sp, &s1);
   proc_usage(sp.pid, &res->cpu_s, &res->rss_mib);
-  for (int p = 0; p < procs; p++) waitpid(pids[p], NULL, 0);
+  for (int p = 0; p < procs + g_o.real; p++) waitpid(pids[p], NULL, 0);
   free(pids);
   close(go[1]);
   close(out[0]);
   store_stop(&sp);
   for (int s = 0; s < STEPS; s++) res->step_s[s] = (double)(end[s] - t0) / 1e9;
-  res->formed_s = res->step_s[3];
+  res->formed_s = res->step_s[3] > res->real_s ? res->step_s[3] : res->real_s;
   res->dial_s = res->step_s[4];
   res->ops = (double)(s1.requests - s0.requests) / size;
   res->bytes = (double)(s1.bytes_in + s1.bytes_out - s0.bytes_in - s0.bytes_out) / size;
@@ -355,14 +459,14 @@ static double median(double *v, int n) {
 
 static void usage(void) {
   fprintf(stderr, "usage: chorus-scale [-p PROCS] [-t THREADS] [-l RANKS_PER_HOST] [-k PEERS] "
-                  "[-r REPEATS] [-o OPS_MAX] [-m MAX_SECONDS] P [P ...]\n");
+                  "[-r REPEATS] [-o OPS_MAX] [-m MAX_SECONDS] [-R] P [P ...]\n");
   exit(2);
 }
 
 int main(int argc, char **argv) {
   int opt;
-  while ((opt = getopt(argc, argv, "p:t:l:k:r:o:m:T:")) != -1) {
-    long v = strtol(optarg, NULL, 10);
+  while ((opt = getopt(argc, argv, "p:t:l:k:r:o:m:T:R")) != -1) {
+    long v = optarg ? strtol(optarg, NULL, 10) : 0;
     if (v < 0 || v > 1 << 24) usage();
     switch (opt) {
       case 'p': g_o.procs = (int)(v ? v : 1); break;
@@ -373,6 +477,7 @@ int main(int argc, char **argv) {
       case 'o': g_o.ops_max = v; break;
       case 'T': g_o.timeout_ms = (int)(v * 1000); break;
       case 'm': g_o.max_s = (double)v; break;
+      case 'R': g_o.real = 1; break;
       default: usage();
     }
   }
@@ -383,16 +488,18 @@ int main(int argc, char **argv) {
     rl.rlim_cur = rl.rlim_max;
     setrlimit(RLIMIT_NOFILE, &rl);
   }
-  chorus__job_key("chorus-scale", "scale", &g_key);
+  chorus__job_key(SECRET, JOB_ID, &g_key);
   printf("# chorus-scale -p %d -t %d -l %d -k %d: medians of %d\n", g_o.procs, g_o.threads,
          g_o.per_host, g_o.k, g_o.repeats);
   printf("| P | formed (s) | +%d records (s) | store ops/rank | store bytes/rank | store CPU (s) | "
-         "store peak RSS (MiB) |\n|---|---|---|---|---|---|---|\n", g_o.k);
+         "store peak RSS (MiB) |%s\n|---|---|---|---|---|---|---|%s\n", g_o.k,
+         g_o.real ? " real rank 0: RSS (MiB) | added by forming (MiB) |" : "",
+         g_o.real ? "---|---|" : "");
   int bad = 0;
   for (int a = optind; a < argc; a++) {
     int size = (int)strtol(argv[a], NULL, 10);
     if (size < 1 || size > CHORUS__RDZV_MAX_RANKS) usage();
-    double f[64], d[64], ops[64], by[64], cpu[64], rss[64];
+    double f[64], d[64], ops[64], by[64], cpu[64], rss[64], rr[64], rg[64];
     int n = 0, reps = g_o.repeats < 64 ? g_o.repeats : 64;
     for (int r = 0; r < reps; r++) {
       result_t res;
@@ -402,7 +509,7 @@ int main(int argc, char **argv) {
         continue;
       }
       f[n] = res.formed_s, d[n] = res.dial_s, ops[n] = res.ops, by[n] = res.bytes;
-      cpu[n] = res.cpu_s, rss[n] = res.rss_mib;
+      cpu[n] = res.cpu_s, rss[n] = res.rss_mib, rr[n] = res.real_rss_mib, rg[n] = res.real_grew_mib;
       n++;
       fprintf(stderr, "  P=%d run %d: steps (s from start):", size, r + 1);
       for (int s = 0; s < STEPS; s++) fprintf(stderr, " %s %.3f", g_step_name[s], res.step_s[s]);
@@ -413,8 +520,10 @@ int main(int argc, char **argv) {
       continue;
     }
     double mops = median(ops, n), mformed = median(f, n);
-    printf("| %d | %.3f | %.3f | %.2f | %.0f | %.2f | %.1f |\n", size, mformed, median(d, n),
+    printf("| %d | %.3f | %.3f | %.2f | %.0f | %.2f | %.1f |", size, mformed, median(d, n),
            mops, median(by, n), median(cpu, n), median(rss, n));
+    if (g_o.real) printf(" %.1f | %.2f |", median(rr, n), median(rg, n));
+    printf("\n");
     fflush(stdout);
     if (g_o.ops_max >= 0 && mops > (double)(g_o.ops_max + g_o.k)) {
       fprintf(stderr, "chorus-scale: P=%d: %.2f store operations per rank, more than %ld + %d\n",

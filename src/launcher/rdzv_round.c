@@ -110,6 +110,12 @@ static void take_placement(job_t *job) {
     p->seen = now; /* a long rendezvous is not silence */
   }
   for (int r = 0; r < job->nproc; r++) job->w[r].rank = job->rank_base + r;
+  /* The rendezvous store this agent serves (c10d) holds every agent and
+   * every worker (etcd's workers' store: round_store). */
+  char why[700];
+  if (rz->srv &&
+      chorus__store_server_expect(rz->srv, job->world_size + s->nmem, why, sizeof why) != CHORUS_OK)
+    CHORUS_WARN(CHORUS__SUB_LAUNCH, "chorusrun: %s; the group will fail to form", why);
   /* CHORUS_NODE_SIZES: runs of equal counts, "8x3,6". */
   free(job->node_sizes);
   size_t cap = 24 * (size_t)s->nmem + 1, at = 0;
@@ -153,6 +159,11 @@ static int round_store(job_t *job) {
     chorus_result_t src = start_store(addr, 0, rz->io.key, &rz->round_srv);
     if (src != CHORUS_OK) {
       fprintf(stderr, "chorusrun: cannot start the workers' store: %s\n", chorus_strerror(src));
+      return EXIT_LAUNCHER;
+    }
+    char why[700];
+    if (chorus__store_server_expect(rz->round_srv, job->world_size, why, sizeof why) != CHORUS_OK) {
+      fprintf(stderr, "chorusrun: %s\n", why);
       return EXIT_LAUNCHER;
     }
     snprintf(val, sizeof val, "%s %d", addr, chorus_store_server_port(rz->round_srv));
