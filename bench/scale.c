@@ -31,7 +31,8 @@
  * P / L), forms the world with the others and reports what forming it
  * added to its resident set -- the per-world state of a rank of a world
  * of P, measured.  It touches no peer (a collective would wait for ranks
- * that are only played).
+ * that are only played, and so does a world on one host, which makes its
+ * shared-memory segment at init: -R needs P above L).
  *
  * One line per P, medians: seconds from the start to a formed world and
  * to the last record read, store operations and bytes per rank (counted
@@ -499,6 +500,13 @@ int main(int argc, char **argv) {
   for (int a = optind; a < argc; a++) {
     int size = (int)strtol(argv[a], NULL, 10);
     if (size < 1 || size > CHORUS__RDZV_MAX_RANKS) usage();
+    if (g_o.real && size <= g_o.per_host) {
+      fprintf(stderr, "chorus-scale: -R needs more ranks than one host's %d (P=%d): a world on "
+              "one host makes its shared-memory segment with a collective at init, which the "
+              "played ranks cannot answer\n", g_o.per_host, size);
+      bad = 1;
+      continue;
+    }
     double f[64], d[64], ops[64], by[64], cpu[64], rss[64], rr[64], rg[64];
     int n = 0, reps = g_o.repeats < 64 ? g_o.repeats : 64;
     for (int r = 0; r < reps; r++) {
