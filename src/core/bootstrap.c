@@ -277,6 +277,7 @@ static chorus_result_t listen_addr(const chorus_config_t *cfg, int rank, int siz
  *                       algorithms, its own timeout. */
 typedef struct {
   const chorus_config_t *cfg;
+  const char *node_sizes; /* the launcher's placement, when its key-value service said it */
   int rank, size, timeout_ms, init_ms, host; /* host: this rank serves the store */
   int64_t deadline;
   char prefix[256];
@@ -544,7 +545,8 @@ static chorus_result_t build_join(world_build_t *b) {
   const int rank = b->rank, size = b->size;
   ctx->host = calloc((size_t)size, sizeof *ctx->host);
   if (!ctx->host) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
-  int mapped = chorus__hostmap_from_launcher(rank, size, ctx->host, &ctx->local_count);
+  int mapped = chorus__hostmap_from_launcher(rank, size, b->node_sizes, ctx->host,
+                                             &ctx->local_count);
   int votes = 0;
   char err[1024] = "";
   chorus_result_t st = chorus__rdzv_join(ctx->store, b->prefix, b->world_id, rank, size, b->record,
@@ -765,7 +767,8 @@ static chorus_result_t build_comm(world_build_t *b, chorus_comm_t *out) {
  * secret's source. */
 static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_t *job_key,
                                   const char *join_base, chorus_store_server_t **server,
-                                  const char *secret_from, chorus_comm_t *out) {
+                                  const char *secret_from, const char *node_sizes,
+                                  chorus_comm_t *out) {
   chorus__log_init();
   if (!out) return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init: comm is NULL");
   *out = NULL;
@@ -774,6 +777,7 @@ static chorus_result_t world_make(const chorus_config_t *cfg, const chorus__key_
   world_build_t *b = calloc(1, sizeof *b);
   if (!b) return chorus__init_fail(CHORUS_ERR_NO_MEMORY, "chorus_comm_init: out of memory");
   b->cfg = cfg;
+  b->node_sizes = node_sizes;
   b->lfd = -1;
   b->bell_fd = -1;
   st = build_begin(b, job_key, join_base);
@@ -808,16 +812,17 @@ chorus_result_t chorus__world_key(const chorus_config_t *cfg, int timeout_ms,
 chorus_result_t chorus__world_make(const chorus_config_t *cfg, const chorus__key_t *key,
                                    const char *join_base, chorus_comm_t *out) {
   chorus_store_server_t *server = NULL;
-  return world_make(cfg, key, join_base, &server, NULL, out);
+  return world_make(cfg, key, join_base, &server, NULL, NULL, out);
 }
 
 chorus_result_t chorus__world_init(const chorus_config_t *cfg, chorus_store_server_t *server,
-                                   const char *secret_from, chorus_comm_t *out) {
-  chorus_result_t st = world_make(cfg, NULL, NULL, &server, secret_from, out);
+                                   const char *secret_from, const char *node_sizes,
+                                   chorus_comm_t *out) {
+  chorus_result_t st = world_make(cfg, NULL, NULL, &server, secret_from, node_sizes, out);
   chorus_store_server_stop(server); /* NULL once the world took it */
   return st;
 }
 
 chorus_result_t chorus_comm_init(const chorus_config_t *config, chorus_comm_t *comm) {
-  return chorus__world_init(config, NULL, NULL, comm);
+  return chorus__world_init(config, NULL, NULL, NULL, comm);
 }

@@ -20,15 +20,19 @@ int chorus__runtime_file(const char *name, char *buf, size_t cap, char *why, siz
 
 /* Makes the world from cfg, taking server (the store this rank already
  * serves, or NULL) in every case; secret_from, when not NULL, says where
- * cfg->job_secret came from, for the log. */
+ * cfg->job_secret came from, for the log; node_sizes, when not NULL, is
+ * the launcher's placement its key-value service gave (hostmap.c). */
 chorus_result_t chorus__world_init(const chorus_config_t *cfg, chorus_store_server_t *server,
-                                   const char *secret_from, chorus_comm_t *out);
+                                   const char *secret_from, const char *node_sizes,
+                                   chorus_comm_t *out);
 
 /* host[r] for each of size ranks (equal values: one host) and how many
  * share this rank's, from the blocks the launcher placed ranks in
- * (hostmap.c): 1, or 0 when the launcher says nothing that covers this
- * world or this rank's own place disagrees with it. */
-int chorus__hostmap_from_launcher(int rank, int size, uint64_t *host, int *local_count);
+ * (hostmap.c; pmi_sizes: what its PMI_process_mapping said, or NULL): 1,
+ * or 0 when the launcher says nothing that covers this world or this
+ * rank's own place disagrees with it. */
+int chorus__hostmap_from_launcher(int rank, int size, const char *pmi_sizes, uint64_t *host,
+                                  int *local_count);
 
 /* Who takes part in a key-value exchange. */
 typedef struct {

@@ -230,7 +230,7 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
   chorus__log_init();
   if (comm) *comm = NULL;
   launch_t L;
-  char err[700], host[300], secret[CHORUS__SECRET_MAX] = "", from[300] = "";
+  char err[700], host[300], secret[CHORUS__SECRET_MAX] = "", from[300] = "", node_sizes[256] = "";
   const char *service = NULL;
   if (launch_detect(&L, err, sizeof err) < 0)
     return chorus__init_fail(CHORUS_ERR_INVALID_ARG, "chorus_comm_init_env: %s", err);
@@ -264,6 +264,8 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
     st = chorus__kvs_open(&kvs, L.rank, deadline, kerr, sizeof kerr);
     if (st != CHORUS_OK)
       return chorus__init_fail(st, "chorus rank %d/%d (%s): %s", L.rank, L.size, L.source, kerr);
+    /* Where the launcher placed the ranks (PMI-1's mapping), if it says. */
+    chorus__kvs_node_sizes(kvs, L.size, node_sizes, sizeof node_sizes, deadline);
     st = chorus__bootstrap_kv_exchange(&X, kvs, &cfg, host, sizeof host, secret, sizeof secret,
                                        &server, deadline, from, sizeof from);
     if (st != CHORUS_OK) {
@@ -299,7 +301,8 @@ chorus_result_t chorus_comm_init_env(chorus_comm_t *comm) {
               L.rank, L.size, L.source, L.local_rank, L.local_size, cfg.store_host,
               cfg.store_port);
   if (server) cfg.host_store = 1;
-  st = chorus__world_init(&cfg, server, from[0] ? from : NULL, comm);
+  st = chorus__world_init(&cfg, server, from[0] ? from : NULL, node_sizes[0] ? node_sizes : NULL,
+                          comm);
   chorus__wipe(secret, sizeof secret);
   return st;
 }

@@ -351,7 +351,7 @@ chorus_result_t chorus_comm_init_kv(const chorus_config_t *config, const chorus_
   cfg.timeout_ms = timeout_ms;
   CHORUS_INFO(CHORUS__SUB_INIT, "bootstrap: rank %d/%d through the caller's key-value service, "
               "store %s:%d", cfg.rank, cfg.world_size, cfg.store_host, cfg.store_port);
-  st = chorus__world_init(&cfg, server, from[0] ? from : NULL, comm);
+  st = chorus__world_init(&cfg, server, from[0] ? from : NULL, NULL, comm);
   /* Every rank has proven the key to the store once the world formed; on
    * failure nobody needs the file either. */
   if (secret_file[0]) unlink(secret_file);

@@ -448,6 +448,86 @@ chorus_result_t chorus__kvs_get(chorus__kvs_t *k, int from, const char *key, cha
   return CHORUS_OK;
 }
 
+/* Appends a run of `len` ranks on one node to spec ("LxN" for N equal
+ * runs in a row): 0, or -1 when spec is full. */
+static int spec_run(char *spec, size_t cap, size_t *at, long *last, long *reps, long len) {
+  if (len == *last) {
+    (*reps)++;
+    return 0;
+  }
+  if (*last > 0) {
+    int n = *reps > 1 ? snprintf(spec + *at, cap - *at, "%s%ldx%ld", *at ? "," : "", *last, *reps)
+                      : snprintf(spec + *at, cap - *at, "%s%ld", *at ? "," : "", *last);
+    if (n < 0 || (size_t)n >= cap - *at) return -1;
+    *at += (size_t)n;
+  }
+  *last = len, *reps = 1;
+  return 0;
+}
+
+int chorus__pmi_mapping_sizes(const char *m, int size, char *spec, size_t cap) {
+  enum { TRIPLES = 64 };
+  long t[TRIPLES][3];
+  int nt = 0;
+  const char *p = m;
+  if (size < 1 || cap < 2 || strncmp(p, "(vector,", 8) != 0) return -1;
+  for (p += 8;;) { /* the triples: (first node, nodes, ranks per node) */
+    char *end;
+    if (*p != '(' || nt == TRIPLES) return -1;
+    p++;
+    for (int i = 0; i < 3; i++) {
+      t[nt][i] = strtol(p, &end, 10);
+      if (end == p || t[nt][i] < 0 || t[nt][i] > (1L << 24) || *end != (i < 2 ? ',' : ')'))
+        return -1;
+      p = end + 1;
+    }
+    if (t[nt][1] < 1 || t[nt][2] < 1) return -1;
+    nt++;
+    if (*p == ',') p++;
+    else if (*p == ')' && p[1] == '\0') break;
+    else return -1;
+  }
+  /* The pattern repeats until every rank has a node (hydra writes one
+   * node of one rank as (0,1,1) for any count on it).  Runs of ranks on
+   * one node, in rank order; a node met again after another is not a
+   * block placement. */
+  long node = -1, run = 0, last = 0, reps = 0, placed = 0, top = -1;
+  size_t at = 0;
+  spec[0] = '\0';
+  while (placed < size) {
+    for (int i = 0; i < nt && placed < size; i++)
+      for (long n = t[i][0]; n < t[i][0] + t[i][1] && placed < size; n++) {
+        long k = t[i][2] < size - placed ? t[i][2] : size - placed;
+        if (n != node) {
+          if (n <= top) return -1; /* met again, or out of order */
+          if (run && spec_run(spec, cap, &at, &last, &reps, run) < 0) return -1;
+          node = top = n, run = 0;
+        }
+        run += k;
+        placed += k;
+      }
+  }
+  if (spec_run(spec, cap, &at, &last, &reps, run) < 0 || spec_run(spec, cap, &at, &last, &reps, -1) < 0)
+    return -1;
+  return 0;
+}
+
+chorus_result_t chorus__kvs_node_sizes(chorus__kvs_t *k, int size, char *spec, size_t cap,
+                                       int64_t deadline) {
+  spec[0] = '\0';
+  if (!k || k->kind != KVS_PMI1) return CHORUS_ERR_NOT_SUPPORTED;
+  char msg[LINE_MAX_BYTES], reply[LINE_MAX_BYTES + 1], err[300];
+  snprintf(msg, sizeof msg, "cmd=get kvsname=%s key=PMI_process_mapping\n", k->kvsname);
+  chorus_result_t st = pmi1_call(k, msg, "get_result", reply, deadline, err, sizeof err);
+  if (st != CHORUS_OK) return st;
+  char v[CHORUS__KVS_VALUE_MAX + 1];
+  if (pmi1_field(reply, "value", v, sizeof v) < 0 || chorus__pmi_mapping_sizes(v, size, spec, cap) < 0) {
+    spec[0] = '\0';
+    return CHORUS_ERR_PROTOCOL;
+  }
+  return CHORUS_OK;
+}
+
 void chorus__kvs_close(chorus__kvs_t *k, int64_t deadline) {
   if (!k) return;
   char err[256], reply[LINE_MAX_BYTES + 1];

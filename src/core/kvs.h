@@ -60,6 +60,19 @@ chorus_result_t chorus__kvs_fence(chorus__kvs_t *kvs, int64_t deadline, char *er
 chorus_result_t chorus__kvs_get(chorus__kvs_t *kvs, int from, const char *key, char *value,
                                 size_t value_cap, int64_t deadline, char *err, size_t cap);
 
+/* PMI-1 only: the launcher's placement of ranks on nodes, from its
+ * PMI_process_mapping ("(vector,(0,2,4))": from node 0, 2 nodes of 4 ranks)
+ * as CHORUS_NODE_SIZES writes it ("4x2"), when each node's ranks follow
+ * each other.  CHORUS_OK with spec set, else an error (no such key, a
+ * mapping of another shape: the caller goes without). */
+chorus_result_t chorus__kvs_node_sizes(chorus__kvs_t *kvs, int size, char *spec, size_t cap,
+                                       int64_t deadline);
+/* The conversion for a world of size ranks: the mapping's pattern repeats
+ * until every rank has a node; 0 when each node's ranks follow each other,
+ * with spec its runs ("(vector,(0,2,2))": "2x2"; (0,1,1): every rank on
+ * one node), else -1. */
+int chorus__pmi_mapping_sizes(const char *mapping, int size, char *spec, size_t cap);
+
 /* Says goodbye to the service (the launcher then knows we are done with
  * it) and frees kvs.  NULL is fine. */
 void chorus__kvs_close(chorus__kvs_t *kvs, int64_t deadline);

@@ -3,7 +3,8 @@
  * (src/core/hostmap.c): chorusrun's CHORUS_NODE_SIZES, torchrun's uniform
  * variables and srun's SLURM_STEP_TASKS_PER_NODE give every rank's node; a
  * rank whose own place disagrees, a malformed or short list, or
- * CHORUS_HOST_ID gives no map (the world then reads every record).
+ * CHORUS_HOST_ID gives no map (the world then reads every record).  A PMI
+ * launcher's PMI_process_mapping converts to the same list.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -11,12 +12,15 @@
 #include <string.h>
 
 #include "core/bootstrap.h"
+#include "core/kvs.h"
 #include "harness.h"
 
 static const char *const g_vars[] = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "CHORUS_NODE_SIZES", "CHORUS_HOST_ID", "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE",
-    "SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID"};
+    "SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
 
 static void clear_env(void) {
   for (size_t i = 0; i < sizeof g_vars / sizeof g_vars[0]; i++) unsetenv(g_vars[i]);
@@ -36,7 +40,7 @@ static uint64_t g_host[64];
 static int map(int rank, int size, int *local) {
   memset(g_host, 0, sizeof g_host);
   *local = -1;
-  return chorus__hostmap_from_launcher(rank, size, g_host, local);
+  return chorus__hostmap_from_launcher(rank, size, NULL, g_host, local);
 }
 
 TEST(chorusrun_node_sizes) {
@@ -136,12 +140,82 @@ TEST(srun_blocks) {
   ASSERT_EQ(map(5, 7, &local), 0);
 }
 
+TEST(pmi_process_mapping) {
+  char spec[64];
+  ASSERT_EQ(chorus__pmi_mapping_sizes("(vector,(0,2,4))", 8, spec, sizeof spec), 0);
+  ASSERT_STREQ(spec, "4x2");
+  ASSERT_EQ(chorus__pmi_mapping_sizes("(vector,(0,1,3),(1,2,2))", 7, spec, sizeof spec), 0);
+  ASSERT_STREQ(spec, "3,2x2");
+  /* hydra's one node, whatever the count; a pattern that repeats on the
+   * same node; the last node short. */
+  ASSERT_EQ(chorus__pmi_mapping_sizes("(vector,(0,1,1))", 5, spec, sizeof spec), 0);
+  ASSERT_STREQ(spec, "5");
+  ASSERT_EQ(chorus__pmi_mapping_sizes("(vector,(0,2,4))", 6, spec, sizeof spec), 0);
+  ASSERT_STREQ(spec, "4,2");
+  /* Round robin (a node met again), nodes out of order, not a mapping. */
+  const char *bad[] = {"(vector,(0,2,1))", "(vector,(1,1,4),(0,1,4))",
+                       "(vector,(0,2,4)", "(vector,(0,2))", "(vector,(0,0,4))",
+                       "(vector,(0,2,4)),", "(list,(0,2,4))", "(vector,(0,2,-4))", ""};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    int got = chorus__pmi_mapping_sizes(bad[i], 8, spec, sizeof spec);
+    if (got != -1) printf("  '%s' gave '%s'\n", bad[i], spec);
+    ASSERT_EQ(got, -1);
+  }
+  /* Too long for the caller's buffer. */
+  ASSERT_EQ(chorus__pmi_mapping_sizes("(vector,(0,2,4))", 8, spec, 3), -1);
+  /* The map from it: the block that holds the rank, checked against
+   * hydra's local rank where it is set. */
+  int local;
+  clear_env();
+  memset(g_host, 0, sizeof g_host);
+  ASSERT_EQ(chorus__hostmap_from_launcher(4, 7, "3x1,2x2", g_host, &local), 1);
+  ASSERT_EQ(local, 2);
+  ASSERT_EQ(g_host[2], 1);
+  ASSERT_EQ(g_host[4], 2);
+  ASSERT_EQ(g_host[6], 3);
+  setenv("MPI_LOCALRANKID", "1", 1);
+  setenv("MPI_LOCALNRANKS", "2", 1);
+  ASSERT_EQ(chorus__hostmap_from_launcher(4, 7, "3x1,2x2", g_host, &local), 1);
+  setenv("MPI_LOCALRANKID", "0", 1);
+  ASSERT_EQ(chorus__hostmap_from_launcher(4, 7, "3x1,2x2", g_host, &local), 0);
+  /* A cyclic mapping covers fewer ranks than the world: no map. */
+  clear_env();
+  ASSERT_EQ(chorus__hostmap_from_launcher(4, 8, "2x2", g_host, &local), 0);
+}
+
+TEST(one_node_launchers) {
+  int local;
+  /* mpirun with every rank on this node. */
+  clear_env();
+  setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4", 1);
+  ASSERT_EQ(map(2, 4, &local), 1);
+  ASSERT_EQ(local, 4);
+  ASSERT_EQ(g_host[0], g_host[3]);
+  /* Several nodes: mpirun says only this one's size, no map. */
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+  ASSERT_EQ(map(2, 4, &local), 0);
+  /* hydra on one node. */
+  clear_env();
+  setenv("PMI_RANK", "1", 1);
+  setenv("PMI_SIZE", "3", 1);
+  setenv("MPI_LOCALRANKID", "1", 1);
+  setenv("MPI_LOCALNRANKS", "3", 1);
+  ASSERT_EQ(map(1, 3, &local), 1);
+  ASSERT_EQ(map(1, 4, &local), 0); /* another world */
+}
+
 int main(void) {
   RUN(chorusrun_node_sizes);
   RUN(a_place_that_disagrees_gives_no_map);
   RUN(malformed_lists_give_no_map);
   RUN(torchrun_uniform);
   RUN(srun_blocks);
+  RUN(pmi_process_mapping);
+  RUN(one_node_launchers);
   clear_env();
   return HARNESS_DONE();
 }
