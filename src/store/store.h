@@ -104,6 +104,11 @@ void chorus__store_set_timeout(chorus_store_t *client, int timeout_ms);
 chorus_result_t chorus__store_get_timeout(chorus_store_t *c, const char *key,
                                           int timeout_ms, void **val, size_t *len);
 
+/* Whether key is there now and, when it is (*present = 1), its value
+ * (malloc'd, NUL-terminated past len); never waits for it. */
+chorus_result_t chorus__store_try_get(chorus_store_t *c, const char *key, int *present,
+                                      void **val, size_t *len);
+
 /* get, unless another thread is in a call on c (which may be waiting for
  * something the caller must do first): 0 then, nothing done; else 1 with
  * the call's result in *st. */

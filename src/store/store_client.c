@@ -678,6 +678,46 @@ static chorus_result_t get_locked(chorus_store_t *c, const char *key, int timeou
   return take_value(c, what, body, blen, val, len);
 }
 
+static chorus_result_t try_get_locked(chorus_store_t *c, const char *key, int *present,
+                                      void **val, size_t *len) {
+  char what[WHAT_CAP];
+  describe(what, "try_get", &key, 1);
+  *present = 0;
+  *val = NULL;
+  *len = 0;
+  chorus_result_t res = check_key(c, what, key);
+  if (res != CHORUS_OK) return res;
+  chorus__sbuf_t req = {0};
+  req_begin(&req, CHORUS__STORE_CMD_TRY_GET);
+  chorus__sbuf_str(&req, key, strlen(key));
+  uint8_t *body;
+  size_t blen;
+  res = call(c, what, &req, c->timeout_ms, &body, &blen);
+  chorus__sbuf_free(&req);
+  if (res != CHORUS_OK) return res;
+  /* OK, then 0 alone, or 1 and the value. */
+  if (blen == 2 && body[1] == 0) {
+    free(body);
+    return CHORUS_OK;
+  }
+  if (blen < 2 || body[1] != 1) {
+    free(body);
+    return bad_response(c, what);
+  }
+  memmove(body + 1, body + 2, blen - 2); /* the value's str where take_value wants it */
+  *present = 1;
+  return take_value(c, what, body, blen - 1, val, len);
+}
+
+chorus_result_t chorus__store_try_get(chorus_store_t *c, const char *key, int *present,
+                                      void **val, size_t *len) {
+  if (!c || !key || !present || !val || !len) return CHORUS_ERR_INVALID_ARG;
+  pthread_mutex_lock(&c->mu);
+  chorus_result_t res = try_get_locked(c, key, present, val, len);
+  pthread_mutex_unlock(&c->mu);
+  return res;
+}
+
 chorus_result_t chorus__store_get_timeout(chorus_store_t *c, const char *key, int timeout_ms,
                                           void **val, size_t *len) {
   if (!c) return CHORUS_ERR_INVALID_ARG;

@@ -23,6 +23,8 @@
  *   DELETE       u8 cmd, str key                   -> status, u8 existed
  *   WAIT         u8 cmd, u32 n, n x str key        -> status
  *   NUM_KEYS     u8 cmd                            -> status, i64 count
+ *   TRY_GET      u8 cmd, str key                   -> status, u8 present, str value
+ *                                                     (the value only when present)
  * A response whose status is BAD_REQUEST carries one str with the reason
  * (e.g. ADD on a value that is not an integer) instead of the result fields.
  */
@@ -63,6 +65,7 @@ enum {
   CHORUS__STORE_CMD_DELETE = 6,
   CHORUS__STORE_CMD_WAIT = 7,
   CHORUS__STORE_CMD_NUM_KEYS = 8,
+  CHORUS__STORE_CMD_TRY_GET = 9,
 };
 
 /* Response status (the first byte of a response body).  TIMEOUT is reserved:

@@ -206,6 +206,9 @@ void chorus__store_conn_free(conn_t *c);
 int chorus__store_reply_status(chorus_store_server_t *srv, conn_t *c);
 int chorus__store_reply_value(chorus_store_server_t *srv, conn_t *c, const void *val, size_t len);
 int chorus__store_reply_u8(chorus_store_server_t *srv, conn_t *c, uint8_t v);
+/* TRY_GET's answer for a key that is there: 1, then the value. */
+int chorus__store_reply_present(chorus_store_server_t *srv, conn_t *c, const void *val,
+                                size_t len);
 int chorus__store_reply_i64(chorus_store_server_t *srv, conn_t *c, int64_t v);
 int chorus__store_reply_bad_request(chorus_store_server_t *srv, conn_t *c, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

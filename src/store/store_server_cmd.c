@@ -1,5 +1,5 @@
 /*
- * store_server_cmd.c - the store server's commands: SET, GET, ADD,
+ * store_server_cmd.c - the store server's commands: SET, GET, TRY_GET, ADD,
  * COMPARE_SET, CHECK, DELETE, WAIT and NUM_KEYS, each a handler that reads
  * its request's fields (store_proto.h), checks them, acts on the table and
  * replies; GET and WAIT on a missing key park the request instead.
@@ -143,6 +143,18 @@ static int do_get(chorus_store_server_t *srv, conn_t *c, chorus__srd_t *r) {
   return wait_on(srv, c, key, klen);
 }
 
+/* TRY_GET key: whether it is there and, when it is, its value; never
+ * waits (what a reader that polls wants in one request, not CHECK + GET). */
+static int do_try_get(chorus_store_server_t *srv, conn_t *c, chorus__srd_t *r) {
+  const uint8_t *key = NULL;
+  size_t klen = 0;
+  chorus__srd_str(r, CHORUS__STORE_MAX_KEY, &key, &klen);
+  if (r->bad || r->left) return malformed(srv, c, CHORUS__STORE_CMD_TRY_GET);
+  entry_t *e = chorus__store_table_find(srv, key, klen);
+  if (e && e->present) return chorus__store_reply_present(srv, c, e->val, e->vlen);
+  return chorus__store_reply_u8(srv, c, 0);
+}
+
 /* ADD key delta: the value, a decimal integer (0 when absent), plus delta. */
 static int do_add(chorus_store_server_t *srv, conn_t *c, chorus__srd_t *r) {
   const uint8_t *key = NULL;
@@ -246,6 +258,8 @@ static int request(chorus_store_server_t *srv, conn_t *c, const uint8_t *body, s
       return do_set(srv, c, &r);
     case CHORUS__STORE_CMD_GET:
       return do_get(srv, c, &r);
+    case CHORUS__STORE_CMD_TRY_GET:
+      return do_try_get(srv, c, &r);
     case CHORUS__STORE_CMD_ADD:
       return do_add(srv, c, &r);
     case CHORUS__STORE_CMD_COMPARE_SET:

@@ -321,6 +321,14 @@ int chorus__store_reply_value(chorus_store_server_t *srv, conn_t *c, const void 
   return reply_end(srv, c, at);
 }
 
+int chorus__store_reply_present(chorus_store_server_t *srv, conn_t *c, const void *val,
+                                size_t len) {
+  size_t at = reply_begin(c, CHORUS__STORE_ST_OK);
+  chorus__sbuf_u8(&c->out, 1);
+  chorus__sbuf_str(&c->out, val, len);
+  return reply_end(srv, c, at);
+}
+
 int chorus__store_reply_u8(chorus_store_server_t *srv, conn_t *c, uint8_t v) {
   size_t at = reply_begin(c, CHORUS__STORE_ST_OK);
   chorus__sbuf_u8(&c->out, v);

@@ -160,6 +160,22 @@ TEST(set_get_basics) {
   chorus_free(v);
   free(large);
 
+  /* try_get: one request that never waits; absent, present, empty. */
+  int present = -1;
+  ASSERT_EQ(chorus__store_try_get(c, "nobody", &present, &v, &n), CHORUS_OK);
+  ASSERT_EQ(present, 0);
+  ASSERT_TRUE(v == NULL);
+  ASSERT_EQ(chorus__store_try_get(c, "hello", &present, &v, &n), CHORUS_OK);
+  ASSERT_EQ(present, 1);
+  ASSERT_EQ(n, 6);
+  ASSERT_STREQ((char *)v, "again!");
+  chorus_free(v);
+  ASSERT_EQ(chorus__store_try_get(c, "empty", &present, &v, &n), CHORUS_OK);
+  ASSERT_EQ(present, 1);
+  ASSERT_EQ(n, 0);
+  chorus_free(v);
+  ASSERT_EQ(chorus__store_try_get(c, NULL, &present, &v, &n), CHORUS_ERR_INVALID_ARG);
+
   chorus_store_close(c);
   chorus_store_server_stop(s);
   chorus_store_close(NULL);
