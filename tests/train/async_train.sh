@@ -131,9 +131,11 @@ has "the others fill the budget" kill "summary: async.*[0-9]* update(s) of 120 g
 has "and the final loss is reported" kill "validation loss [0-9.]* (final"
 
 # 3b. A worker that stops answering (SIGSTOP) is declared dead after
-# CHORUS_PEER_TIMEOUT_MS and dropped; the others finish.
+# CHORUS_PEER_TIMEOUT_MS and dropped; the others finish.  Each batch is read
+# 25 ms slowly (timing only, as in 5b): a sanitizer build's small model ran
+# all 60 steps before the stop landed once, and nobody was dropped.
 CHORUS_PEER_TIMEOUT_MS=2000 timeout 120 "$run" --standalone -n 4 --elastic inplace -- "$train" \
-  "${model[@]}" --mode async --steps 60 >"$TMP/stop.log" 2>&1 &
+  "${model[@]}" --mode async --steps 60 --data-delay-ms 25 >"$TMP/stop.log" 2>&1 &
 job=$!
 wait_log stop "async step"
 stopped=$(rank_pid 2)
