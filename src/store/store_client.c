@@ -654,6 +654,20 @@ chorus_result_t chorus_store_set(chorus_store_t *c, const char *key, const void 
   return res;
 }
 
+/* A request whose only field is key (GET, TRY_GET, DELETE): its response
+ * body in *body. */
+static chorus_result_t key_call(chorus_store_t *c, const char *what, uint8_t cmd, const char *key,
+                                int timeout_ms, uint8_t **body, size_t *blen) {
+  chorus_result_t res = check_key(c, what, key);
+  if (res != CHORUS_OK) return res;
+  chorus__sbuf_t req = {0};
+  req_begin(&req, cmd);
+  chorus__sbuf_str(&req, key, strlen(key));
+  res = call(c, what, &req, timeout_ms, body, blen);
+  chorus__sbuf_free(&req);
+  return res;
+}
+
 static chorus_result_t get_locked(chorus_store_t *c, const char *key, int timeout_ms, void **val,
                                   size_t *len) {
   char what[WHAT_CAP];
@@ -664,16 +678,10 @@ static chorus_result_t get_locked(chorus_store_t *c, const char *key, int timeou
   }
   *val = NULL;
   *len = 0;
-  chorus_result_t res = check_key(c, what, key);
-  if (res != CHORUS_OK) return res;
-  if (timeout_ms < 0) timeout_ms = c->timeout_ms;
-  chorus__sbuf_t req = {0};
-  req_begin(&req, CHORUS__STORE_CMD_GET);
-  chorus__sbuf_str(&req, key, strlen(key));
   uint8_t *body;
   size_t blen;
-  res = call(c, what, &req, timeout_ms, &body, &blen);
-  chorus__sbuf_free(&req);
+  chorus_result_t res = key_call(c, what, CHORUS__STORE_CMD_GET, key,
+                                 timeout_ms < 0 ? c->timeout_ms : timeout_ms, &body, &blen);
   if (res != CHORUS_OK) return res;
   return take_value(c, what, body, blen, val, len);
 }
@@ -685,15 +693,10 @@ static chorus_result_t try_get_locked(chorus_store_t *c, const char *key, int *p
   *present = 0;
   *val = NULL;
   *len = 0;
-  chorus_result_t res = check_key(c, what, key);
-  if (res != CHORUS_OK) return res;
-  chorus__sbuf_t req = {0};
-  req_begin(&req, CHORUS__STORE_CMD_TRY_GET);
-  chorus__sbuf_str(&req, key, strlen(key));
   uint8_t *body;
   size_t blen;
-  res = call(c, what, &req, c->timeout_ms, &body, &blen);
-  chorus__sbuf_free(&req);
+  chorus_result_t res = key_call(c, what, CHORUS__STORE_CMD_TRY_GET, key, c->timeout_ms, &body,
+                                 &blen);
   if (res != CHORUS_OK) return res;
   /* OK, then 0 alone, or 1 and the value. */
   if (blen == 2 && body[1] == 0) {
@@ -865,15 +868,10 @@ chorus_result_t chorus_store_wait(chorus_store_t *c, const char *const *keys, in
 static chorus_result_t delete_locked(chorus_store_t *c, const char *key, int *deleted) {
   char what[WHAT_CAP];
   describe(what, "delete", &key, 1);
-  chorus_result_t res = check_key(c, what, key);
-  if (res != CHORUS_OK) return res;
-  chorus__sbuf_t req = {0};
-  req_begin(&req, CHORUS__STORE_CMD_DELETE);
-  chorus__sbuf_str(&req, key, strlen(key));
   uint8_t *body;
   size_t blen;
-  res = call(c, what, &req, c->timeout_ms, &body, &blen);
-  chorus__sbuf_free(&req);
+  chorus_result_t res = key_call(c, what, CHORUS__STORE_CMD_DELETE, key, c->timeout_ms, &body,
+                                 &blen);
   if (res != CHORUS_OK) return res;
   return take_u8(c, what, body, blen, deleted);
 }
