@@ -187,8 +187,25 @@ static int peer_of(int r, int i, int size) {
   return (int)((r + d) % size);
 }
 
+/* "formed": the block's join ends, the last rank's first (the others'
+ * reads wait for what it writes). */
+static int join_ends(block_t *b, int64_t deadline) {
+  char err[600] = "";
+  for (int pass = 0; pass < 2; pass++)
+    for (int j = 0; j < b->count; j++) {
+      int last = (b->ticket[j] & CHORUS__RDZV_MAX_RANKS) == b->size;
+      if (last != (pass == 0)) continue;
+      int votes = 0;
+      chorus_result_t st = chorus__rdzv_join_end(b->c[j], PREFIX, b->world, b->size,
+                                                 b->ticket[j], deadline, &votes, err, sizeof err);
+      if (st != CHORUS_OK) return fail(b, b->first + j, g_step_name[3], err);
+    }
+  return 0;
+}
+
 static int step(block_t *b, int s, int64_t deadline) {
   char err[600] = "", src[32], key[64];
+  if (s == 3) return join_ends(b, deadline);
   for (int i = 0; i < b->count; i++) {
     const int r = b->first + i;
     chorus_store_t *c = b->c[i];
@@ -222,18 +239,6 @@ static int step(block_t *b, int s, int64_t deadline) {
       st = chorus__rdzv_join_begin(c, PREFIX, b->world, r, b->size, rec, 0, deadline, &b->ticket[i],
                                    err, sizeof err);
       if (st != CHORUS_OK) return fail(b, r, g_step_name[s], err);
-    } else if (s == 3) {
-      /* The last rank first: the others' reads wait for what it writes. */
-      for (int pass = 0; pass < 2; pass++)
-        for (int j = 0; j < b->count; j++) {
-          int last = (b->ticket[j] & CHORUS__RDZV_MAX_RANKS) == b->size;
-          if (last != (pass == 0)) continue;
-          int votes = 0;
-          st = chorus__rdzv_join_end(b->c[j], PREFIX, b->world, b->size, b->ticket[j], deadline,
-                                     &votes, err, sizeof err);
-          if (st != CHORUS_OK) return fail(b, b->first + j, g_step_name[s], err);
-        }
-      return 0;
     } else {
       for (int p = 0; p < g_o.k && p < b->size - 1; p++) {
         char *rec = NULL;
