@@ -80,6 +80,14 @@ static void stream_fence(int stream) {
   (void)stream;
 }
 
+/* Whether a call writes its out_bytes of output with streaming stores:
+ * large, and not over its own input (in place, the output lines were just
+ * read and sit in the cache: plain stores are cheaper there). */
+static int stream_out(const chorus__coll_t *c, size_t out_bytes, size_t in_bytes) {
+  uintptr_t o = (uintptr_t)c->recvbuf, i = (uintptr_t)c->sendbuf;
+  return out_bytes >= STREAM_MIN_BYTES && (o + out_bytes <= i || i + in_bytes <= o);
+}
+
 static chorus_result_t mismatch(chorus__coll_t *c, int r, const chorus__fp_t *theirs) {
   char mine[200], other[200], doing[300], rd[64];
   chorus__fp_format(&c->fp, mine, sizeof mine);
@@ -140,27 +148,32 @@ static const unsigned char *src_of(chorus__coll_t *c, int r, uint64_t t, int inl
 }
 
 /* dst = src[0] op src[1] op ... op src[n-1] over cnt elements, in rank
- * order.  dst may be one of the sources (an in-place reduce_scatter
- * combines into its own input block): then each block is built in a
- * scratch block first, so no source is overwritten before it is read. */
+ * order, divided by n for AVG.  dst may be one of the sources (an in-place
+ * reduce_scatter combines into its own input block): then each block is
+ * built in a scratch block first, so no source is overwritten before it is
+ * read.  With stream, blocks are built there too and streamed out (caller
+ * fences). */
 static void combine_all(chorus__coll_t *c, unsigned char *dst, const unsigned char *const *src,
-                        int n, size_t cnt) {
+                        int n, size_t cnt, int stream) {
+  const size_t es = c->esize;
   if (n == 1) {
-    if (dst != src[0]) memcpy(dst, src[0], cnt * c->esize);
+    if (dst != src[0]) memcpy(dst, src[0], cnt * es);
+    if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(dst, cnt, c->dtype, n);
     return;
   }
-  int alias = 0;
-  for (int r = 1; r < n; r++) alias |= src[r] == dst;
+  int staged = stream;
+  for (int r = 1; r < n; r++) staged |= src[r] == dst;
   /* Block by block, so the partial result stays in L1 between sources:
    * n reads and one write per element instead of 2(n-1) and n-1. */
   _Alignas(64) unsigned char acc[COMBINE_BLOCK];
-  const size_t es = c->esize, blk = COMBINE_BLOCK / es;
+  const size_t blk = COMBINE_BLOCK / es;
   for (size_t off = 0; off < cnt; off += blk) {
     size_t k = CHORUS__MIN(blk, cnt - off), b = off * es;
-    unsigned char *to = alias ? acc : dst + b;
+    unsigned char *to = staged ? acc : dst + b;
     chorus__combine(c, to, src[0] + b, src[1] + b, k);
     for (int r = 2; r < n; r++) chorus__combine(c, to, to, src[r] + b, k);
-    if (alias) memcpy(dst + b, acc, k * es);
+    if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(to, k, c->dtype, n);
+    if (staged) copy_out(dst + b, acc, k * es, stream);
   }
 }
 
@@ -289,8 +302,7 @@ static chorus_result_t reduce_small(chorus__coll_t *c, int everyone) {
     const unsigned char *src[CHORUS__SHM_MAX_RANKS];
     for (int r = 0; r < s->n; r++) src[r] = src_of(c, r, t, inl);
     if (bytes) {
-      combine_all(c, c->recvbuf, src, s->n, c->count);
-      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(c->recvbuf, c->count, c->dtype, s->n);
+      combine_all(c, c->recvbuf, src, s->n, c->count, 0);
     }
   } else {
     st = get_line(c, c->root, t, NULL); /* the root's call must be ours */
@@ -321,7 +333,11 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
     chorus_result_t st = chorus__shm_claim(s, &t);
     if (st != CHORUS_OK) return st;
     unsigned char *mybuf = chorus__shm_buf(s, s->me, t);
-    memcpy(mybuf, in + off * es, m * es);
+    /* My slice of my input is read by nobody else: it stays where it is,
+     * and my buffer's slice receives the result instead. */
+    size_t a = chorus__blk_offset(m, s->n, s->me), k = chorus__blk_count(m, s->n, s->me);
+    memcpy(mybuf, in + off * es, a * es);
+    memcpy(mybuf + (a + k) * es, in + (off + a + k) * es, (m - a - k) * es);
     /* The first line of an all_reduce says whether this rank's buffers are
      * chorus_mem_alloc memory; if everyone's are, no staging at all. */
     zc_desc_t desc;
@@ -331,11 +347,12 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
     if (zc && zc_all(c, t, 1)) return zc_allreduce(c, t);
-    size_t a = chorus__blk_offset(m, s->n, s->me), k = chorus__blk_count(m, s->n, s->me);
+    const unsigned char *src[CHORUS__SHM_MAX_RANKS];
+    for (int r = 0; r < s->n; r++) src[r] = r == s->me ? in + off * es : chorus__shm_buf(s, r, t);
     for (size_t i = 0; i < k; i += blk) {
       size_t kk = CHORUS__MIN(blk, k - i), b = (a + i) * es;
-      chorus__combine(c, acc, chorus__shm_buf(s, 0, t) + b, chorus__shm_buf(s, 1, t) + b, kk);
-      for (int r = 2; r < s->n; r++) chorus__combine(c, acc, acc, chorus__shm_buf(s, r, t) + b, kk);
+      chorus__combine(c, acc, src[0] + b, src[1] + b, kk);
+      for (int r = 2; r < s->n; r++) chorus__combine(c, acc, acc, src[r] + b, kk);
       if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(acc, kk, c->dtype, s->n);
       memcpy(mybuf + b, acc, kk * es);
       if (outputs) copy_out(out + off * es + b, acc, kk * es, stream);
@@ -478,12 +495,12 @@ static chorus_result_t copy_run(chorus__coll_t *c, int kind, uint64_t t, int zc)
         if (!p) return CHORUS_ERR_SYSTEM;
         src[r] = p + (size_t)me * bytes;
       }
-      combine_all(c, out, src, n, c->count);
-      if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(out, c->count, c->dtype, n);
+      combine_all(c, out, src, n, c->count, stream_out(c, bytes, (size_t)n * bytes));
       break;
     }
   }
   if (st != CHORUS_OK) return st;
+  stream_fence(1);
   chorus__shm_set(s, &chorus__shm_line(s, me, t)->red, t); /* done reading */
   for (int r = 0; r < n; r++) {
     if (r == me) continue;
@@ -536,6 +553,7 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
   const size_t per = chunk_plan(c, 1, &inl), bytes = c->count * es;
   int receives = everyone || c->rank == c->root;
   const unsigned char *in = c->sendbuf;
+  const int stream = receives && stream_out(c, (size_t)s->n * bytes, bytes);
   uint64_t t = 0;
   size_t off = 0;
   do {
@@ -554,7 +572,8 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
       for (int r = 0; r < s->n && m; r++) {
         const unsigned char *from = r == s->me ? in + off * es : src_of(c, r, t, inl);
         unsigned char *to = gather_dst(c, r, off);
-        if (to != from) memmove(to, from, m * es);
+        if (r != s->me) copy_out(to, from, m * es, stream); /* from shared memory */
+        else if (to != from) memmove(to, from, m * es);
       }
     } else {
       st = get_line(c, c->root, t, NULL);
@@ -563,6 +582,7 @@ static chorus_result_t gather_any(chorus__coll_t *c, int everyone) {
     finish(c, t);
     off += m;
   } while (off < c->count);
+  stream_fence(stream);
   return CHORUS_OK;
 }
 
@@ -585,6 +605,8 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
   const size_t per = chunk_plan(c, n, &inl);
   const unsigned char *in = c->sendbuf;
   unsigned char *out = c->recvbuf;
+  const size_t block = c->count * es;
+  const int stream = stream_out(c, reducing ? block : (size_t)n * block, (size_t)n * block);
   uint64_t t = 0;
   size_t off = 0;
   do {
@@ -592,8 +614,10 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
     chorus_result_t st = chorus__shm_claim(s, &t);
     if (st != CHORUS_OK) return st;
     unsigned char *mine = inl ? chorus__shm_line(s, s->me, t)->data : chorus__shm_buf(s, s->me, t);
+    /* My own block is read by nobody else: it is not staged. */
     for (int b = 0; b < n && m; b++)
-      memcpy(mine + (size_t)b * m * es, in + ((size_t)b * c->count + off) * es, m * es);
+      if (b != s->me)
+        memcpy(mine + (size_t)b * m * es, in + ((size_t)b * c->count + off) * es, m * es);
     int kind = reducing ? K_RSCATTER : K_ALLTOALL;
     zc_desc_t desc;
     int zc = off == 0 && !inl && c->count * es * (size_t)n >= ZC_MIN_BYTES;
@@ -604,18 +628,23 @@ static chorus_result_t blocks_any(chorus__coll_t *c, int reducing) {
     if (zc && zc_all(c, t, 0)) return copy_run(c, kind, t, 1);
     if (m) {
       const unsigned char *src[CHORUS__SHM_MAX_RANKS];
-      for (int r = 0; r < n; r++) src[r] = src_of(c, r, t, inl) + (size_t)s->me * m * es;
+      for (int r = 0; r < n; r++)
+        src[r] = r == s->me ? in + ((size_t)r * c->count + off) * es
+                            : src_of(c, r, t, inl) + (size_t)s->me * m * es;
       if (reducing) {
-        combine_all(c, out + off * es, src, n, m);
-        if (c->op == CHORUS_AVG) chorus__reduce_finalize_avg(out + off * es, m, c->dtype, n);
+        combine_all(c, out + off * es, src, n, m, stream);
       } else {
-        for (int r = 0; r < n; r++)
-          memcpy(out + ((size_t)r * c->count + off) * es, src[r], m * es);
+        for (int r = 0; r < n; r++) {
+          unsigned char *to = out + ((size_t)r * c->count + off) * es;
+          if (r != s->me) copy_out(to, src[r], m * es, stream);
+          else if (to != src[r]) memmove(to, src[r], m * es); /* in place: already there */
+        }
       }
     }
     finish(c, t);
     off += m;
   } while (off < c->count);
+  stream_fence(stream);
   return CHORUS_OK;
 }
 
