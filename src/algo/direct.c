@@ -666,6 +666,8 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
   const size_t per = chunk_plan(c, scatter ? n : 1, &inl);
   const unsigned char *in = c->sendbuf;
   unsigned char *out = c->recvbuf;
+  /* What a receiver (or a scatter's rank) writes is its output only. */
+  const int stream = c->rank != root && c->count * es >= STREAM_MIN_BYTES;
   uint64_t t = 0;
   size_t off = 0;
   do {
@@ -710,7 +712,7 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
       st = get_line(c, root, t, NULL);
       if (st != CHORUS_OK) return st;
       const unsigned char *src = src_of(c, root, t, inl) + (scatter ? (size_t)s->me * m * es : 0);
-      if (m) memcpy(out + off * es, src, m * es);
+      if (m) copy_out(out + off * es, src, m * es, stream);
       put_line(c, t, NULL, 0); /* acknowledgement */
     }
     off += m;
@@ -722,6 +724,7 @@ static chorus_result_t from_root(chorus__coll_t *c, int scatter) {
     }
     finish(c, t);
   } while (off < c->count);
+  stream_fence(stream);
   return CHORUS_OK;
 }
 
