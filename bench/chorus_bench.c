@@ -832,9 +832,6 @@ static void run_once(bench_t *b, const geom_t *g, int inplace) {
   }
 }
 
-/* Warm-up, then -n timed calls of one form.  Per-call times go to times[],
- * their sum to *total, the CPU seconds they took to *cpu.  Returns this
- * rank's wrong elements of the last call (0 without -c). */
 /* An in-place call of these leaves its buffer as the next call needs it:
  * the data it reads (the root's buffer, each rank's own block) is what it
  * read the time before, and everything it writes is overwritten again. */
@@ -843,6 +840,9 @@ static int inplace_repeats(chorus_coll_t coll) {
          coll == CHORUS_COLL_SCATTER || coll == CHORUS_COLL_GATHER;
 }
 
+/* Warm-up, then -n timed calls of one form.  Per-call times go to times[],
+ * their sum to *total, the CPU seconds they took to *cpu.  Returns this
+ * rank's wrong elements of the last call (0 without -c). */
 static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, double *total,
                        double *cpu) {
   int check = b->o.check && g->coll != CHORUS_COLL_BARRIER;
@@ -856,7 +856,7 @@ static int64_t measure(bench_t *b, const geom_t *g, int inplace, double *times, 
   int restore_each = inplace && !inplace_repeats(g->coll);
   if (inplace) {
     fill_input(b, g, b->a, 1); /* a keeps the pristine in-place buffer */
-    memcpy(b->b, b->a, ipbytes);
+    if (!restore_each) memcpy(b->b, b->a, ipbytes); /* the one restore */
   } else if (g->coll != CHORUS_COLL_BARRIER) {
     fill_input(b, g, b->a, 0);
     memset(b->b, 0xff, g->oop_recv * b->es);

@@ -257,8 +257,7 @@ static chorus_result_t zc_allreduce(chorus__coll_t *c, uint64_t t) {
   }
   _Alignas(64) unsigned char acc[COMBINE_BLOCK];
   const size_t blk = COMBINE_BLOCK / es;
-  /* Out of place, large outputs are streamed (as in the staged path). */
-  const int stream = (const void *)c->recvbuf != c->sendbuf && bytes >= STREAM_MIN_BYTES;
+  const int stream = stream_out(c, bytes, bytes); /* as in the staged path */
   size_t a = chorus__blk_offset(c->count, n, s->me), k = chorus__blk_count(c->count, n, s->me);
   for (size_t i = 0; i < k; i += blk) {
     size_t kk = CHORUS__MIN(blk, k - i), b = (a + i) * es;
@@ -320,9 +319,7 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
   const unsigned char *in = c->sendbuf;
   unsigned char *out = c->recvbuf;
   const int outputs = everyone || c->rank == c->root;
-  /* In place, the output lines are in the cache already (copied in just
-   * before): plain stores are cheaper there. */
-  const int stream = outputs && (const void *)out != c->sendbuf && c->count * es >= STREAM_MIN_BYTES;
+  const int stream = outputs && stream_out(c, c->count * es, c->count * es);
   /* Partial results are built in a small block that stays in L1, then
    * copied to my buffer (for the others) and to the output. */
   _Alignas(64) unsigned char acc[COMBINE_BLOCK];
@@ -457,6 +454,7 @@ static chorus_result_t copy_run(chorus__coll_t *c, int kind, uint64_t t, int zc)
   unsigned char *out = c->recvbuf;
   const unsigned char *in = source_buf(c, kind);
   chorus_result_t st = CHORUS_OK;
+  int stream = 0; /* only reduce_scatter's combine streams here */
   switch (kind) {
     case K_BCAST:
       if (me != root) st = read_source(c, kind, zc, root, t, 0, out, bytes);
@@ -495,12 +493,13 @@ static chorus_result_t copy_run(chorus__coll_t *c, int kind, uint64_t t, int zc)
         if (!p) return CHORUS_ERR_SYSTEM;
         src[r] = p + (size_t)me * bytes;
       }
-      combine_all(c, out, src, n, c->count, stream_out(c, bytes, (size_t)n * bytes));
+      stream = stream_out(c, bytes, (size_t)n * bytes);
+      combine_all(c, out, src, n, c->count, stream);
       break;
     }
   }
   if (st != CHORUS_OK) return st;
-  stream_fence(1);
+  stream_fence(stream);
   chorus__shm_set(s, &chorus__shm_line(s, me, t)->red, t); /* done reading */
   for (int r = 0; r < n; r++) {
     if (r == me) continue;
