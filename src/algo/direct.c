@@ -5,7 +5,7 @@
  * few flag waits instead of a chain of messages.
  *
  * Large collectives are cut into chunks that fit the segment's buffers
- * (double-buffered by ticket parity, so a rank copies chunk k+1 in while
+ * (three per rank, used in turn, so a rank copies chunk k+1 in while
  * slower peers still read chunk k); a chunk stays in the caches between the
  * copy in and the reads, so memory traffic is close to reading each input
  * and writing each output once.  Payloads of up to CHORUS__SHM_INLINE bytes
@@ -13,7 +13,8 @@
  *
  * all_reduce: each rank reduces its 1/n slice of the chunk from all n
  * buffers (in rank order, so every element is combined in the same order on
- * every rank), publishes it, and copies the others' slices.  Small ones
+ * every rank), publishes it, and copies the others' slices out after the
+ * next chunk is in (one wait per chunk, not two).  Small ones
  * (<= SMALL_BYTES) skip the slicing: every rank combines everything.
  *
  * Mismatch detection: every published line carries the call's fingerprint
@@ -124,7 +125,7 @@ static chorus_result_t get_line(chorus__coll_t *c, int r, uint64_t t, chorus__sh
 }
 
 /* Waits for every other rank's line of ticket t.  Each of them published
- * done(t - 1) before it, which is what the next claim needs to know. */
+ * done(t - 2) before it (shm.h), which is what the next claims need. */
 static chorus_result_t get_all(chorus__coll_t *c, uint64_t t) {
   chorus__shm_t *s = c->shm;
   for (int r = 0; r < s->n; r++) {
@@ -132,7 +133,7 @@ static chorus_result_t get_all(chorus__coll_t *c, uint64_t t) {
     chorus_result_t st = get_line(c, r, t, NULL);
     if (st != CHORUS_OK) return st;
   }
-  if (s->all_done < t - 1) s->all_done = t - 1;
+  if (t > 2 && s->all_done < t - 2) s->all_done = t - 2;
   return CHORUS_OK;
 }
 
@@ -311,8 +312,32 @@ static chorus_result_t reduce_small(chorus__coll_t *c, int everyone) {
   return CHORUS_OK;
 }
 
-/* Chunked: copy in, reduce my slice from every buffer, publish it, copy the
- * other slices out (only the root copies out for reduce). */
+/* Copies the other ranks' reduced slices of chunk [off, off+m), ticket t,
+ * to the output (if this rank has one), then finishes t. */
+static chorus_result_t gather_slices(chorus__coll_t *c, uint64_t t, size_t off, size_t m,
+                                     int outputs, int stream) {
+  chorus__shm_t *s = c->shm;
+  const size_t es = c->esize;
+  unsigned char *out = c->recvbuf;
+  for (int i = 1; outputs && i < s->n; i++) {
+    int r = (s->me + i) % s->n; /* start with different peers */
+    chorus_result_t st =
+        chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r, "its reduced slice");
+    if (st != CHORUS_OK) return st;
+    size_t ra = chorus__blk_offset(m, s->n, r), rk = chorus__blk_count(m, s->n, r);
+    copy_out(out + (off + ra) * es, chorus__shm_buf(s, r, t) + ra * es, rk * es, stream);
+  }
+  stream_fence(stream);
+  finish(c, t);
+  return CHORUS_OK;
+}
+
+/* Chunked, one wait per chunk: copy chunk k in and publish it; once every
+ * rank's chunk k is in, copy out the others' reduced slices of chunk k - 1
+ * (each rank published them before its chunk k), then reduce my slice of
+ * chunk k and publish it.  Chunk k - 1 is still in its slot because a slot
+ * is reused only three tickets later (shm.h).  Only the root copies out
+ * for reduce. */
 static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
   chorus__shm_t *s = c->shm;
   const size_t es = c->esize, per = s->chunk / es;
@@ -324,10 +349,12 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
    * copied to my buffer (for the others) and to the output. */
   _Alignas(64) unsigned char acc[COMBINE_BLOCK];
   const size_t blk = COMBINE_BLOCK / es;
-  uint64_t t = 0;
+  uint64_t t = 0, pt = 0; /* this chunk's ticket, the previous chunk's */
+  size_t poff = 0, pm = 0;
+  chorus_result_t st;
   for (size_t off = 0; off < c->count; off += per) {
     size_t m = CHORUS__MIN(per, c->count - off);
-    chorus_result_t st = chorus__shm_claim(s, &t);
+    st = chorus__shm_claim(s, &t);
     if (st != CHORUS_OK) return st;
     unsigned char *mybuf = chorus__shm_buf(s, s->me, t);
     /* My slice of my input is read by nobody else: it stays where it is,
@@ -344,6 +371,7 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
     st = get_all(c, t);
     if (st != CHORUS_OK) return st;
     if (zc && zc_all(c, t, 1)) return zc_allreduce(c, t);
+    if (pt && (st = gather_slices(c, pt, poff, pm, outputs, stream)) != CHORUS_OK) return st;
     const unsigned char *src[CHORUS__SHM_MAX_RANKS];
     for (int r = 0; r < s->n; r++) src[r] = r == s->me ? in + off * es : chorus__shm_buf(s, r, t);
     for (size_t i = 0; i < k; i += blk) {
@@ -355,19 +383,9 @@ static chorus_result_t reduce_sliced(chorus__coll_t *c, int everyone) {
       if (outputs) copy_out(out + off * es + b, acc, kk * es, stream);
     }
     chorus__shm_set(s, &chorus__shm_line(s, s->me, t)->red, t);
-    if (outputs) {
-      for (int i = 1; i < s->n; i++) {
-        int r = (s->me + i) % s->n; /* start with different peers */
-        st = chorus__shm_wait(s, &chorus__shm_line(s, r, t)->red, t, r, "its reduced slice");
-        if (st != CHORUS_OK) return st;
-        size_t ra = chorus__blk_offset(m, s->n, r), rk = chorus__blk_count(m, s->n, r);
-        copy_out(out + (off + ra) * es, chorus__shm_buf(s, r, t) + ra * es, rk * es, stream);
-      }
-    }
-    stream_fence(stream);
-    finish(c, t);
+    pt = t, poff = off, pm = m;
   }
-  return CHORUS_OK;
+  return gather_slices(c, pt, poff, pm, outputs, stream);
 }
 
 static chorus_result_t reduce_any(chorus__coll_t *c, int everyone) {

@@ -28,7 +28,7 @@
 #include "util/util.h"
 
 #define SHM_MAGIC 0x63686f7275736d31ull /* "chorusm1" */
-#define SHM_VERSION 1u
+#define SHM_VERSION 2u
 #define SHM_PAGE 4096u
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -39,7 +39,7 @@ static size_t data_offset(int n) {
 }
 
 size_t chorus__shm_bytes(int n, size_t chunk) {
-  return data_offset(n) + (size_t)n * 2 * chunk;
+  return data_offset(n) + (size_t)n * CHORUS__SHM_SLOTS * chunk;
 }
 
 void chorus__shm_name(char *buf, size_t cap, const char *job, uint64_t group_id,
@@ -285,13 +285,14 @@ chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, ui
 chorus_result_t chorus__shm_claim(chorus__shm_t *s, uint64_t *ticket) {
   uint64_t t = ++s->ticket;
   *ticket = t;
-  if (t < 3 || s->all_done >= t - 2) return CHORUS_OK;
+  const uint64_t need = t - CHORUS__SHM_SLOTS; /* the ticket whose slot t reuses */
+  if (t <= CHORUS__SHM_SLOTS || s->all_done >= need) return CHORUS_OK;
   for (int r = 0; r < s->n; r++) {
     if (r == s->me) continue;
-    chorus_result_t st = chorus__shm_wait(s, &s->area[r].done, t - 2, r, "finished reading");
+    chorus_result_t st = chorus__shm_wait(s, &s->area[r].done, need, r, "finished reading");
     if (st != CHORUS_OK) return st;
   }
-  s->all_done = t - 2;
+  s->all_done = need;
   return CHORUS_OK;
 }
 

@@ -5,26 +5,29 @@
  * Layout (every rank maps the whole segment):
  *
  *   header page   magic, geometry, the bell (futex word) and sleeper count
- *   rank areas    per rank: two control lines (parity 0/1) and a done line,
+ *   rank areas    per rank: CHORUS__SHM_SLOTS control lines and a done line,
  *                 each on its own 128-byte block (no false sharing, also with
  *                 the adjacent-line prefetcher)
- *   data          per rank: two buffers of `chunk` bytes (parity 0/1)
+ *   data          per rank: CHORUS__SHM_SLOTS buffers of `chunk` bytes
  *
  * Tickets.  Every step of a direct collective that publishes data takes the
  * communicator's next ticket t (1, 2, ...); all ranks take the same tickets
  * in the same order because they run the same collectives in the same order.
- * Ticket t uses control line and data buffer t % 2 of each rank:
+ * Ticket t uses control line and data buffer t % 3 (its slot) of each rank:
  *
  *   line.seq = t   "my data for ticket t is in place" (release store, after
  *                  the payload and the call's fingerprint)
  *   line.red = t   "my reduced slice for ticket t is in place" (all_reduce)
  *   done     = t   "I finished reading everything of ticket t"
  *
- * Before a rank writes ticket t into parity t % 2 it must know that every
- * peer finished reading ticket t - 2 (chorus__shm_claim).  A rank publishes
- * done(t) before anything of ticket t + 1, so seeing every peer's seq at
+ * Before a rank writes ticket t into slot t % 3 it must know that every
+ * peer finished reading ticket t - 3 (chorus__shm_claim).  A rank publishes
+ * done(t) before anything of ticket t + 2, so seeing every peer's seq at
  * t - 1 already proves it; the claim reads the done lines only when that
- * has not been seen.
+ * has not been seen.  Most steps publish done(t) even before ticket t + 1;
+ * the third slot is for those that do not: all_reduce reads its peers'
+ * reduced slices of chunk k after it published chunk k + 1, so every rank
+ * waits once per chunk instead of twice.
  *
  * Waiting: spin on the word (pause), then sched_yield, then sleep on the
  * segment's bell with FUTEX_WAIT.  A publisher rings the bell only when the
@@ -50,6 +53,7 @@
 
 #define CHORUS__SHM_INLINE 32 /* payload bytes carried inside a control line */
 #define CHORUS__SHM_MAX_RANKS 256 /* larger groups use the network transport */
+#define CHORUS__SHM_SLOTS 3         /* buffers (and control lines) per rank */
 
 typedef struct chorus__shm_line {
   uint64_t seq; /* atomic */
@@ -60,13 +64,15 @@ typedef struct chorus__shm_line {
 } chorus__shm_line_t;
 
 typedef struct chorus__shm_area {
-  chorus__shm_line_t line[2];
+  chorus__shm_line_t line[CHORUS__SHM_SLOTS];
   uint64_t done;   /* atomic */
   int64_t pid;     /* the rank's process id (for process_vm_readv) */
   uint64_t probe;  /* an address in that process holding SHM magic */
   uint64_t cpus[4]; /* the CPUs (0..255) the rank may run on; all ones: unknown */
   unsigned char pad[72];
 } chorus__shm_area_t;
+_Static_assert(sizeof(chorus__shm_line_t) == 128 && sizeof(chorus__shm_area_t) % 128 == 0,
+               "every line and area of the segment fills whole 128-byte blocks");
 
 /* Memory handed to the user by chorus_mem_alloc (one shm object each), and
  * the views of other ranks' allocations this process mapped; one per world,
@@ -103,7 +109,7 @@ typedef struct chorus__shm {
   size_t chunk; /* bytes per data buffer */
   chorus__shm_hdr_t *hdr;
   chorus__shm_area_t *area; /* n areas */
-  unsigned char *data;      /* n * 2 * chunk bytes */
+  unsigned char *data;      /* n * CHORUS__SHM_SLOTS * chunk bytes */
   uint64_t ticket;          /* last ticket taken */
   uint64_t all_done;        /* every peer finished reading tickets <= this */
   int spin, yields;         /* wait policy */
@@ -162,10 +168,10 @@ void chorus__shm_ring(chorus__shm_t *s);
 
 static inline chorus__shm_area_t *chorus__shm_peer(chorus__shm_t *s, int r) { return &s->area[r]; }
 static inline unsigned char *chorus__shm_buf(chorus__shm_t *s, int r, uint64_t t) {
-  return s->data + ((size_t)r * 2 + (size_t)(t & 1)) * s->chunk;
+  return s->data + ((size_t)r * CHORUS__SHM_SLOTS + (size_t)(t % CHORUS__SHM_SLOTS)) * s->chunk;
 }
 static inline chorus__shm_line_t *chorus__shm_line(chorus__shm_t *s, int r, uint64_t t) {
-  return &s->area[r].line[t & 1];
+  return &s->area[r].line[t % CHORUS__SHM_SLOTS];
 }
 
 /* Rings the bell if anyone sleeps and this rank published something since
@@ -215,7 +221,7 @@ static inline chorus_result_t chorus__shm_wait(chorus__shm_t *s, const uint64_t 
 }
 
 /* Takes the next ticket and makes sure every peer finished reading the
- * ticket two before it (whose buffers it reuses). */
+ * ticket three before it (whose buffers it reuses). */
 chorus_result_t chorus__shm_claim(chorus__shm_t *s, uint64_t *ticket);
 
 #endif
