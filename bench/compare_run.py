@@ -4,8 +4,9 @@ bench/compare, which installs, builds and compiles what this needs).
 
 Runs chorus (chorus-bench), Open MPI and MPICH (compare_mpi.c built with
 each one's mpicc) and Gloo (compare_gloo.py), interleaved round-robin per
-repeat, measures the memory bandwidth (compare_membw.c) before and after,
-and writes OUT/compare.md, OUT/compare.csv, OUT/compare.png.
+repeat, measures the memory bandwidth (compare_membw.c) before and after the
+whole run and right before every library run (the bound a run is judged
+against is the one measured next to it), and writes OUT/compare.md, OUT/compare.csv, OUT/compare.png.
 Only the Python standard library is used here.
 """
 import argparse
@@ -261,6 +262,16 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
+def bwruns_from_json(rows):
+    out = {}
+    for lib, n, i, k, t, v in rows:
+        l = out.setdefault((lib, n), [])
+        while len(l) <= i:
+            l.append({})
+        l[i][(k, t)] = v
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -290,7 +301,8 @@ def main():
         r.log = open(os.devnull, "w")
         return report(a, r, {tuple(x[:-1]): x[-1] for x in d["raw"]},
                       {(x[0], x[1]): x[2] for x in d["bw1"]}, {(x[0], x[1]): x[2] for x in d["bw2"]},
-                      [tuple(x) for x in d["loads"]], d["elapsed"], d["worlds"], d.get("runs", []))
+                      [tuple(x) for x in d["loads"]], d["elapsed"], d["worlds"], d.get("runs", []),
+                      bwruns_from_json(d.get("bw_runs", [])))
     r = Runner(a)
     fcpu = ForeignCPU()
     t_start = time.time()
@@ -302,6 +314,7 @@ def main():
     r.note("memory bandwidth (start): %s" % bw1)
     worlds = [2, 4] + ([8] if a.with8 else [])
     raw = {}  # (lib, n, coll, size) -> [values per repeat]
+    bwruns = {}  # (lib, n) -> [bandwidths measured right before each repeat's run]
     runs = []  # (repeat, n, lib, wall s, user CPU s of other processes)
     for rep in range(a.repeats):
         for n in worlds:
@@ -311,6 +324,7 @@ def main():
             for lib in order:
                 for attempt in range(1, RETRIES + 2):
                     waited = fcpu.wait_quiet(a.cores) if time.time() - t_start < RETRY_DEADLINE else 0.0
+                    bwr = membw(a)
                     t0 = time.time()
                     f0, b0 = fcpu.read()
                     res = r.lib(lib, n, jobs)
@@ -327,21 +341,25 @@ def main():
                         break
                     r.note("  interference above 10 % of the cores: running it again")
                 runs.append((rep + 1, n, lib, wall, foreign, who, attempt))
+                bwruns.setdefault((lib, n), []).append(bwr)
                 for k, v in res.items():
                     raw.setdefault((lib, n) + k, []).append(v)
         loads.append(("after repeat %d" % (rep + 1), loadavg()))
     fcpu.wait_quiet(a.cores)
     bw2 = membw(a)
     r.note("memory bandwidth (end): %s" % bw2)
-    return report(a, r, raw, bw1, bw2, loads, time.time() - t_start, worlds, runs)
+    return report(a, r, raw, bw1, bw2, loads, time.time() - t_start, worlds, runs, bwruns)
 
 
-def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
+def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs, bwruns=None):
     bw = {k: max(bw1.get(k, 0), bw2.get(k, 0)) for k in set(bw1) | set(bw2)}
+    bwruns = bwruns or {}
     with open(os.path.join(a.out, "compare.json"), "w") as f:
         json.dump({"raw": [list(k) + [v] for k, v in raw.items()],
                    "bw1": [list(k) + [v] for k, v in bw1.items()],
                    "bw2": [list(k) + [v] for k, v in bw2.items()],
+                   "bw_runs": [[lib, n, i, k[0], k[1], v] for (lib, n), l in bwruns.items()
+                               for i, d in enumerate(l) for k, v in d.items()],
                    "loads": loads, "elapsed": elapsed, "worlds": worlds, "runs": runs}, f)
 
     # ---- aggregate
@@ -378,10 +396,26 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
         x = tp / tc
         return "%.2f" % x if x >= 0.1 else "%.3f" % x
 
-    def fmt_frac(b, t):
-        if not isinstance(t, float):
+    def frac(lib, n, coll, S):
+        """Median over the repeats of bound / time, each repeat's bound from the
+        bandwidth measured right before that run (else the run's max)."""
+        vals = raw.get((lib, n, coll, S), [])
+        bws = bwruns.get((lib, n), [])
+        if len(bws) != len(vals):
+            t = med(lib, n, coll, S)[0]
+            return bound_us(coll, S, n, bw, a.cores) / t if isinstance(t, float) else None
+        fr = [bound_us(coll, S, n, bws[i], a.cores) / v for i, v in enumerate(vals)
+              if isinstance(v, float) and v > 0]
+        return statistics.median(fr) if fr else None
+
+    def row_bound(n, coll, S):
+        """The bound shown in a row: the median of those measured next to its runs."""
+        bs = [bound_us(coll, S, n, x, a.cores) for l in LIBS for x in bwruns.get((l, n), [])]
+        return statistics.median(bs) if bs else bound_us(coll, S, n, bw, a.cores)
+
+    def fmt_frac(f):
+        if f is None:
             return "–"
-        f = b / t
         return "%.0f %%" % (100 * f) if f >= 0.1 else "%.1f %%" % (100 * f)
 
     # spread (max/min over repeats) for honesty
@@ -421,8 +455,9 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
         "chorus is faster, below 1 slower.\n" % a.repeats)
     L.append("## Memory-bandwidth bound\n")
     L.append("Measured with `bench/compare_membw.c` (built `-O2`, no `-march`), 128 MiB buffers per "
-             "thread, best of 5 passes, at the start and at the end of the run (the larger of the two "
-             "is used). Bandwidth = bytes read + bytes written per second, all threads together:\n")
+             "thread, best of 5 passes, at the start and at the end of the run, and right before "
+             "every library run. Bandwidth = bytes read + bytes written per second, all threads "
+             "together. At the start and the end (the larger of the two):\n")
     L.append("| kernel | bytes moved per byte of output | " + " | ".join(
         "%d thread%s (GB/s)" % (t, "s" if t > 1 else "") for t in range(1, a.cores + 1)) + " |")
     L.append("|---|---|" + "---|" * a.cores)
@@ -431,6 +466,20 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
             "%.1f (start %.1f, end %.1f)" % (bw[(k, t)], bw1.get((k, t), 0), bw2.get((k, t), 0))
             for t in range(1, a.cores + 1)) + " |")
     L.append("")
+    if bwruns:
+        allr = [x for l in bwruns.values() for x in l]
+
+        def rng(k, t):
+            v = [x[(k, t)] for x in allr if (k, t) in x]
+            return "%.1f, %.1f, %.1f" % (min(v), statistics.median(v), max(v)) if v else "–"
+        L.append("Right before each of the %d library runs (min, median, max): " % len(allr) + "; ".join(
+            "%s, %d thread%s: %s GB/s" % (k, t, "s" if t > 1 else "", rng(k, t))
+            for k in ("copy", "add") for t in range(1, a.cores + 1)) +
+            "; a cache line's round trip between two threads: %s ns. " % rng("pingpong", 2) +
+            "This machine's memory bandwidth moves by tens of per cent within minutes, so each "
+            "run is judged against the bandwidth measured next to it: a `% bound` cell is the "
+            "median over the repeats of that run's bound / that run's time, and the `bound` "
+            "column is the median of the bounds of the row's runs.\n")
     L.append(
         "Bound = the time of a single-copy collective in which each input byte is read once and "
         "each output byte written once, with T = min(n, cores) = min(n, %d) cores streaming "
@@ -463,13 +512,13 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
     for n in worlds:
         sizes = AR8_SIZES if n == 8 else AR_SIZES
         for S in sizes:
-            b = bound_us("all_reduce", S, n, bw, a.cores)
+            b = row_bound(n, "all_reduce", S)
             m = {l: med(l, n, "all_reduce", S) for l in LIBS}
             row = [str(n), human(S), "%.1f" % b if b < 1e4 else "%.0f" % b]
             row += [fmt_t(m[l][0]) for l in LIBS]
             row += [fmt_bw("all_reduce", n, S, m[l][0]) for l in LIBS]
             row += [fmt_ratio(m["chorus"][0], m[p][0]) for p in PEERS]
-            row += [fmt_frac(b, m[l][0]) for l in LIBS]
+            row += [fmt_frac(frac(l, n, "all_reduce", S)) for l in LIBS]
             row += ["%.2f" % spread(m["chorus"][1]) if m["chorus"][1] else "–"]
             L.append("| " + " | ".join(row) + " |")
             plotdata[(n, S)] = (b, m)
@@ -480,13 +529,13 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
     if 4 in worlds:
         for coll in OTHER_COLLS:
             for S in OTHER_SIZES:
-                b = bound_us(coll, S, 4, bw, a.cores)
+                b = row_bound(4, coll, S)
                 m = {l: med(l, 4, coll, S) for l in LIBS}
                 row = [coll, human(S), "%.1f" % b if b < 1e4 else "%.0f" % b]
                 row += [fmt_t(m[l][0]) for l in LIBS]
                 row += [fmt_bw(coll, 4, S, m[l][0]) for l in LIBS]
                 row += [fmt_ratio(m["chorus"][0], m[p][0]) for p in PEERS]
-                row += [fmt_frac(b, m[l][0]) for l in LIBS]
+                row += [fmt_frac(frac(l, 4, coll, S)) for l in LIBS]
                 row += ["%.2f" % spread(m["chorus"][1]) if m["chorus"][1] else "–"]
                 L.append("| " + " | ".join(row) + " |")
     L.append("")
@@ -494,6 +543,33 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs):
              "reduce_scatter: `ProcessGroupGloo does not support _reduce_scatter_base`); `timeout`: "
              "the run took longer than %d s; `failed`: it exited with an error (see compare.log). "
              "`–`: no value to compare.\n" % TIMEOUT)
+    if bwruns:
+        L.append("## chorus per repeat\n")
+        L.append("Each cell: chorus's % bound in that repeat (its time against the bound measured "
+                 "right before its run), then that measurement: the 2-thread copy bandwidth and the "
+                 "cache line's round trip between two threads. A round trip several times the "
+                 "shortest one means the two vCPUs did not share a cache then; the 2-thread "
+                 "bandwidth is higher in that state (each has memory of its own) while everything "
+                 "the ranks share crosses between the caches.\n")
+        L.append("| row | " + " | ".join("repeat %d" % (i + 1) for i in range(a.repeats)) + " |")
+        L.append("|---|" + "---|" * a.repeats)
+        prow = [("all_reduce", n, S) for n in worlds for S in (AR8_SIZES if n == 8 else AR_SIZES)
+                if S >= 16 << 20] + [(c, 4, S) for c in OTHER_COLLS for S in OTHER_SIZES
+                                     if S >= 16 << 20 and 4 in worlds]
+        for coll, n, S in prow:
+            vals = raw.get(("chorus", n, coll, S), [])
+            bws = bwruns.get(("chorus", n), [])
+            cells = []
+            for i in range(a.repeats):
+                if i >= len(vals) or i >= len(bws) or not isinstance(vals[i], float):
+                    cells.append("–")
+                    continue
+                f = bound_us(coll, S, n, bws[i], a.cores) / vals[i]
+                cells.append("%.0f %% (%.0f GB/s, %s ns)" % (
+                    100 * f, bws[i].get(("copy", min(n, a.cores)), 0),
+                    "%.0f" % bws[i][("pingpong", 2)] if ("pingpong", 2) in bws[i] else "–"))
+            L.append("| %s, %d ranks, %s | " % (coll, n, human(S)) + " | ".join(cells) + " |")
+        L.append("")
     L.append("## Load during the run\n")
     L.append("`/proc/loadavg` (1, 5, 15 min): " + "; ".join("%s: %s" % x for x in loads) +
              ". The run itself keeps the load near n while it measures; a load well above the "
