@@ -125,7 +125,7 @@ static chorus_result_t get_line(chorus__coll_t *c, int r, uint64_t t, chorus__sh
 }
 
 /* Waits for every other rank's line of ticket t.  Each of them published
- * done(t - 2) before it (shm.h), which is what the next claims need. */
+ * done(t - 2) before it (shm.h), which is what the claim of t + 1 needs. */
 static chorus_result_t get_all(chorus__coll_t *c, uint64_t t) {
   chorus__shm_t *s = c->shm;
   for (int r = 0; r < s->n; r++) {
