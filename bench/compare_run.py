@@ -6,7 +6,8 @@ Runs chorus (chorus-bench), Open MPI and MPICH (compare_mpi.c built with
 each one's mpicc) and Gloo (compare_gloo.py), interleaved round-robin per
 repeat, measures the memory bandwidth (compare_membw.c) before and after the
 whole run and right before every library run (the bound a run is judged
-against is the one measured next to it), and writes OUT/compare.md, OUT/compare.csv, OUT/compare.png.
+against is the one measured next to it), and writes OUT/compare.md,
+OUT/compare.csv, OUT/compare.png.
 Only the Python standard library is used here.
 """
 import argparse
@@ -396,16 +397,25 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs, bwruns=None):
         x = tp / tc
         return "%.2f" % x if x >= 0.1 else "%.3f" % x
 
-    def frac(lib, n, coll, S):
-        """Median over the repeats of bound / time, each repeat's bound from the
-        bandwidth measured right before that run (else the run's max)."""
+    def rep_fracs(lib, n, coll, S):
+        """Per repeat: (bound / time, the bandwidths measured right before that
+        run), or None where the run gave no time; None for all if the run's
+        bandwidths were not recorded (a report of an older run)."""
         vals = raw.get((lib, n, coll, S), [])
         bws = bwruns.get((lib, n), [])
         if len(bws) != len(vals):
+            return None
+        return [(bound_us(coll, S, n, bws[i], a.cores) / v, bws[i])
+                if isinstance(v, float) and v > 0 else None for i, v in enumerate(vals)]
+
+    def frac(lib, n, coll, S):
+        """Median over the repeats of bound / time, each repeat's bound from the
+        bandwidth measured right before that run (else the run's max)."""
+        fr = rep_fracs(lib, n, coll, S)
+        if fr is None:
             t = med(lib, n, coll, S)[0]
             return bound_us(coll, S, n, bw, a.cores) / t if isinstance(t, float) else None
-        fr = [bound_us(coll, S, n, bws[i], a.cores) / v for i, v in enumerate(vals)
-              if isinstance(v, float) and v > 0]
+        fr = [x[0] for x in fr if x]
         return statistics.median(fr) if fr else None
 
     def row_bound(n, coll, S):
@@ -557,17 +567,16 @@ def report(a, r, raw, bw1, bw2, loads, elapsed, worlds, runs, bwruns=None):
                 if S >= 16 << 20] + [(c, 4, S) for c in OTHER_COLLS for S in OTHER_SIZES
                                      if S >= 16 << 20 and 4 in worlds]
         for coll, n, S in prow:
-            vals = raw.get(("chorus", n, coll, S), [])
-            bws = bwruns.get(("chorus", n), [])
+            fr = rep_fracs("chorus", n, coll, S) or []
             cells = []
             for i in range(a.repeats):
-                if i >= len(vals) or i >= len(bws) or not isinstance(vals[i], float):
+                if i >= len(fr) or not fr[i]:
                     cells.append("–")
                     continue
-                f = bound_us(coll, S, n, bws[i], a.cores) / vals[i]
+                f, b = fr[i]
                 cells.append("%.0f %% (%.0f GB/s, %s ns)" % (
-                    100 * f, bws[i].get(("copy", min(n, a.cores)), 0),
-                    "%.0f" % bws[i][("pingpong", 2)] if ("pingpong", 2) in bws[i] else "–"))
+                    100 * f, b.get(("copy", min(n, a.cores)), 0),
+                    "%.0f" % b[("pingpong", 2)] if ("pingpong", 2) in b else "–"))
             L.append("| %s, %d ranks, %s | " % (coll, n, human(S)) + " | ".join(cells) + " |")
         L.append("")
     L.append("## Load during the run\n")

@@ -277,7 +277,9 @@ chorus_result_t chorus__shm_setup(chorus_comm_t comm) {
   if (chunk > (64L << 20)) chunk = 64L << 20;
   chunk = (chunk + 4095) / 4096 * 4096;
   /* Keep big groups within 256 MiB of buffers. */
-  while ((size_t)chunk * CHORUS__SHM_SLOTS * (size_t)comm->size > ((size_t)256 << 20) && chunk > 16384) chunk /= 2;
+  while ((size_t)chunk * CHORUS__SHM_SLOTS * (size_t)comm->size > ((size_t)256 << 20) &&
+         chunk > 16384)
+    chunk /= 2;
   chorus__shm_t *shm = NULL;
   int32_t ok = 1;
   chorus_result_t st = CHORUS_OK;

@@ -285,8 +285,9 @@ chorus_result_t chorus__shm_wait_slow(chorus__shm_t *s, const uint64_t *word, ui
 chorus_result_t chorus__shm_claim(chorus__shm_t *s, uint64_t *ticket) {
   uint64_t t = ++s->ticket;
   *ticket = t;
-  const uint64_t need = t - CHORUS__SHM_SLOTS; /* the ticket whose slot t reuses */
-  if (t <= CHORUS__SHM_SLOTS || s->all_done >= need) return CHORUS_OK;
+  if (t <= CHORUS__SHM_SLOTS) return CHORUS_OK; /* a slot not used before */
+  const uint64_t need = t - CHORUS__SHM_SLOTS;  /* the ticket whose slot t reuses */
+  if (s->all_done >= need) return CHORUS_OK;
   for (int r = 0; r < s->n; r++) {
     if (r == s->me) continue;
     chorus_result_t st = chorus__shm_wait(s, &s->area[r].done, need, r, "finished reading");
